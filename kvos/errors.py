@@ -1,0 +1,62 @@
+"""Typed errors raised at kvos API boundaries.
+
+Every error a caller can provoke with bad input or an exhausted resource is a subclass of
+:class:`KvosError`, so callers can catch one type and still tell the causes apart.
+"""
+
+
+class KvosError(Exception):
+    """Base class of every error kvos raises on purpose."""
+
+
+class InvalidBlockError(KvosError, ValueError):
+    """A block id outside the allocator's range, or one that is not allocated."""
+
+
+class DoubleFreeError(KvosError, ValueError):
+    """A block was freed more times than it was allocated or shared."""
+
+
+class OutOfBlocksError(KvosError, MemoryError):
+    """The allocator (or a page table through it) has too few free blocks for a request."""
+
+    def __init__(self, requested: int, free: int, what: str = "blocks") -> None:
+        self.requested = requested
+        self.free = free
+        super().__init__(
+            f"out of {what}: requested {requested}, only {free} free; "
+            "free some sequences or give the pool a larger max_bytes"
+        )
+
+
+class InvalidPositionError(KvosError, IndexError):
+    """A token position outside a sequence's range."""
+
+
+class PoolOutOfMemoryError(KvosError, MemoryError):
+    """The KV pool cannot grow to fit an allocation without passing its ``max_bytes`` cap."""
+
+    def __init__(self, needed_bytes: int, max_bytes: int, pool_bytes: int) -> None:
+        self.needed_bytes = needed_bytes
+        self.max_bytes = max_bytes
+        self.pool_bytes = pool_bytes
+        super().__init__(
+            f"KV pool out of memory: the allocation needs a pool of {needed_bytes} bytes but max_bytes is "
+            f"{max_bytes} (pool now {pool_bytes} bytes); raise max_bytes or free sequences"
+        )
+
+
+class ConfigError(KvosError, ValueError):
+    """A configuration value that kvos cannot use (bad field, unsupported option)."""
+
+
+class ModelLoadError(KvosError):
+    """A model directory or checkpoint that cannot be read (missing file, missing tensor, bad format)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """A checkpoint of an architecture or feature that kvos does not implement."""
+
+
+class TokenizerError(KvosError):
+    """A tokenizer or chat template that cannot be loaded or rendered."""

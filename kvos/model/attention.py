@@ -1,0 +1,113 @@
+"""Paged attention: queries attend to keys and values gathered from the KV pool through slot indices.
+
+The model never sees blocks or page tables. The engine turns a sequence's page table into an
+:class:`AttentionMetadata` (flat slot ids and positions as tensors) and passes it in explicitly.
+Masks are derived from positions, not from slot order, so sparse positions (gaps after eviction)
+and re-anchored blocks need no special casing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward pass over ``n`` new tokens of one sequence needs to know.
+
+    positions: int64 [n] rotary positions of the new tokens.
+    write_slots: int64 [n] pool slots (block * block_size + offset) where their K/V go.
+    read_slots: int64 [T] pool slots of every key the new tokens may attend to (cached and new).
+    key_positions: int64 [T] rotary positions of those keys.
+    fresh: True when the read set is exactly the new tokens in increasing position order (a prefill with
+        no cache): attention then uses the new K/V directly and a plain causal mask.
+    capture_layers: layers whose attention probabilities should be recorded into ``captured``
+        (decode only: probabilities of the single query over the T keys, [num_heads, T] float32).
+    """
+
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    read_slots: torch.Tensor
+    key_positions: torch.Tensor
+    fresh: bool = False
+    capture_layers: frozenset[int] = frozenset()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_new(self) -> int:
+        return int(self.positions.shape[0])
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """Boolean [n, T] mask (True = may attend), or None when every key is visible to every query."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(window)
+        return self._masks[window]
+
+    def _build_mask(self, window: int | None) -> torch.Tensor | None:
+        q = self.positions[:, None]
+        k = self.key_positions[None, :].to(q.device)
+        if self.num_new == 1 and (window is None or int(q.item()) - int(k.min().item()) < window):
+            return None
+        allowed = k <= q
+        if window is not None:
+            allowed &= k > q - window
+        return allowed
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    layer: int,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q: [n, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (T == n when ``meta.fresh``).
+    Returns [n, num_heads * head_dim] in q's dtype.
+    """
+    n, num_heads, head_dim = q.shape
+    if n == 1:
+        return _decode_attention(q, k, v, meta, window, layer)
+    group = num_heads // k.shape[1]
+    qh = q.transpose(0, 1)  # [H, n, D]
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, T, D]
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    if meta.fresh and window is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask(window))
+    return out.transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    layer: int,
+) -> torch.Tensor:
+    """One query token: explicit softmax in float32, so the probabilities can be captured for free.
+
+    q: [1, H, D]; k, v: [T, Hkv, D] -> [1, H * D].
+    """
+    _, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    qg = q[0].float().reshape(num_kv, group, head_dim)  # [Hkv, G, D]
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * (1.0 / math.sqrt(head_dim))  # [Hkv, G, T]
+    mask = meta.mask(window)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[0], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if layer in meta.capture_layers:
+        meta.captured[layer] = probs.reshape(num_heads, -1)
+    out = torch.bmm(probs, v.float().transpose(0, 1))  # [Hkv, G, D]
+    return out.reshape(1, num_heads * head_dim).to(q.dtype)

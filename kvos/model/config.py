@@ -1,0 +1,167 @@
+"""Model configuration: the shape and numerics of a Llama-family decoder.
+
+One dataclass covers Llama 2/3, Mistral, Qwen2/2.5 and Qwen3; the differences are fields (qkv bias,
+q/k RMSNorm, rope scaling, sliding windows, tied head). It reads Hugging Face ``config.json`` in both the
+older (``rope_theta`` + ``rope_scaling``) and the transformers 5 (``rope_parameters``) spellings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvos.errors import ConfigError, UnsupportedModelError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only Llama-family transformer."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: tuple[int | None, ...] = field(default=())
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "default") not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope scaling {self.rope_scaling.get('rope_type')!r} is not supported; kvos implements "
+                f"{', '.join(ROPE_TYPES)}"
+            )
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ConfigError("sliding_windows must have one entry per layer")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding-window length of ``layer``, or None for full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from the parsed contents of a Hugging Face ``config.json``."""
+        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; kvos loads {', '.join(sorted(ARCHITECTURES))}"
+            )
+        model_type = ARCHITECTURES[arch]
+        if raw.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not supported (no released Llama-family model uses it)")
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            num_layers = int(raw["num_hidden_layers"])
+            theta, scaling = _rope_settings(raw)
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=num_layers,
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                model_type=model_type,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
+                sliding_windows=_sliding_windows(raw, model_type, num_layers),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_int_tuple(raw.get("eos_token_id")),
+                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config.json lacks the required field {exc.args[0]!r}") from exc
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read a ``config.json`` file."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read model config {path}: {exc}") from exc
+        return cls.from_hf_dict(raw)
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config spelling."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = dict(raw.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer window lengths (None = full attention), or () when no layer slides."""
+    window = raw.get("sliding_window")
+    if not window:
+        return ()
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    elif model_type == "mistral":
+        windows = (window,) * num_layers
+    elif raw.get("use_sliding_window"):
+        first = int(raw.get("max_window_layers", num_layers))
+        windows = tuple(window if i >= first else None for i in range(num_layers))
+    else:
+        return ()
+    return windows if any(w is not None for w in windows) else ()

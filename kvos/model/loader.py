@@ -1,0 +1,87 @@
+"""Load checkpoints: Hugging Face directories (config.json + safetensors, sharded or not) and llama2.c files.
+
+Both paths end in the same place: a :class:`ModelConfig` and a dict of tensors under Hugging Face names,
+cast to the requested dtype and moved to the requested device, then a :class:`Transformer`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvos.errors import ConfigError, ModelLoadError
+from kvos.model.config import ModelConfig
+from kvos.model.transformer import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig | None = None) -> torch.dtype:
+    """A torch dtype from a name, a dtype, or (None) float32 — kvos computes in float32 unless asked."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ConfigError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype is None or dtype == "auto":
+        name = (config.torch_dtype if config and dtype == "auto" else None) or "float32"
+        return DTYPES.get(name, torch.float32)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a Hugging Face directory, in the order its shard index names them."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid shard index: {exc}") from exc
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise ModelLoadError(f"{path} is missing shards named in its index: {', '.join(missing)}")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    return files
+
+
+def read_safetensors(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the given files, cast to ``dtype`` on ``device``."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                weights[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+    return weights
+
+
+def load_hf(path: str | Path, dtype: str | torch.dtype | None = None,
+            device: str | torch.device = "cpu") -> Transformer:
+    """Load a Hugging Face model directory (LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3ForCausalLM)."""
+    root = Path(path)
+    if not (root / "config.json").exists():
+        raise ModelLoadError(f"{root} has no config.json; expected a Hugging Face model directory")
+    config = ModelConfig.from_file(root / "config.json")
+    torch_dtype = resolve_dtype(dtype, config)
+    weights = read_safetensors(safetensors_files(root), torch_dtype, torch.device(device))
+    return Transformer(config, weights)
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> Transformer:
+    """Load a model from a Hugging Face directory or a llama2.c ``.bin`` checkpoint."""
+    root = Path(path)
+    if root.is_dir():
+        return load_hf(root, dtype, device)
+    if root.suffix == ".bin" and root.is_file():
+        from kvos.model.llama2c import load_llama2c
+
+        return load_llama2c(root, dtype, device)
+    raise ModelLoadError(f"{root} is neither a Hugging Face model directory nor a llama2.c .bin checkpoint")

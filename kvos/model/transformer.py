@@ -1,0 +1,156 @@
+"""A Llama-family decoder whose attention reads K/V through the KV pool.
+
+Weights are plain tensors (no nn.Module machinery on the hot path). Q, K and V projections are fused into
+one matrix, as are the MLP's gate and up projections: fewer, larger matmuls per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvos.errors import ModelLoadError
+from kvos.model.attention import AttentionMetadata, paged_attention
+from kvos.model.config import ModelConfig
+from kvos.model.rope import Rope
+
+
+class KVStore(Protocol):
+    """What the model needs from a KV pool (satisfied by ``kvos.memory.KVPool``)."""
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Shapes: qkv [(H + 2 Hkv) * D, hidden], o [hidden, H * D],
+    gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D])."""
+
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as the reference implementations do."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Transformer:
+    """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV store."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.embed = _need(weights, "model.embed_tokens.weight")
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.final_norm = _need(weights, "model.norm.weight")
+        head = weights.get("lm_head.weight")
+        if head is None and not config.tie_word_embeddings:
+            raise ModelLoadError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        self.lm_head = self.embed if head is None or config.tie_word_embeddings else head
+        self.layers = [_layer(config, weights, i) for i in range(config.num_layers)]
+        self.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVStore,
+        logits: Literal["last", "all", "none"] = "last",
+    ) -> torch.Tensor:
+        """token_ids: int64 [n] -> logits float32 [1, vocab] ("last"), [n, vocab] ("all"),
+        or the final hidden states [n, hidden] ("none")."""
+        x = F.embedding(token_ids.to(self.device), self.embed)
+        cos, sin = self.rope.cos_sin(meta.positions, self.dtype, self.device)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, self.config.rms_norm_eps), cos, sin,
+                                    meta, kv)
+            x = x + self._mlp(layer, rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps))
+        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        if logits == "none":
+            return x
+        if logits == "last":
+            x = x[-1:]
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(
+        self,
+        index: int,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVStore,
+    ) -> torch.Tensor:
+        """h: [n, hidden] -> attention output projected back to [n, hidden]."""
+        c = self.config
+        n = h.shape[0]
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                             c.num_kv_heads * c.head_dim], dim=-1)
+        q = q.reshape(n, c.num_heads, c.head_dim)
+        k = k.reshape(n, c.num_kv_heads, c.head_dim)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        q = Rope.apply(q, cos, sin)
+        k = Rope.apply(k, cos, sin)
+        kv.write(index, meta.write_slots, k, v)
+        if meta.fresh:
+            keys, values = k, v
+        else:
+            keys, values = kv.gather(index, meta.read_slots)
+        out = paged_attention(q, keys, values, meta, c.window(index), index)
+        return F.linear(out, layer.o, layer.o_bias)
+
+    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: down(silu(gate h) * up h); h: [n, hidden]."""
+        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)
+
+
+def _need(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return weights[name]
+    except KeyError:
+        raise ModelLoadError(f"checkpoint is missing tensor {name!r}") from None
+
+
+def _layer(config: ModelConfig, w: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    names = ("q_proj", "k_proj", "v_proj")
+    qkv = torch.cat([_need(w, f"{p}self_attn.{n}.weight") for n in names])
+    bias = None
+    if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
+        bias = torch.cat([_need(w, f"{p}self_attn.{n}.bias") for n in names])
+    return LayerWeights(
+        attn_norm=_need(w, f"{p}input_layernorm.weight"),
+        qkv=qkv,
+        qkv_bias=bias,
+        o=_need(w, f"{p}self_attn.o_proj.weight"),
+        o_bias=w.get(f"{p}self_attn.o_proj.bias"),
+        q_norm=_need(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
+        k_norm=_need(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
+        mlp_norm=_need(w, f"{p}post_attention_layernorm.weight"),
+        gate_up=torch.cat([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
+        down=_need(w, f"{p}mlp.down_proj.weight"),
+    )

@@ -1,0 +1,64 @@
+"""Tiny random Hugging Face checkpoints, built with transformers and saved in the real on-disk format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BASE: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": dict(arch="llama", rope_theta=10000.0),
+    "llama3-scaled": dict(
+        arch="llama",
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=32),
+        tie_word_embeddings=True,
+    ),
+    "mistral-window": dict(arch="mistral", sliding_window=7, num_key_value_heads=1),
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(arch="qwen3", head_dim=24, num_attention_heads=6, num_key_value_heads=3),
+}
+
+
+def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, **overrides: Any) -> Path:
+    """Save a random model of ``kind`` (a key of VARIANTS) into ``path`` with save_pretrained."""
+    import transformers
+
+    spec = {**BASE, **VARIANTS[kind], **overrides}
+    arch = spec.pop("arch")
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**spec))
+    with torch.no_grad():  # random norms and biases, so a wrong norm or bias cannot hide behind ones/zeros
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(path, **({"max_shard_size": shard_size} if shard_size else {}))
+    return path
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    return model.eval()

@@ -1,0 +1,139 @@
+"""Page table: maps a sequence's token indices to physical (block, offset) slots.
+
+Plain Python bookkeeping, no torch. Blocks come from a :class:`BlockSource` (a
+:class:`~kvos.memory.allocator.BlockAllocator`, or a :class:`~kvos.memory.pool.KVPool`, which grows
+its tensors on demand).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvos.errors import ConfigError, InvalidPositionError
+
+
+class BlockSource(Protocol):
+    """Where a page table gets its blocks and gives them back."""
+
+    def alloc_n(self, n: int) -> list[int]:
+        """Return ``n`` block ids, all or nothing (raise and change nothing when it cannot)."""
+        ...
+
+    def free(self, block_id: int) -> bool:
+        """Drop one reference to ``block_id``; ``True`` when the block became free."""
+        ...
+
+
+class PageTable:
+    """A sequence's token indices -> (block, offset).
+
+    Token ``i`` lives in logical block ``i // block_size`` at offset ``i % block_size``; the table maps
+    each logical block to a physical block id of the source. Its flat slot id is
+    ``block * block_size + offset``, the row index into a pool layer viewed as
+    ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+
+    There is one shared row of block ids for now. The table is shaped so that a (layer, kv_head) can
+    later get its own row (per-head paging, where heads keep different tokens and free memory for
+    real): readers should ask for :meth:`row` with their (layer, kv_head) rather than :attr:`blocks`.
+    """
+
+    def __init__(self, block_size: int, source: BlockSource) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be a positive number of tokens, got {block_size}")
+        self.block_size = block_size
+        self.source = source
+        self._blocks: list[int] = []
+        self._num_tokens = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_tokens(self) -> int:
+        """Number of token slots reserved."""
+        return self._num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks held (``ceil(num_tokens / block_size)``)."""
+        return len(self._blocks)
+
+    @property
+    def blocks(self) -> list[int]:
+        """A copy of the shared row: physical block id of each logical block."""
+        return list(self._blocks)
+
+    def row(self, layer: int, kv_head: int) -> list[int]:
+        """Block ids of ``(layer, kv_head)``: a copy of the shared row, the same for every head for now.
+
+        This is the seam for per-head paging: once heads can keep different tokens, each
+        (layer, kv_head) will get its own row, and callers that already ask per head keep working.
+        """
+        if layer < 0 or kv_head < 0:
+            raise InvalidPositionError(f"layer and kv_head must be >= 0, got ({layer}, {kv_head})")
+        return list(self._blocks)
+
+    def _blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, n: int) -> int:
+        """How many new blocks appending ``n`` tokens would allocate."""
+        if n < 0:
+            raise InvalidPositionError(f"cannot append a negative number of tokens ({n})")
+        return self._blocks_for_tokens(self._num_tokens + n) - len(self._blocks)
+
+    # --------------------------------------------------------------- mutation
+    def append(self, n: int = 1) -> list[int]:
+        """Reserve ``n`` more token slots and return the block ids newly allocated for them.
+
+        A block is allocated only when a token crosses a block boundary. Allocation is all or nothing
+        (``source.alloc_n``): on ``OutOfBlocksError`` / ``PoolOutOfMemoryError`` the table is unchanged.
+        """
+        new_ids = self.source.alloc_n(self.blocks_needed(n))
+        self._blocks.extend(new_ids)
+        self._num_tokens += n
+        return new_ids
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens and free the blocks no longer needed, in row order."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise InvalidPositionError(
+                f"cannot truncate to {num_tokens} tokens: the table holds {self._num_tokens}; "
+                f"pass a count in [0, {self._num_tokens}]"
+            )
+        keep = self._blocks_for_tokens(num_tokens)
+        tail = self._blocks[keep:]
+        del self._blocks[keep:]
+        self._num_tokens = num_tokens
+        for block_id in tail:
+            self.source.free(block_id)
+
+    def free_all(self) -> None:
+        """Free every block, in row order; the table is then empty and can be reused."""
+        self.truncate(0)
+
+    # ---------------------------------------------------------------- lookups
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(block id, offset)`` of token ``index``.
+
+        Raises :class:`InvalidPositionError` outside ``[0, num_tokens)``.
+        """
+        if not 0 <= index < self._num_tokens:
+            raise InvalidPositionError(
+                f"token index {index} is outside the sequence: valid indices are [0, {self._num_tokens})"
+            )
+        return self._blocks[index // self.block_size], index % self.block_size
+
+    def slot(self, index: int) -> int:
+        """Flat slot id of token ``index``: ``block * block_size + offset``."""
+        block_id, offset = self.locate(index)
+        return block_id * self.block_size + offset
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Flat slot ids of tokens ``[start, end)``; :class:`InvalidPositionError` if out of range."""
+        if not 0 <= start <= end <= self._num_tokens:
+            raise InvalidPositionError(
+                f"token range [{start}, {end}) is outside the sequence: "
+                f"need 0 <= start <= end <= {self._num_tokens}"
+            )
+        bs = self.block_size
+        blocks = self._blocks
+        return [blocks[i // bs] * bs + i % bs for i in range(start, end)]

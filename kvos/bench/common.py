@@ -1,0 +1,63 @@
+"""What every benchmark shares: the JSON contract, medians, side-by-side timing, a printed table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def header(benchmark: str, model: str, device: str = "cpu") -> dict[str, Any]:
+    """The top-level fields every benchmark JSON carries (DESIGN.md, benchmark contracts)."""
+    return {
+        "benchmark": benchmark,
+        "model": model,
+        "device": device,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def alternate(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Time several contenders side by side: each repeat runs every contender once, in turn,
+    so drift in machine load hits them alike. Returns seconds per contender per repeat."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            times[name].append(timed(fn)[0])
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """A Markdown table of the chosen columns."""
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |")
+
+
+def write_json(path: str | Path | None, result: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,75 @@
+"""The ``kvos`` command line: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvos.errors import KvosError
+
+BENCHMARKS = {
+    "decode": ("kvos.bench.decode", "decode tokens/s of kvos vs transformers' generate"),
+    "growth": ("kvos.bench.growth", "pool bytes vs live bytes as one sequence grows"),
+}
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("--model", help="HF model directory or llama2.c .bin (default: kvos's own small model)")
+    p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
+    p = sub.add_parser("bench", help="run a benchmark (prints a table; --json PATH writes the results)",
+                       description=f"benchmarks: {listing}")
+    p.add_argument("bench", choices=sorted(BENCHMARKS))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
+
+
+def run_bench(name: str, argv: Sequence[str]) -> None:
+    """Parse the named benchmark's own options and run it; only that benchmark's module is imported."""
+    module, text = BENCHMARKS[name]
+    mod = importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog=f"kvos bench {name}", description=text)
+    parser.add_argument("--json", help="write the results as JSON to this path")
+    mod.add_arguments(parser)
+    mod.run(parser.parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvos", description="kvos: an operating system for the LLM KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from kvos.generate_cli import run_generate
+
+            return run_generate(args)
+        run_bench(args.bench, args.bench_args)
+        return 0
+    except KvosError as exc:
+        print(f"kvos: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""``kvos generate``: load a model and its tokenizer, generate, stream the text to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvos.engine.engine import Engine
+from kvos.engine.generate import stream
+from kvos.engine.sampling import SamplingParams
+from kvos.errors import TokenizerError
+from kvos.model.chat_template import ChatTemplate
+from kvos.model.loader import load_model
+from kvos.model.random_init import ensure_random_model
+from kvos.model.tokenizer import Tokenizer, load_tokenizer
+
+
+def find_tokenizer(model_path: Path, explicit: str | None) -> Tokenizer:
+    """The tokenizer given explicitly, beside a HF model (its directory), or beside a llama2.c .bin."""
+    if explicit:
+        return load_tokenizer(explicit)
+    if model_path.is_dir():
+        return load_tokenizer(model_path)
+    candidates = [model_path.parent / "tokenizer.bin", *sorted(model_path.parent.glob("tok*.bin"))]
+    for candidate in candidates:
+        if candidate.exists():
+            return load_tokenizer(candidate)
+    raise TokenizerError(f"no tokenizer beside {model_path}; pass --tokenizer PATH")
+
+
+def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:
+    if not chat:
+        return prompt
+    if not tokenizer.chat_template:
+        raise TokenizerError("--chat needs a tokenizer with a chat template (tokenizer_config.json)")
+    template = ChatTemplate(tokenizer.chat_template, getattr(tokenizer, "bos_token", None),
+                            getattr(tokenizer, "eos_token", None))
+    return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.model:
+        path = Path(args.model)
+    else:
+        path = ensure_random_model("tiny")
+        print(f"[kvos] no --model given: using kvos's own small random-weight model at {path} "
+              "(its text is noise until the built-in trained model exists)", file=sys.stderr)
+    model = load_model(path, dtype=args.dtype, device=args.device)
+    tokenizer = find_tokenizer(path, args.tokenizer)
+    text = render_prompt(tokenizer, args.prompt, args.chat)
+    # HF tokenizers say whether prompts start with BOS; llama2.c prompts always do; a chat template adds its own.
+    add_bos = not args.chat and bool(getattr(tokenizer, "add_bos_token", not path.is_dir()))
+    prompt_ids = tokenizer.encode(text, add_bos=add_bos)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    engine = Engine(model)
+    seq = engine.new_sequence()
+    sys.stdout.write(args.prompt if not args.chat else "")
+    reason = None
+    count = 0
+    for event in stream(engine, seq, prompt_ids, params, tokenizer):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        count += event.token_id is not None
+        reason = event.finish_reason
+    sys.stdout.write("\n")
+    print(f"[kvos] {len(prompt_ids)} prompt tokens, {count} generated, finish: {reason}, "
+          f"pool {engine.pool.nbytes} bytes", file=sys.stderr)
+    return 0

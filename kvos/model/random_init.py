@@ -1,0 +1,113 @@
+"""Random checkpoints that kvos builds itself, in the Hugging Face on-disk layout.
+
+Used as the default model until the trained built-in model exists, and as the fixed-shape models of the
+benchmarks. No transformers needed: config.json, model.safetensors and a byte-level tokenizer are written
+directly, so transformers (and any other HF loader) can read them too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kvos.errors import ConfigError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=256,
+        intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b-shape": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, hidden_size=896,
+        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+}
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where kvos keeps models it builds: $KVOS_CACHE, else ~/.cache/kvos."""
+    return Path(os.environ.get("KVOS_CACHE") or Path.home() / ".cache" / "kvos")
+
+
+def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Normal(0, 0.02) projections and embeddings, unit norms, small q/k/v biases for Qwen2 (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter = spec["hidden_size"], spec["intermediate_size"]
+    heads, kv_heads = spec["num_attention_heads"], spec["num_key_value_heads"]
+    head_dim = spec.get("head_dim") or hidden // heads
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02
+
+    w = {"model.embed_tokens.weight": normal(spec["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden)}
+    if not spec.get("tie_word_embeddings"):
+        w["lm_head.weight"] = normal(spec["vocab_size"], hidden)
+    shapes = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
+    for i in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, rows in shapes.items():
+            w[f"{p}self_attn.{name}.weight"] = normal(rows, hidden)
+            if spec["model_type"] == "qwen2":
+                w[f"{p}self_attn.{name}.bias"] = normal(rows)
+        w[f"{p}self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
+        w[f"{p}mlp.gate_proj.weight"] = normal(inter, hidden)
+        w[f"{p}mlp.up_proj.weight"] = normal(inter, hidden)
+        w[f"{p}mlp.down_proj.weight"] = normal(hidden, inter)
+        w[f"{p}input_layernorm.weight"] = torch.ones(hidden)
+        w[f"{p}post_attention_layernorm.weight"] = torch.ones(hidden)
+    return w
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + ChatML specials) and its configs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": SPECIALS[0], "eos_token": SPECIALS[3], "add_bos_token": False,
+              "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def build_random_model(path: str | Path, preset: str | dict[str, Any] = "tiny", seed: int = 0) -> Path:
+    """Write a random checkpoint of a named preset (or an explicit HF config dict) into ``path``."""
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        spec = dict(PRESETS[preset])
+    else:
+        spec = dict(preset)
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(root)
+    bos, eos = 256, 259  # ids of <|begin_of_text|> and <|im_end|> after the 256 byte tokens
+    spec.update(bos_token_id=bos, eos_token_id=eos, torch_dtype="float32")
+    (root / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": [eos, 257]}))
+    save_file(random_weights(spec, seed), str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps(spec, indent=2))  # written last: marks the build complete
+    return root
+
+
+def ensure_random_model(preset: str = "tiny", seed: int = 0) -> Path:
+    """The cached random model of ``preset``, built on first use."""
+    root = cache_dir() / "models" / f"random-{preset}-seed{seed}"
+    if not (root / "config.json").exists():
+        build_random_model(root, preset, seed)
+    return root

@@ -26,15 +26,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
-    p = sub.add_parser("bench", help="run a benchmark (prints a table; --json PATH writes the results)",
-                       description=f"benchmarks: {listing}")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark (prints a table; --json PATH writes the results)",
+        description=f"benchmarks: {listing}",
+    )
     p.add_argument("bench", choices=sorted(BENCHMARKS))
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
 
@@ -50,7 +55,9 @@ def run_bench(name: str, argv: Sequence[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvos", description="kvos: an operating system for the LLM KV cache")
+    parser = argparse.ArgumentParser(
+        prog="kvos", description="kvos: an operating system for the LLM KV cache"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)

@@ -34,8 +34,9 @@ def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:
         return prompt
     if not tokenizer.chat_template:
         raise TokenizerError("--chat needs a tokenizer with a chat template (tokenizer_config.json)")
-    template = ChatTemplate(tokenizer.chat_template, getattr(tokenizer, "bos_token", None),
-                            getattr(tokenizer, "eos_token", None))
+    template = ChatTemplate(
+        tokenizer.chat_template, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)
+    )
     return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
@@ -44,16 +45,25 @@ def run_generate(args: argparse.Namespace) -> int:
         path = Path(args.model)
     else:
         path = ensure_random_model("tiny")
-        print(f"[kvos] no --model given: using kvos's own small random-weight model at {path} "
-              "(its text is noise until the built-in trained model exists)", file=sys.stderr)
+        print(
+            f"[kvos] no --model given: using kvos's own small random-weight model at {path} "
+            "(its text is noise until the built-in trained model exists)",
+            file=sys.stderr,
+        )
     model = load_model(path, dtype=args.dtype, device=args.device)
     tokenizer = find_tokenizer(path, args.tokenizer)
     text = render_prompt(tokenizer, args.prompt, args.chat)
-    # HF tokenizers say whether prompts start with BOS; llama2.c prompts always do; a chat template adds its own.
+    # HF tokenizers say whether prompts start with BOS; llama2.c prompts always do; templates add their own.
     add_bos = not args.chat and bool(getattr(tokenizer, "add_bos_token", not path.is_dir()))
     prompt_ids = tokenizer.encode(text, add_bos=add_bos)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
     engine = Engine(model)
     seq = engine.new_sequence()
     sys.stdout.write(args.prompt if not args.chat else "")
@@ -65,6 +75,9 @@ def run_generate(args: argparse.Namespace) -> int:
         count += event.token_id is not None
         reason = event.finish_reason
     sys.stdout.write("\n")
-    print(f"[kvos] {len(prompt_ids)} prompt tokens, {count} generated, finish: {reason}, "
-          f"pool {engine.pool.nbytes} bytes", file=sys.stderr)
+    print(
+        f"[kvos] {len(prompt_ids)} prompt tokens, {count} generated, finish: {reason}, "
+        f"pool {engine.pool.nbytes} bytes",
+        file=sys.stderr,
+    )
     return 0

@@ -23,8 +23,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "llama3-scaled": dict(
         arch="llama",
         rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=32),
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
         tie_word_embeddings=True,
     ),
     "mistral-window": dict(arch="mistral", sliding_window=7, num_key_value_heads=1),

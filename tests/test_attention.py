@@ -13,8 +13,14 @@ from kvos.memory.pool import KVLayout, KVPool
 from kvos.model.attention import AttentionMetadata, paged_attention
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-              k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
     """q [n, H, D], k/v [T, Hkv, D] -> [n, H*D], float64, masking by positions."""
     n, heads, dim = q.shape
     group = heads // k.shape[1]
@@ -40,8 +46,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     gap=st.integers(0, 3),
     seed=st.integers(0, 2**16),
 )
-def test_paged_equals_contiguous(block_size: int, cached: int, new: int, kv_heads: int, group: int,
-                                 window: int | None, gap: int, seed: int) -> None:
+def test_paged_equals_contiguous(
+    block_size: int, cached: int, new: int, kv_heads: int, group: int, window: int | None, gap: int, seed: int
+) -> None:
     g = torch.Generator().manual_seed(seed)
     dim, total = 8, cached + new
     pool = KVPool(KVLayout(1, kv_heads, dim, block_size))
@@ -56,8 +63,9 @@ def test_paged_equals_contiguous(block_size: int, cached: int, new: int, kv_head
     pos = torch.arange(total) * (1 + gap)  # sparse positions when gap > 0
     slots = torch.tensor(table.slots(0, total))
     pool.write(0, slots, k, v)
-    meta = AttentionMetadata(positions=pos[cached:], write_slots=slots[cached:], read_slots=slots,
-                             key_positions=pos)
+    meta = AttentionMetadata(
+        positions=pos[cached:], write_slots=slots[cached:], read_slots=slots, key_positions=pos
+    )
     keys, values = pool.gather(0, slots)
     got = paged_attention(q, keys, values, meta, window, 0)
     expected = reference(q, k, v, pos[cached:], pos, window)
@@ -69,8 +77,13 @@ def test_decode_capture_records_probabilities() -> None:
     k, v = torch.randn(10, 2, 4, generator=g), torch.randn(10, 2, 4, generator=g)
     q = torch.randn(1, 4, 4, generator=g)
     pos = torch.arange(10)
-    meta = AttentionMetadata(positions=pos[-1:], write_slots=pos[-1:], read_slots=pos, key_positions=pos,
-                             capture_layers=frozenset({3}))
+    meta = AttentionMetadata(
+        positions=pos[-1:],
+        write_slots=pos[-1:],
+        read_slots=pos,
+        key_positions=pos,
+        capture_layers=frozenset({3}),
+    )
     paged_attention(q, k, v, meta, None, 3)
     probs = meta.captured[3]
     assert probs.shape == (4, 10)

@@ -17,8 +17,15 @@ from kvos.model.loader import load_model
 from kvos.model.random_init import PRESETS, build_random_model
 from kvos.model.tokenizer import HFTokenizer, load_tokenizer
 
-SMALL = {**PRESETS["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "vocab_size": 300, "num_attention_heads": 4, "num_key_value_heads": 2}
+SMALL = {
+    **PRESETS["tiny"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 300,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +45,7 @@ def tokenizer(model_dir: Path) -> HFTokenizer:
     return tok
 
 
-def run(engine: Engine, tok: HFTokenizer, prompt: str, params: SamplingParams):  # noqa: ANN201
+def run(engine: Engine, tok: HFTokenizer, prompt: str, params: SamplingParams):
     seq = engine.new_sequence()
     try:
         return generate(engine, seq, tok.encode(prompt), params, tok)
@@ -65,8 +72,17 @@ def test_seeded_sampling_is_reproducible(engine: Engine, tokenizer: HFTokenizer)
     params = SamplingParams(max_tokens=10, temperature=1.5, seed=7, ignore_eos=True)
     a, b = run(engine, tokenizer, "x", params), run(engine, tokenizer, "x", params)
     assert a.token_ids == b.token_ids
-    others = {tuple(run(engine, tokenizer, "x", SamplingParams(max_tokens=10, temperature=1.5, seed=s,
-                                                              ignore_eos=True)).token_ids) for s in range(4)}
+    others = {
+        tuple(
+            run(
+                engine,
+                tokenizer,
+                "x",
+                SamplingParams(max_tokens=10, temperature=1.5, seed=s, ignore_eos=True),
+            ).token_ids
+        )
+        for s in range(4)
+    }
     assert len(others) > 1
 
 
@@ -145,7 +161,13 @@ def test_assembler_holds_back_possible_stop_prefix() -> None:
 
 
 def test_sampling_params_validation() -> None:
-    for bad in [dict(max_tokens=-1), dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(stop=("",))]:
+    for bad in [
+        dict(max_tokens=-1),
+        dict(temperature=-0.1),
+        dict(top_k=-1),
+        dict(top_p=0.0),
+        dict(stop=("",)),
+    ]:
         with pytest.raises(ConfigError):
             SamplingParams(**bad)  # type: ignore[arg-type]
 
@@ -163,6 +185,8 @@ def test_cli_reports_typed_errors(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_cli_generate_stories(shared_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = shared_dir / "models" / "stories260K" / "stories260K.bin"
-    assert main(["generate", "--model", str(model), "--prompt", "Once upon a time", "--max-tokens", "30"]) == 0
+    assert (
+        main(["generate", "--model", str(model), "--prompt", "Once upon a time", "--max-tokens", "30"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("Once upon a time, there was a little")

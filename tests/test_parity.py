@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_models import VARIANTS, build, hf_model
+
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
 

@@ -7,9 +7,17 @@ import torch
 
 from kvos.model.rope import Rope
 
-SCALINGS = [None, {"rope_type": "linear", "factor": 4.0},
-            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-             "original_max_position_embeddings": 64}]
+SCALINGS = [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+]
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -39,6 +47,8 @@ def test_rope_matches_transformers_inverse_frequencies() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     scaling = SCALINGS[2]
-    config = LlamaConfig(hidden_size=128, num_attention_heads=2, rope_parameters={"rope_theta": 10000.0, **scaling})
+    config = LlamaConfig(
+        hidden_size=128, num_attention_heads=2, rope_parameters={"rope_theta": 10000.0, **scaling}
+    )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     assert torch.allclose(Rope(64, 10000.0, scaling).inv_freq, expected, rtol=1e-6)

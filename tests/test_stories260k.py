@@ -29,10 +29,19 @@ class RunC:
         self.hd = dim // heads
         f = np.frombuffer(raw, dtype="<f4", offset=28).astype(np.float64)
         kv_dim = kv_heads * self.hd
-        shapes = [("emb", (abs(vocab), dim)), ("rms_att", (layers, dim)), ("wq", (layers, dim, dim)),
-                  ("wk", (layers, kv_dim, dim)), ("wv", (layers, kv_dim, dim)), ("wo", (layers, dim, dim)),
-                  ("rms_ffn", (layers, dim)), ("w1", (layers, hidden, dim)), ("w2", (layers, dim, hidden)),
-                  ("w3", (layers, hidden, dim)), ("rms_final", (dim,))]
+        shapes = [
+            ("emb", (abs(vocab), dim)),
+            ("rms_att", (layers, dim)),
+            ("wq", (layers, dim, dim)),
+            ("wk", (layers, kv_dim, dim)),
+            ("wv", (layers, kv_dim, dim)),
+            ("wo", (layers, dim, dim)),
+            ("rms_ffn", (layers, dim)),
+            ("w1", (layers, hidden, dim)),
+            ("w2", (layers, dim, hidden)),
+            ("w3", (layers, hidden, dim)),
+            ("rms_final", (dim,)),
+        ]
         off = 0
         for name, shape in shapes:
             n = int(np.prod(shape))
@@ -105,5 +114,11 @@ def test_greedy_tokens_and_logits_match_reference(stories: Path) -> None:
 def test_config_read_from_header(stories: Path) -> None:
     c = load_model(stories).config
     assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.vocab_size) == (
-        64, 172, 5, 8, 4, 512)
+        64,
+        172,
+        5,
+        8,
+        4,
+        512,
+    )
     assert c.max_position_embeddings == 512 and c.tie_word_embeddings

@@ -48,6 +48,7 @@ def median(values: Sequence[float]) -> float:
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     """A Markdown table of the chosen columns."""
+
     def fmt(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from itertools import pairwise
 from typing import Literal
 
 import torch
@@ -71,7 +72,9 @@ class Engine:
                 outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def decode(self, seq: Sequence, token_id: int, capture_layers: frozenset[int] = frozenset()) -> torch.Tensor:
+    def decode(
+        self, seq: Sequence, token_id: int, capture_layers: frozenset[int] = frozenset()
+    ) -> torch.Tensor:
         """Append one token and return float32 logits [vocab] for the next."""
         return self.extend(seq, [token_id], capture_layers=capture_layers)[0]
 
@@ -83,10 +86,10 @@ class Engine:
         logits: Literal["last", "all", "none"],
         capture_layers: frozenset[int],
     ) -> torch.Tensor:
-        fresh = seq.num_tokens == 0 and all(b > a for a, b in zip(positions, positions[1:], strict=False))
+        fresh = seq.num_tokens == 0 and all(b > a for a, b in pairwise(positions))
         write_slots = seq.extend(ids, positions)
         meta = AttentionMetadata(
-            positions=seq.positions[-len(ids):],
+            positions=seq.positions[-len(ids) :],
             write_slots=write_slots.to(self.model.device),
             read_slots=seq.slots.to(self.model.device),
             key_positions=seq.positions,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,7 +51,11 @@ class TextAssembler:
     def update(self, generated: list[int]) -> tuple[str, bool]:
         """Returns (safe new text, stop string hit). On a hit, ``self.text`` is cut before the stop string."""
         full = self.tokenizer.decode(self.anchor + generated)
-        text = full[len(self.anchor_text):] if full.startswith(self.anchor_text) else self.tokenizer.decode(generated)
+        text = (
+            full[len(self.anchor_text) :]
+            if full.startswith(self.anchor_text)
+            else self.tokenizer.decode(generated)
+        )
         hit = self._find_stop(text)
         if hit is not None:
             self.text = text[:hit]

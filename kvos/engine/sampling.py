@@ -59,7 +59,7 @@ class Sampler:
 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Softmax of logits [vocab] restricted to the top-k tokens and the smallest nucleus holding top_p mass."""
+    """Softmax of logits [vocab] kept to the top-k tokens and the smallest nucleus holding top_p mass."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -85,7 +85,9 @@ class ModelConfig:
             )
         model_type = ARCHITECTURES[arch]
         if raw.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=true is not supported (no released Llama-family model uses it)")
+            raise UnsupportedModelError(
+                "mlp_bias=true is not supported (no released Llama-family model uses it)"
+            )
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])

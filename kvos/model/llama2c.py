@@ -59,9 +59,19 @@ def read_llama2c(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
         w[q] = interleaved_to_halves(w[q], heads)
         w[k] = interleaved_to_halves(w[k], kv_heads)
     config = ModelConfig(
-        vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=seq_len, tie_word_embeddings=shared, bos_token_id=1, eos_token_ids=(2,),
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=shared,
+        bos_token_id=1,
+        eos_token_ids=(2,),
     )
     return config, w
 
@@ -73,8 +83,9 @@ def interleaved_to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def load_llama2c(path: str | Path, dtype: str | torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> Transformer:
+def load_llama2c(
+    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> Transformer:
     """Load a llama2.c checkpoint as a :class:`Transformer`."""
     from kvos.model.loader import resolve_dtype
 
@@ -98,5 +109,7 @@ class _Reader:
 
     def skip(self, count: int) -> None:
         if self.offset + count > self.floats.shape[0]:
-            raise ModelLoadError(f"{self.name} ends early: the header promises more weights than the file holds")
+            raise ModelLoadError(
+                f"{self.name} ends early: the header promises more weights than the file holds"
+            )
         self.offset += count

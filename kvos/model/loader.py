@@ -62,8 +62,9 @@ def read_safetensors(files: list[Path], dtype: torch.dtype, device: torch.device
     return weights
 
 
-def load_hf(path: str | Path, dtype: str | torch.dtype | None = None,
-            device: str | torch.device = "cpu") -> Transformer:
+def load_hf(
+    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> Transformer:
     """Load a Hugging Face model directory (LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3ForCausalLM)."""
     root = Path(path)
     if not (root / "config.json").exists():
@@ -74,8 +75,9 @@ def load_hf(path: str | Path, dtype: str | torch.dtype | None = None,
     return Transformer(config, weights)
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> Transformer:
+def load_model(
+    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> Transformer:
     """Load a model from a Hugging Face directory or a llama2.c ``.bin`` checkpoint."""
     root = Path(path)
     if root.is_dir():

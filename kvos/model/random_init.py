@@ -19,20 +19,39 @@ from kvos.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=256,
-        intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     ),
     "qwen2.5-0.5b-shape": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, hidden_size=896,
-        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     ),
 }
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "+ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
@@ -51,7 +70,10 @@ def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02
 
-    w = {"model.embed_tokens.weight": normal(spec["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden)}
+    w = {
+        "model.embed_tokens.weight": normal(spec["vocab_size"], hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
     if not spec.get("tie_word_embeddings"):
         w["lm_head.weight"] = normal(spec["vocab_size"], hidden)
     shapes = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
@@ -81,8 +103,13 @@ def write_byte_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": SPECIALS[0], "eos_token": SPECIALS[3], "add_bos_token": False,
-              "chat_template": CHATML, "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {
+        "bos_token": SPECIALS[0],
+        "eos_token": SPECIALS[3],
+        "add_bos_token": False,
+        "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -99,7 +126,9 @@ def build_random_model(path: str | Path, preset: str | dict[str, Any] = "tiny", 
     write_byte_tokenizer(root)
     bos, eos = 256, 259  # ids of <|begin_of_text|> and <|im_end|> after the 256 byte tokens
     spec.update(bos_token_id=bos, eos_token_id=eos, torch_dtype="float32")
-    (root / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": [eos, 257]}))
+    (root / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos, "eos_token_id": [eos, 257]})
+    )
     save_file(random_weights(spec, seed), str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(spec, indent=2))  # written last: marks the build complete
     return root

@@ -80,8 +80,9 @@ class Transformer:
         x = F.embedding(token_ids.to(self.device), self.embed)
         cos, sin = self.rope.cos_sin(meta.positions, self.dtype, self.device)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, self.config.rms_norm_eps), cos, sin,
-                                    meta, kv)
+            x = x + self._attention(
+                i, layer, rms_norm(x, layer.attn_norm, self.config.rms_norm_eps), cos, sin, meta, kv
+            )
             x = x + self._mlp(layer, rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps))
         x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         if logits == "none":
@@ -104,8 +105,9 @@ class Transformer:
         c = self.config
         n = h.shape[0]
         qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                             c.num_kv_heads * c.head_dim], dim=-1)
+        q, k, v = qkv.split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
+        )
         q = q.reshape(n, c.num_heads, c.head_dim)
         k = k.reshape(n, c.num_kv_heads, c.head_dim)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)

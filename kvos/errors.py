@@ -60,3 +60,26 @@ class UnsupportedModelError(ModelLoadError):
 
 class TokenizerError(KvosError):
     """A tokenizer or chat template that cannot be loaded or rendered."""
+
+
+class BlockNotFoundError(KvosError, KeyError):
+    """A key that the block store does not hold: never put, deleted, popped, or dropped."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+class CorruptBlockError(KvosError):
+    """A block file on disk that fails its checksum or cannot be parsed; the store removed the entry."""
+
+    def __init__(self, key: object, path: object, reason: str) -> None:
+        self.key = key
+        self.path = path
+        super().__init__(
+            f"block {key!r}: file {path} is corrupt ({reason}); the entry was removed from the store, "
+            "recover the block another way (re-prefill its tokens)"
+        )
+
+
+class BlockDataError(KvosError, ValueError):
+    """K/V tensors or metadata that the block store cannot hold (not a tensor, meta not JSON-able)."""

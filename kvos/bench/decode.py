@@ -1,0 +1,212 @@
+"""Greedy decode tokens/s of kvos vs transformers' generate on the same checkpoint and prompt.
+
+Both systems get the same seeded random prompt and produce exactly ``new_tokens`` tokens greedily in
+float32. Each run is timed the same way for both: the start of the call, the moment the first new token
+exists (end of prefill) and the moment the last one does. prefill tok/s = prompt_tokens / (first - start),
+decode tok/s = (new_tokens - 1) / (last - first). One warm-up run each, then ``repeats`` runs alternating
+kvos, hf, kvos, hf, ...; the table shows medians.
+
+transformers' ``min_new_tokens`` masks the EOS ids to ``-inf`` on every step; kvos's loop masks the same ids
+before its argmax, so both pick the same tokens when their logits agree (``tokens_match``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvos.bench.common import header, median, print_table, write_json
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+from kvos.model.loader import load_model
+from kvos.model.random_init import ensure_random_model
+
+DEFAULT_MODELS = ("tiny", "qwen2.5-0.5b-shape")
+SEED = 1234
+COLUMNS = (
+    "model",
+    "prompt_tokens",
+    "new_tokens",
+    "kvos_tok_s",
+    "hf_tok_s",
+    "ratio",
+    "kvos_prefill_tok_s",
+    "hf_prefill_tok_s",
+    "prefill_ratio",
+    "tokens_match",
+    "repeats",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        help="HF model directory (default: the random presets " + " and ".join(DEFAULT_MODELS) + ")",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for both systems (default: torch's, one per core)",
+    )
+
+
+@dataclass
+class Run:
+    """One timed generation: perf_counter stamps and the generated ids."""
+
+    start: float
+    first: float
+    last: float
+    tokens: list[int]
+
+    def prefill_tok_s(self, prompt_tokens: int) -> float:
+        return prompt_tokens / (self.first - self.start)
+
+    def decode_tok_s(self) -> float:
+        return (len(self.tokens) - 1) / (self.last - self.first)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1:
+        raise ConfigError("need --prompt-tokens >= 1, --new-tokens >= 2 and --repeats >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        import transformers  # noqa: F401  (a dev dependency)
+    except ImportError as exc:
+        raise ConfigError(
+            "kvos bench decode compares against transformers, which is not installed; "
+            "install the dev extras: pip install -e .[dev]"
+        ) from exc
+    if args.model:
+        models = [(str(args.model), Path(args.model))]
+    else:
+        models = [(name, ensure_random_model(name)) for name in DEFAULT_MODELS]
+    rows = [bench_model(n, p, args.prompt_tokens, args.new_tokens, args.repeats) for n, p in models]
+    result = header("decode", ",".join(name for name, _ in models))
+    result["rows"] = rows
+    print_table(rows, COLUMNS)
+    write_json(args.json, result)
+    return result
+
+
+def bench_model(name: str, path: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = load_model(path, dtype=torch.float32, device="cpu")
+    if prompt_tokens + new_tokens > model.config.max_position_embeddings:
+        raise ConfigError(
+            f"{name}: prompt_tokens + new_tokens = {prompt_tokens + new_tokens} exceeds the model's "
+            f"max_position_embeddings ({model.config.max_position_embeddings})"
+        )
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = _eos_ids(hf.generation_config.eos_token_id)
+    pad = eos[0] if eos else 0
+    g = torch.Generator().manual_seed(SEED)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
+    engine = Engine(model)
+
+    with torch.inference_mode():
+        _run_kvos(engine, prompt, new_tokens, eos)  # warm-ups
+        _run_hf(hf, prompt, new_tokens, pad)
+        kvos_runs: list[Run] = []
+        hf_runs: list[Run] = []
+        for _ in range(repeats):  # side by side, alternating
+            kvos_runs.append(_run_kvos(engine, prompt, new_tokens, eos))
+            hf_runs.append(_run_hf(hf, prompt, new_tokens, pad))
+
+    kvos_tok_s = median([r.decode_tok_s() for r in kvos_runs])
+    hf_tok_s = median([r.decode_tok_s() for r in hf_runs])
+    kvos_prefill = median([r.prefill_tok_s(prompt_tokens) for r in kvos_runs])
+    hf_prefill = median([r.prefill_tok_s(prompt_tokens) for r in hf_runs])
+    matches = all(k.tokens == h.tokens for k, h in zip(kvos_runs, hf_runs, strict=True))
+    return {
+        "model": name,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "kvos_tok_s": kvos_tok_s,
+        "hf_tok_s": hf_tok_s,
+        "ratio": kvos_tok_s / hf_tok_s,
+        "kvos_prefill_tok_s": kvos_prefill,
+        "hf_prefill_tok_s": hf_prefill,
+        "prefill_ratio": kvos_prefill / hf_prefill,
+        "tokens_match": matches,
+        "repeats": repeats,
+    }
+
+
+def _eos_ids(value: int | Sequence[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _run_kvos(engine: Engine, prompt: list[int], new_tokens: int, eos: list[int]) -> Run:
+    """Prefill then greedy decode in a fresh sequence; the sequence's blocks go back to the pool after."""
+    seq = engine.new_sequence()
+    try:
+        start = time.perf_counter()
+        token = _greedy(engine.extend(seq, prompt)[0], eos)
+        first = time.perf_counter()
+        tokens = [token]
+        for _ in range(new_tokens - 1):
+            token = _greedy(engine.decode(seq, token), eos)
+            tokens.append(token)
+        last = time.perf_counter()
+    finally:
+        engine.release(seq)
+    return Run(start, first, last, tokens)
+
+
+def _greedy(logits: torch.Tensor, eos: list[int]) -> int:
+    """argmax with the EOS ids masked, as transformers' min_new_tokens does."""
+    if eos:
+        logits[eos] = float("-inf")
+    return int(logits.argmax())
+
+
+def _run_hf(hf: Any, prompt: list[int], new_tokens: int, pad: int) -> Run:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        """Stamps every put(): the first is the prompt, each later one a new token."""
+
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+            self.tokens: list[int] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.stamps.append(time.perf_counter())
+            if len(self.stamps) > 1:
+                self.tokens.extend(int(t) for t in value.reshape(-1).tolist())
+
+        def end(self) -> None:
+            pass
+
+    ids = torch.tensor([prompt], dtype=torch.int64)
+    clock = Clock()
+    start = time.perf_counter()
+    hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        streamer=clock,
+    )
+    if len(clock.tokens) != new_tokens:
+        raise RuntimeError(f"transformers generated {len(clock.tokens)} tokens, expected {new_tokens}")
+    return Run(start, clock.stamps[1], clock.stamps[-1], clock.tokens)

@@ -1,0 +1,103 @@
+"""The decode and growth benchmarks on a tiny random model: JSON contract and invariants, no timings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvos.cli import main
+from kvos.model.random_init import PRESETS, build_random_model
+
+CONTRACT = ("benchmark", "model", "device", "torch")
+DECODE_ROW = (
+    "model",
+    "prompt_tokens",
+    "new_tokens",
+    "kvos_tok_s",
+    "hf_tok_s",
+    "ratio",
+    "kvos_prefill_tok_s",
+    "hf_prefill_tok_s",
+    "prefill_ratio",
+    "tokens_match",
+    "repeats",
+)
+GROWTH_TOP = (
+    "resizes",
+    "copy_ms_total",
+    "prefill_ms_total",
+    "copy_pct",
+    "max_pool_over_live_after_256",
+    "static_over_pool",
+    "rows",
+)
+GROWTH_ROW = ("tokens", "live_bytes", "block_bytes", "pool_bytes", "static_bytes", "pool_over_live")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = dict(
+        PRESETS["tiny"],
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=300,
+        max_position_embeddings=1024,
+    )
+    return build_random_model(tmp_path_factory.mktemp("bench") / "model", spec)
+
+
+def run_bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    out = tmp_path / "out.json"
+    assert main(["bench", *argv, "--json", str(out)]) == 0
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_decode(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    argv = ["--model", str(model_dir), "--prompt-tokens", "32", "--new-tokens", "6", "--repeats", "1"]
+    result = run_bench(tmp_path, "decode", *argv)
+    for field in CONTRACT:
+        assert field in result
+    assert result["benchmark"] == "decode"
+    assert result["model"] == str(model_dir)
+    [row] = result["rows"]
+    for field in DECODE_ROW:
+        assert field in row
+    assert row["model"] == str(model_dir)
+    assert (row["prompt_tokens"], row["new_tokens"], row["repeats"]) == (32, 6, 1)
+    assert row["tokens_match"] is True
+    for field in ("kvos_tok_s", "hf_tok_s", "kvos_prefill_tok_s", "hf_prefill_tok_s"):
+        assert row[field] > 0
+    assert row["ratio"] == pytest.approx(row["kvos_tok_s"] / row["hf_tok_s"])
+    assert row["prefill_ratio"] == pytest.approx(row["kvos_prefill_tok_s"] / row["hf_prefill_tok_s"])
+
+
+def test_growth(model_dir: Path, tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "growth", "--model", str(model_dir), "--max-tokens", "1024", "--chunk", "64")
+    for field in (*CONTRACT, *GROWTH_TOP):
+        assert field in result
+    assert result["benchmark"] == "growth"
+    rows = result["rows"]
+    for row in rows:
+        for field in GROWTH_ROW:
+            assert field in row
+    assert [r["tokens"] for r in rows] == list(range(64, 1025, 64))
+    assert rows[-1]["tokens"] == 1024
+    per_token = result["bytes_per_token"]
+    for row in rows:
+        assert row["live_bytes"] == row["tokens"] * per_token
+        assert row["live_bytes"] <= row["block_bytes"] <= row["pool_bytes"]
+        assert row["static_bytes"] == 1024 * per_token
+        if row["tokens"] > 256:
+            assert row["pool_bytes"] <= 2 * row["live_bytes"]
+    pools = [r["pool_bytes"] for r in rows]
+    assert pools == sorted(pools)
+    assert result["resizes"] == len(set(pools)) - 1
+    assert result["max_pool_over_live_after_256"] <= 2
+    assert result["static_over_pool"] == pytest.approx(rows[-1]["static_bytes"] / rows[-1]["pool_bytes"])
+    assert 0 <= result["copy_ms_total"] <= result["prefill_ms_total"]

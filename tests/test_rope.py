@@ -1,4 +1,4 @@
-"""RoPE: re-anchoring stored keys by a delta equals rotating them at the new position."""
+"""RoPE: re-anchoring stored keys equals rotating them at the new position."""
 
 from __future__ import annotations
 
@@ -20,26 +20,30 @@ SCALINGS = [
 ]
 
 
+def rotated(rope: Rope, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    cos, sin = rope.cos_sin(pos, k.dtype, k.device)
+    return Rope.apply(k, cos, sin)
+
+
 @pytest.mark.parametrize("scaling", SCALINGS)
-@pytest.mark.parametrize("delta", [-37, 5, 900])
+@pytest.mark.parametrize("delta", [-37, 5, 900, 30000])
 def test_shift_equals_rotation_at_new_position(scaling: dict | None, delta: int) -> None:
     rope = Rope(64, 10000.0, scaling)
-    k = torch.randn(20, 2, 64, dtype=torch.float64).float()
-    pos = torch.arange(100, 120)
-    cos, sin = rope.cos_sin(pos, torch.float32, k.device)
-    stored = Rope.apply(k, cos, sin)
-    cos2, sin2 = rope.cos_sin(pos + delta, torch.float32, k.device)
-    expected = Rope.apply(k, cos2, sin2)
-    assert (rope.shift(stored, delta) - expected).abs().max().item() < 1e-4
-    per_token = torch.full((20,), delta)
-    assert torch.equal(rope.shift(stored, per_token), rope.shift(stored, delta))
+    k = torch.randn(20, 2, 64, generator=torch.Generator().manual_seed(delta % 1000))
+    pos = torch.arange(100, 120) * 7
+    moved = rope.shift(rotated(rope, k, pos), delta, pos)
+    assert (moved - rotated(rope, k, pos + delta)).abs().max().item() < 5e-6
 
 
-def test_shift_zero_is_identity_and_inverse() -> None:
+def test_reanchor_per_token_targets_and_inverse() -> None:
     rope = Rope(32, 500000.0)
-    k = torch.randn(7, 1, 32)
-    assert torch.allclose(rope.shift(k, 0), k)
-    assert torch.allclose(rope.shift(rope.shift(k, 123), -123), k, atol=1e-5)
+    k = torch.randn(7, 1, 32, generator=torch.Generator().manual_seed(0))
+    old = torch.tensor([0, 1, 2, 3, 50, 51, 52])
+    new = torch.tensor([10, 11, 12, 13, 4, 5, 6])
+    stored = rotated(rope, k, old)
+    assert (rope.reanchor(stored, old, new) - rotated(rope, k, new)).abs().max().item() < 5e-6
+    assert torch.allclose(rope.reanchor(rope.reanchor(stored, old, new), new, old), stored, atol=5e-6)
+    assert torch.equal(rope.reanchor(stored, old, old), stored)
 
 
 def test_rope_matches_transformers_inverse_frequencies() -> None:
@@ -47,6 +51,7 @@ def test_rope_matches_transformers_inverse_frequencies() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     scaling = SCALINGS[2]
+    assert scaling is not None
     config = LlamaConfig(
         hidden_size=128, num_attention_heads=2, rope_parameters={"rope_theta": 10000.0, **scaling}
     )

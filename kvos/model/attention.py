@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa arrived in 2.5
+
 
 @dataclass
 class AttentionMetadata:
@@ -75,15 +77,18 @@ def paged_attention(
     n, num_heads, head_dim = q.shape
     if n == 1:
         return _decode_attention(q, k, v, meta, window, layer)
-    group = num_heads // k.shape[1]
-    qh = q.transpose(0, 1)  # [H, n, D]
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, T, D]
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
-    if meta.fresh and window is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    qh = q.transpose(0, 1)[None]  # [1, H, n, D]: 4-D inputs take the fused CPU kernel, 3-D ones do not
+    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, T, D]
+    if SDPA_GQA:
+        kwargs: dict = {"enable_gqa": num_heads != k.shape[1]}
     else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask(window))
-    return out.transpose(0, 1).reshape(n, num_heads * head_dim)
+        group = num_heads // k.shape[1]
+        kh, vh, kwargs = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1), {}
+    if meta.fresh and window is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask(window), **kwargs)
+    return out[0].transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
 def _decode_attention(
@@ -101,8 +106,8 @@ def _decode_attention(
     _, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     group = num_heads // num_kv
-    qg = q[0].float().reshape(num_kv, group, head_dim)  # [Hkv, G, D]
-    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * (1.0 / math.sqrt(head_dim))  # [Hkv, G, T]
+    qg = q[0].float().reshape(num_kv, group, head_dim) * (1.0 / math.sqrt(head_dim))  # [Hkv, G, D]
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0))  # [Hkv, G, T]
     mask = meta.mask(window)
     if mask is not None:
         scores = scores.masked_fill(~mask[0], float("-inf"))

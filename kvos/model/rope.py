@@ -42,11 +42,6 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rope:
     """Cos/sin tables computed on demand for arbitrary (possibly sparse) integer positions."""
 
@@ -57,27 +52,45 @@ class Rope:
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int64 [n] (may be negative, for deltas) -> cos, sin each [n, head_dim] in ``dtype``.
+        """positions: int64 [n] (may be negative, for deltas) -> (cos, signed sin), each [n, 1, head_dim].
 
-        Angles are computed in float32 from the integer positions, as the reference implementations do.
+        The sin table carries rotate-half's sign (-sin on the first half), so :meth:`apply` needs one
+        ``roll`` instead of a slice-negate-concatenate. Angles are computed in float32 from the integer
+        positions, as the reference implementations do, then cast to ``dtype``.
         """
         inv = self.inv_freq.to(device)
         angles = positions.to(device=device, dtype=torch.float32)[:, None] * inv[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = angles.sin()
+        cos = angles.cos()
+        return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [n, heads, head_dim]; cos/sin: [n, head_dim] -> rotated x, same shape."""
-        return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x: [n, heads, head_dim]; cos, signed_sin from :meth:`cos_sin` -> rotated x, same shape.
 
-    def shift(self, keys: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-        """Re-anchor stored keys by a position delta.
-
-        keys: [n, kv_heads, head_dim] already rotated for positions p; delta: int or int64 [n].
-        Returns keys rotated for positions p + delta (computed in float32, cast back to keys' dtype).
+        rotate_half(x) = [-x2, x1] = roll(x, half) * [-1, 1], and the sign lives in ``signed_sin``.
         """
-        n = keys.shape[0]
-        d = torch.full((n,), int(delta), dtype=torch.int64) if isinstance(delta, int) else delta
-        cos, sin = self.cos_sin(d, torch.float32, keys.device)
-        return self.apply(keys.float(), cos, sin).to(keys.dtype)
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+    def angles(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The float32 angles [n, head_dim // 2] that :meth:`cos_sin` uses for ``positions`` (int64 [n])."""
+        return positions.to(device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
+
+    def reanchor(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Move stored keys from positions ``old`` to ``new`` (int64 [n] each) without recomputing them.
+
+        keys: [n, kv_heads, head_dim], rotated for ``old``. The rotation applied is the difference of the
+        float32 angle tables of ``new`` and ``old`` (the very angles a fresh forward pass would use), taken
+        and applied in float64, so the result equals keys rotated at ``new`` directly up to the rounding of
+        the keys' dtype, not up to float32 angle error (which is ~1e-4 at positions in the thousands).
+        """
+        delta = (self.angles(new, keys.device).double() - self.angles(old, keys.device).double())
+        cos, sin = delta.cos(), delta.sin()
+        rot = self.apply(
+            keys.double(), torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+        )
+        return rot.to(keys.dtype)
+
+    def shift(self, keys: torch.Tensor, delta: int, positions: torch.Tensor) -> torch.Tensor:
+        """Re-anchor keys stored at ``positions`` (int64 [n]) by ``delta`` positions: see :meth:`reanchor`."""
+        return self.reanchor(keys, positions, positions + delta)

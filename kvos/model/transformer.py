@@ -1,7 +1,9 @@
 """A Llama-family decoder whose attention reads K/V through the KV pool.
 
-Weights are plain tensors (no nn.Module machinery on the hot path). Q, K and V projections are fused into
-one matrix, as are the MLP's gate and up projections: fewer, larger matmuls per layer.
+Weights are plain tensors (no nn.Module machinery on the hot path), stored transposed ([in, out]) so a
+projection is ``x @ W`` and a projection plus residual is one ``addmm``. Q, K and V are fused into one
+matrix, as are the MLP's gate and up projections: fewer, larger matmuls per layer. Single-token decode is
+dominated by per-op overhead on small models, so op count matters as much as FLOPs.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ class KVStore(Protocol):
 
 @dataclass
 class LayerWeights:
-    """One decoder layer. Shapes: qkv [(H + 2 Hkv) * D, hidden], o [hidden, H * D],
-    gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D])."""
+    """One decoder layer, projections transposed to [in, out]: qkv [hidden, (H + 2 Hkv) * D],
+    o [H * D, hidden], gate_up [hidden, 2 * inter], down [inter, hidden]; norms [hidden] (q/k norms [D])."""
 
     attn_norm: torch.Tensor
     qkv: torch.Tensor
@@ -45,7 +47,9 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as the reference implementations do."""
+    """RMSNorm over the last dim, computed in float32 and cast back, as the reference implementations do."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -79,12 +83,15 @@ class Transformer:
         or the final hidden states [n, hidden] ("none")."""
         x = F.embedding(token_ids.to(self.device), self.embed)
         cos, sin = self.rope.cos_sin(meta.positions, self.dtype, self.device)
+        eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(
-                i, layer, rms_norm(x, layer.attn_norm, self.config.rms_norm_eps), cos, sin, meta, kv
-            )
-            x = x + self._mlp(layer, rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps))
-        x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+            out = self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv)
+            if layer.o_bias is not None:
+                x = x + layer.o_bias
+            x = torch.addmm(x, out, layer.o)
+            gate, up = (rms_norm(x, layer.mlp_norm, eps) @ layer.gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, layer.down)
+        x = rms_norm(x, self.final_norm, eps)
         if logits == "none":
             return x
         if logits == "last":
@@ -101,33 +108,28 @@ class Transformer:
         meta: AttentionMetadata,
         kv: KVStore,
     ) -> torch.Tensor:
-        """h: [n, hidden] -> attention output projected back to [n, hidden]."""
+        """h: [n, hidden] -> attention output [n, H * D], before the output projection."""
         c = self.config
         n = h.shape[0]
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
-        )
-        q = q.reshape(n, c.num_heads, c.head_dim)
-        k = k.reshape(n, c.num_kv_heads, c.head_dim)
-        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        qkv = h @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
+        qkv = qkv.view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qk, v = qkv[:, : c.num_heads + c.num_kv_heads], qkv[:, c.num_heads + c.num_kv_heads :]
         if layer.q_norm is not None and layer.k_norm is not None:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-        q = Rope.apply(q, cos, sin)
-        k = Rope.apply(k, cos, sin)
+            qk = torch.cat(
+                (
+                    rms_norm(qk[:, : c.num_heads], layer.q_norm, c.rms_norm_eps),
+                    rms_norm(qk[:, c.num_heads :], layer.k_norm, c.rms_norm_eps),
+                ),
+                dim=1,
+            )
+        qk = Rope.apply(qk, cos, sin)  # queries and keys rotated together: one pass
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         kv.write(index, meta.write_slots, k, v)
         if meta.fresh:
             keys, values = k, v
         else:
             keys, values = kv.gather(index, meta.read_slots)
-        out = paged_attention(q, keys, values, meta, c.window(index), index)
-        return F.linear(out, layer.o, layer.o_bias)
-
-    def _mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: down(silu(gate h) * up h); h: [n, hidden]."""
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        return paged_attention(q, keys, values, meta, c.window(index), index)
 
 
 def _need(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -140,7 +142,7 @@ def _need(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 def _layer(config: ModelConfig, w: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
     p = f"model.layers.{i}."
     names = ("q_proj", "k_proj", "v_proj")
-    qkv = torch.cat([_need(w, f"{p}self_attn.{n}.weight") for n in names])
+    qkv = torch.cat([_need(w, f"{p}self_attn.{n}.weight") for n in names]).t().contiguous()
     bias = None
     if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
         bias = torch.cat([_need(w, f"{p}self_attn.{n}.bias") for n in names])
@@ -148,11 +150,13 @@ def _layer(config: ModelConfig, w: Mapping[str, torch.Tensor], i: int) -> LayerW
         attn_norm=_need(w, f"{p}input_layernorm.weight"),
         qkv=qkv,
         qkv_bias=bias,
-        o=_need(w, f"{p}self_attn.o_proj.weight"),
+        o=_need(w, f"{p}self_attn.o_proj.weight").t().contiguous(),
         o_bias=w.get(f"{p}self_attn.o_proj.bias"),
         q_norm=_need(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
         k_norm=_need(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
         mlp_norm=_need(w, f"{p}post_attention_layernorm.weight"),
-        gate_up=torch.cat([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
-        down=_need(w, f"{p}mlp.down_proj.weight"),
+        gate_up=torch.cat([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")])
+        .t()
+        .contiguous(),
+        down=_need(w, f"{p}mlp.down_proj.weight").t().contiguous(),
     )

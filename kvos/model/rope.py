@@ -58,11 +58,10 @@ class Rope:
         ``roll`` instead of a slice-negate-concatenate. Angles are computed in float32 from the integer
         positions, as the reference implementations do, then cast to ``dtype``.
         """
-        inv = self.inv_freq.to(device)
-        angles = positions.to(device=device, dtype=torch.float32)[:, None] * inv[None, :]
-        sin = angles.sin()
-        cos = angles.cos()
-        return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
+        angles = self.angles(positions, device)
+        cos, sin = angles.cos(), angles.sin()
+        full_cos = torch.cat((cos, cos), -1).to(dtype)[:, None, :]
+        return full_cos, torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -84,7 +83,7 @@ class Rope:
         and applied in float64, so the result equals keys rotated at ``new`` directly up to the rounding of
         the keys' dtype, not up to float32 angle error (which is ~1e-4 at positions in the thousands).
         """
-        delta = (self.angles(new, keys.device).double() - self.angles(old, keys.device).double())
+        delta = self.angles(new, keys.device).double() - self.angles(old, keys.device).double()
         cos, sin = delta.cos(), delta.sin()
         rot = self.apply(
             keys.double(), torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]

@@ -57,7 +57,7 @@ def test_prefill_then_decode_match(checkpoint: tuple[str, Path]) -> None:
         ids.append(token)
         engine.extend(other, [token])
         logits = engine.decode(seq, token)
-    blocks = seq.page_table.blocks
+    blocks = seq.segments[0].page_table.blocks
     assert blocks != list(range(blocks[0], blocks[0] + len(blocks))), "blocks should be non-contiguous"
 
 

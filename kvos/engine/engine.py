@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from kvos.engine.sequence import Sequence
+from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.page_table import PageTable
@@ -39,7 +39,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
 
     def new_sequence(self) -> Sequence:
-        return Sequence(PageTable(self.pool.layout.block_size, self.pool))
+        return Sequence(lambda: PageTable(self.pool.layout.block_size, self.pool))
 
     def extend(
         self,
@@ -48,11 +48,15 @@ class Engine:
         positions: Seq[int] | None = None,
         logits: Literal["last", "all", "none"] = "last",
         capture_layers: frozenset[int] = frozenset(),
+        captured: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Append tokens to ``seq`` and run them through the model in chunks of ``prefill_chunk``.
+        """Append tokens to the last segment of ``seq`` and run them through the model in chunks of
+        ``prefill_chunk``.
 
         positions default to consecutive positions after the sequence's last one. Returns float32 logits
-        [1, vocab] for the last token ("last"), [n, vocab] ("all"), or final hidden states [n, hidden].
+        [1, vocab] for the last token ("last"), [n, vocab] ("all"), or final hidden states [n, hidden]
+        ("none"). For single-token steps, the attention probabilities of ``capture_layers`` are stored into
+        ``captured`` (layer -> float32 [num_heads, num_tokens], cache order).
         """
         ids = list(token_ids)
         if not ids:
@@ -67,16 +71,20 @@ class Engine:
         for lo in range(0, len(ids), self.prefill_chunk):
             hi = min(lo + self.prefill_chunk, len(ids))
             part = "last" if logits == "last" and hi < len(ids) else logits
-            out = self._forward(seq, ids[lo:hi], pos[lo:hi], part, capture_layers)
+            out = self._forward(seq, ids[lo:hi], pos[lo:hi], part, capture_layers, captured)
             if logits != "last" or hi == len(ids):
                 outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def decode(
-        self, seq: Sequence, token_id: int, capture_layers: frozenset[int] = frozenset()
+        self,
+        seq: Sequence,
+        token_id: int,
+        capture_layers: frozenset[int] = frozenset(),
+        captured: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Append one token and return float32 logits [vocab] for the next."""
-        return self.extend(seq, [token_id], capture_layers=capture_layers)[0]
+        return self.extend(seq, [token_id], capture_layers=capture_layers, captured=captured)[0]
 
     def _forward(
         self,
@@ -85,6 +93,7 @@ class Engine:
         positions: list[int],
         logits: Literal["last", "all", "none"],
         capture_layers: frozenset[int],
+        captured: dict[int, torch.Tensor] | None,
     ) -> torch.Tensor:
         fresh = seq.num_tokens == 0 and all(b > a for a, b in pairwise(positions))
         write_slots = seq.extend(ids, positions)
@@ -95,13 +104,90 @@ class Engine:
             key_positions=seq.positions,
             fresh=fresh,
             capture_layers=capture_layers,
+            captured=captured if captured is not None else {},
         )
         try:
             return self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool, logits)
         except BaseException:
-            seq.truncate(seq.num_tokens - len(ids))
+            seq.drop_last(len(ids))
             raise
 
     def release(self, seq: Sequence) -> None:
         """Return every block of ``seq`` to the pool."""
         seq.release()
+
+    # ------------------------------------------------ recompute-free K/V movement
+    def read_kv(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of a segment's K and V for every layer: each [num_layers, n, num_kv_heads, head_dim]."""
+        slots = seg.slots.to(self.model.device)
+        pairs = [self.pool.gather(layer, slots) for layer in range(self.pool.layout.num_layers)]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+
+    def reposition(self, seq: Sequence, seg: Segment, positions: torch.Tensor) -> None:
+        """Move a resident segment to new rotary positions (int64 [n]) by re-rotating its keys in place."""
+        old = seg.positions
+        if torch.equal(old, positions):
+            return
+        slots = seg.slots.to(self.model.device)
+        for layer in range(self.pool.layout.num_layers):
+            k, v = self.pool.gather(layer, slots)
+            self.pool.write(layer, slots, self.model.rope.reanchor(k, old, positions), v)
+        seg.set_positions(positions)
+        seq.rebuild()
+
+    def splice(
+        self,
+        seq: Sequence,
+        index: int,
+        token_ids: Seq[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        saved_positions: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> Segment:
+        """Insert saved K/V as a new segment at ``index`` in cache order, with no model forward pass.
+
+        k, v: [num_layers, n, num_kv_heads, head_dim] as read by :meth:`read_kv` when the tokens sat at
+        ``saved_positions`` (int64 [n]); the keys are re-anchored to ``positions`` (int64 [n]). All or
+        nothing: if the pool cannot hold the segment, nothing changes.
+        """
+        seg = seq.new_segment()
+        slots = seg.extend(list(token_ids), positions).to(self.model.device)
+        for layer in range(self.pool.layout.num_layers):
+            keys = self.model.rope.reanchor(k[layer].to(self.model.device), saved_positions, positions)
+            self.pool.write(layer, slots, keys, v[layer])
+        seq.insert(index, seg)
+        return seg
+
+    def evict(self, seq: Sequence, seg: Segment) -> int:
+        """Take a segment out of ``seq`` and free its blocks; returns the index it had."""
+        index = seq.remove(seg)
+        seg.release()
+        return index
+
+    def hidden_states(self, token_ids: Seq[int]) -> torch.Tensor:
+        """Final hidden states [n, hidden] of ``token_ids`` as a sequence of their own, computed
+        without touching the pool (for embeddings of text that is not, or not yet, in a cache)."""
+        ids = torch.tensor(list(token_ids), dtype=torch.int64)
+        positions = torch.arange(len(ids))
+        meta = AttentionMetadata(
+            positions=positions,
+            write_slots=positions,
+            read_slots=positions,
+            key_positions=positions,
+            fresh=True,
+        )
+        return self.model.forward(ids, meta, _NO_STORE, "none")
+
+
+class _NoStore:
+    """A KV store that keeps nothing: for standalone forward passes (attention uses the fresh K/V)."""
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a standalone forward pass never reads cached K/V")
+
+
+_NO_STORE = _NoStore()

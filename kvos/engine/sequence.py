@@ -1,20 +1,27 @@
-"""A sequence: the tokens whose K/V the pool holds for one stream, with their slots and positions."""
+"""Sequences of segments: the tokens whose K/V the pool holds for one stream.
+
+A :class:`Segment` is a run of tokens with pool blocks of its own, so it can be evicted (its blocks freed),
+moved to other positions (its keys re-rotated) or spliced back in as a whole, without touching its
+neighbours' blocks. A :class:`Sequence` is an ordered list of segments (cache order); attention reads the
+concatenation of their slots. Decoding appends to the last segment.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
 import torch
 
+from kvos.errors import ConfigError
 from kvos.memory.page_table import PageTable
 
 
-class Sequence:
-    """Token ids, rotary positions and the page table of one stream.
+class Segment:
+    """Token ids, rotary positions and the page table of one run of tokens."""
 
-    ``slots`` and ``positions`` are kept as int64 tensors that grow with the sequence, so a decode step
-    does not rebuild them from Python lists.
-    """
-
-    def __init__(self, page_table: PageTable) -> None:
+    def __init__(self, seg_id: int, page_table: PageTable) -> None:
+        self.seg_id = seg_id
         self.page_table = page_table
         self.token_ids: list[int] = []
         self._slots = torch.empty(0, dtype=torch.int64)
@@ -34,31 +41,131 @@ class Sequence:
         """int64 [num_tokens] rotary position of every token."""
         return self._positions[: self.num_tokens]
 
-    def next_position(self) -> int:
-        return int(self._positions[self.num_tokens - 1].item()) + 1 if self.token_ids else 0
-
-    def extend(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Reserve pool slots for new tokens; returns their slots, int64 [n]. All or nothing."""
-        start = self.num_tokens
-        self.page_table.append(len(token_ids))
-        new_slots = torch.tensor(self.page_table.slots(start, start + len(token_ids)), dtype=torch.int64)
-        self._slots = _put(self._slots, start, new_slots)
-        self._positions = _put(self._positions, start, torch.tensor(positions, dtype=torch.int64))
+    def extend(self, token_ids: Seq[int], positions: torch.Tensor) -> torch.Tensor:
+        """Reserve pool slots for new tokens (all or nothing); returns their slots, int64 [n]."""
+        start, n = self.num_tokens, len(token_ids)
+        self.page_table.append(n)
+        new_slots = torch.tensor(self.page_table.slots(start, start + n), dtype=torch.int64)
+        self._slots = put(self._slots, start, new_slots)
+        self._positions = put(self._positions, start, positions)
         self.token_ids.extend(token_ids)
         return new_slots
 
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """Replace every token's rotary position (after its keys were re-anchored): int64 [num_tokens]."""
+        if positions.shape != (self.num_tokens,):
+            raise ConfigError(f"expected {self.num_tokens} positions, got shape {tuple(positions.shape)}")
+        self._positions = positions.clone()
+
     def truncate(self, num_tokens: int) -> None:
-        """Drop every token from ``num_tokens`` on, freeing blocks no longer needed."""
+        """Keep the first ``num_tokens`` tokens, freeing blocks no longer needed."""
         self.page_table.truncate(num_tokens)
         del self.token_ids[num_tokens:]
 
     def release(self) -> None:
-        """Free every block; the sequence becomes empty."""
+        """Free every block; the segment becomes empty."""
         self.page_table.free_all()
         self.token_ids.clear()
 
 
-def _put(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
+class Sequence:
+    """An ordered list of segments with cached flat views of their slots and positions."""
+
+    def __init__(self, new_table: Callable[[], PageTable]) -> None:
+        self._new_table = new_table
+        self._next_id = 0
+        self.segments: list[Segment] = []
+        self._flat_slots = torch.empty(0, dtype=torch.int64)
+        self._flat_positions = torch.empty(0, dtype=torch.int64)
+        self._num_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every resident token id in cache order."""
+        return [t for seg in self.segments for t in seg.token_ids]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """int64 [num_tokens] pool slot of every resident token, in cache order."""
+        return self._flat_slots[: self._num_tokens]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [num_tokens] rotary position of every resident token, in cache order."""
+        return self._flat_positions[: self._num_tokens]
+
+    def next_position(self) -> int:
+        """One past the last token's position (0 when empty): where an appended token goes by default."""
+        return int(self._flat_positions[self._num_tokens - 1].item()) + 1 if self._num_tokens else 0
+
+    def new_segment(self) -> Segment:
+        """A fresh, empty segment that is not yet part of the sequence."""
+        self._next_id += 1
+        return Segment(self._next_id, self._new_table())
+
+    def open_segment(self) -> Segment:
+        """Start a new segment at the end; later appends go into it."""
+        seg = self.new_segment()
+        self.segments.append(seg)
+        return seg
+
+    def extend(self, token_ids: Seq[int], positions: Seq[int]) -> torch.Tensor:
+        """Append tokens to the last segment (opening one if there is none); returns their slots [n]."""
+        if not self.segments:
+            self.open_segment()
+        pos = torch.tensor(list(positions), dtype=torch.int64)
+        slots = self.segments[-1].extend(token_ids, pos)
+        self._flat_slots = put(self._flat_slots, self._num_tokens, slots)
+        self._flat_positions = put(self._flat_positions, self._num_tokens, pos)
+        self._num_tokens += len(token_ids)
+        return slots
+
+    def insert(self, index: int, seg: Segment) -> None:
+        """Place a filled segment at ``index`` in cache order."""
+        self.segments.insert(index, seg)
+        self.rebuild()
+
+    def remove(self, seg: Segment) -> int:
+        """Take a segment out of the sequence (its blocks are not freed); returns its former index."""
+        index = self.segments.index(seg)
+        del self.segments[index]
+        self.rebuild()
+        return index
+
+    def drop_last(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` appended tokens of the last segment."""
+        seg = self.segments[-1]
+        seg.truncate(seg.num_tokens - num_tokens)
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Recompute the flat slot and position views from the segments (after a structural change)."""
+        live = [s for s in self.segments if s.num_tokens]
+        empty = torch.empty(0, dtype=torch.int64)
+        self._flat_slots = torch.cat([s.slots for s in live]) if live else empty
+        self._flat_positions = torch.cat([s.positions for s in live]) if live else empty.clone()
+        self._num_tokens = int(self._flat_slots.shape[0])
+
+    def boundaries(self) -> list[int]:
+        """Cumulative token offsets [0, n0, n0 + n1, ..., num_tokens] of the segments in cache order."""
+        out = [0]
+        for seg in self.segments:
+            out.append(out[-1] + seg.num_tokens)
+        return out
+
+    def release(self) -> None:
+        """Free every segment's blocks; the sequence becomes empty."""
+        for seg in self.segments:
+            seg.release()
+        self.segments.clear()
+        self.rebuild()
+
+
+def put(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
     """Write values at [start, start + n), doubling the buffer's capacity when it is too small."""
     end = start + values.shape[0]
     if end > buffer.shape[0]:

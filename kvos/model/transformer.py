@@ -94,9 +94,11 @@ class Transformer:
         x = rms_norm(x, self.final_norm, eps)
         if logits == "none":
             return x
-        if logits == "last":
-            x = x[-1:]
-        return F.linear(x, self.lm_head).float()
+        return self.head(x[-1:] if logits == "last" else x)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, hidden] -> float32 logits [n, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
 
     def _attention(
         self,

@@ -1,0 +1,172 @@
+"""Recompute-free K/V movement: spliced-back blocks give the logits of a run that never evicted them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import build
+
+from kvos.engine.engine import Engine
+from kvos.engine.sequence import Segment, Sequence
+from kvos.memory.store import BlockStore
+from kvos.model.loader import load_model
+from kvos.model.rope import Rope
+
+TOL = 1e-4
+LENGTHS = [5, 7, 9, 6, 8]  # segment lengths, deliberately not multiples of the block size
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("llama", tmp_path_factory.mktemp("llama"), max_position_embeddings=512)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fill(engine: Engine, seq: Sequence, lengths: list[int], seed: int = 0) -> list[Segment]:
+    segs = []
+    for i, n in enumerate(lengths):
+        segs.append(seq.open_segment())
+        engine.extend(seq, tokens(n, seed + i))
+    return segs
+
+
+def decode_logits(engine: Engine, seq: Sequence, steps: int) -> list[torch.Tensor]:
+    out, token = [], 11
+    seq.open_segment()
+    for _ in range(steps):
+        logits = engine.decode(seq, token)
+        out.append(logits)
+        token = int(torch.argmax(logits))
+    return out
+
+
+def assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert (x - y).abs().max().item() <= TOL
+
+
+def test_sparse_restore_at_original_positions(model_dir: Path, tmp_path: Path) -> None:
+    engine = Engine(load_model(model_dir), block_size=4)
+    ref = engine.new_sequence()
+    fill(engine, ref, LENGTHS)
+    expected = decode_logits(engine, ref, 8)
+
+    seq = engine.new_sequence()
+    segs = fill(engine, seq, LENGTHS)
+    store = BlockStore(ram_bytes=1, disk_dir=tmp_path)  # every block spills to disk and comes back from it
+    saved = {}
+    for i in (2, 3):
+        k, v = engine.read_kv(segs[i])
+        saved[i] = (segs[i].token_ids.copy(), segs[i].positions.clone())
+        store.put(i, k, v)
+        engine.evict(seq, segs[i])
+    assert seq.num_tokens == sum(LENGTHS) - LENGTHS[2] - LENGTHS[3]
+    assert store.where(2) == "disk"
+    for i in (2, 3):
+        block = store.get(i)
+        ids, pos = saved[i]
+        engine.splice(seq, i, ids, block.k, block.v, pos, pos)
+    assert torch.equal(seq.positions, ref.positions[: sum(LENGTHS)])
+    assert_close(decode_logits(engine, seq, 8), expected)
+
+
+def test_compact_mode_matches_freshly_rotated_cache(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evict a middle block and close the gap: the later blocks' keys are re-anchored. The reference cache
+    holds the same pre-RoPE keys rotated at the compacted positions by the forward pass's own RoPE path."""
+    model = load_model(model_dir)
+    engine = Engine(model, block_size=4)
+    heads = model.config.num_heads
+    pre_rope: list[torch.Tensor] = []
+    original_apply = Rope.apply
+
+    def recording_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        pre_rope.append(x[:, heads:].clone())  # the keys before rotation, one call per layer and segment
+        return original_apply(x, cos, sin)
+
+    seq = engine.new_sequence()
+    monkeypatch.setattr(Rope, "apply", staticmethod(recording_apply))
+    segs = fill(engine, seq, LENGTHS)
+    monkeypatch.setattr(Rope, "apply", staticmethod(original_apply))
+    layers = model.config.num_layers
+    per_seg = [
+        torch.stack(pre_rope[i * layers : (i + 1) * layers]) for i in range(len(LENGTHS))
+    ]  # [L, n, Hkv, D]
+    values = [engine.read_kv(s)[1] for s in segs]
+
+    gap = segs[1].num_tokens
+    engine.evict(seq, segs[1])
+    for seg in segs[2:]:
+        engine.reposition(seq, seg, seg.positions - gap)
+    assert torch.equal(seq.positions, torch.arange(seq.num_tokens))
+
+    ref = engine.new_sequence()
+    start = 0
+    for i in (0, 2, 3, 4):
+        pos = torch.arange(start, start + LENGTHS[i])
+        cos, sin = model.rope.cos_sin(pos, model.dtype, model.device)
+        seg = ref.open_segment()
+        ref.extend(segs[i].token_ids, pos.tolist())
+        for layer in range(layers):
+            engine.pool.write(layer, seg.slots, Rope.apply(per_seg[i][layer], cos, sin), values[i][layer])
+        start += LENGTHS[i]
+    assert_close(decode_logits(engine, seq, 8), decode_logits(engine, ref, 8))
+
+
+def test_compact_mode_one_layer_equals_prefill_of_compacted_sequence(tmp_path: Path) -> None:
+    """With one layer, K/V depend only on token and position, so a compacted cache is exactly the cache of
+    a run prefilled with the compacted token sequence."""
+    engine = Engine(load_model(build("qwen2", tmp_path, num_hidden_layers=1)), block_size=4)
+    seq = engine.new_sequence()
+    segs = fill(engine, seq, LENGTHS)
+    for victim in (segs[3], segs[1]):
+        shift, start = victim.num_tokens, int(victim.positions[0])
+        engine.evict(seq, victim)
+        for seg in seq.segments:
+            if int(seg.positions[0]) > start:
+                engine.reposition(seq, seg, seg.positions - shift)
+    ref = engine.new_sequence()
+    ref.open_segment()
+    engine.extend(ref, seq.token_ids)
+    assert torch.equal(seq.positions, ref.positions)
+    assert_close(decode_logits(engine, seq, 6), decode_logits(engine, ref, 6))
+
+
+def test_restore_at_new_position_then_move_back_is_exact(model_dir: Path) -> None:
+    """Splicing a saved block at other positions and moving it back leaves the cache as it was."""
+    engine = Engine(load_model(model_dir), block_size=4)
+    ref = engine.new_sequence()
+    fill(engine, ref, LENGTHS)
+    expected = decode_logits(engine, ref, 5)
+    seq = engine.new_sequence()
+    segs = fill(engine, seq, LENGTHS)
+    k, v = engine.read_kv(segs[0])
+    ids, pos = segs[0].token_ids.copy(), segs[0].positions.clone()
+    engine.evict(seq, segs[0])
+    moved = engine.splice(seq, 0, ids, k, v, pos, pos + 1000)
+    engine.reposition(seq, moved, pos)
+    assert_close(decode_logits(engine, seq, 5), expected)
+
+
+def test_splice_is_all_or_nothing_at_the_pool_cap(model_dir: Path) -> None:
+    from kvos.errors import PoolOutOfMemoryError
+    from kvos.memory.growth import GrowthPolicy
+
+    model = load_model(model_dir)
+    probe = Engine(model, block_size=4)
+    cap = probe.pool.layout.bytes_per_block * 9
+    engine = Engine(model, block_size=4, growth=GrowthPolicy(initial_tokens=16, max_bytes=cap))
+    seq = engine.new_sequence()
+    segs = fill(engine, seq, [8, 8, 8])  # 6 blocks
+    k, v = engine.read_kv(segs[1])
+    before = (seq.num_tokens, engine.pool.allocator.num_used, len(seq.segments))
+    with pytest.raises(PoolOutOfMemoryError):
+        big_k, big_v = torch.cat([k] * 3, dim=1), torch.cat([v] * 3, dim=1)  # 24 tokens = 6 blocks > 3 free
+        pos = torch.arange(24) + 100
+        engine.splice(seq, 3, tokens(24, 9), big_k, big_v, pos, pos)
+    assert (seq.num_tokens, engine.pool.allocator.num_used, len(seq.segments)) == before

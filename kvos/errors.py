@@ -83,3 +83,8 @@ class CorruptBlockError(KvosError):
 
 class BlockDataError(KvosError, ValueError):
     """K/V tensors or metadata that the block store cannot hold (not a tensor, meta not JSON-able)."""
+
+
+class SignalError(KvosError, ValueError):
+    """A signal value a memory policy cannot use: a negative or non-finite attention mass, block boundaries
+    that do not tile the cache, embeddings of mismatched shapes or zero norm, a block without a score."""

@@ -1,0 +1,32 @@
+"""The memory policy: block metadata, the scorer and its signals, task focus, attention tracking, budget and
+victim selection. Imports torch and :mod:`kvos.errors` only (never the engine, session or server)."""
+
+from kvos.policy.attention import AttentionTracker, block_masses
+from kvos.policy.blocks import BlockKind, BlockState, Keep, MemBlock
+from kvos.policy.budget import Budget, evictable, select_victims
+from kvos.policy.focus import TaskFocus
+from kvos.policy.scorer import DEFAULT_WEIGHTS, SEED_WEIGHTS, ScoreContext, Scorer, ScoreWeights
+from kvos.policy.signals import coherence, cosine, recency, recovery_strength, source_floor
+
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "SEED_WEIGHTS",
+    "AttentionTracker",
+    "BlockKind",
+    "BlockState",
+    "Budget",
+    "Keep",
+    "MemBlock",
+    "ScoreContext",
+    "ScoreWeights",
+    "Scorer",
+    "TaskFocus",
+    "block_masses",
+    "coherence",
+    "cosine",
+    "evictable",
+    "recency",
+    "recovery_strength",
+    "select_victims",
+    "source_floor",
+]

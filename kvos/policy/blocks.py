@@ -1,0 +1,110 @@
+"""Blocks with meaning: the unit of a session's history that the memory policy scores, evicts and recovers.
+
+A session's history is a list of :class:`MemBlock`. Messages are blocks; long content is chunked into
+``block_size`` tokens. A block keeps its token ids whatever its state, so the session always knows its whole
+logical history. Plain metadata: no K/V lives here (the pool and the store hold those).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+import torch
+
+from kvos.errors import ConfigError
+
+Keep = Literal["pin", "prefer"]
+KEEP_VALUES: tuple[str, ...] = ("pin", "prefer")
+
+
+class BlockKind(StrEnum):
+    """Where a block's tokens came from."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+    DOCUMENT = "document"
+
+
+class BlockState(StrEnum):
+    """Where a block's K/V are: in the pool, saved in a store, or gone (breadcrumb or nothing)."""
+
+    RESIDENT = "resident"
+    SAVED = "saved"
+    DISCARDED = "discarded"
+
+
+@dataclass(eq=False)
+class MemBlock:
+    """One block of a session's history.
+
+    - ``original_start``: logical position of its first token in the session's whole history.
+    - ``current_start``: rotary position of its first token in the cache while resident (``None`` otherwise,
+      or before it is placed).
+    - ``priority``: score multiplier (>= 0); ``keep``: ``"pin"`` (never evicted) or ``"prefer"`` (score
+      multiplied by the scorer's ``keep_boost``).
+    - ``embedding``: float32 ``[dim]`` vector for coherence and similarity recovery, or ``None``.
+    - ``recovered_turn``: the turn it was last recovered in (``None``: never).
+    - ``text``: breadcrumb text; ``message_index``: which message of the history it belongs to.
+
+    Identity semantics (``eq=False``): two blocks are the same block only if they are the same object.
+    """
+
+    block_id: int
+    kind: BlockKind
+    turn: int
+    token_ids: list[int]
+    original_start: int
+    current_start: int | None = None
+    priority: float = 1.0
+    keep: Keep | None = None
+    embedding: torch.Tensor | None = None
+    state: BlockState = BlockState.RESIDENT
+    recovered_turn: int | None = None
+    text: str = ""
+    message_index: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            self.kind = BlockKind(self.kind)
+            self.state = BlockState(self.state)
+        except ValueError as e:
+            raise ConfigError(f"MemBlock {self.block_id}: {e}") from e
+        problems = [
+            ("original_start must be >= 0", self.original_start < 0),
+            ("current_start must be >= 0 or None", self.current_start is not None and self.current_start < 0),
+            ("priority must be finite and >= 0", not (math.isfinite(self.priority) and self.priority >= 0)),
+            ("keep must be 'pin', 'prefer' or None", self.keep is not None and self.keep not in KEEP_VALUES),
+            ("embedding must be 1-D [dim]", self.embedding is not None and self.embedding.dim() != 1),
+        ]
+        for message, bad in problems:
+            if bad:
+                raise ConfigError(f"MemBlock {self.block_id}: {message}; {self!r:.300}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens in the block."""
+        return len(self.token_ids)
+
+    @property
+    def original_end(self) -> int:
+        """Logical position one past its last token: ``original_start + num_tokens``."""
+        return self.original_start + self.num_tokens
+
+    @property
+    def pinned(self) -> bool:
+        """``keep == "pin"``: never evicted, scores 1.0."""
+        return self.keep == "pin"
+
+    @property
+    def resident(self) -> bool:
+        """Its K/V are in the pool (state RESIDENT)."""
+        return self.state is BlockState.RESIDENT
+
+    def is_sink(self, sink_count: int) -> bool:
+        """An attention sink: it starts at a logical position below ``sink_count``; never evicted."""
+        return self.original_start < sink_count

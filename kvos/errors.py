@@ -88,3 +88,7 @@ class BlockDataError(KvosError, ValueError):
 class SignalError(KvosError, ValueError):
     """A signal value a memory policy cannot use: a negative or non-finite attention mass, block boundaries
     that do not tile the cache, embeddings of mismatched shapes or zero norm, a block without a score."""
+
+
+class BudgetError(KvosError):
+    """A session cannot fit new tokens in its budget: what remains resident is pinned, sinks or protected."""

@@ -1,0 +1,61 @@
+"""Per-session memory settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvos.errors import ConfigError
+from kvos.policy.attention import AttentionTracker
+from kvos.policy.budget import Budget
+from kvos.policy.scorer import Scorer
+from kvos.session.embedder import EmbedderName
+from kvos.session.pager import Backend, PositionMode
+
+
+@dataclass
+class SessionConfig:
+    """How one session keeps within its budget and gets its blocks back.
+
+    block_tokens: the largest block a message is chunked into (messages are blocks; long ones are split).
+    capture_layers: layers whose decode attention feeds the attention signal; None picks a few middle and
+        late layers (at most 16).
+    recovery_top_k / recovery_min_similarity: similarity recovery keeps at most this many saved blocks,
+        each at least this similar to the new user message (cosine) and more similar than the best
+        resident block that is not part of the new message.
+    """
+
+    budget: Budget = field(default_factory=Budget)
+    block_tokens: int = 128
+    sink_count: int = 4
+    position_mode: PositionMode = "compact"
+    backend: Backend = "kv_restore"
+    scorer: Scorer = field(default_factory=Scorer)
+    attention_mode: str = "ewma"
+    capture_layers: tuple[int, ...] | None = None
+    embedder: EmbedderName = "hidden"
+    recovery_top_k: int = 4
+    recovery_min_similarity: float = 0.2
+    store_ram_bytes: int | None = None
+    store_disk_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0:
+            raise ConfigError(f"block_tokens must be positive, got {self.block_tokens}")
+        if self.sink_count < 0 or self.recovery_top_k < 0:
+            raise ConfigError("sink_count and recovery_top_k must be >= 0")
+        if self.budget.max_active_tokens < 2 * self.block_tokens:
+            raise ConfigError(
+                f"max_active_tokens ({self.budget.max_active_tokens}) must hold at least two blocks of "
+                f"block_tokens ({self.block_tokens}): lower block_tokens or raise the budget"
+            )
+        AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode
+
+    def layers_to_capture(self, num_layers: int) -> frozenset[int]:
+        """The configured layers, or {L/2, 3L/4, L-1} by default."""
+        if self.capture_layers is not None:
+            bad = [i for i in self.capture_layers if not 0 <= i < num_layers]
+            if bad or len(self.capture_layers) > 16:
+                raise ConfigError(f"capture_layers must be at most 16 layers in [0, {num_layers}), got {bad}")
+            return frozenset(self.capture_layers)
+        return frozenset({num_layers // 2, (3 * num_layers) // 4, num_layers - 1})

@@ -1,0 +1,56 @@
+"""Embeddings of token runs, for task focus and similarity recovery.
+
+Both embedders are context-free: a block and a query are embedded the same way whatever surrounds them,
+so their cosines are comparable, and a new user message can be embedded before it is decoded (similarity
+recovery restores blocks before the new tail goes through the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+
+EmbedderName = Literal["hidden", "tokens"]
+
+
+class Embedder(Protocol):
+    def __call__(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """token ids -> L2-normalised float32 [dim]."""
+        ...
+
+
+class HiddenStateEmbedder:
+    """Mean of the model's final hidden states over the run (at most its last ``max_tokens`` tokens),
+    from a standalone forward pass that leaves the KV pool untouched."""
+
+    def __init__(self, engine: Engine, max_tokens: int = 256) -> None:
+        self.engine, self.max_tokens = engine, max_tokens
+
+    def __call__(self, token_ids: Sequence[int]) -> torch.Tensor:
+        hidden = self.engine.hidden_states(list(token_ids)[-self.max_tokens :])
+        return F.normalize(hidden.float().mean(0), dim=0).cpu()
+
+
+class TokenEmbedder:
+    """Mean of the input embedding rows of the run's tokens: lexical, and free (no forward pass)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.table = engine.model.embed
+
+    def __call__(self, token_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.table.device)
+        return F.normalize(self.table.index_select(0, ids).float().mean(0), dim=0).cpu()
+
+
+def make_embedder(name: EmbedderName, engine: Engine) -> Embedder:
+    if name == "hidden":
+        return HiddenStateEmbedder(engine)
+    if name == "tokens":
+        return TokenEmbedder(engine)
+    raise ConfigError(f"embedder must be 'hidden' or 'tokens', got {name!r}")

@@ -1,0 +1,88 @@
+"""The memory manager: sessions sharing one engine and one pool, each within its own budget.
+
+When the shared pool reaches its ``max_bytes`` cap, a session that needs room does not fail: the manager
+pages out the lowest-scored evictable blocks of the other sessions first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+from kvos.memory.growth import GrowthPolicy
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import Tokenizer, load_tokenizer
+from kvos.policy.budget import select_victims
+from kvos.session.config import SessionConfig
+from kvos.session.session import Session
+
+
+class MemoryManager:
+    """Creates sessions over one engine and arbitrates the pool between them."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: SessionConfig | None = None) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.config = config or SessionConfig()
+        self.sessions: dict[str, Session] = {}
+        self._ids = itertools.count(1)
+
+    @classmethod
+    def from_path(
+        cls,
+        model: str | Path,
+        config: SessionConfig | None = None,
+        dtype: str | None = None,
+        device: str = "cpu",
+        growth: GrowthPolicy | None = None,
+        block_size: int = 16,
+    ) -> MemoryManager:
+        """Load a Hugging Face model directory (with its tokenizer) and build a manager over it."""
+        engine = Engine(load_model(model, dtype, device), block_size=block_size, growth=growth)
+        return cls(engine, load_tokenizer(model), config)
+
+    def session(self, session_id: str | None = None, config: SessionConfig | None = None) -> Session:
+        """The session with this id, created (with ``config`` or the manager's default) if it is new."""
+        if session_id is None:
+            session_id = f"s{next(self._ids)}"
+        if session_id not in self.sessions:
+            self.sessions[session_id] = Session(
+                session_id, self.engine, self.tokenizer, config or self.config, relieve=self.relieve
+            )
+        elif config is not None:
+            raise ConfigError(f"session {session_id!r} exists already; its config cannot change")
+        return self.sessions[session_id]
+
+    def close(self, session_id: str) -> None:
+        """End a session: its pool blocks and saved blocks are freed."""
+        self.sessions.pop(session_id).close()
+
+    def relieve(self, requester: Session) -> bool:
+        """Page out the lowest-scored evictable block of any other session; False when none is left."""
+        best: tuple[float, Session, Any] | None = None
+        for other in self.sessions.values():
+            if other is requester:
+                continue
+            resident, scores = other.resident_scores()
+            victims = select_victims(
+                resident, scores, other.pager.active_tokens, 0, other.protected, other.config.sink_count
+            )[:1]
+            if victims and (best is None or scores[victims[0].block_id] < best[0]):
+                best = (scores[victims[0].block_id], other, victims[0])
+        if best is None:
+            return False
+        _, owner, block = best
+        owner.evict([block], {block.block_id: best[0]})
+        owner.journal.log(owner.turn, "pressure", block=block.block_id, by=requester.session_id)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.engine.pool
+        return {
+            "pool_bytes": pool.nbytes,
+            "pool_live_bytes": pool.live_bytes,
+            "pool_resizes": pool.resizes,
+            "sessions": {sid: s.stats() for sid, s in self.sessions.items()},
+        }

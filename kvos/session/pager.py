@@ -1,0 +1,151 @@
+"""The pager: moves one session's blocks between the KV pool and the block store.
+
+Each resident :class:`MemBlock` owns one engine :class:`Segment`. Evicting a block saves its K/V (backend
+``kv_restore``) or forgets them, frees its pool blocks and, in ``compact`` mode, closes the gap by
+re-anchoring the keys of every later block. Restoring splices saved K/V back with no forward pass;
+recomputing re-prefills the block's tokens (the ``breadcrumb`` backend's recovery).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from kvos.engine.engine import Engine
+from kvos.engine.sequence import Segment, Sequence
+from kvos.errors import ConfigError
+from kvos.memory.store import BlockStore
+from kvos.policy.blocks import BlockState, MemBlock
+
+PositionMode = Literal["compact", "sparse"]
+Backend = Literal["discard", "breadcrumb", "kv_restore"]
+Place = Literal["end", "place"]
+
+
+class Pager:
+    """Residency of one session's blocks: which are in the pool, where, and how they leave and return."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: BlockStore | None,
+        mode: PositionMode,
+        backend: Backend,
+        blocks: dict[int, MemBlock],
+    ) -> None:
+        """``blocks`` is the session's registry of every block (resident or not), shared, keyed by id."""
+        if mode not in ("compact", "sparse"):
+            raise ConfigError(f"position mode must be 'compact' or 'sparse', got {mode!r}")
+        if backend not in ("discard", "breadcrumb", "kv_restore"):
+            raise ConfigError(f"backend must be discard, breadcrumb or kv_restore, got {backend!r}")
+        if backend == "kv_restore" and store is None:
+            raise ConfigError("the kv_restore backend needs a BlockStore")
+        self.engine, self.store, self.mode, self.backend = engine, store, mode, backend
+        self.blocks = blocks
+        self.seq: Sequence = engine.new_sequence()
+        self.segments: dict[int, Segment] = {}
+
+    @property
+    def active_tokens(self) -> int:
+        return self.seq.num_tokens
+
+    def next_position(self, block: MemBlock) -> int:
+        """Where a new block's first token goes: its logical position (sparse) or the cache end (compact)."""
+        return block.original_start if self.mode == "sparse" else self.seq.next_position()
+
+    def open(self, block: MemBlock) -> Segment:
+        """Start a new block at the end of the cache; the caller then extends the sequence with its tokens."""
+        seg = self.seq.open_segment()
+        self.segments[block.block_id] = seg
+        block.state, block.current_start = BlockState.RESIDENT, self.next_position(block)
+        return seg
+
+    def append(self, block: MemBlock, logits: Literal["last", "none"] = "none") -> torch.Tensor:
+        """Prefill a new block at the end of the cache; returns the last logits [1, vocab] or hidden states.
+        All or nothing: if the pool runs out, the block leaves no trace and the error propagates."""
+        seg = self.open(block)
+        start = int(block.current_start or 0)
+        try:
+            return self.engine.extend(
+                self.seq, block.token_ids, range(start, start + block.num_tokens), logits
+            )
+        except BaseException:
+            del self.segments[block.block_id]
+            self.engine.evict(self.seq, seg)
+            block.state, block.current_start = BlockState.DISCARDED, None
+            raise
+
+    def order(self) -> list[int]:
+        """Resident block ids in cache order."""
+        by_seg = {id(seg): bid for bid, seg in self.segments.items()}
+        return [by_seg[id(seg)] for seg in self.seq.segments if id(seg) in by_seg]
+
+    def evict(self, blocks: list[MemBlock]) -> int:
+        """Take blocks out of the pool (saving their K/V for kv_restore); returns the tokens freed."""
+        freed = 0
+        for block in blocks:
+            seg = self.segments.pop(block.block_id)
+            if self.backend == "kv_restore":
+                assert self.store is not None
+                k, v = self.engine.read_kv(seg)
+                self.store.put(block.block_id, k, v, {"positions": seg.positions.tolist()})
+                block.state = BlockState.SAVED
+            else:
+                block.state = BlockState.DISCARDED
+            freed += seg.num_tokens
+            self.engine.evict(self.seq, seg)
+            block.current_start = None
+        if self.mode == "compact":
+            self.compact()
+        return freed
+
+    def compact(self) -> None:
+        """Give resident tokens contiguous positions in cache order, re-anchoring keys that move."""
+        start = 0
+        for seg in self.seq.segments:
+            n = seg.num_tokens
+            if n and int(seg.positions[0]) != start:
+                self.engine.reposition(self.seq, seg, torch.arange(start, start + n))
+            start += n
+        for bid, seg in self.segments.items():
+            if seg.num_tokens:
+                self.blocks[bid].current_start = int(seg.positions[0])
+
+    def restore(self, block: MemBlock, at: Place = "end") -> None:
+        """Splice a saved block back from the store with no forward pass."""
+        assert self.store is not None and block.state is BlockState.SAVED
+        saved = self.store.get(block.block_id)
+        old = torch.tensor(saved.meta["positions"], dtype=torch.int64)
+        index, start = self._landing(block, at)
+        new = torch.arange(start, start + block.num_tokens)
+        seg = self.engine.splice(self.seq, index, block.token_ids, saved.k, saved.v, old, new)
+        self.store.delete(block.block_id)
+        self.segments[block.block_id] = seg
+        block.state, block.current_start = BlockState.RESIDENT, start
+        if self.mode == "compact":
+            self.compact()
+
+    def recompute(self, block: MemBlock) -> None:
+        """Re-prefill a discarded block's tokens at the end of the cache (recovery by recompute)."""
+        self.append(block)
+
+    def release(self) -> None:
+        """Free every resident block and forget the saved ones."""
+        self.seq.release()
+        self.segments.clear()
+        if self.store is not None:
+            self.store.close()
+
+    def _landing(self, block: MemBlock, at: Place) -> tuple[int, int]:
+        """(cache index, first position) for a block coming back: at the end, or at its logical place."""
+        order = self.order()
+        if at == "end":
+            index = len(self.seq.segments)
+            start = block.original_start if self.mode == "sparse" else self.seq.next_position()
+            return index, start
+        before = [bid for bid in order if self.blocks[bid].original_start < block.original_start]
+        index = self.seq.segments.index(self.segments[before[-1]]) + 1 if before else 0
+        if self.mode == "sparse":
+            return index, block.original_start
+        return index, sum(self.segments[bid].num_tokens for bid in before)

@@ -89,8 +89,8 @@ class Pager:
             if self.backend == "kv_restore":
                 assert self.store is not None
                 k, v = self.engine.read_kv(seg)
+                block.state = BlockState.SAVED  # before put: a store over its caps may drop it at once
                 self.store.put(block.block_id, k, v, {"positions": seg.positions.tolist()})
-                block.state = BlockState.SAVED
             else:
                 block.state = BlockState.DISCARDED
             freed += seg.num_tokens

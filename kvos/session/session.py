@@ -138,7 +138,7 @@ class Session:
             )
             block.embedding = self.embed(chunk)
             self.make_room(len(chunk), protected={block.block_id})
-            self.last_logits = self._guarded(lambda b=block: self.pager.append(b, "last"))  # type: ignore[misc]
+            self.last_logits = self._guarded(lambda b=block: self.pager.append(b, "last"), set())  # type: ignore[misc]
             self.blocks[block.block_id] = block
             self.history_tokens += len(chunk)
             made.append(block)
@@ -165,13 +165,27 @@ class Session:
         victims = select_victims(resident, scores, active + n, budget.target(), keep, self.config.sink_count)
         self.evict(victims, scores)
         if self.pager.active_tokens + n > budget.max_active_tokens:
+            self._evict_last_resort(n, keep)
+        if self.pager.active_tokens + n > budget.max_active_tokens:
             raise BudgetError(
                 f"session {self.session_id}: {n} more tokens do not fit in max_active_tokens="
                 f"{budget.max_active_tokens}: the {self.pager.active_tokens} resident tokens are pinned, "
                 "sinks or protected"
             )
 
-    def evict(self, victims: list[MemBlock], scores: dict[int, float]) -> int:
+    def _evict_last_resort(self, n: int, keep: set[int]) -> None:
+        """Blocks scoring >= 1.0 without a pin (e.g. "prefer" messages) are skipped while anything else can
+        go; when nothing else is left they go too, lowest raw score first. Pins, sinks and protected blocks
+        never do."""
+        resident, scores = self.resident_scores()
+        capped = {i: min(s, 1.0 - 1e-9) for i, s in scores.items()}  # ties go oldest first
+        target = self.config.budget.max_active_tokens
+        victims = select_victims(
+            resident, capped, self.pager.active_tokens + n, target, keep, self.config.sink_count
+        )
+        self.evict(victims, scores, forced=True)
+
+    def evict(self, victims: list[MemBlock], scores: dict[int, float], forced: bool = False) -> int:
         freed = self.pager.evict(victims)
         for block in victims:
             self.tracker.forget(block.block_id)
@@ -181,17 +195,31 @@ class Session:
                 block=block.block_id,
                 tokens=block.num_tokens,
                 score=round(scores.get(block.block_id, 0.0), 4),
+                forced=forced,
             )
         return freed
 
-    def _guarded(self, op: Callable[[], Any]) -> Any:
-        """Run a pool-allocating operation; at the pool's cap, ask the manager to page out other sessions."""
+    def _guarded(self, op: Callable[[], Any], protected: set[int]) -> Any:
+        """Run a pool-allocating operation. At the pool's cap, page out other sessions' lowest-scored blocks
+        (through the manager), then this session's own, one at a time, never ``protected`` ones."""
         while True:
             try:
                 return op()
             except PoolOutOfMemoryError:
-                if self.relieve is None or not self.relieve(self):
+                if self.relieve is not None and self.relieve(self):
+                    continue
+                if not self._evict_own(protected):
                     raise
+
+    def _evict_own(self, protected: set[int]) -> bool:
+        resident, scores = self.resident_scores()
+        keep = self.protected | protected
+        victims = select_victims(resident, scores, self.pager.active_tokens, 0, keep, self.config.sink_count)
+        if not victims:
+            return False
+        self.evict(victims[:1], scores)
+        self.journal.log(self.turn, "pool_full", block=victims[0].block_id)
+        return True
 
     # ---------------------------------------------------------------- recovery
     def _recover_similar(self, query: torch.Tensor) -> None:
@@ -205,9 +233,27 @@ class Session:
         resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(self.config.sink_count)]
         bar = max((cosine(query, b.embedding) for b in resident if b.embedding is not None), default=-1.0)
         bar = max(bar, self.config.recovery_min_similarity)
-        chosen = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
-        for block_id in reversed(chosen[: self.config.recovery_top_k]):
+        ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
+        for block_id in reversed(self._affordable(ranked)):
             self.recover(self.blocks[block_id], similarity=sims[block_id])
+
+    def _affordable(self, ranked: list[int]) -> list[int]:
+        """The best-ranked blocks (at most recovery_top_k) that can be protected this turn while pinned
+        blocks, sinks and one block being written still fit in the budget."""
+        sinks = self.config.sink_count
+        locked = sum(
+            b.num_tokens
+            for b in self.blocks.values()
+            if b.resident and (b.pinned or b.is_sink(sinks) or b.block_id in self.protected)
+        )
+        room = self.config.budget.max_active_tokens - self.config.block_tokens - locked
+        chosen: list[int] = []
+        for block_id in ranked:
+            size = self.blocks[block_id].num_tokens
+            if len(chosen) < self.config.recovery_top_k and size <= room:
+                chosen.append(block_id)
+                room -= size
+        return chosen
 
     def _recoverable(self, block: MemBlock) -> bool:
         if block.state is BlockState.SAVED:
@@ -218,10 +264,10 @@ class Session:
         """Page a block back in: splice saved K/V, or recompute from its tokens; protected for this turn."""
         self.make_room(block.num_tokens, protected={block.block_id})
         if block.state is BlockState.SAVED:
-            self._guarded(lambda: self.pager.restore(block, at))  # type: ignore[arg-type]
+            self._guarded(lambda: self.pager.restore(block, at), set())  # type: ignore[arg-type]
             how = "restore"
         else:
-            self._guarded(lambda: self.pager.recompute(block))
+            self._guarded(lambda: self.pager.recompute(block), set())
             how = "recompute"
         block.recovered_turn = self.turn
         self.protected.add(block.block_id)
@@ -259,6 +305,8 @@ class Session:
                 "Session.stream takes no stop strings yet (the cache must hold exactly what "
                 "the history says); stop on EOS or max_tokens"
             )
+        if not self.messages:
+            raise ConfigError("nothing to reply to: add a message to the session first")
         header = self._render_delta(self.messages, add_generation_prompt=True)
         header_ids = self.tokenizer.encode(header) if header else []
         block = (
@@ -266,8 +314,7 @@ class Session:
             if header_ids
             else None
         )
-        if self.last_logits is None:
-            raise ConfigError("nothing to reply to: add a message first")
+        assert self.last_logits is not None
         sampler, eos = Sampler(params), set() if params.ignore_eos else set(self.tokenizer.eos_ids)
         assembler = TextAssembler(self.tokenizer, header_ids, ())
         generated: list[int] = []
@@ -312,13 +359,16 @@ class Session:
             )
             self.blocks[block.block_id] = block
             self.pager.open(block)
-        position = int(block.current_start or 0) + block.num_tokens
         captured: dict[int, torch.Tensor] = {}
-        self.last_logits = self._guarded(
-            lambda: self.engine.extend(
+        reply = block
+
+        def step() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
+            position = int(reply.current_start or 0) + reply.num_tokens
+            return self.engine.extend(
                 self.pager.seq, [token], [position], capture_layers=self.capture, captured=captured
             )
-        )
+
+        self.last_logits = self._guarded(step, {block.block_id})
         block.token_ids.append(token)
         self.history_tokens += 1
         self._observe(captured)

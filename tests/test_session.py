@@ -1,0 +1,270 @@
+"""The memory manager's promises, end to end on a small random model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvos.engine.engine import Engine
+from kvos.engine.sampling import SamplingParams
+from kvos.errors import ConfigError
+from kvos.memory.growth import GrowthPolicy
+from kvos.model.loader import load_model
+from kvos.model.random_init import PRESETS, build_random_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.blocks import BlockKind, BlockState
+from kvos.policy.budget import Budget
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+from kvos.session.session import Session
+
+SMALL = {
+    **PRESETS["tiny"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 300,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+FILLER = "the quick brown fox jumps over the lazy dog while it rains "
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("small"), SMALL, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    return Engine(load_model(model_dir), block_size=8)
+
+
+def manager(engine: Engine, model_dir: Path, **cfg: object) -> MemoryManager:
+    budget = cfg.pop("budget", Budget(max_active_tokens=200, policy="hard"))
+    config = SessionConfig(budget=budget, block_tokens=24, embedder="tokens", **cfg)  # type: ignore[arg-type]
+    return MemoryManager(engine, load_tokenizer(model_dir), config)
+
+
+messages = st.lists(
+    st.tuples(
+        st.sampled_from(["user", "user", "assistant-gen", "tool", "doc"]),
+        st.integers(1, 90),
+        st.sampled_from([None, None, None, "prefer", "pin"]),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    msgs=messages,
+    policy=st.sampled_from(["hard", "watermark"]),
+    mode=st.sampled_from(["compact", "sparse"]),
+    backend=st.sampled_from(["kv_restore", "breadcrumb", "discard"]),
+)
+def test_budget_never_exceeded(
+    engine: Engine, model_dir: Path, msgs: list, policy: str, mode: str, backend: str
+) -> None:
+    m = manager(
+        engine,
+        model_dir,
+        budget=Budget(max_active_tokens=160, policy=policy),
+        position_mode=mode,
+        backend=backend,
+    )
+    s = m.session()
+    try:
+        run_session(s, msgs, mode, backend)
+    finally:
+        m.close(s.session_id)
+    assert engine.pool.allocator.num_used == 0
+
+
+def run_session(s: Session, msgs: list, mode: str, backend: str) -> None:
+    pins = 0
+    for role, length, keep in msgs:
+        if keep == "pin":  # one short pinned message at most, so the budget can always be met
+            keep = None if pins else keep
+            length = min(length, 30)
+            pins += 1
+        text = (FILLER * 8)[: length * 2]
+        if role == "assistant-gen" and not s.messages:
+            with pytest.raises(ConfigError, match="nothing to reply to"):
+                s.generate(GREEDY)
+        elif role == "assistant-gen":
+            s.generate(SamplingParams(max_tokens=length // 3 + 1, ignore_eos=True))
+        elif role == "doc":
+            s.add_document(text, keep=keep)  # type: ignore[arg-type]
+        else:
+            s.add_message(role, text, keep=keep)  # type: ignore[arg-type]
+        stats = s.stats()
+        assert stats["max_active_tokens_seen"] <= 160
+        assert stats["active_tokens"] == sum(b.num_tokens for b in s.blocks.values() if b.resident)
+        assert stats["history_tokens"] == sum(b.num_tokens for b in s.blocks.values())
+        if mode == "compact":
+            assert torch.equal(s.pager.seq.positions, torch.arange(s.pager.active_tokens))
+        for b in s.blocks.values():
+            assert b.resident or not b.pinned
+            assert b.resident or not b.is_sink(4)
+            if backend == "kv_restore":
+                assert b.state is not BlockState.DISCARDED
+
+
+def test_pinned_and_sink_blocks_stay(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir)
+    s = m.session()
+    sink = s.add_message("system", "be brief")[0]
+    pinned = s.add_message("user", "pinned fact 4242", keep="pin")
+    for i in range(20):
+        s.add_message("user", f"{i} " + FILLER)
+    assert s.stats()["evictions"] > 10
+    assert sink.resident and all(b.resident for b in pinned)
+    assert sink.current_start == 0
+    m.close(s.session_id)
+
+
+def test_similarity_recovery_restores_the_relevant_block(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir)
+    s = m.session()
+    s.add_message("system", "hi")
+    fact = s.add_message("user", "zebra quartz 4242 zebra quartz")
+    for i in range(12):
+        s.add_message("user", f"{i} " + FILLER)
+    assert fact[0].state is BlockState.SAVED
+    s.add_message("user", "zebra quartz ?")
+    assert fact[0].resident
+    restores = [e for e in s.journal.events if e["event"] == "restore"]
+    assert {b.block_id for b in fact} <= {e["block"] for e in restores}
+    last = [e for e in restores if e["turn"] == s.turn]
+    assert [e["similarity"] for e in last] == sorted(e["similarity"] for e in last)  # best last
+    assert fact[0].recovered_turn == s.turn
+    # the recovered block is protected for the rest of its turn, even under heavy pressure
+    s.generate(SamplingParams(max_tokens=150, ignore_eos=True))
+    assert fact[0].resident
+    s.add_message("user", "next turn " + FILLER * 3)
+    m.close(s.session_id)
+
+
+def test_breadcrumb_recovers_by_recompute(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir, backend="breadcrumb")
+    s = m.session()
+    s.add_message("system", "hi")
+    fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]
+    for i in range(12):
+        s.add_message("user", f"{i} " + FILLER)
+    assert fact.state is BlockState.DISCARDED and fact.embedding is not None and "4242" in fact.text
+    s.add_message("user", "zebra quartz ?")
+    assert fact.resident and s.stats()["recoveries_recompute"] >= 1 and s.stats()["recoveries_restore"] == 0
+    m.close(s.session_id)
+
+
+def test_discard_never_recovers(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir, backend="discard")
+    s = m.session()
+    s.add_message("system", "hi")
+    fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]
+    for i in range(12):
+        s.add_message("user", f"{i} " + FILLER)
+    s.add_message("user", "zebra quartz ?")
+    assert not fact.resident
+    assert s.stats()["recoveries_restore"] == s.stats()["recoveries_recompute"] == 0
+    m.close(s.session_id)
+
+
+def test_task_boundary_snaps_focus(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir)
+    s = m.session()
+    s.add_message("user", "alpha topic")
+    first = s.focus.vector.clone()
+    s.add_message("user", "alpha topic again")
+    assert s.stats()["focus_snaps"] == 1
+    s.add_message("user", "alpha topic again", task_boundary=True)
+    assert s.stats()["focus_snaps"] == 2
+    assert not torch.equal(first, s.focus.vector)
+    m.close(s.session_id)
+
+
+def test_gap_fill_restores_at_place(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir, budget=Budget(max_active_tokens=2000), recovery_top_k=0)
+    s = m.session()
+    for i in range(6):
+        s.add_message("user", f"{i} " + FILLER)
+    history = [t for b in sorted(s.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]
+    victims = [s.blocks[2], s.blocks[5]]
+    s.evict(victims, {})
+    assert all(b.state is BlockState.SAVED for b in victims)
+    assert s.fill_gaps(history) == 2
+    order = s.pager.order()
+    assert order == sorted(order, key=lambda i: s.blocks[i].original_start)
+    assert s.pager.seq.token_ids == history
+    assert torch.equal(s.pager.seq.positions, torch.arange(len(history)))
+    m.close(s.session_id)
+
+
+def test_pool_pressure_evicts_from_other_sessions(model_dir: Path) -> None:
+    model = load_model(model_dir)
+    probe = Engine(model, block_size=8)
+    engine = Engine(
+        model,
+        block_size=8,
+        growth=GrowthPolicy(initial_tokens=64, max_bytes=probe.pool.layout.bytes_per_block * 40),
+    )
+    m = manager(engine, model_dir, budget=Budget(max_active_tokens=1000))
+    a, b = m.session("a"), m.session("b")
+    for i in range(4):
+        a.add_message("user", f"a{i} " + FILLER)
+    before = a.stats()["active_tokens"]
+    for i in range(3):  # a's 4 messages and b's 3 do not fit in 40 pool blocks together
+        b.add_message("user", f"b{i} " + FILLER)
+    assert b.stats()["evictions"] == 0
+    assert a.stats()["active_tokens"] < before
+    assert any(e["event"] == "pressure" and e["by"] == "b" for e in a.journal.events)
+    assert engine.pool.nbytes <= probe.pool.layout.bytes_per_block * 40
+    for i in range(8):  # alone at the cap, a session pages out its own blocks instead of failing
+        b.add_message("user", f"b{i + 8} " + FILLER)
+    assert any(e["event"] == "pool_full" for e in b.journal.events)
+
+
+def test_store_drop_keeps_breadcrumb_and_recomputes(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir, store_ram_bytes=1)  # nothing fits in RAM and there is no disk: dropped
+    s = m.session()
+    s.add_message("system", "hi")
+    fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]
+    for i in range(12):
+        s.add_message("user", f"{i} " + FILLER)
+    assert fact.state is BlockState.DISCARDED and any(e["event"] == "drop" for e in s.journal.events)
+    s.add_message("user", "zebra quartz ?")
+    assert fact.resident and s.stats()["recoveries_recompute"] >= 1
+    m.close(s.session_id)
+
+
+def test_reply_blocks_are_assistant_and_history_renders(engine: Engine, model_dir: Path) -> None:
+    m = manager(engine, model_dir, budget=Budget(max_active_tokens=4000))
+    s = m.session()
+    s.add_message("user", "hello")
+    text, ids, reason = s.generate(SamplingParams(max_tokens=60, ignore_eos=True))
+    assert reason == "length" and len(ids) == 60
+    reply = [b for b in s.blocks.values() if b.kind is BlockKind.ASSISTANT]
+    assert sum(b.num_tokens for b in reply) == 60 + len(s.tokenizer.encode("<|im_start|>assistant\n"))
+    assert all(b.num_tokens <= 24 for b in reply)
+    history = [t for b in sorted(s.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]
+    assert s.pager.seq.token_ids == history
+    assert history[-60:] == ids
+    assert s.messages[-1] == {"role": "assistant", "content": text}
+    m.close(s.session_id)
+
+
+def test_config_validation(engine: Engine, model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="two blocks"):
+        SessionConfig(budget=Budget(max_active_tokens=100), block_tokens=64)
+    with pytest.raises(ConfigError, match="position mode"):
+        manager(engine, model_dir, position_mode="bogus").session()
+    with pytest.raises(ConfigError, match="role"):
+        manager(engine, model_dir).session().add_message("wizard", "hi")

@@ -90,3 +90,27 @@ def test_decode_capture_records_probabilities() -> None:
     assert torch.allclose(probs.sum(-1), torch.ones(4))
     expected = torch.softmax(q[0, 0] @ k[:, 0].T / 2.0, -1)
     assert torch.allclose(probs[0], expected, atol=1e-6)
+
+
+def test_prefill_capture_is_the_mean_over_the_observation_window() -> None:
+    g = torch.Generator().manual_seed(1)
+    n, total = 6, 15
+    k, v = torch.randn(total, 2, 8, generator=g), torch.randn(total, 2, 8, generator=g)
+    q = torch.randn(n, 4, 8, generator=g)
+    pos = torch.arange(total)
+    meta = AttentionMetadata(
+        positions=pos[-n:],
+        write_slots=pos[-n:],
+        read_slots=pos,
+        key_positions=pos,
+        capture_layers=frozenset({0}),
+        capture_window=4,
+    )
+    paged_attention(q, k, v, meta, None, 0)
+    expected = torch.zeros(4, total, dtype=torch.float64)
+    for h in range(4):
+        for i in range(n - 4, n):
+            scores = q[i, h].double() @ k[:, h // 2].double().T / math.sqrt(8)
+            scores[pos > pos[-n:][i]] = float("-inf")
+            expected[h] += torch.softmax(scores, -1) / 4
+    assert torch.allclose(meta.captured[0].double(), expected, atol=1e-6)

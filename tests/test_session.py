@@ -268,3 +268,24 @@ def test_config_validation(engine: Engine, model_dir: Path) -> None:
         manager(engine, model_dir, position_mode="bogus").session()
     with pytest.raises(ConfigError, match="role"):
         manager(engine, model_dir).session().add_message("wizard", "hi")
+
+
+@pytest.mark.parametrize("mode", ["ewma", "cumulative", "snapshot"])
+def test_attention_signal_is_fed(engine: Engine, model_dir: Path, mode: str) -> None:
+    """Decode steps (ewma, cumulative) or the prompt's observation window (snapshot) reach the tracker:
+    every resident block gets an attention value, and snapshot mode ignores decode steps."""
+    m = manager(engine, model_dir, budget=Budget(max_active_tokens=4000), attention_mode=mode)
+    s = m.session()
+    s.add_message("system", "sys " + FILLER)
+    s.add_message("user", "question " + FILLER)
+    after_prompt = {i: s.tracker.raw(i) for i in s.pager.order()}
+    s.generate(SamplingParams(max_tokens=5, ignore_eos=True))
+    resident = s.pager.order()
+    if mode == "snapshot":
+        assert all(after_prompt[i] is not None for i in after_prompt)
+        assert all(s.tracker.raw(i) == after_prompt.get(i) for i in resident)
+    else:
+        assert all(v is None for v in after_prompt.values())
+        assert all(s.tracker.raw(i) is not None for i in resident)
+    assert max(s.tracker.value(i) or 0.0 for i in resident) == pytest.approx(1.0)
+    m.close(s.session_id)

@@ -49,14 +49,16 @@ class Engine:
         logits: Literal["last", "all", "none"] = "last",
         capture_layers: frozenset[int] = frozenset(),
         captured: dict[int, torch.Tensor] | None = None,
+        capture_window: int = 0,
     ) -> torch.Tensor:
         """Append tokens to the last segment of ``seq`` and run them through the model in chunks of
         ``prefill_chunk``.
 
         positions default to consecutive positions after the sequence's last one. Returns float32 logits
         [1, vocab] for the last token ("last"), [n, vocab] ("all"), or final hidden states [n, hidden]
-        ("none"). For single-token steps, the attention probabilities of ``capture_layers`` are stored into
-        ``captured`` (layer -> float32 [num_heads, num_tokens], cache order).
+        ("none"). The attention probabilities of ``capture_layers`` are stored into ``captured`` (layer ->
+        float32 [num_heads, num_tokens], cache order): for a single token its own; for a prefill the mean
+        over its last ``capture_window`` queries (0: none), taken in the final chunk.
         """
         ids = list(token_ids)
         if not ids:
@@ -71,7 +73,16 @@ class Engine:
         for lo in range(0, len(ids), self.prefill_chunk):
             hi = min(lo + self.prefill_chunk, len(ids))
             part = "last" if logits == "last" and hi < len(ids) else logits
-            out = self._forward(seq, ids[lo:hi], pos[lo:hi], part, capture_layers, captured)
+            final = hi == len(ids)
+            out = self._forward(
+                seq,
+                ids[lo:hi],
+                pos[lo:hi],
+                part,
+                capture_layers if final else frozenset(),
+                captured,
+                capture_window,
+            )
             if logits != "last" or hi == len(ids):
                 outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
@@ -94,6 +105,7 @@ class Engine:
         logits: Literal["last", "all", "none"],
         capture_layers: frozenset[int],
         captured: dict[int, torch.Tensor] | None,
+        capture_window: int = 0,
     ) -> torch.Tensor:
         fresh = seq.num_tokens == 0 and all(b > a for a, b in pairwise(positions))
         write_slots = seq.extend(ids, positions)
@@ -105,6 +117,7 @@ class Engine:
             fresh=fresh,
             capture_layers=capture_layers,
             captured=captured if captured is not None else {},
+            capture_window=capture_window,
         )
         try:
             return self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool, logits)

@@ -27,8 +27,10 @@ class AttentionMetadata:
     key_positions: int64 [T] rotary positions of those keys.
     fresh: True when the read set is exactly the new tokens in increasing position order (a prefill with
         no cache): attention then uses the new K/V directly and a plain causal mask.
-    capture_layers: layers whose attention probabilities should be recorded into ``captured``
-        (decode only: probabilities of the single query over the T keys, [num_heads, T] float32).
+    capture_layers: layers whose attention probabilities are recorded into ``captured`` as float32
+        [num_heads, T]: for a single-token step, its query's probabilities over the T keys (free: the decode
+        kernel computes them anyway); for a prefill, the mean over its last ``capture_window`` queries (the
+        observation window of SnapKV), computed for those queries only.
     """
 
     positions: torch.Tensor
@@ -38,6 +40,7 @@ class AttentionMetadata:
     fresh: bool = False
     capture_layers: frozenset[int] = frozenset()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    capture_window: int = 32
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property
@@ -88,7 +91,28 @@ def paged_attention(
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask(window), **kwargs)
+    if layer in meta.capture_layers and meta.capture_window > 0:
+        meta.captured[layer] = _window_probs(q, k, meta, window)
     return out[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+def _window_probs(
+    q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata, window: int | None
+) -> torch.Tensor:
+    """Mean attention probabilities of the last ``capture_window`` queries: q [n, H, D], k [T, Hkv, D]
+    -> float32 [H, T]."""
+    w = min(meta.capture_window, q.shape[0])
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k.shape[1]
+    qw = q[-w:].float().permute(1, 0, 2) * (1.0 / math.sqrt(head_dim))  # [H, w, D]
+    keys = k.float().permute(1, 2, 0).repeat_interleave(group, dim=0)  # [H, D, T]
+    scores = torch.bmm(qw, keys)  # [H, w, T]
+    q_pos = meta.positions[-w:, None]
+    k_pos = meta.key_positions[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).mean(1)
 
 
 def _decode_attention(

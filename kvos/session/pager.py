@@ -61,14 +61,23 @@ class Pager:
         block.state, block.current_start = BlockState.RESIDENT, self.next_position(block)
         return seg
 
-    def append(self, block: MemBlock, logits: Literal["last", "none"] = "none") -> torch.Tensor:
+    def append(
+        self,
+        block: MemBlock,
+        logits: Literal["last", "none"] = "none",
+        captured: dict[int, torch.Tensor] | None = None,
+        capture_layers: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
         """Prefill a new block at the end of the cache; returns the last logits [1, vocab] or hidden states.
+        With ``capture_layers``, the attention of the block's last 32 queries goes into ``captured``.
         All or nothing: if the pool runs out, the block leaves no trace and the error propagates."""
         seg = self.open(block)
         start = int(block.current_start or 0)
+        positions = range(start, start + block.num_tokens)
+        window = 32 if capture_layers else 0
         try:
             return self.engine.extend(
-                self.seq, block.token_ids, range(start, start + block.num_tokens), logits
+                self.seq, block.token_ids, positions, logits, capture_layers, captured, window
             )
         except BaseException:
             del self.segments[block.block_id]

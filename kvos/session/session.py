@@ -137,13 +137,22 @@ class Session:
                 message_index=message_index,
             )
             block.embedding = self.embed(chunk)
-            self.make_room(len(chunk), protected={block.block_id})
-            self.last_logits = self._guarded(lambda b=block: self.pager.append(b, "last"), set())  # type: ignore[misc]
+            final_user_chunk = kind is BlockKind.USER and lo + len(chunk) == len(ids)
+            self._prefill(block, observe=self.config.attention_mode == "snapshot" and final_user_chunk)
             self.blocks[block.block_id] = block
             self.history_tokens += len(chunk)
             made.append(block)
         self.journal.seen(self.pager.active_tokens)
         return made
+
+    def _prefill(self, block: MemBlock, observe: bool) -> None:
+        """Page as needed, then prefill one new block; with ``observe``, the attention of its last 32
+        queries (the SnapKV observation window) becomes the attention signal."""
+        self.make_room(block.num_tokens, protected={block.block_id})
+        layers = self.capture if observe else frozenset()
+        captured: dict[int, torch.Tensor] = {}
+        self.last_logits = self._guarded(lambda: self.pager.append(block, "last", captured, layers), set())
+        self._observe(captured)
 
     # ------------------------------------------------------------------ budget
     def score_context(self) -> ScoreContext:
@@ -360,12 +369,13 @@ class Session:
             self.blocks[block.block_id] = block
             self.pager.open(block)
         captured: dict[int, torch.Tensor] = {}
+        layers = frozenset() if self.config.attention_mode == "snapshot" else self.capture
         reply = block
 
         def step() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
             position = int(reply.current_start or 0) + reply.num_tokens
             return self.engine.extend(
-                self.pager.seq, [token], [position], capture_layers=self.capture, captured=captured
+                self.pager.seq, [token], [position], capture_layers=layers, captured=captured
             )
 
         self.last_logits = self._guarded(step, {block.block_id})

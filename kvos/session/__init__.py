@@ -1,0 +1,7 @@
+"""Chat sessions over the engine and the memory policy: blocks, budgets, paging, recovery."""
+
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+from kvos.session.session import Session
+
+__all__ = ["MemoryManager", "Session", "SessionConfig"]

@@ -140,11 +140,11 @@ def test_similarity_recovery_restores_the_relevant_block(engine: Engine, model_d
     assert fact[0].state is BlockState.SAVED
     s.add_message("user", "zebra quartz ?")
     assert fact[0].resident
-    restores = [e for e in s.journal.events if e["event"] == "restore"]
+    restores = [e for e in s.memory.journal.events if e["event"] == "restore"]
     assert {b.block_id for b in fact} <= {e["block"] for e in restores}
-    last = [e for e in restores if e["turn"] == s.turn]
+    last = [e for e in restores if e["turn"] == s.memory.turn]
     assert [e["similarity"] for e in last] == sorted(e["similarity"] for e in last)  # best last
-    assert fact[0].recovered_turn == s.turn
+    assert fact[0].recovered_turn == s.memory.turn
     # the recovered block is protected for the rest of its turn, even under heavy pressure
     s.generate(SamplingParams(max_tokens=150, ignore_eos=True))
     assert fact[0].resident
@@ -182,12 +182,12 @@ def test_task_boundary_snaps_focus(engine: Engine, model_dir: Path) -> None:
     m = manager(engine, model_dir)
     s = m.session()
     s.add_message("user", "alpha topic")
-    first = s.focus.vector.clone()
+    first = s.memory.focus.vector.clone()
     s.add_message("user", "alpha topic again")
     assert s.stats()["focus_snaps"] == 1
     s.add_message("user", "alpha topic again", task_boundary=True)
     assert s.stats()["focus_snaps"] == 2
-    assert not torch.equal(first, s.focus.vector)
+    assert not torch.equal(first, s.memory.focus.vector)
     m.close(s.session_id)
 
 
@@ -198,9 +198,9 @@ def test_gap_fill_restores_at_place(engine: Engine, model_dir: Path) -> None:
         s.add_message("user", f"{i} " + FILLER)
     history = [t for b in sorted(s.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]
     victims = [s.blocks[2], s.blocks[5]]
-    s.evict(victims, {})
+    s.memory.evict(victims, {})
     assert all(b.state is BlockState.SAVED for b in victims)
-    assert s.fill_gaps(history) == 2
+    assert s.memory.fill_gaps(history) == 2
     order = s.pager.order()
     assert order == sorted(order, key=lambda i: s.blocks[i].original_start)
     assert s.pager.seq.token_ids == history
@@ -225,11 +225,11 @@ def test_pool_pressure_evicts_from_other_sessions(model_dir: Path) -> None:
         b.add_message("user", f"b{i} " + FILLER)
     assert b.stats()["evictions"] == 0
     assert a.stats()["active_tokens"] < before
-    assert any(e["event"] == "pressure" and e["by"] == "b" for e in a.journal.events)
+    assert any(e["event"] == "pressure" and e["by"] == "b" for e in a.memory.journal.events)
     assert engine.pool.nbytes <= probe.pool.layout.bytes_per_block * 40
     for i in range(8):  # alone at the cap, a session pages out its own blocks instead of failing
         b.add_message("user", f"b{i + 8} " + FILLER)
-    assert any(e["event"] == "pool_full" for e in b.journal.events)
+    assert any(e["event"] == "pool_full" for e in b.memory.journal.events)
 
 
 def test_store_drop_keeps_breadcrumb_and_recomputes(engine: Engine, model_dir: Path) -> None:
@@ -239,7 +239,7 @@ def test_store_drop_keeps_breadcrumb_and_recomputes(engine: Engine, model_dir: P
     fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]
     for i in range(12):
         s.add_message("user", f"{i} " + FILLER)
-    assert fact.state is BlockState.DISCARDED and any(e["event"] == "drop" for e in s.journal.events)
+    assert fact.state is BlockState.DISCARDED and any(e["event"] == "drop" for e in s.memory.journal.events)
     s.add_message("user", "zebra quartz ?")
     assert fact.resident and s.stats()["recoveries_recompute"] >= 1
     m.close(s.session_id)
@@ -278,14 +278,14 @@ def test_attention_signal_is_fed(engine: Engine, model_dir: Path, mode: str) -> 
     s = m.session()
     s.add_message("system", "sys " + FILLER)
     s.add_message("user", "question " + FILLER)
-    after_prompt = {i: s.tracker.raw(i) for i in s.pager.order()}
+    after_prompt = {i: s.memory.tracker.raw(i) for i in s.pager.order()}
     s.generate(SamplingParams(max_tokens=5, ignore_eos=True))
     resident = s.pager.order()
     if mode == "snapshot":
         assert all(after_prompt[i] is not None for i in after_prompt)
-        assert all(s.tracker.raw(i) == after_prompt.get(i) for i in resident)
+        assert all(s.memory.tracker.raw(i) == after_prompt.get(i) for i in resident)
     else:
         assert all(v is None for v in after_prompt.values())
-        assert all(s.tracker.raw(i) is not None for i in resident)
-    assert max(s.tracker.value(i) or 0.0 for i in resident) == pytest.approx(1.0)
+        assert all(s.memory.tracker.raw(i) is not None for i in resident)
+    assert max(s.memory.tracker.value(i) or 0.0 for i in resident) == pytest.approx(1.0)
     m.close(s.session_id)

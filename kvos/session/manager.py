@@ -15,8 +15,10 @@ from kvos.errors import ConfigError
 from kvos.memory.growth import GrowthPolicy
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
+from kvos.policy.blocks import MemBlock
 from kvos.policy.budget import select_victims
 from kvos.session.config import SessionConfig
+from kvos.session.memory import SessionMemory
 from kvos.session.session import Session
 
 
@@ -59,22 +61,22 @@ class MemoryManager:
         """End a session: its pool blocks and saved blocks are freed."""
         self.sessions.pop(session_id).close()
 
-    def relieve(self, requester: Session) -> bool:
+    def relieve(self, requester: SessionMemory) -> bool:
         """Page out the lowest-scored evictable block of any other session; False when none is left."""
-        best: tuple[float, Session, Any] | None = None
-        for other in self.sessions.values():
+        best: tuple[float, SessionMemory, MemBlock] | None = None
+        for other in (s.memory for s in self.sessions.values()):
             if other is requester:
                 continue
             resident, scores = other.resident_scores()
             victims = select_victims(
                 resident, scores, other.pager.active_tokens, 0, other.protected, other.config.sink_count
-            )[:1]
+            )
             if victims and (best is None or scores[victims[0].block_id] < best[0]):
                 best = (scores[victims[0].block_id], other, victims[0])
         if best is None:
             return False
-        _, owner, block = best
-        owner.evict([block], {block.block_id: best[0]})
+        score, owner, block = best
+        owner.evict([block], {block.block_id: score})
         owner.journal.log(owner.turn, "pressure", block=block.block_id, by=requester.session_id)
         return True
 

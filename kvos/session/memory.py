@@ -1,0 +1,199 @@
+"""One session's memory policy in action: its budget, evictions, recoveries and pool-pressure relief.
+
+Holds the policy state of a session (turn, history length, task focus, attention tracker, blocks protected
+this turn) and the operations that page blocks out and in through the session's :class:`Pager`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvos.errors import BudgetError, PoolOutOfMemoryError
+from kvos.policy.attention import AttentionTracker, block_masses
+from kvos.policy.blocks import BlockState, MemBlock
+from kvos.policy.budget import select_victims
+from kvos.policy.focus import TaskFocus
+from kvos.policy.scorer import ScoreContext
+from kvos.policy.signals import cosine
+from kvos.session.config import SessionConfig
+from kvos.session.journal import Journal
+from kvos.session.pager import Pager
+
+
+class SessionMemory:
+    """Keeps one session within its budget and brings its blocks back."""
+
+    def __init__(
+        self,
+        session_id: str,
+        config: SessionConfig,
+        pager: Pager,
+        relieve: Callable[[SessionMemory], bool] | None = None,
+    ) -> None:
+        self.session_id, self.config, self.pager, self.relieve = session_id, config, pager, relieve
+        self.blocks: dict[int, MemBlock] = pager.blocks
+        self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
+        self.focus = TaskFocus()
+        self.journal = Journal()
+        self.protected: set[int] = set()
+        self.turn = 0
+        self.history_tokens = 0
+
+    # ------------------------------------------------------------------ budget
+    def score_context(self) -> ScoreContext:
+        return ScoreContext(
+            turn=self.turn, total_tokens=self.history_tokens, focus=self.focus.vector, attention=self.tracker
+        )
+
+    def resident_scores(self) -> tuple[list[MemBlock], dict[int, float]]:
+        resident = [self.blocks[i] for i in self.pager.order() if i in self.blocks]
+        return resident, self.config.scorer.scores(resident, self.score_context())
+
+    def make_room(self, n: int, protected: set[int] | None = None) -> None:
+        """Page out blocks so that ``n`` more tokens keep the session within its budget."""
+        budget, active = self.config.budget, self.pager.active_tokens
+        if not budget.over(active + n):
+            return
+        resident, scores = self.resident_scores()
+        keep = self.protected | (protected or set())
+        victims = select_victims(resident, scores, active + n, budget.target(), keep, self.config.sink_count)
+        self.evict(victims, scores)
+        if self.pager.active_tokens + n > budget.max_active_tokens:
+            self._evict_last_resort(n, keep)
+        if self.pager.active_tokens + n > budget.max_active_tokens:
+            raise BudgetError(
+                f"session {self.session_id}: {n} more tokens do not fit in max_active_tokens="
+                f"{budget.max_active_tokens}: the {self.pager.active_tokens} resident tokens are pinned, "
+                "sinks or protected"
+            )
+
+    def _evict_last_resort(self, n: int, keep: set[int]) -> None:
+        """Blocks scoring >= 1.0 without a pin (e.g. "prefer" messages) are skipped while anything else can
+        go; when nothing else is left they go too, lowest raw score first. Pins, sinks and protected blocks
+        never do."""
+        resident, scores = self.resident_scores()
+        capped = {i: min(s, 1.0 - 1e-9) for i, s in scores.items()}  # ties go oldest first
+        target = self.config.budget.max_active_tokens
+        victims = select_victims(
+            resident, capped, self.pager.active_tokens + n, target, keep, self.config.sink_count
+        )
+        self.evict(victims, scores, forced=True)
+
+    def evict(self, victims: list[MemBlock], scores: dict[int, float], forced: bool = False) -> int:
+        freed = self.pager.evict(victims)
+        for block in victims:
+            self.tracker.forget(block.block_id)
+            self.journal.log(
+                self.turn,
+                "evict",
+                block=block.block_id,
+                tokens=block.num_tokens,
+                score=round(scores.get(block.block_id, 0.0), 4),
+                forced=forced,
+            )
+        return freed
+
+    def guarded(self, op: Callable[[], Any], protected: set[int]) -> Any:
+        """Run a pool-allocating operation. At the pool's cap, page out other sessions' lowest-scored blocks
+        (through the manager), then this session's own, one at a time, never ``protected`` ones."""
+        while True:
+            try:
+                return op()
+            except PoolOutOfMemoryError:
+                if self.relieve is not None and self.relieve(self):
+                    continue
+                if not self._evict_own(protected):
+                    raise
+
+    def _evict_own(self, protected: set[int]) -> bool:
+        resident, scores = self.resident_scores()
+        keep = self.protected | protected
+        victims = select_victims(resident, scores, self.pager.active_tokens, 0, keep, self.config.sink_count)
+        if not victims:
+            return False
+        self.evict(victims[:1], scores)
+        self.journal.log(self.turn, "pool_full", block=victims[0].block_id)
+        return True
+
+    # ---------------------------------------------------------------- recovery
+    def recover_similar(self, query: torch.Tensor) -> None:
+        """Bring back the saved (or breadcrumbed) blocks most similar to the new user message, best last."""
+        if self.config.backend == "discard" or self.config.recovery_top_k == 0:
+            return
+        candidates = [b for b in self.blocks.values() if self._recoverable(b)]
+        if not candidates:
+            return
+        sims = {b.block_id: cosine(query, b.embedding) for b in candidates if b.embedding is not None}
+        resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(self.config.sink_count)]
+        bar = max((cosine(query, b.embedding) for b in resident if b.embedding is not None), default=-1.0)
+        bar = max(bar, self.config.recovery_min_similarity)
+        ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
+        for block_id in reversed(self._affordable(ranked)):
+            self.recover(self.blocks[block_id], similarity=sims[block_id])
+
+    def _affordable(self, ranked: list[int]) -> list[int]:
+        """The best-ranked blocks (at most recovery_top_k) that can be protected this turn while pinned
+        blocks, sinks and one block being written still fit in the budget."""
+        sinks = self.config.sink_count
+        locked = sum(
+            b.num_tokens
+            for b in self.blocks.values()
+            if b.resident and (b.pinned or b.is_sink(sinks) or b.block_id in self.protected)
+        )
+        room = self.config.budget.max_active_tokens - self.config.block_tokens - locked
+        chosen: list[int] = []
+        for block_id in ranked:
+            size = self.blocks[block_id].num_tokens
+            if len(chosen) < self.config.recovery_top_k and size <= room:
+                chosen.append(block_id)
+                room -= size
+        return chosen
+
+    def _recoverable(self, block: MemBlock) -> bool:
+        if block.state is BlockState.SAVED:
+            return True
+        return block.state is BlockState.DISCARDED and self.config.backend != "discard"
+
+    def recover(self, block: MemBlock, at: str = "end", **detail: Any) -> None:
+        """Page a block back in: splice saved K/V, or recompute from its tokens; protected for this turn."""
+        self.make_room(block.num_tokens, protected={block.block_id})
+        if block.state is BlockState.SAVED:
+            self.guarded(lambda: self.pager.restore(block, at), set())  # type: ignore[arg-type]
+            how = "restore"
+        else:
+            self.guarded(lambda: self.pager.recompute(block), set())
+            how = "recompute"
+        block.recovered_turn = self.turn
+        self.protected.add(block.block_id)
+        self.journal.log(self.turn, how, block=block.block_id, tokens=block.num_tokens, **detail)
+        self.journal.seen(self.pager.active_tokens)
+
+    def fill_gaps(self, token_ids: list[int]) -> int:
+        """Identity gap-fill: walk the history against a re-sent prompt; every saved block whose exact
+        tokens sit at its original place is spliced back at its place. Stops at the first difference."""
+        restored = 0
+        for block in sorted(self.blocks.values(), key=lambda b: b.original_start):
+            if token_ids[block.original_start : block.original_end] != block.token_ids:
+                break
+            if block.state is BlockState.SAVED:
+                self.recover(block, at="place", trigger="gap_fill")
+                restored += 1
+        return restored
+
+    def on_drop(self, key: object) -> None:
+        """The store dropped a saved block (over its caps): it keeps its breadcrumb (text and embedding)."""
+        block = self.blocks.get(int(key))  # type: ignore[call-overload]
+        if block is not None and block.state is BlockState.SAVED:
+            block.state = BlockState.DISCARDED
+            self.journal.log(self.turn, "drop", block=block.block_id)
+
+    def observe(self, captured: dict[int, torch.Tensor]) -> None:
+        """Per-block attention mass of this decode step, averaged over the captured layers and heads."""
+        if not captured:
+            return
+        bounds = self.pager.seq.boundaries()
+        masses = torch.stack([block_masses(p, bounds) for p in captured.values()]).mean(0)
+        self.tracker.observe(dict(zip(self.pager.order(), masses.tolist(), strict=True)))

@@ -12,6 +12,8 @@ from kvos.errors import KvosError
 BENCHMARKS = {
     "decode": ("kvos.bench.decode", "decode tokens/s of kvos vs transformers' generate"),
     "growth": ("kvos.bench.growth", "pool bytes vs live bytes as one sequence grows"),
+    "restore": ("kvos.bench.restore", "restoring a saved K/V block vs re-prefilling it vs a plain copy"),
+    "session": ("kvos.bench.session", "a chat session growing to 100x its KV budget: tokens, events, RSS"),
 }
 
 
@@ -54,12 +56,19 @@ def run_bench(name: str, argv: Sequence[str]) -> None:
     mod.run(parser.parse_args(argv))
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from kvos.server.main import add_arguments
+
+    add_arguments(sub.add_parser("serve", help="run the stateful OpenAI-compatible server"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvos", description="kvos: an operating system for the LLM KV cache"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
     return parser
 
@@ -71,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvos.generate_cli import run_generate
 
             return run_generate(args)
+        if args.command == "serve":
+            from kvos.server.main import serve
+
+            return serve(args)
         run_bench(args.bench, args.bench_args)
         return 0
     except KvosError as exc:

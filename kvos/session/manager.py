@@ -13,6 +13,7 @@ from typing import Any
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.memory.growth import GrowthPolicy
+from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.blocks import MemBlock
@@ -30,6 +31,7 @@ class MemoryManager:
         self.config = config or SessionConfig()
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count(1)
+        self._template: ChatTemplate | None = None
 
     @classmethod
     def from_path(
@@ -56,6 +58,12 @@ class MemoryManager:
         elif config is not None:
             raise ConfigError(f"session {session_id!r} exists already; its config cannot change")
         return self.sessions[session_id]
+
+    def session_template(self) -> ChatTemplate | None:
+        """The model's chat template (None when its tokenizer has none)."""
+        if self._template is None and self.tokenizer.chat_template:
+            self._template = ChatTemplate.from_tokenizer(self.tokenizer)
+        return self._template
 
     def close(self, session_id: str) -> None:
         """End a session: its pool blocks and saved blocks are freed."""

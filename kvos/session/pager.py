@@ -54,11 +54,13 @@ class Pager:
         """Where a new block's first token goes: its logical position (sparse) or the cache end (compact)."""
         return block.original_start if self.mode == "sparse" else self.seq.next_position()
 
-    def open(self, block: MemBlock) -> Segment:
-        """Start a new block at the end of the cache; the caller then extends the sequence with its tokens."""
+    def open(self, block: MemBlock, start: int | None = None) -> Segment:
+        """Start a new block at the end of the cache (at position ``start``, by default where the mode puts
+        a new block); the caller then extends the sequence with its tokens."""
         seg = self.seq.open_segment()
         self.segments[block.block_id] = seg
-        block.state, block.current_start = BlockState.RESIDENT, self.next_position(block)
+        block.state = BlockState.RESIDENT
+        block.current_start = self.next_position(block) if start is None else start
         return seg
 
     def append(
@@ -67,13 +69,14 @@ class Pager:
         logits: Literal["last", "none"] = "none",
         captured: dict[int, torch.Tensor] | None = None,
         capture_layers: frozenset[int] = frozenset(),
+        start: int | None = None,
     ) -> torch.Tensor:
         """Prefill a new block at the end of the cache; returns the last logits [1, vocab] or hidden states.
         With ``capture_layers``, the attention of the block's last 32 queries goes into ``captured``.
         All or nothing: if the pool runs out, the block leaves no trace and the error propagates."""
-        seg = self.open(block)
-        start = int(block.current_start or 0)
-        positions = range(start, start + block.num_tokens)
+        seg = self.open(block, start)
+        first = int(block.current_start or 0)
+        positions = range(first, first + block.num_tokens)
         window = 32 if capture_layers else 0
         try:
             return self.engine.extend(
@@ -138,6 +141,45 @@ class Pager:
     def recompute(self, block: MemBlock) -> None:
         """Re-prefill a discarded block's tokens at the end of the cache (recovery by recompute)."""
         self.append(block)
+
+    def discard(self, block: MemBlock) -> None:
+        """Forget a block entirely (history truncation): free its pool blocks or its saved copy."""
+        seg = self.segments.pop(block.block_id, None)
+        if seg is not None:
+            self.engine.evict(self.seq, seg)
+        elif self.store is not None and block.block_id in self.store:
+            self.store.delete(block.block_id)
+        block.state, block.current_start = BlockState.DISCARDED, None
+
+    def truncate(self, block: MemBlock, keep: int) -> None:
+        """Keep the first ``keep`` tokens of a resident block (history truncation inside a block)."""
+        seg = self.segments[block.block_id]
+        seg.truncate(keep)
+        self.seq.rebuild()
+
+    def swap_out(self) -> list[tuple[int, list[int]]]:
+        """Save every resident block (kv_restore) and free the pool; returns (block id, positions) in cache
+        order, which :meth:`swap_in` needs to rebuild the cache exactly."""
+        record = [(bid, self.segments[bid].positions.tolist()) for bid in self.order()]
+        self.evict([self.blocks[bid] for bid, _ in record])
+        return record
+
+    def swap_in(self, record: list[tuple[int, list[int]]]) -> None:
+        """Splice swapped-out blocks back in their cache order at their positions: no forward pass, no
+        rotation, the same cache as before :meth:`swap_out` (a dropped block is recomputed instead)."""
+        assert self.store is not None
+        for bid, positions in record:
+            block = self.blocks[bid]
+            pos = torch.tensor(positions, dtype=torch.int64)
+            if block.state is not BlockState.SAVED:
+                self.append(block, start=positions[0])
+                continue
+            saved = self.store.pop(bid)
+            seg = self.engine.splice(
+                self.seq, len(self.seq.segments), block.token_ids, saved.k, saved.v, pos, pos
+            )
+            self.segments[bid] = seg
+            block.state, block.current_start = BlockState.RESIDENT, positions[0]
 
     def release(self) -> None:
         """Free every resident block and forget the saved ones."""

@@ -8,7 +8,8 @@ prefilled. Generation captures decode attention, which feeds the attention signa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
 from kvos.session.memory import SessionMemory
 from kvos.session.pager import Pager
+from kvos.session.prompt import Span, common_prefix, flatten
 
 ROLE_KINDS = {
     "system": BlockKind.SYSTEM,
@@ -32,6 +34,14 @@ ROLE_KINDS = {
     "assistant": BlockKind.ASSISTANT,
     "tool": BlockKind.TOOL,
 }
+
+
+@dataclass
+class SyncResult:
+    """How much of a prompt the history already held (reused) and how much was decoded."""
+
+    reused: int
+    decoded: int
 
 
 class Session:
@@ -60,7 +70,10 @@ class Session:
         self.embed = make_embedder(config.embedder, engine)
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
+        self._logits_at = -1  # history length at which last_logits were computed
         self._next_block = 0
+        self._swapped: list[tuple[int, list[int]]] = []
+        self._reply_block: MemBlock | None = None
 
     # ----------------------------------------------------------------- history
     def add_message(
@@ -133,6 +146,7 @@ class Session:
             self._prefill(block, observe=self.config.attention_mode == "snapshot" and final_user_chunk)
             self.blocks[block.block_id] = block
             self.memory.history_tokens += len(chunk)
+            self._logits_at = self.memory.history_tokens
             made.append(block)
         self.memory.journal.seen(self.pager.active_tokens)
         return made
@@ -148,45 +162,162 @@ class Session:
         )
         self.memory.observe(captured)
 
+    # ------------------------------------------------------- whole-prompt sync
+    def history_ids(self) -> list[int]:
+        """Every token of the logical history (resident, saved or discarded blocks alike), in order."""
+        return [t for b in sorted(self.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]
+
+    def sync(
+        self,
+        spans: list[Span],
+        priority: float = 1.0,
+        pinned: bool = False,
+        task_boundary: bool = False,
+        need_logits: bool = True,
+    ) -> SyncResult:
+        """Make the history equal to a whole prompt, decoding only what is new.
+
+        The prompt is compared with the logical history; a divergence truncates the history there. Saved
+        blocks the client re-sent come back only while the budget has headroom (so re-sending a whole
+        conversation never thrashes). A new user message in the tail starts a turn (similarity recovery
+        first), then the tail is prefilled as blocks typed by their spans. With ``need_logits`` at least the
+        last token is decoded, so generation has logits to start from.
+        """
+        prompt, history = flatten(spans), self.history_ids()
+        common = common_prefix(prompt, history)
+        if need_logits and common == len(prompt) and not (common == len(history) == self._logits_at):
+            common -= 1
+        if common < len(history):
+            common = self.truncate(common)
+        self._fill_headroom(prompt[:common])
+        offset = 0
+        for span in spans:
+            lo, hi = max(common - offset, 0), len(span.token_ids)
+            offset += hi
+            if lo >= hi:
+                continue
+            ids = span.token_ids[lo:]
+            if span.kind is BlockKind.USER and lo == 0:
+                self._start_turn(ids, task_boundary)
+            keep = "pin" if pinned and span.kind is BlockKind.USER else span.keep
+            self._append(ids, span.kind, keep, priority, span.message_index)
+        return SyncResult(reused=common, decoded=len(prompt) - common)
+
+    def truncate(self, length: int) -> int:
+        """Cut the logical history to ``length`` tokens; returns the length kept (shorter when the cut falls
+        inside a block that is not resident: that block goes whole)."""
+        for block in sorted(self.blocks.values(), key=lambda b: b.original_start, reverse=True):
+            if block.original_end <= length:
+                break
+            if block.original_start < length and block.resident:
+                keep = length - block.original_start
+                self.pager.truncate(block, keep)
+                block.token_ids, block.text = (
+                    block.token_ids[:keep],
+                    self.tokenizer.decode(block.token_ids[:keep]),
+                )
+                continue
+            length = min(length, block.original_start)
+            self.pager.discard(block)
+            self.memory.tracker.forget(block.block_id)
+            del self.blocks[block.block_id]
+        if self.config.position_mode == "compact":
+            self.pager.compact()
+        self.memory.history_tokens = length
+        self.memory.journal.log(self.memory.turn, "truncate", tokens=length)
+        return length
+
+    def _fill_headroom(self, prompt: list[int]) -> None:
+        """Identity gap-fill within headroom: saved blocks re-sent at their place return, most recent
+        first, while the session stays under its low watermark."""
+        target = self.config.budget.target()
+        for block in sorted(self.blocks.values(), key=lambda b: b.original_start, reverse=True):
+            fits = self.pager.active_tokens + block.num_tokens <= target
+            if (
+                block.state is BlockState.SAVED
+                and fits
+                and prompt[block.original_start : block.original_end] == block.token_ids
+            ):
+                self.memory.recover(block, at="place", trigger="gap_fill")
+
+    def swap_out(self) -> None:
+        """Page the whole session out to its store (kv_restore), freeing all its pool blocks."""
+        if self.pager.store is None:
+            raise ConfigError("swapping a session out needs the kv_restore backend")
+        self._swapped = self.pager.swap_out()
+        self.memory.journal.log(self.memory.turn, "swap_out", blocks=len(self._swapped))
+
+    def swap_in(self) -> None:
+        """Bring a swapped-out session back exactly as it was: same blocks, order and positions."""
+        record, self._swapped = self._swapped, []
+        self.memory.guarded(lambda: self.pager.swap_in(record), set())
+        self.memory.journal.log(self.memory.turn, "swap_in", blocks=len(record))
+
+    @property
+    def swapped(self) -> bool:
+        return bool(self._swapped)
+
     # -------------------------------------------------------------- generation
     def stream(self, params: SamplingParams) -> Iterator[StreamEvent]:
-        """Generate the assistant's reply as ASSISTANT blocks (the one being written is never evicted).
+        """Generate the assistant's reply to the messages added so far (library use).
 
-        Every sampled token is fed through the model, the last one included, so the cache always holds
-        exactly the history's tokens; an end-of-sequence token ends the reply and is not kept.
+        Every sampled token is fed through the model, the last one included, so the cache holds exactly
+        the history's tokens; an end-of-sequence token ends the reply and is not kept. Stop strings are for
+        :meth:`reply`, whose caller re-syncs the canonical reply afterwards.
         """
         if params.stop:
             raise ConfigError(
-                "Session.stream takes no stop strings yet (the cache must hold exactly what "
-                "the history says); stop on EOS or max_tokens"
+                "Session.stream takes no stop strings (the cache must hold exactly the history); "
+                "use sync() and reply(), as the server does"
             )
         if not self.messages:
             raise ConfigError("nothing to reply to: add a message to the session first")
         header = self._render_delta(self.messages, add_generation_prompt=True)
         header_ids = self.tokenizer.encode(header) if header else []
-        block = (
-            self._append(header_ids, BlockKind.ASSISTANT, None, 1.0, len(self.messages))[-1]
-            if header_ids
-            else None
-        )
-        assert self.last_logits is not None
+        block = None
+        if header_ids:
+            block = self._append(header_ids, BlockKind.ASSISTANT, None, 1.0, len(self.messages))[-1]
+        text = yield from self._write(params, block, header_ids)
+        self._finish_reply(self._reply_block, header, text)
+
+    def reply(self, params: SamplingParams) -> Iterator[StreamEvent]:
+        """Generate after :meth:`sync` of a prompt that ends with the generation prompt (server use).
+        The reply continues the last block when it is the generation prompt's ASSISTANT block."""
+        last = max(self.blocks.values(), key=lambda b: b.original_start, default=None)
+        block = last if last is not None and last.kind is BlockKind.ASSISTANT and last.resident else None
+        anchor = self.history_ids()[-4:]
+        yield from self._write(params, block, anchor)
+        if self._reply_block is not None:
+            self._reply_block.embedding = self.embed(self._reply_block.token_ids)
+
+    def _write(
+        self, params: SamplingParams, block: MemBlock | None, anchor: list[int]
+    ) -> Generator[StreamEvent, None, str]:
+        """The decode loop: sample, feed, stream text; returns the reply text (cut before a stop string)."""
+        if self.last_logits is None:
+            raise ConfigError("nothing to continue from: the session has no prompt yet")
+        self._reply_block = block
+        if params.max_tokens == 0:
+            yield StreamEvent("", None, "length")
+            return ""
         sampler, eos = Sampler(params), set() if params.ignore_eos else set(self.tokenizer.eos_ids)
-        assembler = TextAssembler(self.tokenizer, header_ids, ())
+        assembler = TextAssembler(self.tokenizer, anchor, params.stop)
         generated: list[int] = []
-        while len(generated) < params.max_tokens:
+        while True:
             token = sampler(self.last_logits)
             if token in eos:
-                break
+                yield StreamEvent(assembler.flush(), None, "stop")
+                return assembler.text
             generated.append(token)
-            block = self._feed(token, block)
-            delta, _ = assembler.update(generated)
-            last = len(generated) == params.max_tokens
-            yield StreamEvent(delta + (assembler.flush() if last else ""), token, "length" if last else None)
-        else:
-            self._finish_reply(block, header, assembler.text)
-            return
-        self._finish_reply(block, header, assembler.text)
-        yield StreamEvent(assembler.flush(), None, "stop")
+            block = self._reply_block = self._feed(token, block)
+            delta, hit = assembler.update(generated)
+            if hit:
+                yield StreamEvent(delta, token, "stop")
+                return assembler.text
+            if len(generated) == params.max_tokens:
+                yield StreamEvent(delta + assembler.flush(), token, "length")
+                return assembler.text
+            yield StreamEvent(delta, token)
 
     def generate(self, params: SamplingParams) -> tuple[str, list[int], str]:
         """The whole reply: (text, token ids, finish reason)."""
@@ -227,6 +358,7 @@ class Session:
         self.last_logits = self.memory.guarded(step, {block.block_id})
         block.token_ids.append(token)
         self.memory.history_tokens += 1
+        self._logits_at = self.memory.history_tokens
         self.memory.observe(captured)
         self.memory.journal.seen(self.pager.active_tokens)
         return block

@@ -1,0 +1,311 @@
+"""The FastAPI app: OpenAI-compatible endpoints over a :class:`ChatService`.
+
+All model work runs on one engine thread (a single-worker executor, so requests queue in arrival order);
+the event loop only parses, authenticates, routes and streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvos.engine.generate import StreamEvent
+from kvos.server.errors import APIError, bad_request, too_large, unauthorized
+from kvos.server.metrics import make_registry
+from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from kvos.server.service import ChatService, Entry, Outcome, unknown_model
+from kvos.session.prompt import Span
+
+DONE = object()
+
+
+def create_app(
+    service: ChatService, api_keys: list[str] | None = None, max_body_bytes: int = 4 << 20
+) -> FastAPI:
+    """The app; with ``api_keys`` every /v1 request needs one, and sessions belong to their key."""
+    app = FastAPI(title="kvos", version="0.1.0")
+    engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-engine")
+    registry, latency = make_registry(service)
+    keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k for k in (api_keys or [])}
+    name = service.config.model_name
+
+    def owner(request: Request) -> str:
+        """The API key's identity (set by the auth middleware before the body is even parsed)."""
+        return str(request.state.owner)
+
+    _install_errors(app, max_body_bytes)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request.state.owner = "local"
+        if keys and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            digest = hashlib.sha256(token.encode()).hexdigest()[:16]
+            if not token or keys.get(digest) != token:
+                return JSONResponse(unauthorized().body(), status_code=401)
+            request.state.owner = digest
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": name, "sessions": len(service.entries)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        owner(request)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvos"}]}
+
+    @app.get("/v1/sessions")
+    async def sessions(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": service.sessions(owner(request))}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+        who = owner(request)
+        await asyncio.get_running_loop().run_in_executor(engine, service.delete, who, session_id)
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    async def start(
+        request: Request, req: ChatRequest | CompletionRequest
+    ) -> tuple[Entry, list[Span], ChatRequest | None]:
+        who = owner(request)
+        if req.model != name:
+            raise unknown_model(req.model, name)
+        sid = request.headers.get("x-session-id")
+        probe = None if sid else await asyncio.to_thread(service.probe, req)
+        entry = await asyncio.to_thread(service.acquire, who, sid, probe)
+        chat = req if isinstance(req, ChatRequest) else None
+        try:
+            loop = asyncio.get_running_loop()
+            if chat is not None:
+                prep: Callable[[], list[Span]] = lambda: service.prepare_chat(entry, chat)  # noqa: E731
+            else:
+                assert isinstance(req, CompletionRequest)
+                prep = lambda: service.prepare_completion(req)  # noqa: E731
+            spans = await loop.run_in_executor(engine, prep)
+            service.sampling(req)  # validates max_tokens and sampling before anything changes
+        except BaseException:
+            service.release(entry)
+            raise
+        return entry, spans, chat
+
+    async def respond(request: Request, req: ChatRequest | CompletionRequest, kind: str) -> Response:
+        began = time.perf_counter()
+        entry, spans, chat = await start(request, req)
+        headers = {"X-Session-Id": getattr(entry.session, "public_id", "")}
+        work = lambda: service.run(entry, spans, req, chat)  # noqa: E731
+        if req.stream:
+            body = _sse(engine, service, entry, work, req, kind, name, began, latency)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        try:
+            outcome = await asyncio.get_running_loop().run_in_executor(engine, lambda: _drain(work()))
+        finally:
+            service.release(entry)
+            latency.labels(kind).observe(time.perf_counter() - began)
+        return JSONResponse(_final(outcome, kind, name), headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request) -> Response:
+        return await respond(request, req, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await respond(request, req, "text")
+
+    app.state.service, app.state.engine = service, engine
+    return app
+
+
+def _drain(gen: Generator[StreamEvent, None, Outcome]) -> Outcome:
+    """Run a request's generator to its end on the engine thread; its return value is the outcome."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            outcome: Outcome = stop.value
+            return outcome
+
+
+def _message(outcome: Outcome) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
+    if outcome.tool_calls:
+        message["tool_calls"] = outcome.tool_calls
+    if outcome.reasoning is not None:
+        message["reasoning_content"] = outcome.reasoning
+    return message
+
+
+def _final(outcome: Outcome, kind: str, model: str) -> dict[str, Any]:
+    base = {
+        "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        "created": int(time.time()),
+        "model": model,
+        "usage": outcome.usage,
+    }
+    if kind == "chat":
+        choice = {"index": 0, "message": _message(outcome), "finish_reason": outcome.finish_reason}
+        return {**base, "object": "chat.completion", "choices": [choice]}
+    choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+    return {**base, "object": "text_completion", "choices": [choice]}
+
+
+def _chunk(kind: str, cid: str, model: str, delta: dict[str, Any] | str, finish: str | None) -> str:
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        body = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+        }
+    else:
+        choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+        body = {
+            "id": cid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+        }
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _sse(
+    engine: ThreadPoolExecutor,
+    service: ChatService,
+    entry: Entry,
+    work: Callable[[], Generator[StreamEvent, None, Outcome]],
+    req: SamplingFields,
+    kind: str,
+    model: str,
+    began: float,
+    latency: Any,
+) -> AsyncIterator[str]:
+    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stop = [False]
+
+    def produce() -> None:
+        gen = work()
+        try:
+            while not stop[0]:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, next(gen))
+                except StopIteration as done:
+                    loop.call_soon_threadsafe(queue.put_nowait, (DONE, done.value))
+                    return
+            gen.close()
+        except BaseException as exc:  # reported to the client as an error event
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    future = loop.run_in_executor(engine, produce)
+    try:
+        if kind == "chat":
+            yield _chunk(kind, cid, model, {"role": "assistant", "content": ""}, None)
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                error = (
+                    item
+                    if isinstance(item, APIError)
+                    else APIError(500, str(item), "internal_error", kind="server_error")
+                )
+                yield f"data: {json.dumps(error.body())}\n\n"
+                break
+            if isinstance(item, tuple) and item[0] is DONE:
+                yield from_outcome(item[1], kind, cid, model, req)
+                break
+            if item.text:
+                yield _chunk(kind, cid, model, {"content": item.text} if kind == "chat" else item.text, None)
+        yield "data: [DONE]\n\n"
+    finally:
+        stop[0] = True
+        await future
+        service.release(entry)
+        latency.labels(kind).observe(time.perf_counter() - began)
+
+
+def from_outcome(outcome: Outcome, kind: str, cid: str, model: str, req: SamplingFields) -> str:
+    """The closing chunks of a stream: tool calls, the finish reason, and usage when asked for."""
+    parts: list[str] = []
+    if kind == "chat" and outcome.tool_calls:
+        calls = [{"index": i, **call} for i, call in enumerate(outcome.tool_calls)]
+        parts.append(_chunk(kind, cid, model, {"tool_calls": calls}, None))
+    parts.append(_chunk(kind, cid, model, {} if kind == "chat" else "", outcome.finish_reason))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        body: dict[str, Any] = {
+            "id": cid,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [],
+            "usage": outcome.usage,
+        }
+        parts.append(f"data: {json.dumps(body)}\n\n")
+    return "".join(parts)
+
+
+def _install_errors(app: FastAPI, max_body_bytes: int) -> None:
+    """OpenAI-style JSON for every error, and a cap on request body size."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            error = bad_request("the request body is not valid JSON", "invalid_json")
+        else:
+            error = bad_request(
+                f"{where or 'body'}: {first.get('msg', 'invalid value')}", "invalid_value", where
+            )
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        error = APIError(exc.status_code, str(exc.detail), code)
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        error = APIError(500, f"internal error: {exc}", "internal_error", kind="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            error = too_large(
+                f"the request body has {length} bytes; this server takes at most {max_body_bytes}"
+            )
+            return JSONResponse(error.body(), status_code=413)
+        if request.method == "POST" and length is None:
+            body = await request.body()
+            if len(body) > max_body_bytes:
+                error = too_large(f"the request body is over this server's limit of {max_body_bytes} bytes")
+                return JSONResponse(error.body(), status_code=413)
+        return await call_next(request)

@@ -1,0 +1,106 @@
+"""``kvos serve``: build the model, the memory manager and the service, and run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvos.engine.engine import Engine
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.budget import Budget
+from kvos.server.service import ChatService, ServiceConfig
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+
+BUILTIN = Path(__file__).resolve().parents[1] / "builtin" / "model"
+
+
+def default_model() -> Path:
+    """kvos's own trained model when it ships with this install, else the small random one kvos builds."""
+    if (BUILTIN / "config.json").exists():
+        return BUILTIN
+    from kvos.model.random_init import ensure_random_model
+
+    print(
+        "[kvos] the built-in trained model is not installed: serving kvos's small random-weight model",
+        file=sys.stderr,
+    )
+    return ensure_random_model("tiny")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: kvos's built-in model)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--budget", type=int, help="max active tokens per session (default max(2048, 0.75 x context))"
+    )
+    p.add_argument("--policy", choices=["watermark", "hard"], default="watermark")
+    p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
+    p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
+    p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    p.add_argument("--max-sessions", type=int, default=8, help="sessions resident at once (others swap out)")
+    p.add_argument(
+        "--session-ttl", type=float, default=3600.0, help="seconds before an idle session is closed"
+    )
+    p.add_argument(
+        "--busy-timeout", type=float, default=0.0, help="seconds to wait for a busy session (0: 409)"
+    )
+    p.add_argument("--max-tokens-limit", type=int, default=4096)
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument(
+        "--keep-thinking", action="store_true", help="keep <think> traces in replies and the cache"
+    )
+    p.add_argument("--store-ram-bytes", type=int, help="host RAM cap of each session's block store")
+    p.add_argument(
+        "--store-disk-dir", type=Path, help="spill saved blocks over the RAM cap to this directory"
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+
+
+def build_service(args: argparse.Namespace) -> ChatService:
+    path = Path(args.model) if args.model else default_model()
+    model = load_model(path, args.dtype, args.device)
+    context = model.config.max_position_embeddings
+    budget = args.budget or max(2048, int(0.75 * context))
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=budget, policy=args.policy),
+        backend=args.backend,
+        position_mode=args.position_mode,
+        store_ram_bytes=args.store_ram_bytes,
+        store_disk_dir=args.store_disk_dir,
+    )
+    manager = MemoryManager(Engine(model), load_tokenizer(path), config)
+    name = args.served_model_name or path.name
+    return ChatService(
+        manager,
+        ServiceConfig(
+            model_name=name,
+            max_sessions=args.max_sessions,
+            session_ttl_s=args.session_ttl,
+            busy_timeout_s=args.busy_timeout,
+            max_prompt_tokens=context,
+            max_tokens_limit=args.max_tokens_limit,
+            keep_thinking=args.keep_thinking,
+        ),
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvos.server.app import create_app
+
+    service = build_service(args)
+    app = create_app(service, args.api_key, args.max_body_bytes)
+    print(
+        f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

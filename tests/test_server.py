@@ -1,0 +1,379 @@
+"""The OpenAI-compatible server, driven by the official openai client over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from server_harness import MODEL_NAME, running_server
+
+from kvos.model.random_init import PRESETS, build_random_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.server.reply import parse_reply
+
+SMALL = {
+    **PRESETS["tiny"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 300,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 4}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("srv"), SMALL, seed=5)
+
+
+@pytest.fixture(scope="module")
+def base(model_dir: Path) -> Any:
+    with running_server(model_dir) as url:
+        yield url
+
+
+def client(url: str, key: str = "none") -> OpenAI:
+    return OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
+
+
+def ask(c: OpenAI, messages: list[dict[str, Any]], session: str | None = None, **kw: Any) -> Any:
+    headers = {"X-Session-Id": session} if session else None
+    return c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=kw.pop("max_tokens", 6),
+        temperature=0,
+        extra_headers=headers,
+        **kw,
+    )
+
+
+def kvos_usage(response: Any) -> dict[str, Any]:
+    return response.usage.model_extra["kvos"]
+
+
+def test_turn_two_decodes_only_the_new_tail(base: str, model_dir: Path) -> None:
+    c = client(base)
+    msgs = [SYSTEM, {"role": "user", "content": "first question about the harbour"}]
+    r1 = ask(c, msgs, "tail")
+    u1 = kvos_usage(r1)
+    assert (
+        u1["reused_tokens"] == 0
+        and u1["decoded_tokens"] == r1.usage.prompt_tokens + r1.usage.completion_tokens
+    )
+    msgs += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "second question"},
+    ]
+    r2 = ask(c, msgs, "tail")
+    u2 = kvos_usage(r2)
+    history_after_turn_one = u1["active_tokens"]
+    assert u2["reused_tokens"] == history_after_turn_one
+    new_tail = r2.usage.prompt_tokens - u2["reused_tokens"]
+    tail_text = "<|im_start|>user\nsecond question<|im_end|>\n<|im_start|>assistant\n"
+    assert new_tail == len(load_tokenizer(model_dir).encode(tail_text))
+    assert u2["decoded_tokens"] == new_tail + r2.usage.completion_tokens
+
+
+def test_streaming_matches_non_streaming(base: str) -> None:
+    c = client(base)
+    msgs = [SYSTEM, {"role": "user", "content": "stream this please"}]
+    full = ask(c, msgs, "stream-a", max_tokens=10)
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL_NAME,
+            messages=msgs,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"X-Session-Id": "stream-b"},
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_tools_request(base: str) -> None:
+    c = client(base)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    msgs = [SYSTEM, {"role": "user", "content": "weather in Oslo?"}]
+    with_tools = ask(c, msgs, "tools-1", tools=[tool])
+    without = ask(c, msgs, "tools-2")
+    assert with_tools.usage.prompt_tokens >= without.usage.prompt_tokens
+    # a conversation that carries a tool call and its result renders and continues
+    msgs += [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    r = ask(c, msgs, "tools-1", tools=[tool])
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_tool_calls_are_parsed_from_the_reply() -> None:
+    content, reasoning, calls = parse_reply(
+        '<think>plan it</think>Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+        "</tool_call>"
+    )
+    assert (content, reasoning) == ("Checking.", "plan it")
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    kept, none, _ = parse_reply("<think>x</think>y", keep_thinking=True)
+    assert (kept, none) == ("<think>x</think>y", None)
+    broken = "<tool_call>{not json}</tool_call>"
+    assert parse_reply(broken) == (broken, None, [])
+
+
+def test_header_routing_keeps_sessions_apart(base: str) -> None:
+    c = client(base)
+    msgs = [SYSTEM, {"role": "user", "content": "same opening line for both sessions " * 4}]
+    a, b = ask(c, msgs, "route-a"), ask(c, msgs, "route-b")
+    assert kvos_usage(a)["session_id"] == "route-a" and kvos_usage(b)["session_id"] == "route-b"
+    assert kvos_usage(b)["reused_tokens"] == 0
+
+
+def test_prefix_routing_finds_the_session(base: str) -> None:
+    c = client(base)
+    msgs = [SYSTEM, {"role": "user", "content": "a long opening message for prefix routing " * 3}]
+    r1 = ask(c, msgs)
+    sid = kvos_usage(r1)["session_id"]
+    msgs += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "more"},
+    ]
+    r2 = ask(c, msgs)
+    assert kvos_usage(r2)["session_id"] == sid and kvos_usage(r2)["reused_tokens"] >= 64
+    other = ask(c, [{"role": "user", "content": "a completely different conversation"}])
+    assert kvos_usage(other)["session_id"] != sid
+
+
+def conversation(c: OpenAI, session: str, turns: int) -> list[str]:
+    msgs: list[dict[str, Any]] = [SYSTEM]
+    replies = []
+    for i in range(turns):
+        msgs.append({"role": "user", "content": f"turn {i}: tell me about tides"})
+        r = ask(c, msgs, session, max_tokens=8)
+        replies.append(r.choices[0].message.content)
+        msgs.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def test_swap_out_and_in_continue_identically(model_dir: Path) -> None:
+    with running_server(model_dir) as url:
+        reference = conversation(client(url), "s", 3)
+    with running_server(model_dir, max_sessions=1) as url:
+        c = client(url)
+        msgs: list[dict[str, Any]] = [SYSTEM]
+        replies = []
+        for i in range(3):
+            msgs.append({"role": "user", "content": f"turn {i}: tell me about tides"})
+            r = ask(c, msgs, "s", max_tokens=8)
+            replies.append(r.choices[0].message.content)
+            msgs.append({"role": "assistant", "content": replies[-1]})
+            ask(c, [{"role": "user", "content": f"intruder {i}"}], f"other-{i}")  # pushes "s" out of the pool
+            listing = httpx.get(f"{url}/sessions").json()["data"]
+            assert next(s for s in listing if s["id"] == "s")["swapped"]
+        assert kvos_usage(r)["reused_tokens"] > 0
+    assert replies == reference
+
+
+def test_busy_session_gets_409(base: str) -> None:
+    c = client(base)
+    msgs = [SYSTEM, {"role": "user", "content": "long answer"}]
+    body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": 400, "stream": True}
+    with httpx.stream(
+        "POST", f"{base}/chat/completions", json=body, headers={"X-Session-Id": "busy"}, timeout=60
+    ) as stream:
+        next(stream.iter_lines())  # the first chunk: the request holds the session now
+        with pytest.raises(openai.ConflictError) as err:
+            ask(c, msgs, "busy")
+        assert err.value.body["code"] == "session_busy"  # type: ignore[index]
+
+
+def test_auth_and_key_scoping(model_dir: Path) -> None:
+    with running_server(model_dir, api_keys=["key-one", "key-two"]) as url:
+        msgs = [SYSTEM, {"role": "user", "content": "secret plans"}]
+        with pytest.raises(openai.AuthenticationError):
+            ask(client(url, "wrong"), msgs, "x")
+        assert httpx.post(f"{url}/chat/completions", json={}).status_code == 401
+        one, two = client(url, "key-one"), client(url, "key-two")
+        ask(one, msgs, "shared-name")
+        r = ask(two, msgs, "shared-name")
+        assert kvos_usage(r)["reused_tokens"] == 0  # key two got a session of its own
+        auth = {"Authorization": "Bearer key-two"}
+        ids = [s["id"] for s in httpx.get(f"{url}/sessions", headers=auth).json()["data"]]
+        assert ids == ["shared-name"]
+        httpx.delete(f"{url}/sessions/shared-name", headers=auth).raise_for_status()
+        one_sessions = httpx.get(f"{url}/sessions", headers={"Authorization": "Bearer key-one"}).json()[
+            "data"
+        ]
+        assert [s["id"] for s in one_sessions] == ["shared-name"]  # key one's session is untouched
+        gone = httpx.delete(f"{url}/sessions/shared-name", headers=auth)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
+
+
+def history(url: str, sid: str) -> int:
+    return next(s for s in httpx.get(f"{url}/sessions").json()["data"] if s["id"] == sid)["history_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ('{"model": "kvos-test", "messages": [', 400, "invalid_json"),
+        (
+            json.dumps(
+                {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}
+            ),
+            400,
+            "invalid_value",
+        ),
+        (
+            json.dumps({"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]}),
+            400,
+            "invalid_value",
+        ),
+        (json.dumps({"model": MODEL_NAME, "messages": []}), 400, "invalid_value"),
+        (
+            json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+            "model_not_found",
+        ),
+        (
+            json.dumps(
+                {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}
+            ),
+            400,
+            "max_tokens_too_large",
+        ),
+        (
+            json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "x " * 5000}]}),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}),
+            413,
+            "request_too_large",
+        ),
+    ],
+)
+def test_bad_requests_are_answered_and_leave_the_session_intact(
+    base: str, body: str, status: int, code: str
+) -> None:
+    c = client(base)
+    ask(c, [SYSTEM, {"role": "user", "content": "keep me"}], "intact")
+    before = history(base, "intact")
+    r = httpx.post(
+        f"{base}/chat/completions",
+        content=body,
+        timeout=60,
+        headers={"Content-Type": "application/json", "X-Session-Id": "intact"},
+    )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+    assert history(base, "intact") == before
+
+
+def test_unknown_route_and_health_and_metrics(base: str) -> None:
+    assert httpx.get(base.replace("/v1", "/health")).json()["status"] == "ok"
+    missing = httpx.get(f"{base}/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    ask(client(base), [SYSTEM, {"role": "user", "content": "metrics please"}], "metrics")
+    text = httpx.get(base.replace("/v1", "/metrics")).text
+    for name in (
+        "kvos_session_active_tokens",
+        "kvos_session_evictions_total",
+        "kvos_pool_bytes",
+        "kvos_pool_resizes_total",
+        "kvos_reused_tokens_total",
+        "kvos_decoded_tokens_total",
+        "kvos_request_seconds_bucket",
+        "kvos_session_saved_ram_bytes",
+    ):
+        assert name in text, name
+
+
+def test_completions_endpoint(base: str) -> None:
+    c = client(base)
+    r = c.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time",
+        max_tokens=5,
+        temperature=0,
+        extra_headers={"X-Session-Id": "text"},
+    )
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    r2 = c.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time" + r.choices[0].text + " and",
+        max_tokens=5,
+        temperature=0,
+        extra_headers={"X-Session-Id": "text"},
+    )
+    assert r2.usage.model_extra["kvos"]["reused_tokens"] > 0
+
+
+def test_long_conversation_stays_within_budget(model_dir: Path) -> None:
+    budget = 256
+    with running_server(model_dir, budget=budget) as url:
+        c = client(url)
+        msgs: list[dict[str, Any]] = [SYSTEM]
+        turns = 0
+        while True:
+            msgs.append({"role": "user", "content": f"message {turns}: " + "waves and wind and salt " * 5})
+            r = ask(c, msgs, "long", max_tokens=12)
+            assert kvos_usage(r)["active_tokens"] <= budget
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            turns += 1
+            stats = next(s for s in httpx.get(f"{url}/sessions").json()["data"] if s["id"] == "long")
+            if stats["history_tokens"] >= 10 * budget:
+                break
+        assert stats["max_active_tokens_seen"] <= budget
+        assert stats["evictions"] > 0
+        tail = f"<|im_start|>user\n{msgs[-2]['content']}<|im_end|>\n<|im_start|>assistant\n"
+        expected_tail = len(load_tokenizer(model_dir).encode(tail))  # still only the new message is decoded
+        assert r.usage.prompt_tokens - kvos_usage(r)["reused_tokens"] == expected_tail
+
+
+def test_concurrent_sessions_are_served(base: str) -> None:
+    c = client(base)
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        results[i] = ask(c, [SYSTEM, {"role": "user", "content": f"parallel {i}"}], f"par-{i}").id
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4

@@ -377,3 +377,55 @@ def test_concurrent_sessions_are_served(base: str) -> None:
     for t in threads:
         t.join()
     assert len(results) == 4
+
+
+def test_harness_hints_reach_the_blocks(model_dir: Path) -> None:
+    """kvos.pinned / evoke_pinned pin the new user message, priority scales its blocks, per-message keep
+    marks that message, task_boundary snaps the focus."""
+    from kvos.engine.engine import Engine
+    from kvos.model.loader import load_model
+    from kvos.policy.blocks import BlockKind
+    from kvos.policy.budget import Budget
+    from kvos.server.schemas import ChatRequest
+    from kvos.server.service import ChatService, ServiceConfig
+    from kvos.session.config import SessionConfig
+    from kvos.session.manager import MemoryManager
+
+    config = SessionConfig(budget=Budget(max_active_tokens=4096), embedder="tokens")
+    manager = MemoryManager(Engine(load_model(model_dir)), load_tokenizer(model_dir), config)
+    service = ChatService(manager, ServiceConfig(model_name=MODEL_NAME))
+
+    def turn(sid: str, body: dict[str, Any]) -> Any:
+        req = ChatRequest.model_validate({"model": MODEL_NAME, "max_tokens": 2, "temperature": 0, **body})
+        entry = service.acquire("local", sid, None)
+        try:
+            gen = service.run(entry, service.prepare_chat(entry, req), req, req)
+            for _ in gen:
+                pass
+        finally:
+            service.release(entry)
+        return entry.session
+
+    def user_blocks(session: Any) -> list[Any]:
+        return [b for b in session.blocks.values() if b.kind is BlockKind.USER]
+
+    s = turn(
+        "a", {"messages": [{"role": "user", "content": "remember"}], "kvos": {"pinned": True, "priority": 3}}
+    )
+    assert all(b.keep == "pin" and b.priority == 3 for b in user_blocks(s))
+    s = turn(
+        "b",
+        {"messages": [{"role": "user", "content": "remember"}], "evoke_pinned": True, "evoke_priority": 0.5},
+    )
+    assert all(b.keep == "pin" and b.priority == 0.5 for b in user_blocks(s))
+    s = turn("c", {"messages": [{"role": "user", "content": "prefer me", "keep": "prefer"}]})
+    assert all(b.keep == "prefer" for b in user_blocks(s))
+    s = turn("d", {"messages": [{"role": "user", "content": "topic one"}]})
+    snaps = s.memory.journal.count("focus")
+    msgs = [
+        {"role": "user", "content": "topic one"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "topic one again"},
+    ]
+    s = turn("d", {"messages": msgs, "evoke_task_boundary": True})
+    assert s.memory.journal.count("focus") == snaps + 1

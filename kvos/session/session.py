@@ -8,15 +8,15 @@ prefilled. Generation captures decode attention, which feeds the attention signa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvos.engine.engine import Engine
-from kvos.engine.generate import StreamEvent, TextAssembler
-from kvos.engine.sampling import Sampler, SamplingParams
+from kvos.engine.generate import StreamEvent
+from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
 from kvos.memory.store import BlockStore
 from kvos.model.chat_template import ChatTemplate
@@ -27,6 +27,7 @@ from kvos.session.embedder import make_embedder
 from kvos.session.memory import SessionMemory
 from kvos.session.pager import Pager
 from kvos.session.prompt import Span, common_prefix, flatten
+from kvos.session.writer import ReplyWriter
 
 ROLE_KINDS = {
     "system": BlockKind.SYSTEM,
@@ -70,10 +71,10 @@ class Session:
         self.embed = make_embedder(config.embedder, engine)
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
-        self._logits_at = -1  # history length at which last_logits were computed
+        self.logits_at = -1  # history length at which last_logits were computed
         self._next_block = 0
         self._swapped: list[tuple[int, list[int]]] = []
-        self._reply_block: MemBlock | None = None
+        self.writer = ReplyWriter(self)
 
     # ----------------------------------------------------------------- history
     def add_message(
@@ -131,7 +132,7 @@ class Session:
         for lo in range(0, len(ids), self.config.block_tokens):
             chunk = ids[lo : lo + self.config.block_tokens]
             block = MemBlock(
-                block_id=self._new_block_id(),
+                block_id=self.new_block_id(),
                 kind=kind,
                 turn=self.memory.turn,
                 token_ids=chunk,
@@ -146,7 +147,7 @@ class Session:
             self._prefill(block, observe=self.config.attention_mode == "snapshot" and final_user_chunk)
             self.blocks[block.block_id] = block
             self.memory.history_tokens += len(chunk)
-            self._logits_at = self.memory.history_tokens
+            self.logits_at = self.memory.history_tokens
             made.append(block)
         self.memory.journal.seen(self.pager.active_tokens)
         return made
@@ -185,7 +186,7 @@ class Session:
         """
         prompt, history = flatten(spans), self.history_ids()
         common = common_prefix(prompt, history)
-        if need_logits and common == len(prompt) and not (common == len(history) == self._logits_at):
+        if need_logits and common == len(prompt) and not (common == len(history) == self.logits_at):
             common -= 1
         if common < len(history):
             common = self.truncate(common)
@@ -277,8 +278,8 @@ class Session:
         block = None
         if header_ids:
             block = self._append(header_ids, BlockKind.ASSISTANT, None, 1.0, len(self.messages))[-1]
-        text = yield from self._write(params, block, header_ids)
-        self._finish_reply(self._reply_block, header, text)
+        text = yield from self.writer.write(params, block, header_ids)
+        self._finish_reply(self.writer.block, header, text)
 
     def reply(self, params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate after :meth:`sync` of a prompt that ends with the generation prompt (server use).
@@ -286,38 +287,9 @@ class Session:
         last = max(self.blocks.values(), key=lambda b: b.original_start, default=None)
         block = last if last is not None and last.kind is BlockKind.ASSISTANT and last.resident else None
         anchor = self.history_ids()[-4:]
-        yield from self._write(params, block, anchor)
-        if self._reply_block is not None:
-            self._reply_block.embedding = self.embed(self._reply_block.token_ids)
-
-    def _write(
-        self, params: SamplingParams, block: MemBlock | None, anchor: list[int]
-    ) -> Generator[StreamEvent, None, str]:
-        """The decode loop: sample, feed, stream text; returns the reply text (cut before a stop string)."""
-        if self.last_logits is None:
-            raise ConfigError("nothing to continue from: the session has no prompt yet")
-        self._reply_block = block
-        if params.max_tokens == 0:
-            yield StreamEvent("", None, "length")
-            return ""
-        sampler, eos = Sampler(params), set() if params.ignore_eos else set(self.tokenizer.eos_ids)
-        assembler = TextAssembler(self.tokenizer, anchor, params.stop)
-        generated: list[int] = []
-        while True:
-            token = sampler(self.last_logits)
-            if token in eos:
-                yield StreamEvent(assembler.flush(), None, "stop")
-                return assembler.text
-            generated.append(token)
-            block = self._reply_block = self._feed(token, block)
-            delta, hit = assembler.update(generated)
-            if hit:
-                yield StreamEvent(delta, token, "stop")
-                return assembler.text
-            if len(generated) == params.max_tokens:
-                yield StreamEvent(delta + assembler.flush(), token, "length")
-                return assembler.text
-            yield StreamEvent(delta, token)
+        yield from self.writer.write(params, block, anchor)
+        if self.writer.block is not None:
+            self.writer.block.embedding = self.embed(self.writer.block.token_ids)
 
     def generate(self, params: SamplingParams) -> tuple[str, list[int], str]:
         """The whole reply: (text, token ids, finish reason)."""
@@ -328,40 +300,6 @@ class Session:
                 ids.append(event.token_id)
             reason = event.finish_reason or reason
         return "".join(text), ids, reason
-
-    def _feed(self, token: int, block: MemBlock | None) -> MemBlock:
-        """Append one generated token to the reply (opening a new block at block_tokens), decode it."""
-        self.memory.make_room(1, protected={block.block_id} if block is not None else set())
-        if block is None or block.num_tokens >= self.config.block_tokens:
-            if block is not None:
-                block.embedding = self.embed(block.token_ids)
-            block = MemBlock(
-                block_id=self._new_block_id(),
-                kind=BlockKind.ASSISTANT,
-                turn=self.memory.turn,
-                token_ids=[],
-                original_start=self.memory.history_tokens,
-                message_index=len(self.messages),
-            )
-            self.blocks[block.block_id] = block
-            self.pager.open(block)
-        captured: dict[int, torch.Tensor] = {}
-        layers = frozenset() if self.config.attention_mode == "snapshot" else self.capture
-        reply = block
-
-        def step() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
-            position = int(reply.current_start or 0) + reply.num_tokens
-            return self.engine.extend(
-                self.pager.seq, [token], [position], capture_layers=layers, captured=captured
-            )
-
-        self.last_logits = self.memory.guarded(step, {block.block_id})
-        block.token_ids.append(token)
-        self.memory.history_tokens += 1
-        self._logits_at = self.memory.history_tokens
-        self.memory.observe(captured)
-        self.memory.journal.seen(self.pager.active_tokens)
-        return block
 
     def _finish_reply(self, block: MemBlock | None, header: str, text: str) -> None:
         if block is not None and block.token_ids:
@@ -394,7 +332,7 @@ class Session:
             "pool_bytes": self.engine.pool.nbytes,
         }
 
-    def _new_block_id(self) -> int:
+    def new_block_id(self) -> int:
         self._next_block += 1
         return self._next_block - 1
 

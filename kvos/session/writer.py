@@ -1,0 +1,88 @@
+"""Writing a reply: the decode loop of a session, one sampled token at a time, within its budget."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvos.engine.generate import StreamEvent, TextAssembler
+from kvos.engine.sampling import Sampler, SamplingParams
+from kvos.errors import ConfigError
+from kvos.policy.blocks import BlockKind, MemBlock
+
+if TYPE_CHECKING:
+    from kvos.session.session import Session
+
+
+class ReplyWriter:
+    """Samples and feeds the reply of one session: ASSISTANT blocks chunked at ``block_tokens``, the one
+    being written protected from eviction, decode attention captured for the scorer."""
+
+    def __init__(self, session: Session) -> None:
+        self.s = session
+        self.block: MemBlock | None = None  # the reply block written last
+
+    def write(
+        self, params: SamplingParams, block: MemBlock | None, anchor: list[int]
+    ) -> Generator[StreamEvent, None, str]:
+        """The decode loop: sample, feed, stream text; returns the reply text (cut before a stop string)."""
+        if self.s.last_logits is None:
+            raise ConfigError("nothing to continue from: the session has no prompt yet")
+        self.block = block
+        if params.max_tokens == 0:
+            yield StreamEvent("", None, "length")
+            return ""
+        sampler, eos = Sampler(params), set() if params.ignore_eos else set(self.s.tokenizer.eos_ids)
+        assembler = TextAssembler(self.s.tokenizer, anchor, params.stop)
+        generated: list[int] = []
+        while True:
+            token = sampler(self.s.last_logits)
+            if token in eos:
+                yield StreamEvent(assembler.flush(), None, "stop")
+                return assembler.text
+            generated.append(token)
+            block = self.block = self.feed(token, block)
+            delta, hit = assembler.update(generated)
+            if hit:
+                yield StreamEvent(delta, token, "stop")
+                return assembler.text
+            if len(generated) == params.max_tokens:
+                yield StreamEvent(delta + assembler.flush(), token, "length")
+                return assembler.text
+            yield StreamEvent(delta, token)
+
+    def feed(self, token: int, block: MemBlock | None) -> MemBlock:
+        """Append one generated token to the reply (opening a new block at block_tokens), decode it."""
+        self.s.memory.make_room(1, protected={block.block_id} if block is not None else set())
+        if block is None or block.num_tokens >= self.s.config.block_tokens:
+            if block is not None:
+                block.embedding = self.s.embed(block.token_ids)
+            block = MemBlock(
+                block_id=self.s.new_block_id(),
+                kind=BlockKind.ASSISTANT,
+                turn=self.s.memory.turn,
+                token_ids=[],
+                original_start=self.s.memory.history_tokens,
+                message_index=len(self.s.messages),
+            )
+            self.s.blocks[block.block_id] = block
+            self.s.pager.open(block)
+        captured: dict[int, torch.Tensor] = {}
+        layers = frozenset() if self.s.config.attention_mode == "snapshot" else self.s.capture
+        reply = block
+
+        def step() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
+            position = int(reply.current_start or 0) + reply.num_tokens
+            return self.s.engine.extend(
+                self.s.pager.seq, [token], [position], capture_layers=layers, captured=captured
+            )
+
+        self.s.last_logits = self.s.memory.guarded(step, {block.block_id})
+        block.token_ids.append(token)
+        self.s.memory.history_tokens += 1
+        self.s.logits_at = self.s.memory.history_tokens
+        self.s.memory.observe(captured)
+        self.s.memory.journal.seen(self.s.pager.active_tokens)
+        return block

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "growth": ("kvos.bench.growth", "pool bytes vs live bytes as one sequence grows"),
     "restore": ("kvos.bench.restore", "restoring a saved K/V block vs re-prefilling it vs a plain copy"),
     "session": ("kvos.bench.session", "a chat session growing to 100x its KV budget: tokens, events, RSS"),
+    "recall": ("kvos.bench.recall", "planted-fact probe pass rate per memory strategy and budget"),
 }
 
 
@@ -56,6 +57,12 @@ def run_bench(name: str, argv: Sequence[str]) -> None:
     mod.run(parser.parse_args(argv))
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from kvos.demo import add_arguments
+
+    add_arguments(sub.add_parser("demo", help="the planted-fact session under a budget well below its size"))
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from kvos.server.main import add_arguments
 
@@ -68,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_demo(sub)
     _add_serve(sub)
     _add_bench(sub)
     return parser
@@ -80,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvos.generate_cli import run_generate
 
             return run_generate(args)
+        if args.command == "demo":
+            from kvos.demo import run_demo
+
+            return run_demo(args)
         if args.command == "serve":
             from kvos.server.main import serve
 

@@ -1,0 +1,70 @@
+"""Play a corpus conversation through a memory-managed session: the reference replies are fed as they are
+(teacher forcing) and the model answers only the scored probe, so a probe is answered if and only if the
+memory kept, or brought back, what the answer needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvos.builtin.corpus import ChatSession
+from kvos.builtin.evaluate import answered
+from kvos.engine.sampling import SamplingParams
+from kvos.model.chat_template import ChatTemplate
+from kvos.model.tokenizer import Tokenizer
+from kvos.session.session import Session
+
+
+@dataclass
+class Played:
+    reply: str
+    expected: str
+    recalled: bool
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+
+def session_tokens(chat: ChatSession, tokenizer: Tokenizer, template: ChatTemplate, max_tokens: int) -> int:
+    """Tokens of the whole conversation up to the probe, with the answer: the session's size."""
+    messages = chat.messages[: chat.probes[0].message_index + 1]
+    return len(tokenizer.encode(template.render(messages, add_generation_prompt=True))) + max_tokens
+
+
+def play(
+    session: Session,
+    chat: ChatSession,
+    max_tokens: int = 24,
+    on_turn: Callable[[dict[str, Any]], None] | None = None,
+) -> Played:
+    """Run the conversation up to its probe; per user turn record the session's memory counters."""
+    probe = chat.probes[0]
+    first = chat.messages[0]
+    session.add_message(first["role"], first["content"])
+    reply, turns = "", []
+    for index in range(1, probe.message_index + 1):
+        message = chat.messages[index]
+        if message["role"] != "user":
+            continue
+        session.add_message("user", message["content"])
+        if index == probe.message_index:
+            reply = session.generate(SamplingParams(max_tokens=max_tokens))[0]
+        else:
+            session.add_message("assistant", chat.messages[index + 1]["content"])
+        stats = session.stats()
+        record = {
+            k: stats[k]
+            for k in (
+                "turn",
+                "active_tokens",
+                "cached_tokens",
+                "history_tokens",
+                "evictions",
+                "recoveries_restore",
+                "recoveries_recompute",
+            )
+        }
+        record["answer"] = reply if index == probe.message_index else None
+        turns.append(record)
+        if on_turn is not None:
+            on_turn(record)
+    return Played(reply, probe.expected, answered(reply, probe.expected), turns)

@@ -1,0 +1,99 @@
+"""kvos demo and kvos bench recall: their contracts, on a small random model (the built-in model's quality
+is tested in test_builtin.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvos.cli import main
+from kvos.model.random_init import PRESETS, build_random_model
+
+SMALL = {
+    **PRESETS["tiny"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 300,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("recall"), SMALL, seed=2)
+
+
+def test_recall_bench_contract(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "recall.json"
+    assert (
+        main(
+            [
+                "bench",
+                "recall",
+                "--model",
+                str(model_dir),
+                "--sessions",
+                "2",
+                "--budgets",
+                "0.25,1.0",
+                "--strategies",
+                "full,streaming_llm,kvos-kv_restore",
+                "--embedder",
+                "tokens",
+                "--min-distance",
+                "6",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert {"benchmark", "model", "device", "torch", "rows"} <= result.keys()
+    rows = {(r["strategy"], r["budget_frac"]): r for r in result["rows"]}
+    assert len(rows) == 6
+    for row in rows.values():
+        assert {"pass_rate", "ci_low", "ci_high", "mean_evictions", "mean_recoveries"} <= row.keys()
+        assert 0.0 <= row["ci_low"] <= row["pass_rate"] <= row["ci_high"] <= 1.0
+    assert rows[("full", 0.25)]["mean_evictions"] == 0 == rows[("kvos-kv_restore", 1.0)]["mean_evictions"]
+    assert (
+        rows[("streaming_llm", 0.25)]["mean_evictions"] > 0
+        and rows[("streaming_llm", 0.25)]["mean_recoveries"] == 0
+    )
+    assert rows[("kvos-kv_restore", 0.25)]["mean_evictions"] > 0
+    assert (tmp_path / "recall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("backend", ["kv_restore", "discard"])
+def test_demo_contract(
+    model_dir: Path, tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo.json"
+    assert (
+        main(
+            [
+                "demo",
+                "--model",
+                str(model_dir),
+                "--backend",
+                backend,
+                "--embedder",
+                "tokens",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert {"budget", "turns", "evictions", "recoveries", "answer", "expected", "recalled"} <= result.keys()
+    assert len(result["turns"]) == 14 and result["evictions"] > 0
+    assert max(t["active_tokens"] for t in result["turns"]) <= result["budget"]
+    if backend == "discard":
+        assert result["recoveries"] == 0
+    assert "expected" in capsys.readouterr().out

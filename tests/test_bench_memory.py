@@ -1,0 +1,138 @@
+"""The restore and session benchmarks on a tiny random model: JSON contract and invariants, no timings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvos.cli import main
+from kvos.model.random_init import PRESETS, build_random_model
+
+CONTRACT = ("benchmark", "model", "device", "torch")
+RESTORE_ROW = (
+    "block_tokens",
+    "save_ms",
+    "load_ms",
+    "reprefill_ms",
+    "speedup",
+    "copy_ms",
+    "load_vs_copy",
+    "load_same_pos_ms",
+    "speedup_same_pos",
+    "load_same_pos_vs_copy",
+    "kv_bytes",
+)
+SESSION_TOP = (
+    "budget",
+    "turns",
+    "max_active_tokens_seen",
+    "cached_tokens",
+    "history_tokens",
+    "evictions",
+    "recoveries",
+    "recoveries_restore",
+    "recoveries_recompute",
+    "saved_bytes",
+    "pool_bytes",
+    "rss_start",
+    "rss_end",
+    "rss_growth",
+    "rows",
+)
+SESSION_ROW = ("turn", "active_tokens", "cached_tokens", "history_tokens", "evictions", "recoveries")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = dict(
+        PRESETS["tiny"],
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=300,
+        max_position_embeddings=1024,
+    )
+    return build_random_model(tmp_path_factory.mktemp("bench-memory") / "model", spec)
+
+
+def run_bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    out = tmp_path / "out.json"
+    assert main(["bench", *argv, "--json", str(out)]) == 0
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_restore(model_dir: Path, tmp_path: Path) -> None:
+    argv = ["--model", str(model_dir), "--sizes", "8,16", "--repeats", "1", "--context", "16"]
+    result = run_bench(tmp_path, "restore", *argv)
+    for field in CONTRACT:
+        assert field in result
+    assert (result["benchmark"], result["model"]) == ("restore", str(model_dir))
+    rows = result["rows"]
+    assert [r["block_tokens"] for r in rows] == [8, 16]
+    per_token = 2 * 2 * 2 * (64 // 8) * 4  # K and V x layers x KV heads x head_dim x float32
+    for row in rows:
+        for field in RESTORE_ROW:
+            assert field in row
+        assert row["kv_bytes"] == row["block_tokens"] * per_token
+        for field in ("save_ms", "load_ms", "reprefill_ms", "copy_ms", "load_same_pos_ms"):
+            assert row[field] > 0
+        assert row["speedup"] == pytest.approx(row["reprefill_ms"] / row["load_ms"])
+        assert row["load_vs_copy"] == pytest.approx(row["load_ms"] / row["copy_ms"])
+        assert row["speedup_same_pos"] == pytest.approx(row["reprefill_ms"] / row["load_same_pos_ms"])
+        assert row["load_same_pos_vs_copy"] == pytest.approx(row["load_same_pos_ms"] / row["copy_ms"])
+
+
+def test_restore_rejects_bad_sizes(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "restore", "--model", str(model_dir), "--sizes", "8,x"]) == 2
+    assert "--sizes" in capsys.readouterr().err
+    assert main(["bench", "restore", "--model", str(model_dir), "--sizes", "600"]) == 2
+    assert "max_position_embeddings" in capsys.readouterr().err
+
+
+def test_session(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    budget, factor = 128, 5
+    result = run_bench(tmp_path, "session", "--model", str(model_dir), "--budget", "128", "--factor", "5")
+    for field in (*CONTRACT, *SESSION_TOP):
+        assert field in result
+    assert (result["benchmark"], result["model"]) == ("session", str(model_dir))
+    assert result["budget"] == budget
+    assert result["max_active_tokens_seen"] <= budget
+    assert result["history_tokens"] >= factor * budget
+    assert result["recoveries"] == result["recoveries_restore"] + result["recoveries_recompute"]
+    assert result["evictions"] > 0
+    # kv_restore keeps every evicted block: the cache covers the whole history, in RAM
+    assert result["cached_tokens"] == result["history_tokens"]
+    saved_tokens = result["history_tokens"] - result["active_tokens"]
+    assert result["saved_bytes"] == saved_tokens * result["bytes_per_token"]
+    assert result["rss_growth"] == result["rss_end"] - result["rss_start"]
+    rows = result["rows"]
+    assert len(rows) == result["turns"] > 1
+    for row in rows:
+        for field in SESSION_ROW:
+            assert field in row
+        assert row["active_tokens"] <= budget
+        assert row["active_tokens"] <= row["cached_tokens"] <= row["history_tokens"]
+    histories = [r["history_tokens"] for r in rows]
+    assert histories == sorted(histories)
+    assert rows[-1]["history_tokens"] == result["history_tokens"]
+    assert rows[-2]["history_tokens"] < factor * budget  # stops at the first turn past the target
+    png = Path(result["png"])
+    assert png == tmp_path / "out.png"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_session_discard_and_png_path(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "figs" / "tokens.png"
+    argv = ["--model", str(model_dir), "--budget", "128", "--factor", "3", "--backend", "discard"]
+    result = run_bench(tmp_path, "session", *argv, "--png", str(png))
+    assert result["max_active_tokens_seen"] <= 128
+    assert result["saved_bytes"] == 0 and result["recoveries"] == 0
+    assert result["cached_tokens"] == result["active_tokens"]
+    assert png.read_bytes()[:8] == PNG_SIGNATURE

@@ -4,6 +4,12 @@ When the memory manager evicts a block (a run of tokens) it puts the block's K a
 ``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the model's dtype, and later gets them back to
 splice in without a forward pass. Tensors are copied to CPU on ``put`` and come back bit-identical.
 
+Encoding. Each of K and V is kept, in RAM and on disk alike, in the smaller of two forms
+(:mod:`kvos.memory.codec`): dense, or sparse (a packed bitmask of nonzero elements plus those elements),
+so a block zeroed by magnitude sparsification costs fewer bytes. ``ram_bytes`` and the RAM cap count the
+encoded bytes; ``stats()`` gives ``raw_bytes`` (dense bytes of every entry) and ``stored_bytes`` (their
+encoded payload bytes, both tiers, without file headers), the stored bytes before and after compression.
+
 Tiers and recency. One LRU order covers every entry; ``get`` and ``put`` make a key most recently used.
 When host RAM passes ``ram_bytes``, the least recently used RAM entries leave it: written to ``disk_dir``
 if there is one, else dropped. An entry larger than ``ram_bytes`` alone goes straight to disk (or is
@@ -18,11 +24,13 @@ same directory and then ``os.replace``d::
 
     prefix   struct "<8sHI32s": magic b"KVOSBLK\\0", format version (u16), header length (u32),
              blake2b-256 digest of header + payload
-    header   UTF-8 JSON: {"codec": "raw", "tensors": [{"dtype": "bfloat16", "shape": [...]}, ...],
-             "meta": {...}, "payload_bytes": N}
-    payload  the codec's bytes; for "raw", K's then V's bytes, C-contiguous, native byte order
+    header   UTF-8 JSON: {"codec": "bitmask", "tensors": [{"dtype": "bfloat16", "shape": [...],
+             "form": "dense" | "sparse", "nnz": N}, ...], "meta": {...}, "payload_bytes": N}
+    payload  K's then V's bytes: dense, the tensor C-contiguous in native byte order; sparse, the packed
+             mask then the nonzero values (see :mod:`kvos.memory.codec`)
 
-``_encode`` and ``_decode`` are the codec: a sparse codec can replace them without touching the rest.
+``_encode`` and ``_decode`` are the codec's entry points (files of the older "raw" codec, all dense, are
+read too).
 Metadata is stored as JSON in both tiers, so it comes back as JSON gives it (tuples become lists).
 The store is not thread-safe.
 """
@@ -45,6 +53,7 @@ from typing import Any, Literal
 import torch
 
 from kvos.errors import BlockDataError, BlockNotFoundError, ConfigError, CorruptBlockError
+from kvos.memory.codec import CODEC_NAME, EncodedTensor, encode, from_payload
 
 MAGIC = b"KVOSBLK\x00"
 FORMAT_VERSION = 1
@@ -63,50 +72,45 @@ class StoredBlock:
     meta: dict[str, Any]
 
 
+Pair = tuple[EncodedTensor, EncodedTensor]
+
+
 @dataclass
 class _Entry:
     meta_json: str
-    k: torch.Tensor | None = None  # in RAM: the tensors; on disk: None
-    v: torch.Tensor | None = None
+    raw_bytes: int  # dense bytes of K and V
+    stored_bytes: int  # encoded payload bytes of K and V (the same in both tiers)
+    kv: Pair | None = None  # in RAM: the encoded tensors; on disk: None
     path: Path | None = None  # on disk: the file
     file_bytes: int = 0
 
     @property
     def ram_bytes(self) -> int:
-        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
+        return 0 if self.kv is None else self.stored_bytes
 
 
-def _encode(k: torch.Tensor, v: torch.Tensor) -> tuple[list[memoryview], dict[str, Any]]:
-    """Payload chunks and header fields of a block; ``k``, ``v`` CPU tensors of any shape and dtype."""
-    specs = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in (k, v)]
-    chunks = [t.contiguous().reshape(-1).view(torch.uint8).numpy().data for t in (k, v)]
-    return chunks, {"codec": "raw", "tensors": specs}
+def _encode(k: EncodedTensor, v: EncodedTensor) -> tuple[list[memoryview], dict[str, Any]]:
+    """Payload chunks and header fields of a block's encoded K and V."""
+    return [*k.chunks(), *v.chunks()], {"codec": CODEC_NAME, "tensors": [k.spec(), v.spec()]}
 
 
-def _decode(payload: memoryview, fields: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`_encode`: ``(k, v)`` on CPU; raises ValueError/KeyError/TypeError if malformed."""
-    if fields["codec"] != "raw":
+def _decode(payload: memoryview, fields: dict[str, Any]) -> Pair:
+    """Inverse of :func:`_encode`: encoded ``(k, v)``; raises ValueError/KeyError/TypeError if malformed."""
+    if fields["codec"] not in (CODEC_NAME, "raw"):
         raise ValueError(f"unknown codec {fields['codec']!r}")
-    out, offset = [], 0
-    for spec in fields["tensors"]:
-        dtype, shape = getattr(torch, str(spec["dtype"]), None), [int(n) for n in spec["shape"]]
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {spec['dtype']!r}")
-        nbytes = dtype.itemsize * torch.Size(shape).numel()
-        if offset + nbytes > len(payload):
-            raise ValueError("payload shorter than the tensors in the header")
-        raw = bytearray(payload[offset : offset + nbytes])
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-        out.append(flat.view(dtype).reshape(shape))
-        offset += nbytes
-    if offset != len(payload) or len(out) != 2:
+    specs = fields["tensors"]
+    if not isinstance(specs, list) or len(specs) != 2:
+        raise ValueError("a block holds exactly two tensors, K and V")
+    k, offset = from_payload(specs[0], payload, 0)
+    v, offset = from_payload(specs[1], payload, offset)
+    if offset != len(payload):
         raise ValueError("payload size does not match the tensors in the header")
-    return out[0], out[1]
+    return k, v
 
 
-def _serialize(k: torch.Tensor, v: torch.Tensor, meta_json: str) -> list[bytes | memoryview]:
+def _serialize(kv: Pair, meta_json: str) -> list[bytes | memoryview]:
     """The chunks of a block file, prefix first (see the module docstring)."""
-    chunks, fields = _encode(k, v)
+    chunks, fields = _encode(*kv)
     payload_bytes = sum(c.nbytes for c in chunks)
     header = json.dumps({**fields, "meta": json.loads(meta_json), "payload_bytes": payload_bytes}).encode()
     digest = hashlib.blake2b(header, digest_size=32)
@@ -128,8 +132,8 @@ def _write_atomic(path: Path, chunks: list[bytes | memoryview]) -> None:
         raise
 
 
-def _parse(data: bytes) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """``(k, v, meta_json)`` of a block file's bytes; raises ValueError (or Key/TypeError) if bad."""
+def _parse(data: bytes) -> tuple[Pair, str]:
+    """``((k, v), meta_json)`` of a block file's bytes (encoded); raises ValueError (or Key/TypeError)."""
     if len(data) < _PREFIX.size:
         raise ValueError(f"file is {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
     magic, version, header_len, digest = _PREFIX.unpack_from(data)
@@ -144,8 +148,7 @@ def _parse(data: bytes) -> tuple[torch.Tensor, torch.Tensor, str]:
     payload = body[header_len:]
     if len(payload) != header["payload_bytes"]:
         raise ValueError("payload length differs from the header")
-    k, v = _decode(payload, header)
-    return k, v, json.dumps(header["meta"])
+    return _decode(payload, header), json.dumps(header["meta"])
 
 
 def _to_cpu(t: object, name: str) -> torch.Tensor:
@@ -167,8 +170,9 @@ def _meta_json(meta: Mapping[str, Any] | None) -> str:
 class BlockStore:
     """Saved K/V blocks by key: a host-RAM LRU capped at ``ram_bytes``, spilling to ``disk_dir``.
 
-    ``ram_bytes`` counts K and V payload bytes (``nbytes``); ``disk_bytes`` counts file sizes. ``None``
-    means no cap. ``on_drop(key)`` is called for each key dropped for capacity or found corrupt.
+    ``ram_bytes`` counts K and V encoded bytes (dense ``nbytes`` unless sparse is smaller); ``disk_bytes``
+    counts file sizes. ``None`` means no cap. ``on_drop(key)`` is called for each key dropped for capacity
+    or found corrupt.
     """
 
     def __init__(
@@ -200,7 +204,8 @@ class BlockStore:
 
         Copies to CPU, so the caller may free the originals at once. Replaces an existing ``key``.
         """
-        entry = _Entry(_meta_json(meta), _to_cpu(k, "k"), _to_cpu(v, "v"))
+        kv = encode(_to_cpu(k, "k")), encode(_to_cpu(v, "v"))
+        entry = _Entry(_meta_json(meta), kv[0].raw_bytes + kv[1].raw_bytes, kv[0].nbytes + kv[1].nbytes, kv)
         if key in self._entries:
             self._remove(key)
         self._dropped.pop(key, None)
@@ -218,23 +223,22 @@ class BlockStore:
         """
         entry = self._lookup(key)
         self._entries.move_to_end(key)
-        if entry.k is None or entry.v is None:
-            k, v = self._read(key, entry)
-            if self._fits_ram(k.nbytes + v.nbytes):
-                self._to_ram(entry, k, v)
-        else:
-            k, v = entry.k, entry.v
+        kv = entry.kv
+        if kv is None:
+            kv = self._read(key, entry)
+            if self._fits_ram(entry.stored_bytes):
+                self._to_ram(entry, kv)
         self._counts["gets"] += 1
         self._notify(self._enforce_caps())
-        return StoredBlock(k, v, json.loads(entry.meta_json))
+        return StoredBlock(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
 
     def pop(self, key: Hashable) -> StoredBlock:
         """:meth:`get` then :meth:`delete`, without moving a disk entry through RAM."""
         entry = self._lookup(key)
-        k, v = (entry.k, entry.v) if entry.k is not None and entry.v is not None else self._read(key, entry)
+        kv = entry.kv if entry.kv is not None else self._read(key, entry)
         self._remove(key)
         self._counts["gets"] += 1
-        return StoredBlock(k, v, json.loads(entry.meta_json))
+        return StoredBlock(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
 
     def delete(self, key: Hashable) -> None:
         """Remove ``key`` and its file; raises :class:`BlockNotFoundError` if absent."""
@@ -258,7 +262,7 @@ class BlockStore:
 
     @property
     def ram_bytes_used(self) -> int:
-        """K and V payload bytes held in host RAM."""
+        """K and V bytes held in host RAM, as encoded (dense or sparse, whichever is smaller)."""
         return self._ram_used
 
     @property
@@ -267,13 +271,16 @@ class BlockStore:
         return self._disk_used
 
     def stats(self) -> dict[str, int]:
-        """Entry counts per tier, bytes per tier and event counters since construction."""
+        """Entry counts per tier, bytes per tier, ``raw_bytes`` (dense K/V bytes of every entry) and
+        ``stored_bytes`` (their encoded bytes, both tiers, file headers excluded), and event counters."""
         on_disk = sum(1 for e in self._entries.values() if e.path is not None)
         return {
             "entries_ram": len(self._entries) - on_disk,
             "entries_disk": on_disk,
             "ram_bytes": self._ram_used,
             "disk_bytes": self._disk_used,
+            "raw_bytes": sum(e.raw_bytes for e in self._entries.values()),
+            "stored_bytes": sum(e.stored_bytes for e in self._entries.values()),
             **self._counts,
         }
 
@@ -311,10 +318,10 @@ class BlockStore:
     def _spill(self, key: Hashable) -> list[Hashable]:
         """Move a RAM entry to disk, or drop it when there is no disk or it cannot fit; the dropped keys."""
         entry = self._entries[key]
-        assert entry.k is not None and entry.v is not None and entry.path is None
+        assert entry.kv is not None and entry.path is None
         if self._dir is None:
             return self._drop(key, "dropped from RAM with no disk_dir to spill to")
-        chunks = _serialize(entry.k, entry.v, entry.meta_json)
+        chunks = _serialize(entry.kv, entry.meta_json)
         size = sum(len(memoryview(c)) for c in chunks)
         if self._disk_cap is not None and size > self._disk_cap:
             return self._drop(key, f"its {size}-byte file is larger than disk_bytes")
@@ -325,28 +332,28 @@ class BlockStore:
             _log.warning("BlockStore: cannot write %s (%s); dropping block %r", path, e, key)
             return self._drop(key, f"its file could not be written: {e}")
         self._ram_used -= entry.ram_bytes
-        entry.k = entry.v = None
+        entry.kv = None
         entry.path, entry.file_bytes = path, size
         self._disk_used += size
         self._counts["spills"] += 1
         return []
 
-    def _read(self, key: Hashable, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
-        """Load a disk entry's tensors; on a bad file remove the entry, notify and raise CorruptBlockError."""
+    def _read(self, key: Hashable, entry: _Entry) -> Pair:
+        """Load a disk entry's encoded tensors; on a bad file remove it, notify, raise CorruptBlockError."""
         assert entry.path is not None
         self._counts["disk_loads"] += 1
         try:
-            k, v, _ = _parse(entry.path.read_bytes())
+            kv, _ = _parse(entry.path.read_bytes())
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             path = entry.path
             self._notify(self._drop(key, f"its file {path} was corrupt", counter="corrupt"))
             raise CorruptBlockError(key, path, str(e)) from e
-        return k, v
+        return kv
 
-    def _to_ram(self, entry: _Entry, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _to_ram(self, entry: _Entry, kv: Pair) -> None:
         assert entry.path is not None
         self._unlink(entry)
-        entry.k, entry.v = k, v
+        entry.kv = kv
         self._ram_used += entry.ram_bytes
 
     def _new_path(self, key: Hashable) -> Path:

@@ -1,0 +1,155 @@
+"""``kvos calibrate``: per-head attention entropy of a model, written as JSON for entropy-adaptive budgets.
+
+For each text (the built-in set by default, :mod:`kvos.builtin.texts`; a ``--text FILE`` is cut into chunks
+of about 500 tokens), the queries at 1/4, 1/2, 3/4 and the end of its tokens are looked at: the entropy in
+bits of each query's attention distribution, in every layer and query head. Entropies are averaged over a
+text's queries, then over the texts. The JSON is described in :func:`kvos.policy.entropy.summarize`.
+
+The queries of one text are measured in one pass: the text is fed to a fresh sequence in pieces that end
+at the query tokens, capturing the last token's attention after each piece. Attention is causal, so the
+last token of a piece sees exactly the prefix that ends with it, as it would in a prefill of that prefix
+alone (``tests/test_entropy.py`` checks the two agree), at the cost of one prefill per text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvos.builtin.texts import calibration_texts
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+from kvos.generate_cli import find_tokenizer
+from kvos.model.config import ModelConfig
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import Tokenizer
+from kvos.policy.entropy import QUERY_FRACTIONS, entropy_bits, query_indices, summarize
+
+CHUNK_TOKENS = 500
+MIN_CHUNK_TOKENS = 16  # a file's last chunk shorter than this is left out (unless it is the only one)
+BUILTIN_MODEL = Path(__file__).resolve().parent / "builtin" / "model"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF model directory or llama2.c .bin (default: kvos's built-in model)")
+    p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
+    p.add_argument(
+        "--text", action="append", default=[], metavar="FILE",
+        help="calibration text file, cut into ~500-token chunks (repeatable; default: the built-in set)",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per text at most (default 512)")
+    p.add_argument("--out", default="entropy.json", help="where to write the JSON (default entropy.json)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+
+
+def token_texts(
+    tokenizer: Tokenizer, files: Sequence[str | Path], max_tokens: int, add_bos: bool
+) -> list[list[int]]:
+    """Token ids of each calibration text: the built-in texts cut to ``max_tokens``, or each file's tokens
+    cut into chunks of ``min(500, max_tokens)`` (BOS first in every text when ``add_bos``)."""
+    if max_tokens < 2:
+        raise ConfigError(f"--max-tokens must be at least 2, got {max_tokens}")
+    bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+    if not files:
+        return [(bos + tokenizer.encode(text))[:max_tokens] for text in calibration_texts()]
+    size = min(CHUNK_TOKENS, max_tokens) - len(bos)
+    out: list[list[int]] = []
+    for file in files:
+        try:
+            ids = tokenizer.encode(Path(file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read calibration text {file}: {e}") from e
+        chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
+        out += [bos + c for j, c in enumerate(chunks) if j == 0 or len(c) >= MIN_CHUNK_TOKENS]
+    texts = [t for t in out if t]
+    if not texts:
+        raise ConfigError("the calibration texts hold no tokens")
+    return texts
+
+
+def text_entropies(engine: Engine, ids: Sequence[int], progress: tqdm | None = None) -> torch.Tensor:
+    """Mean attention entropy in bits of the query tokens of ``ids`` (see :func:`query_indices`), per layer
+    and query head: float64 ``[num_layers, num_heads]``. Uses and releases a fresh sequence."""
+    layers = frozenset(range(engine.model.config.num_layers))
+    seq = engine.new_sequence()
+    rows, start = [], 0
+    try:
+        for q in query_indices(len(ids), QUERY_FRACTIONS):
+            captured: dict[int, torch.Tensor] = {}
+            engine.extend(seq, ids[start : q + 1], capture_layers=layers, captured=captured, capture_window=1)
+            rows.append(torch.stack([entropy_bits(captured[layer].cpu()) for layer in sorted(layers)]))
+            start = q + 1
+            if progress is not None:
+                progress.update(1)
+    finally:
+        engine.release(seq)
+    return torch.stack(rows).mean(dim=0)
+
+
+def calibrate(engine: Engine, texts: Sequence[Sequence[int]], show_progress: bool = True) -> torch.Tensor:
+    """Entropy per layer and query head averaged over ``texts`` (each weighted alike): float64 ``[L, H]``."""
+    total = sum(len(query_indices(len(ids))) for ids in texts)
+    with (
+        torch.inference_mode(),
+        tqdm(total=total, desc="calibrate", unit="query", file=sys.stderr, disable=not show_progress) as bar,
+    ):
+        return torch.stack([text_entropies(engine, ids, bar) for ids in texts]).mean(dim=0)
+
+
+def model_info(config: ModelConfig, path: str | Path) -> dict[str, Any]:
+    """The JSON ``model`` field: where it came from and the attention shape."""
+    return {
+        "path": str(path),
+        "model_type": config.model_type,
+        "layers": config.num_layers,
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "gqa_group": config.group_size,
+    }
+
+
+def _model_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    if not (BUILTIN_MODEL / "config.json").exists():
+        raise ConfigError(f"the built-in model is not installed at {BUILTIN_MODEL}; pass --model PATH")
+    return BUILTIN_MODEL
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, write the JSON to ``args.out``, print a one-line summary; returns the exit status."""
+    path = _model_path(args.model)
+    model = load_model(path, dtype=args.dtype, device=args.device)
+    tokenizer = find_tokenizer(path, args.tokenizer)
+    max_tokens = min(args.max_tokens, model.config.max_position_embeddings)
+    texts = token_texts(tokenizer, args.text, max_tokens, bool(tokenizer.add_bos_token))
+    entropies = calibrate(Engine(model), texts)
+    result = {
+        "model": model_info(model.config, path),
+        "calibration": {
+            "source": list(args.text) or "builtin",
+            "texts": len(texts),
+            "tokens": sum(len(t) for t in texts),
+            "max_tokens": max_tokens,
+            "query_fractions": list(QUERY_FRACTIONS),
+        },
+        **summarize(entropies, model.config.group_size),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    stats, types = result["entropy_stats"], result["head_types"]
+    print(
+        f"[kvos] {len(texts)} texts: mean entropy {stats['mean']:.3f} bits (min {stats['min']:.3f}, "
+        f"max {stats['max']:.3f}); heads {', '.join(f'{k} {v}' for k, v in types.items())}; wrote {out}"
+    )
+    return 0

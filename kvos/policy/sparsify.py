@@ -1,0 +1,161 @@
+"""Magnitude-threshold sparsification of a sequence's cached K and V.
+
+Per layer and per KV head ``h``, over the non-sink positions: ``mu_h`` and ``sigma_h`` are the mean and the
+population standard deviation (divisor N, not N - 1) of ``|x|`` over all of the head's elements (tokens x
+head_dim), and ``tau_h = max(sigma_h / 2, mu_h) * scale``. Elements with ``|x| < tau_h`` are set to +0.0 in
+place; the first ``n_sink`` positions are never touched. K and V have separate scales; a scale of 0 leaves
+that tensor alone. The zeros free memory only where the tensors are stored sparse: the block store's codec
+(:mod:`kvos.memory.codec`) packs them, so report compression as its stored bytes, not as a zero fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvos.errors import ConfigError
+from kvos.memory.pool import KVPool
+
+PRESETS: dict[str, tuple[float, float]] = {
+    "default": (0.35, 0.17),
+    "sweet": (0.45, 0.50),
+    "aggressive": (0.50, 0.50),
+    "k-only": (0.35, 0.0),
+}
+
+
+def thresholds(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-head thresholds ``tau_h = max(sigma_h / 2, mu_h) * scale``.
+
+    ``x``: ``[T, num_kv_heads, head_dim]``, one layer's K or V over the non-sink positions. ``mu_h`` and
+    ``sigma_h`` are the mean and population std of ``|x[:, h, :]|`` (computed in float32, or float64 for a
+    float64 ``x``). Returns ``[num_kv_heads]`` in that float dtype, on ``x``'s device; zeros when ``T == 0``.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [T, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
+    work = torch.promote_types(x.dtype, torch.float32)
+    if x.shape[0] == 0:
+        return torch.zeros(x.shape[1], dtype=work, device=x.device)
+    a = x.to(work).abs().transpose(0, 1).reshape(x.shape[1], -1)  # [H, T * D]
+    mu = a.mean(dim=1)
+    sigma = a.std(dim=1, correction=0)
+    return torch.maximum(sigma / 2, mu) * scale
+
+
+def sparsify_(x: torch.Tensor, tau: torch.Tensor) -> int:
+    """Set ``x[t, h, d]`` to +0.0 wherever ``|x[t, h, d]| < tau[h]``, in place.
+
+    ``x``: ``[T, num_kv_heads, head_dim]``; ``tau``: ``[num_kv_heads]`` (compared in ``tau``'s dtype, into
+    which every float16/bfloat16/float32 value converts exactly). Returns how many elements were below the
+    threshold (now zero), already-zero ones included.
+    """
+    if x.dim() != 3 or tau.shape != (x.shape[1],):
+        raise ValueError(f"x [T, H, D] and tau [H] do not match: {tuple(x.shape)} and {tuple(tau.shape)}")
+    below = x.to(tau.dtype).abs() < tau.to(x.device)[None, :, None]
+    x.masked_fill_(below, 0.0)
+    return int(below.sum())
+
+
+@dataclass(frozen=True)
+class SparsifyReport:
+    """Element counts of one pass over the non-sink positions of every layer: ``*_zeroed`` are the elements
+    below threshold (zero after the pass), ``*_total`` all elements looked at (0 zeroed when a scale is 0)."""
+
+    k_zeroed: int = 0
+    k_total: int = 0
+    v_zeroed: int = 0
+    v_total: int = 0
+
+    @property
+    def k_sparsity(self) -> float:
+        return self.k_zeroed / self.k_total if self.k_total else 0.0
+
+    @property
+    def v_sparsity(self) -> float:
+        return self.v_zeroed / self.v_total if self.v_total else 0.0
+
+    @property
+    def sparsity(self) -> float:
+        """Zero fraction over K and V together (not a compression ratio: see the module docstring)."""
+        total = self.k_total + self.v_total
+        return (self.k_zeroed + self.v_zeroed) / total if total else 0.0
+
+
+@dataclass
+class MagnitudeSparsifier:
+    """Zeroes small K/V elements per KV head (see the module docstring), on a schedule: the first pass once
+    the sequence holds ``warmup`` tokens, then one pass per ``every`` tokens added since the last pass.
+
+    One instance per sequence: it remembers when it last ran.
+    """
+
+    k_scale: float = 0.35
+    v_scale: float = 0.17
+    n_sink: int = 64
+    every: int = 64
+    warmup: int = 128
+    _last_run: int | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"MagnitudeSparsifier.{name} must be a number >= 0, got {value!r}")
+        for name, low in (("n_sink", 0), ("every", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(f"MagnitudeSparsifier.{name} must be an int >= {low}, got {value!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: int) -> MagnitudeSparsifier:
+        """A sparsifier with the K and V scales of a preset: ``default``, ``sweet``, ``aggressive``,
+        ``k-only``; ``overrides`` set ``n_sink``, ``every``, ``warmup``."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown sparsification preset {name!r}; choose one of {', '.join(PRESETS)}")
+        k_scale, v_scale = PRESETS[name]
+        return cls(k_scale=k_scale, v_scale=v_scale, **overrides)
+
+    def apply(self, pool: KVPool, slots: torch.Tensor, positions: torch.Tensor) -> SparsifyReport:
+        """One pass over a sequence's tokens: ``slots``, ``positions`` int64 ``[T]`` (cache order, as
+        ``Sequence.slots`` / ``Sequence.positions``). Tokens at positions ``< n_sink`` are not touched;
+        for the others, in every layer, K and V are thresholded per KV head and written back."""
+        if slots.shape != positions.shape or slots.dim() != 1:
+            raise ValueError(f"slots {tuple(slots.shape)} and positions {tuple(positions.shape)} must be [T]")
+        chosen = slots[positions.to(slots.device) >= self.n_sink]
+        if chosen.numel() == 0 or (self.k_scale == 0 and self.v_scale == 0):
+            per_layer = chosen.numel() * pool.layout.num_kv_heads * pool.layout.head_dim
+            total = per_layer * pool.layout.num_layers
+            return SparsifyReport(k_total=total, v_total=total)
+        counts = [0, 0, 0, 0]
+        for layer in range(pool.layout.num_layers):
+            k, v = pool.gather(layer, chosen)
+            for i, (x, scale) in enumerate(((k, self.k_scale), (v, self.v_scale))):
+                counts[2 * i] += sparsify_(x, thresholds(x, scale)) if scale > 0 else 0
+                counts[2 * i + 1] += x.numel()
+            pool.write(layer, chosen, k, v)
+        return SparsifyReport(*counts)
+
+    def due(self, num_tokens: int) -> bool:
+        """Whether the schedule calls for a pass at ``num_tokens`` tokens (does not record one)."""
+        if num_tokens < self.warmup:
+            return False
+        return self._last_run is None or num_tokens - self._last_run >= self.every
+
+    def maybe_apply(
+        self, pool: KVPool, slots: torch.Tensor, positions: torch.Tensor, num_tokens: int
+    ) -> SparsifyReport | None:
+        """:meth:`apply` when :meth:`due` at ``num_tokens`` (the sequence's token count), else None.
+
+        If the sequence shrank below the last pass's count (eviction), the count restarts from its size.
+        """
+        if self._last_run is not None and num_tokens < self._last_run:
+            self._last_run = num_tokens
+        if not self.due(num_tokens):
+            return None
+        self._last_run = num_tokens
+        return self.apply(pool, slots, positions)
+
+    def reset(self) -> None:
+        """Forget the last pass (for a new sequence)."""
+        self._last_run = None

@@ -63,6 +63,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     add_arguments(sub.add_parser("demo", help="the planted-fact session under a budget well below its size"))
 
 
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    from kvos.calibrate import add_arguments
+
+    add_arguments(sub.add_parser("calibrate", help="per-head attention entropy of a model (JSON)"))
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from kvos.server.main import add_arguments
 
@@ -76,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_demo(sub)
+    _add_calibrate(sub)
     _add_serve(sub)
     _add_bench(sub)
     return parser
@@ -92,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvos.demo import run_demo
 
             return run_demo(args)
+        if args.command == "calibrate":
+            from kvos.calibrate import run as run_calibrate
+
+            return run_calibrate(args)
         if args.command == "serve":
             from kvos.server.main import serve
 

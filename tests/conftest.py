@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from kvos.model.random_init import PRESETS, build_random_model
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -13,3 +15,22 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"../shared not present at {SHARED}: shared models and data are needed for this test")
     return SHARED
+
+
+# A small random Llama with kvos's byte-level tokenizer and ChatML template: fast enough for end-to-end tests
+# of sessions, the server and the benchmarks, built once per test run.
+SMALL = {
+    **PRESETS["tiny"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 300,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("small"), SMALL, seed=3)

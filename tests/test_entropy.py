@@ -15,7 +15,6 @@ from kvos.calibrate import add_arguments, run, text_entropies
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.loader import load_model
-from kvos.model.random_init import PRESETS, build_random_model
 from kvos.policy.entropy import (
     entropy_bits,
     head_budgets,
@@ -24,21 +23,6 @@ from kvos.policy.entropy import (
     load_calibration,
     query_indices,
 )
-
-SMALL = {
-    **PRESETS["tiny"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "vocab_size": 300,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("small"), SMALL, seed=3)
 
 
 def test_entropy_of_known_distributions() -> None:

@@ -14,23 +14,7 @@ from kvos.engine.generate import TextAssembler, generate, stream
 from kvos.engine.sampling import Sampler, SamplingParams, filtered_probs
 from kvos.errors import ConfigError
 from kvos.model.loader import load_model
-from kvos.model.random_init import PRESETS, build_random_model
 from kvos.model.tokenizer import HFTokenizer, load_tokenizer
-
-SMALL = {
-    **PRESETS["tiny"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "vocab_size": 300,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("small"), SMALL, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,6 @@ from pathlib import Path
 import pytest
 
 from kvos.cli import main
-from kvos.model.random_init import PRESETS, build_random_model
-
-SMALL = {
-    **PRESETS["tiny"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "vocab_size": 300,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 8192,
-}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("recall"), SMALL, seed=2)
 
 
 def test_recall_bench_contract(model_dir: Path, tmp_path: Path) -> None:

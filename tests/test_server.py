@@ -13,26 +13,10 @@ import pytest
 from openai import OpenAI
 from server_harness import MODEL_NAME, running_server
 
-from kvos.model.random_init import PRESETS, build_random_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.server.reply import parse_reply
 
-SMALL = {
-    **PRESETS["tiny"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "vocab_size": 300,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-}
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 4}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("srv"), SMALL, seed=5)
 
 
 @pytest.fixture(scope="module")

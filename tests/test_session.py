@@ -14,7 +14,6 @@ from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
 from kvos.memory.growth import GrowthPolicy
 from kvos.model.loader import load_model
-from kvos.model.random_init import PRESETS, build_random_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.blocks import BlockKind, BlockState
 from kvos.policy.budget import Budget
@@ -22,22 +21,8 @@ from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.session import Session
 
-SMALL = {
-    **PRESETS["tiny"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "vocab_size": 300,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 FILLER = "the quick brown fox jumps over the lazy dog while it rains "
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("small"), SMALL, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -58,10 +58,16 @@ class AttentionMetadata:
         k = self.key_positions[None, :].to(q.device)
         if self.num_new == 1 and (window is None or int(q.item()) - int(k.min().item()) < window):
             return None
-        allowed = k <= q
-        if window is not None:
-            allowed &= k > q - window
-        return allowed
+        return visible(q, k, window)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query may see: q_pos [n, 1], k_pos [1, T] -> bool [n, T]. Causal by position (a key
+    at or before the query), within ``window`` positions when the layer slides."""
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
 
 
 def paged_attention(
@@ -107,11 +113,7 @@ def _window_probs(
     qw = q[-w:].float().permute(1, 0, 2) * (1.0 / math.sqrt(head_dim))  # [H, w, D]
     keys = k.float().permute(1, 2, 0).repeat_interleave(group, dim=0)  # [H, D, T]
     scores = torch.bmm(qw, keys)  # [H, w, T]
-    q_pos = meta.positions[-w:, None]
-    k_pos = meta.key_positions[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed &= k_pos > q_pos - window
+    allowed = visible(meta.positions[-w:, None], meta.key_positions[None, :], window)
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).mean(1)
 
 

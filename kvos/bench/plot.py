@@ -36,8 +36,11 @@ def plot_session_tokens(
     turns = [r["turn"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 2))
     try:
-        for key, style in (("history_tokens", ":"), ("cached_tokens", "-"), ("active_tokens", "-")):
-            top.plot(turns, [r[key] for r in rows], style, label=key.replace("_tokens", ""))
+        top.plot(
+            turns, [r["cached_tokens"] for r in rows], "-", color="tab:orange", linewidth=3, label="cached"
+        )
+        top.plot(turns, [r["history_tokens"] for r in rows], ":", color="black", label="history")
+        top.plot(turns, [r["active_tokens"] for r in rows], "-", color="tab:blue", label="active")
         top.axhline(budget, color="red", linestyle="--", linewidth=1, label=f"budget ({budget})")
         top.set_yscale("log")
         top.set_ylabel("tokens (log)")
@@ -45,7 +48,7 @@ def plot_session_tokens(
         top.grid(True, which="both", alpha=0.3)
         if title:
             top.set_title(title)
-        bottom.plot(turns, [r["active_tokens"] for r in rows], label="active")
+        bottom.plot(turns, [r["active_tokens"] for r in rows], color="tab:blue", label="active")
         bottom.axhline(budget, color="red", linestyle="--", linewidth=1, label="budget")
         bottom.set_ylim(0, budget * 1.1)
         bottom.set_xlabel("turn")

@@ -14,6 +14,7 @@ from kvos.memory.growth import GrowthPolicy
 from kvos.memory.page_table import PageTable
 from kvos.memory.pool import KVLayout, KVPool
 from kvos.model.attention import AttentionMetadata
+from kvos.model.rope import Rope
 from kvos.model.transformer import Transformer
 
 DEFAULT_BLOCK_SIZE = 16
@@ -142,9 +143,10 @@ class Engine:
         if torch.equal(old, positions):
             return
         slots = seg.slots.to(self.model.device)
+        rotation = self.model.rope.rotation(old, positions, self.model.device)
         for layer in range(self.pool.layout.num_layers):
             k, v = self.pool.gather(layer, slots)
-            self.pool.write(layer, slots, self.model.rope.reanchor(k, old, positions), v)
+            self.pool.write(layer, slots, Rope.rotate(k, rotation), v)
         seg.set_positions(positions)
         seq.rebuild()
 
@@ -166,9 +168,12 @@ class Engine:
         """
         seg = seq.new_segment()
         slots = seg.extend(list(token_ids), positions).to(self.model.device)
+        keys = k.to(self.model.device)
+        if not torch.equal(saved_positions, positions):  # one rotation for all layers: [L, n, Hkv, D]
+            cos, sin = self.model.rope.rotation(saved_positions, positions, self.model.device)
+            keys = Rope.rotate(keys, (cos[None], sin[None]))
         for layer in range(self.pool.layout.num_layers):
-            keys = self.model.rope.reanchor(k[layer].to(self.model.device), saved_positions, positions)
-            self.pool.write(layer, slots, keys, v[layer])
+            self.pool.write(layer, slots, keys[layer], v[layer])
         seq.insert(index, seg)
         return seg
 

@@ -75,20 +75,35 @@ class Rope:
         """The float32 angles [n, head_dim // 2] that :meth:`cos_sin` uses for ``positions`` (int64 [n])."""
         return positions.to(device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)[None, :]
 
-    def reanchor(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Move stored keys from positions ``old`` to ``new`` (int64 [n] each) without recomputing them.
+    def rotation(
+        self, old: torch.Tensor, new: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation that moves keys from positions ``old`` to ``new`` (int64 [n] each): (cos, signed sin),
+        float32 [n, 1, head_dim], for :meth:`apply`.
 
-        keys: [n, kv_heads, head_dim], rotated for ``old``. The rotation applied is the difference of the
-        float32 angle tables of ``new`` and ``old`` (the very angles a fresh forward pass would use), taken
-        and applied in float64, so the result equals keys rotated at ``new`` directly up to the rounding of
-        the keys' dtype, not up to float32 angle error (which is ~1e-4 at positions in the thousands).
+        It is the difference of the float32 angle tables of ``new`` and ``old`` (the very angles a fresh
+        forward pass would use), taken in float64, so re-anchored keys equal keys rotated at ``new``
+        directly up to float32 rounding (~1e-7), not up to float32 angle error (~1e-4 at positions in the
+        thousands). Compute it once per move and apply it to every layer.
         """
-        delta = self.angles(new, keys.device).double() - self.angles(old, keys.device).double()
+        delta = self.angles(new, device).double() - self.angles(old, device).double()
         cos, sin = delta.cos(), delta.sin()
-        rot = self.apply(
-            keys.double(), torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
-        )
-        return rot.to(keys.dtype)
+        full_cos = torch.cat((cos, cos), -1).float()[:, None, :]
+        return full_cos, torch.cat((-sin, sin), -1).float()[:, None, :]
+
+    @staticmethod
+    def rotate(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """keys [n, kv_heads, head_dim] rotated by a :meth:`rotation`, computed in float32, in keys' dtype
+        (one temporary: roll, then scale and accumulate in place)."""
+        cos, signed_sin = rotation
+        x = keys.float()
+        out = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+        return out.addcmul_(x, cos).to(keys.dtype)
+
+    def reanchor(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Move stored keys [n, kv_heads, head_dim] from positions ``old`` to ``new`` without recomputing
+        them (see :meth:`rotation`)."""
+        return self.rotate(keys, self.rotation(old, new, keys.device))
 
     def shift(self, keys: torch.Tensor, delta: int, positions: torch.Tensor) -> torch.Tensor:
         """Re-anchor keys stored at ``positions`` (int64 [n]) by ``delta`` positions: see :meth:`reanchor`."""

@@ -413,3 +413,25 @@ def test_harness_hints_reach_the_blocks(model_dir: Path) -> None:
     ]
     s = turn("d", {"messages": msgs, "evoke_task_boundary": True})
     assert s.memory.journal.count("focus") == snaps + 1
+
+
+def test_listing_and_metrics_while_a_session_runs(model_dir: Path) -> None:
+    """Stats are read from the event loop while the engine thread adds and evicts blocks."""
+    with running_server(model_dir, budget=256) as url:
+        body = {
+            "model": MODEL_NAME,
+            "messages": [SYSTEM, {"role": "user", "content": "go " * 50}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+        statuses: list[int] = []
+        with httpx.stream(
+            "POST", f"{url}/chat/completions", json=body, headers={"X-Session-Id": "racy"}, timeout=120
+        ) as stream:
+            for i, _ in enumerate(stream.iter_lines()):
+                if i % 4 == 0:
+                    statuses.append(httpx.get(f"{url}/sessions").status_code)
+                    statuses.append(httpx.get(url.replace("/v1", "/metrics")).status_code)
+        assert len(statuses) > 50 and set(statuses) == {200}
+        stats = httpx.get(f"{url}/sessions").json()["data"][0]
+        assert stats["evictions"] > 0 and stats["max_active_tokens_seen"] <= 256

@@ -272,15 +272,17 @@ class BlockStore:
 
     def stats(self) -> dict[str, int]:
         """Entry counts per tier, bytes per tier, ``raw_bytes`` (dense K/V bytes of every entry) and
-        ``stored_bytes`` (their encoded bytes, both tiers, file headers excluded), and event counters."""
-        on_disk = sum(1 for e in self._entries.values() if e.path is not None)
+        ``stored_bytes`` (their encoded bytes, both tiers, file headers excluded), and event counters.
+        Reads a snapshot of the entries, so another thread may call it while the store is in use."""
+        entries = list(self._entries.values())
+        on_disk = sum(1 for e in entries if e.path is not None)
         return {
-            "entries_ram": len(self._entries) - on_disk,
+            "entries_ram": len(entries) - on_disk,
             "entries_disk": on_disk,
             "ram_bytes": self._ram_used,
             "disk_bytes": self._disk_used,
-            "raw_bytes": sum(e.raw_bytes for e in self._entries.values()),
-            "stored_bytes": sum(e.stored_bytes for e in self._entries.values()),
+            "raw_bytes": sum(e.raw_bytes for e in entries),
+            "stored_bytes": sum(e.stored_bytes for e in entries),
             **self._counts,
         }
 

@@ -310,8 +310,12 @@ class Session:
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        """Counters and sizes: active, cached (resident + restorable) and history tokens, events, bytes."""
-        states = {state: [b for b in self.blocks.values() if b.state is state] for state in BlockState}
+        """Counters and sizes: active, cached (resident + restorable) and history tokens, events, bytes.
+
+        Safe to call from another thread while the session runs: it reads a snapshot of the blocks
+        (``list(dict.values())`` is taken in one step under the GIL)."""
+        blocks = list(self.blocks.values())
+        states = {state: [b for b in blocks if b.state is state] for state in BlockState}
         store = self.pager.store.stats() if self.pager.store is not None else {}
         return {
             "session": self.session_id,

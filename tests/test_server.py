@@ -428,10 +428,9 @@ def test_listing_and_metrics_while_a_session_runs(model_dir: Path) -> None:
         with httpx.stream(
             "POST", f"{url}/chat/completions", json=body, headers={"X-Session-Id": "racy"}, timeout=120
         ) as stream:
-            for i, _ in enumerate(stream.iter_lines()):
-                if i % 4 == 0:
-                    statuses.append(httpx.get(f"{url}/sessions").status_code)
-                    statuses.append(httpx.get(url.replace("/v1", "/metrics")).status_code)
-        assert len(statuses) > 50 and set(statuses) == {200}
+            for _ in stream.iter_lines():
+                statuses.append(httpx.get(f"{url}/sessions").status_code)
+                statuses.append(httpx.get(url.replace("/v1", "/metrics")).status_code)
+        assert len(statuses) >= 20 and set(statuses) == {200}
         stats = httpx.get(f"{url}/sessions").json()["data"][0]
         assert stats["evictions"] > 0 and stats["max_active_tokens_seen"] <= 256

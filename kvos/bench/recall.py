@@ -17,7 +17,9 @@ from kvos.engine.engine import Engine
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
+from kvos.errors import ConfigError
 from kvos.policy.budget import Budget
+from kvos.policy.scorer import Scorer, ScoreWeights
 from kvos.server.main import default_model
 from kvos.session.manager import MemoryManager
 from kvos.session.strategies import STRATEGIES, strategy
@@ -36,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--quick", action="store_true", help="CI-sized: 8 sessions")
     p.add_argument("--png", help="plot path (default: next to --json)")
+    p.add_argument(
+        "--weights",
+        help="recency,coherence,attention,recovery weights for the kvos strategies "
+        "(default: the scorer's defaults; 'seed' for the reference system's)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,6 +63,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 block = max(8, min(128, tokens // 4))
                 config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), block)
                 config.embedder = args.embedder
+                if args.weights and name.startswith("kvos-"):
+                    config.scorer = _scorer(args.weights)
                 session = manager.session(config=config)
                 played = play(session, chat, args.max_tokens)
                 stats = session.stats()
@@ -65,7 +74,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 bar.update()
     bar.close()
     rows = [_row(name, frac, results) for (name, frac), results in outcomes.items()]
-    result = {**header("recall", path.name), "sessions": len(chats), "embedder": args.embedder, "rows": rows}
+    result = {
+        **header("recall", path.name),
+        "sessions": len(chats),
+        "embedder": args.embedder,
+        "weights": args.weights or "default",
+        "rows": rows,
+    }
     print_table(
         rows,
         [
@@ -84,6 +99,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if png:
         plot(rows, png)
     return result
+
+
+def _scorer(spec: str) -> Scorer:
+    """A scorer with the weights given as 'recency,coherence,attention,recovery', or the 'seed' preset."""
+    if spec == "seed":
+        return Scorer.preset("seed")
+    try:
+        recency, coherence, attention, recovery = (float(x) for x in spec.split(","))
+    except ValueError as exc:
+        raise ConfigError(f"--weights takes 4 comma-separated numbers or 'seed', got {spec!r}") from exc
+    return Scorer(weights=ScoreWeights(recency, coherence, attention, recovery))
 
 
 def _row(name: str, frac: float, results: list[tuple[bool, int, int]]) -> dict[str, Any]:

@@ -14,10 +14,10 @@ from kvos.bench.plot import _pyplot
 from kvos.builtin.corpus import HELDOUT_SEED, heldout_sessions
 from kvos.builtin.evaluate import wilson_interval
 from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
-from kvos.errors import ConfigError
 from kvos.policy.budget import Budget
 from kvos.policy.scorer import Scorer, ScoreWeights
 from kvos.server.main import default_model

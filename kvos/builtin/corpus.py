@@ -125,14 +125,16 @@ FACT_KINDS: dict[str, FactKind] = {
     "number": FactKind(
         _number,
         ("My favourite number is {v}.", "By the way, my favourite number is {v}.",
-         "Please remember that my favorite number is {v}.", "Something about me: my favourite number is {v}."),
+         "Please remember that my favorite number is {v}.",
+         "Something about me: my favourite number is {v}."),
         ("What is my favourite number?", "Do you remember my favourite number?",
          "What did I say my favorite number was?", "Remind me, what is my favourite number?"),
         "Your favourite number is {v}.", "You have not told me your favourite number.",
     ),
     "name": FactKind(
         lambda r: _name(r, NAMES),
-        ("My name is {v}.", "Hi, I am {v}.", "Hello! My name is {v}.", "Please call me {v}, that is my name."),
+        ("My name is {v}.", "Hi, I am {v}.", "Hello! My name is {v}.",
+         "Please call me {v}, that is my name."),
         ("What is my name?", "Do you remember my name?", "What did I say my name was?"),
         "Your name is {v}.", "You have not told me your name.",
     ),

@@ -12,7 +12,7 @@ from kvos.engine.sampling import SamplingParams
 from kvos.errors import TokenizerError
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
-from kvos.model.random_init import ensure_random_model
+from kvos.server.main import default_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -41,15 +41,7 @@ def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    if args.model:
-        path = Path(args.model)
-    else:
-        path = ensure_random_model("tiny")
-        print(
-            f"[kvos] no --model given: using kvos's own small random-weight model at {path} "
-            "(its text is noise until the built-in trained model exists)",
-            file=sys.stderr,
-        )
+    path = Path(args.model) if args.model else default_model()
     model = load_model(path, dtype=args.dtype, device=args.device)
     tokenizer = find_tokenizer(path, args.tokenizer)
     text = render_prompt(tokenizer, args.prompt, args.chat)

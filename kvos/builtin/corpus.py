@@ -234,6 +234,13 @@ def missing_turn(rng: random.Random, fact: Fact) -> Turn:
     return fact.fill(rng.choice(kind.probes)), fact.fill(kind.missing)
 
 
+def recap_turn(rng: random.Random, planted: list[Fact]) -> Turn:
+    """The user asks for everything they said about themselves; the reply quotes each fact in turn."""
+    ask = rng.choice(["What do you know about me?", "Tell me everything I told you about myself.",
+                      "Please sum up what you know about me."])  # fmt: skip
+    return ask, " ".join(fact.fill(FACT_KINDS[fact.kind].answer) for fact in planted)
+
+
 # ---------------------------------------------------------------------------------------------- fillers
 @dataclass
 class Filler:
@@ -406,14 +413,14 @@ class _Builder:
 Plan = list[tuple[str, int]]  # ("plant" | "probe" | "fill" | "missing", fact index)
 
 
-def _schedule(rng: random.Random, n_facts: int, distance: int, lead: int) -> Plan:
+def _schedule(rng: random.Random, n_facts: int, distance: int, lead: int, probe_others: float = 0.7) -> Plan:
     """Fact 0 is probed ``distance`` turns after its plant, after ``lead`` filler turns; the other facts
-    are planted (and mostly probed) at random places around it."""
+    are planted (and probed with probability ``probe_others``) at random places around it."""
     plan: Plan = [("fill", -1)] * lead + [("plant", 0)] + [("fill", -1)] * distance + [("probe", 0)]
     for i in range(1, n_facts):
         at = rng.randint(0, len(plan) - 1)
         plan.insert(at, ("plant", i))
-        if rng.random() < 0.7:
+        if rng.random() < probe_others:
             plan.insert(rng.randint(at + 1, len(plan)), ("probe", i))
     return plan
 
@@ -427,18 +434,23 @@ def _run(rng: random.Random, plan: Plan, chosen: list[Fact]) -> ChatSession:
             builder.probe(chosen[i].kind)
         elif action == "missing":
             builder.say(missing_turn(rng, chosen[i]))
+        elif action == "recap":
+            builder.say(recap_turn(rng, [fact for fact, _, _ in builder.planted.values()]))
         else:
             builder.say(builder.filler.turn())
     return builder.session()
 
 
-def training_session(rng: random.Random) -> ChatSession:
-    """One training session: 1-4 facts, 0-14 turns between a plant and its probe, fillers around them;
-    sometimes a second probe of a fact, and a question about a fact never given."""
+def training_session(rng: random.Random, max_distance: int = MAX_DISTANCE) -> ChatSession:
+    """One training session: 1-4 facts, 0-``max_distance`` filler turns between a plant and its probe,
+    fillers around them; sometimes a second probe of a fact, a recap of every fact, and a question about a
+    fact never given."""
     n_facts = rng.randint(1, 4)
-    plan = _schedule(rng, n_facts, rng.randint(0, MAX_DISTANCE), rng.randint(0, 2))
-    if rng.random() < 0.2:
+    plan = _schedule(rng, n_facts, rng.randint(0, max_distance), rng.randint(0, 2), probe_others=0.9)
+    if rng.random() < 0.3:
         plan.append(("probe", rng.randrange(n_facts)))
+    if n_facts > 1 and rng.random() < 0.3:
+        plan.append(("recap", -1))
     if rng.random() < 0.15:
         plan.insert(rng.randint(0, len(plan)), ("missing", n_facts))
     return _run(rng, plan, draw_facts(rng, n_facts + 1))

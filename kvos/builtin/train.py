@@ -58,11 +58,11 @@ class TrainConfig:
     lr: float = 2e-3
     min_lr_frac: float = 0.05
     warmup_frac: float = 0.04
-    curriculum_frac: float = 0.0  # > 0: plant-to-probe distances grow to their full range over this fraction
+    curriculum_frac: float = 0.25  # > 0: plant-to-probe distances grow to their full range over this fraction
     weight_decay: float = 0.1
     batch_tokens: int = 4096
     bf16: bool = True  # bfloat16 autocast for the matmuls (about 1.5x faster on CPUs with avx512_bf16)
-    eval_every: int = 100
+    eval_every: int = 250
     tokenizer_sessions: int = 4000
     seed: int = TRAIN_SEED
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-from kvos.cli import main
-from kvos.model.random_init import PRESETS, build_random_model
+from bench_harness import run_bench
 
 CONTRACT = ("benchmark", "model", "device", "torch")
 DECODE_ROW = (
@@ -35,26 +31,6 @@ GROWTH_TOP = (
     "rows",
 )
 GROWTH_ROW = ("tokens", "live_bytes", "block_bytes", "pool_bytes", "static_bytes", "pool_over_live")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = dict(
-        PRESETS["tiny"],
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        vocab_size=300,
-        max_position_embeddings=1024,
-    )
-    return build_random_model(tmp_path_factory.mktemp("bench") / "model", spec)
-
-
-def run_bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
-    out = tmp_path / "out.json"
-    assert main(["bench", *argv, "--json", str(out)]) == 0
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
 
 
 def test_decode(model_dir: Path, tmp_path: Path) -> None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
+from bench_harness import run_bench
 
 from kvos.cli import main
-from kvos.model.random_init import PRESETS, build_random_model
 
 CONTRACT = ("benchmark", "model", "device", "torch")
 RESTORE_ROW = (
@@ -46,26 +45,6 @@ SESSION_ROW = ("turn", "active_tokens", "cached_tokens", "history_tokens", "evic
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = dict(
-        PRESETS["tiny"],
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        vocab_size=300,
-        max_position_embeddings=1024,
-    )
-    return build_random_model(tmp_path_factory.mktemp("bench-memory") / "model", spec)
-
-
-def run_bench(tmp_path: Path, *argv: str) -> dict[str, Any]:
-    out = tmp_path / "out.json"
-    assert main(["bench", *argv, "--json", str(out)]) == 0
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
 def test_restore(model_dir: Path, tmp_path: Path) -> None:
     argv = ["--model", str(model_dir), "--sizes", "8,16", "--repeats", "1", "--context", "16"]
     result = run_bench(tmp_path, "restore", *argv)
@@ -74,7 +53,9 @@ def test_restore(model_dir: Path, tmp_path: Path) -> None:
     assert (result["benchmark"], result["model"]) == ("restore", str(model_dir))
     rows = result["rows"]
     assert [r["block_tokens"] for r in rows] == [8, 16]
-    per_token = 2 * 2 * 2 * (64 // 8) * 4  # K and V x layers x KV heads x head_dim x float32
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4  # K and V, float32
     for row in rows:
         for field in RESTORE_ROW:
             assert field in row
@@ -90,7 +71,7 @@ def test_restore(model_dir: Path, tmp_path: Path) -> None:
 def test_restore_rejects_bad_sizes(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "restore", "--model", str(model_dir), "--sizes", "8,x"]) == 2
     assert "--sizes" in capsys.readouterr().err
-    assert main(["bench", "restore", "--model", str(model_dir), "--sizes", "600"]) == 2
+    assert main(["bench", "restore", "--model", str(model_dir), "--sizes", "9000"]) == 2
     assert "max_position_embeddings" in capsys.readouterr().err
 
 

@@ -102,6 +102,24 @@ def run_session(s: Session, msgs: list, mode: str, backend: str) -> None:
                 assert b.state is not BlockState.DISCARDED
 
 
+def test_recovery_leaves_room_for_a_pinned_message(engine: Engine, model_dir: Path) -> None:
+    """Similarity recovery at the start of a turn must leave room for the new message's pinned tokens:
+    found by hypothesis (blocks recovered for a pinned three-chunk message filled the budget)."""
+    m = manager(engine, model_dir, budget=Budget(max_active_tokens=160, policy="hard"))
+    s = m.session()
+    try:
+        run_session(
+            s,
+            [("user", 84, None), ("user", 68, None), ("user", 1, None), ("user", 30, "pin")],
+            "compact",
+            "kv_restore",
+        )
+        assert s.stats()["recoveries_restore"] > 0
+        assert all(b.resident for b in s.blocks.values() if b.pinned)
+    finally:
+        m.close(s.session_id)
+
+
 def test_pinned_and_sink_blocks_stay(engine: Engine, model_dir: Path) -> None:
     m = manager(engine, model_dir)
     s = m.session()

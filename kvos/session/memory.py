@@ -119,8 +119,10 @@ class SessionMemory:
         return True
 
     # ---------------------------------------------------------------- recovery
-    def recover_similar(self, query: torch.Tensor) -> None:
-        """Bring back the saved (or breadcrumbed) blocks most similar to the new user message, best last."""
+    def recover_similar(self, query: torch.Tensor, incoming_locked: int = 0) -> None:
+        """Bring back the saved (or breadcrumbed) blocks most similar to the new user message, best last.
+        ``incoming_locked``: tokens of the new message that will stay locked (a pinned message), so the
+        recovered blocks leave room for them."""
         if self.config.backend == "discard" or self.config.recovery_top_k == 0:
             return
         candidates = [b for b in self.blocks.values() if self._recoverable(b)]
@@ -131,19 +133,19 @@ class SessionMemory:
         bar = max((cosine(query, b.embedding) for b in resident if b.embedding is not None), default=-1.0)
         bar = max(bar, self.config.recovery_min_similarity)
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
-        for block_id in reversed(self._affordable(ranked)):
+        for block_id in reversed(self._affordable(ranked, incoming_locked)):
             self.recover(self.blocks[block_id], similarity=sims[block_id])
 
-    def _affordable(self, ranked: list[int]) -> list[int]:
+    def _affordable(self, ranked: list[int], incoming_locked: int = 0) -> list[int]:
         """The best-ranked blocks (at most recovery_top_k) that can be protected this turn while pinned
-        blocks, sinks and one block being written still fit in the budget."""
+        blocks, sinks, the new message's locked tokens and one block being written still fit."""
         sinks = self.config.sink_count
         locked = sum(
             b.num_tokens
             for b in self.blocks.values()
             if b.resident and (b.pinned or b.is_sink(sinks) or b.block_id in self.protected)
         )
-        room = self.config.budget.max_active_tokens - self.config.block_tokens - locked
+        room = self.config.budget.max_active_tokens - self.config.block_tokens - locked - incoming_locked
         chosen: list[int] = []
         for block_id in ranked:
             size = self.blocks[block_id].num_tokens

@@ -94,7 +94,7 @@ class Session:
         text = self._render_delta([*self.messages, message], add_generation_prompt=False)
         ids = self.tokenizer.encode(text)
         if role == "user":
-            self._start_turn(ids, task_boundary)
+            self._start_turn(ids, task_boundary, locked=len(ids) if keep == "pin" else 0)
         blocks = self._append(ids, kind or ROLE_KINDS[role], keep, priority, len(self.messages))
         self.messages.append(message)
         self.rendered += text
@@ -116,12 +116,13 @@ class Session:
             )
         return full[len(self.rendered) :]
 
-    def _start_turn(self, ids: list[int], boundary: bool) -> None:
-        """A new user message: new turn, similarity recovery before it is decoded, task focus update."""
+    def _start_turn(self, ids: list[int], boundary: bool, locked: int = 0) -> None:
+        """A new user message: new turn, similarity recovery before it is decoded (leaving room for the
+        message's ``locked`` pinned tokens), task focus update."""
         self.memory.turn += 1
         self.memory.protected.clear()
         query = self.embed(ids)
-        self.memory.recover_similar(query)
+        self.memory.recover_similar(query, locked)
         if self.memory.focus.update(query, boundary=boundary):
             self.memory.journal.log(self.memory.turn, "focus", snapped=True)
 
@@ -198,9 +199,9 @@ class Session:
             if lo >= hi:
                 continue
             ids = span.token_ids[lo:]
-            if span.kind is BlockKind.USER and lo == 0:
-                self._start_turn(ids, task_boundary)
             keep = "pin" if pinned and span.kind is BlockKind.USER else span.keep
+            if span.kind is BlockKind.USER and lo == 0:
+                self._start_turn(ids, task_boundary, locked=len(ids) if keep == "pin" else 0)
             self._append(ids, span.kind, keep, priority, span.message_index)
         return SyncResult(reused=common, decoded=len(prompt) - common)
 

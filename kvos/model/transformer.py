@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kvos.errors import ModelLoadError
 from kvos.model.attention import AttentionMetadata, paged_attention
 from kvos.model.config import ModelConfig
+from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.rope import Rope
 
 
@@ -75,12 +76,13 @@ class Transformer:
     def forward(
         self,
         token_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | HeadAttentionMetadata,
         kv: KVStore,
         logits: Literal["last", "all", "none"] = "last",
     ) -> torch.Tensor:
         """token_ids: int64 [n] -> logits float32 [1, vocab] ("last"), [n, vocab] ("all"),
-        or the final hidden states [n, hidden] ("none")."""
+        or the final hidden states [n, hidden] ("none"). With :class:`HeadAttentionMetadata` every KV head
+        reads its own keys from a head pool (``kv`` is then a ``kvos.memory.head_pool.HeadPool``)."""
         x = F.embedding(token_ids.to(self.device), self.embed)
         cos, sin = self.rope.cos_sin(meta.positions, self.dtype, self.device)
         eps = self.config.rms_norm_eps
@@ -107,7 +109,7 @@ class Transformer:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | HeadAttentionMetadata,
         kv: KVStore,
     ) -> torch.Tensor:
         """h: [n, hidden] -> attention output [n, H * D], before the output projection."""
@@ -126,6 +128,8 @@ class Transformer:
             )
         qk = Rope.apply(qk, cos, sin)  # queries and keys rotated together: one pass
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        if isinstance(meta, HeadAttentionMetadata):
+            return head_attention(q, k, v, meta, kv, c.window(index), index)
         kv.write(index, meta.write_slots, k, v)
         if meta.fresh:
             keys, values = k, v

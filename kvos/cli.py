@@ -15,6 +15,7 @@ BENCHMARKS = {
     "restore": ("kvos.bench.restore", "restoring a saved K/V block vs re-prefilling it vs a plain copy"),
     "session": ("kvos.bench.session", "a chat session growing to 100x its KV budget: tokens, events, RSS"),
     "recall": ("kvos.bench.recall", "planted-fact probe pass rate per memory strategy and budget"),
+    "quality": ("kvos.bench.quality", "perplexity, top-1 and KL vs the full cache per compression policy"),
 }
 
 

@@ -1,0 +1,409 @@
+"""kvos bench quality: what each KV-cache compression policy costs in model quality, per byte it saves.
+
+For every model (stories260K from ``../shared`` when present, and the built-in model) and every window of
+evaluation text (``--tokens`` long, within the model's native context; :mod:`kvos.bench.quality_texts`),
+each policy runs teacher-forced: prefill ``--prefill`` tokens, then one token at a time, keeping the
+logits of every position. Against the full cache's logits on the same window it reports perplexity and
+its change (``ppl_delta_pct``; ``ppl_delta_tail_pct`` over the second half of each window only, where
+every policy is acting), top-1 agreement and KL(full || policy) per position, means over all windows.
+
+- ``full``, ``elastic-*`` (magnitude sparsification presets on their schedule) and ``random-zero`` (the
+  ablation: as many zeros per layer, KV head and K/V as ``elastic-sweet`` made, at random non-sink places,
+  same schedule) run on the kvos engine; ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes
+  of the final cached K/V, cut into pool blocks as the block store saves them.
+- ``uniform``, ``entropy``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the ``random`` control) keep
+  ``budget_tokens`` per KV head in the per-head cache (:mod:`kvos.engine.head_cache`); their
+  ``stored_bytes_ratio`` is the mean resident K/V bytes over the same cache holding every token.
+  ``entropy`` is calibrated on text other than the evaluation windows.
+
+``overhead_pct`` is the token-by-token time against the full cache of the same runtime (the engine, or the
+head cache with a budget of every token), timed side by side: each repeat runs every contender once, in
+turn; medians per window, summed over windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvos.bench.common import header, median, print_table, write_json
+from kvos.bench.quality_runs import (
+    Agreement,
+    NoHook,
+    Pass,
+    RandomZeroHook,
+    SparsifyHook,
+    compare,
+    concat,
+    perplexity,
+    teacher_forced,
+)
+from kvos.bench.quality_texts import Texts, default_models, load_texts, model_name
+from kvos.calibrate import calibrate
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+from kvos.generate_cli import find_tokenizer
+from kvos.model.loader import load_model
+from kvos.policy.entropy import HeadMap, kv_head_entropies
+from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier
+
+SPARSIFY = {
+    "elastic-default": "default",
+    "elastic-sweet": "sweet",
+    "elastic-aggressive": "aggressive",
+    "elastic-konly": "k-only",
+}
+ENGINE_POLICIES = ("full", *SPARSIFY, "random-zero")
+BUDGET_POLICIES = ("uniform", "entropy", "streaming_llm", "h2o", "snapkv", "random")
+DEFAULT_POLICIES = ("full", "uniform", "entropy", *SPARSIFY, "random-zero", "streaming_llm", "h2o", "snapkv")
+HEAD_FULL = "head-full"  # the head cache with a budget of every token: the budget rows' reference
+COLUMNS = (
+    "model",
+    "policy",
+    "budget_tokens",
+    "scales",
+    "stored_bytes_ratio",
+    "ppl",
+    "ppl_delta_pct",
+    "ppl_delta_tail_pct",
+    "top1_agree",
+    "kl",
+    "overhead_pct",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", action="append", default=[],
+        help="HF directory or llama2.c .bin (repeatable; default: stories260K from ../shared when present, "
+        "and the built-in model)",
+    )  # fmt: skip
+    p.add_argument("--text", help="evaluation text file for every model (default: per model, see the docs)")
+    p.add_argument("--tokens", type=int, help="tokens per window (default: the model's native context)")
+    p.add_argument("--windows", type=int, help="evaluation windows per model (default 4)")
+    p.add_argument("--budgets", help="fractions of --tokens (<= 1) or token counts (default 0.125,0.25,0.5)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names")
+    p.add_argument("--prefill", type=int, default=64, help="tokens prefilled at once before decoding")
+    p.add_argument("--repeats", type=int, help="timed repeats per contender (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random-zero and the random policy")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--quick", action="store_true", help="CI-sized: 256 tokens, 1 window, 2 budgets, 1 repeat")
+    p.add_argument("--png", help="plot path (default: next to --json)")
+
+
+@dataclass
+class Outcome:
+    """One contender on one window: logits float32 ``[n - 1, vocab]``, token-by-token seconds, its bytes
+    (codec stored bytes, or mean resident bytes) and what they are measured against (raw bytes; NaN for
+    the head cache, whose reference is the ``head-full`` run)."""
+
+    logits: torch.Tensor
+    seconds: float
+    stored: float
+    raw: float = math.nan
+    uniform: float = math.nan
+    zeroed: int = 0
+
+
+Key = tuple[str, int | None]  # (policy, budget_tokens)
+Contender = Callable[[list[int], dict[str, list[Pass]]], Outcome]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    quick = bool(args.quick)
+    windows = args.windows or (1 if quick else 4)
+    repeats = args.repeats or (1 if quick else 3)
+    budgets = _parse_budgets(args.budgets or ("0.25,0.5" if quick else "0.125,0.25,0.5"))
+    policies = _parse_policies(args.policies)
+    if windows < 1 or repeats < 1 or args.prefill < 1 or args.threads < 1:
+        raise ConfigError("need --windows, --repeats, --prefill and --threads >= 1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        head_cache, skipped = _head_cache(policies)
+        rows, sources = [], {}
+        for path in [Path(m) for m in args.model] or default_models():
+            model = load_model(path, dtype=torch.float32)
+            native = model.config.max_position_embeddings
+            tokens = min(args.tokens or (256 if quick else native), native)
+            texts = load_texts(path, find_tokenizer(path, None), tokens, windows, args.text, native)
+            sources[model_name(path)] = {
+                "text": texts.source,
+                "windows": len(texts.windows),
+                "tokens": tokens,
+            }
+            rows += bench_model(model_name(path), Engine(model), texts, policies, budgets, head_cache, args)
+    finally:
+        torch.set_num_threads(threads)
+    result = {
+        **header("quality", ",".join(sources)),
+        "texts": sources,
+        "prefill": args.prefill,
+        "repeats": repeats,
+        "threads": args.threads,
+        "schedule": {"n_sink": 64, "every": 64, "warmup": 128},
+        "skipped_policies": skipped,
+        "rows": rows,
+    }
+    print_table([{**r, "scales": _scales_text(r["scales"])} for r in rows], COLUMNS)
+    write_json(args.json, result)
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        plot(rows, png)
+    return result
+
+
+def bench_model(
+    name: str,
+    engine: Engine,
+    texts: Texts,
+    policies: list[str],
+    budgets: list[float],
+    head_cache: Any,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """Rows of every requested policy (and budget) on one model; see the module docstring."""
+    tokens = len(texts.windows[0])
+    counts = sorted({_budget_tokens(b, tokens) for b in budgets})
+    contenders = _engine_contenders(engine, policies, args.prefill, args.seed)
+    wanted = [p for p in policies if p in BUDGET_POLICIES] if head_cache is not None else []
+    if wanted:
+        calibration = _calibration(engine, texts.calibration) if "entropy" in wanted else None
+        contenders.update(
+            _budget_contenders(head_cache, engine, wanted, counts, calibration, args.prefill, args.seed)
+        )
+    results: dict[Key, list[list[Outcome]]] = {key: [] for key in contenders}
+    repeats = args.repeats or (1 if args.quick else 3)
+    for ids in texts.windows:
+        memo: dict[str, list[Pass]] = {}
+        per: dict[Key, list[Outcome]] = {key: [] for key in contenders}
+        for _ in range(repeats):
+            for key, fn in contenders.items():
+                per[key].append(fn(ids, memo))
+        for key in contenders:
+            results[key].append(per[key])
+    targets = [torch.tensor(ids[1:], dtype=torch.int64) for ids in texts.windows]
+    scored = [torch.tensor(m[1:], dtype=torch.bool) for m in texts.scored]
+    full = results[("full", None)]
+    keys = [k for k in contenders if k[0] in policies]
+    return [_row(name, key, results, full, targets, scored) for key in keys]
+
+
+def _engine_contenders(engine: Engine, policies: list[str], prefill: int, seed: int) -> dict[Key, Contender]:
+    """The full cache, always; the sparsification presets asked for (sweet too, for random-zero)."""
+
+    def full(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
+        return _outcome(teacher_forced(engine, ids, prefill, NoHook()))
+
+    def sparsified(preset: str) -> Contender:
+        def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
+            hook = SparsifyHook(MagnitudeSparsifier.preset(preset))
+            out = _outcome(teacher_forced(engine, ids, prefill, hook))
+            memo.setdefault(preset, hook.passes)
+            return out
+
+        return go
+
+    def random_zero(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
+        return _outcome(teacher_forced(engine, ids, prefill, RandomZeroHook(memo["sweet"], seed=seed)))
+
+    out: dict[Key, Contender] = {("full", None): full}
+    for policy, preset in SPARSIFY.items():
+        if policy in policies or (preset == "sweet" and "random-zero" in policies):
+            out[(policy, None)] = sparsified(preset)
+    if "random-zero" in policies:
+        out[("random-zero", None)] = random_zero
+    return out
+
+
+def _budget_contenders(
+    head_cache: Any,
+    engine: Engine,
+    policies: list[str],
+    counts: list[int],
+    calibration: HeadMap | None,
+    prefill: int,
+    seed: int,
+) -> dict[Key, Contender]:
+    """The head cache with every token (the reference), then each budget policy at each budget."""
+
+    def make(policy: str, budget: int | None) -> Contender:
+        def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
+            n = budget if budget is not None else len(ids)
+            run = head_cache.run_budgeted(
+                engine.model, ids, "uniform" if budget is None else policy, n,
+                calibration=calibration, prefill=min(prefill, n), seed=seed,
+            )  # fmt: skip
+            return Outcome(run.logits.float(), run.seconds, run.resident_bytes, uniform=run.uniform_bytes)
+
+        return go
+
+    out: dict[Key, Contender] = {(HEAD_FULL, None): make(HEAD_FULL, None)}
+    for policy in policies:
+        for budget in counts:
+            out[(policy, budget)] = make(policy, budget)
+    return out
+
+
+def _outcome(run: Any) -> Outcome:
+    return Outcome(run.logits, run.seconds, run.stored_bytes, run.raw_bytes, zeroed=int(run.zeros.sum()))
+
+
+def _row(
+    model: str,
+    key: Key,
+    results: dict[Key, list[list[Outcome]]],
+    full: list[list[Outcome]],
+    targets: list[torch.Tensor],
+    scored: list[torch.Tensor],
+) -> dict[str, Any]:
+    """One JSON row: quality against the full cache over the scored positions (``scored``: bool ``[n - 1]``
+    per window), memory and time against the runtime's reference."""
+    policy, budget = key
+    runs = results[key]
+    base = results[(HEAD_FULL, None)] if budget is not None else full
+    parts = [compare(r[0].logits, f[0].logits, t) for r, f, t in zip(runs, full, targets, strict=True)]
+    ref = [compare(f[0].logits, f[0].logits, t) for f, t in zip(full, targets, strict=True)]
+    tails = [_tail(m) for m in scored]
+    mine, theirs = (
+        concat([_pick(p, m) for p, m in zip(parts, scored, strict=True)]),
+        concat([_pick(p, m) for p, m in zip(ref, scored, strict=True)]),
+    )
+    tail = concat([_pick(p, m) for p, m in zip(parts, tails, strict=True)])
+    tail_ref = concat([_pick(p, m) for p, m in zip(ref, tails, strict=True)])
+    denominator = [b[0].stored for b in base] if budget is not None else [r[0].raw for r in runs]
+    seconds = sum(median([o.seconds for o in w]) for w in runs)
+    base_seconds = sum(median([o.seconds for o in w]) for w in base)
+    row: dict[str, Any] = {
+        "model": model,
+        "policy": policy,
+        "budget_tokens": budget,
+        "scales": _scales(policy),
+        "stored_bytes_ratio": sum(r[0].stored for r in runs) / sum(denominator),
+        "ppl": perplexity(mine.nll),
+        "ppl_delta_pct": _delta_pct(perplexity(mine.nll), perplexity(theirs.nll)),
+        "ppl_delta_tail_pct": _delta_pct(perplexity(tail.nll), perplexity(tail_ref.nll)),
+        "top1_agree": float(mine.top1.double().mean()),
+        "kl": float(mine.kl.mean()),
+        "overhead_pct": 100.0 * (seconds / base_seconds - 1.0),
+        "positions": int(mine.nll.numel()),
+    }
+    if budget is None:
+        row["zeroed_elements"] = sum(r[0].zeroed for r in runs)
+    else:
+        row["uniform_bytes_ratio"] = sum(r[0].uniform for r in runs) / sum(denominator)
+    return row
+
+
+def _tail(scored: torch.Tensor) -> torch.Tensor:
+    """``scored`` (bool ``[n]``) with the first half of the window's positions left out."""
+    return scored & (torch.arange(scored.numel()) >= scored.numel() // 2)
+
+
+def _pick(a: Agreement, keep: torch.Tensor) -> Agreement:
+    """The positions of ``a`` where ``keep`` (bool ``[n]``) is set."""
+    return Agreement(a.nll[keep], a.top1[keep], a.kl[keep])
+
+
+def _delta_pct(value: float, reference: float) -> float:
+    return 100.0 * (value / reference - 1.0)
+
+
+def _scales(policy: str) -> dict[str, float] | None:
+    if policy not in SPARSIFY:
+        return None
+    k, v = PRESETS[SPARSIFY[policy]]
+    return {"k": k, "v": v}
+
+
+def _scales_text(scales: dict[str, float] | None) -> str:
+    return "" if scales is None else f"K{scales['k']:g}/V{scales['v']:g}"
+
+
+def _calibration(engine: Engine, texts: list[list[int]]) -> HeadMap:
+    """(layer, KV head) -> attention entropy in bits, measured on ``texts``."""
+    bits = calibrate(engine, texts, show_progress=False)  # [L, H]
+    heads = {
+        (layer, h): float(bits[layer, h]) for layer in range(bits.shape[0]) for h in range(bits.shape[1])
+    }
+    return kv_head_entropies(heads, engine.model.config.group_size)
+
+
+def _head_cache(policies: list[str]) -> tuple[Any, list[str]]:
+    """The per-head cache module when budget policies are asked for and it is installed; the budget
+    policies left out because it is not."""
+    wanted = [p for p in policies if p in BUDGET_POLICIES]
+    if not wanted:
+        return None, []
+    try:
+        return importlib.import_module("kvos.engine.head_cache"), []
+    except ImportError as exc:
+        print(f"[kvos] budget policies {', '.join(wanted)} skipped: {exc}", file=sys.stderr)
+        return None, wanted
+
+
+def _parse_policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in ENGINE_POLICIES + BUDGET_POLICIES]
+    if unknown or not names:
+        known = ", ".join(ENGINE_POLICIES + BUDGET_POLICIES)
+        raise ConfigError(f"unknown policies {', '.join(unknown) or '(none given)'}; choose from {known}")
+    return list(dict.fromkeys(["full", *names]))
+
+
+def _parse_budgets(text: str) -> list[float]:
+    try:
+        values = [float(b) for b in text.split(",") if b.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--budgets takes comma-separated numbers, got {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise ConfigError(f"--budgets must be positive fractions or token counts, got {text!r}")
+    return values
+
+
+def _budget_tokens(budget: float, tokens: int) -> int:
+    """A fraction (<= 1) of ``tokens``, or a token count; it must be below ``tokens``."""
+    count = max(1, round(budget * tokens)) if budget <= 1 else int(budget)
+    if count >= tokens:
+        raise ConfigError(f"budget {budget:g} is {count} tokens, not below the {tokens}-token window")
+    return count
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """Per model: ppl change and top-1 agreement against stored bytes / full, one marker series per policy."""
+    from kvos.bench.plot import _pyplot
+
+    plt = _pyplot()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
+    try:
+        for (left, right), model in zip(axes, models, strict=True):
+            mine = [r for r in rows if r["model"] == model]
+            for policy in dict.fromkeys(r["policy"] for r in mine):
+                pts = sorted(
+                    (r for r in mine if r["policy"] == policy), key=lambda r: r["stored_bytes_ratio"]
+                )
+                xs = [r["stored_bytes_ratio"] for r in pts]
+                left.plot(xs, [r["ppl_delta_pct"] for r in pts], marker="o", label=policy)
+                right.plot(xs, [r["top1_agree"] for r in pts], marker="o", label=policy)
+            left.set_yscale("symlog", linthresh=1.0)
+            left.set_ylabel("perplexity change vs full cache (%)")
+            right.set_ylabel("top-1 agreement with full cache")
+            for ax in (left, right):
+                ax.set_xlabel("stored bytes / full cache bytes")
+                ax.set_title(model)
+                ax.grid(True, alpha=0.3)
+            right.legend(loc="lower right", fontsize=7)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format="png", dpi=100)
+    finally:
+        plt.close(fig)

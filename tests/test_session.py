@@ -17,6 +17,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.blocks import BlockKind, BlockState
 from kvos.policy.budget import Budget
+from kvos.policy.lexical import LexicalIndex
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.session import Session
@@ -105,7 +106,9 @@ def run_session(s: Session, msgs: list, mode: str, backend: str) -> None:
 def test_recovery_leaves_room_for_a_pinned_message(engine: Engine, model_dir: Path) -> None:
     """Similarity recovery at the start of a turn must leave room for the new message's pinned tokens:
     found by hypothesis (blocks recovered for a pinned three-chunk message filled the budget)."""
-    m = manager(engine, model_dir, budget=Budget(max_active_tokens=160, policy="hard"))
+    m = manager(
+        engine, model_dir, budget=Budget(max_active_tokens=160, policy="hard"), recovery_signal="embedding"
+    )
     s = m.session()
     try:
         run_session(
@@ -133,8 +136,11 @@ def test_pinned_and_sink_blocks_stay(engine: Engine, model_dir: Path) -> None:
     m.close(s.session_id)
 
 
-def test_similarity_recovery_restores_the_relevant_block(engine: Engine, model_dir: Path) -> None:
-    m = manager(engine, model_dir)
+@pytest.mark.parametrize("signal", ["lexical", "embedding"])
+def test_similarity_recovery_restores_the_relevant_block(
+    engine: Engine, model_dir: Path, signal: str
+) -> None:
+    m = manager(engine, model_dir, recovery_signal=signal)
     s = m.session()
     s.add_message("system", "hi")
     fact = s.add_message("user", "zebra quartz 4242 zebra quartz")
@@ -153,6 +159,30 @@ def test_similarity_recovery_restores_the_relevant_block(engine: Engine, model_d
     assert fact[0].resident
     s.add_message("user", "next turn " + FILLER * 3)
     m.close(s.session_id)
+
+
+def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_dir: Path) -> None:
+    """The lexical signal ranks by the query's rare tokens: the block sharing them comes back, not the
+    (more recent, equally long) blocks that share only the chat template and common words with it."""
+    m = manager(engine, model_dir, recovery_top_k=1)
+    s = m.session()
+    s.add_message("system", "hi")
+    fact = s.add_message("user", "my walrus is named quince")
+    for i in range(12):
+        s.add_message("user", f"{i} my " + FILLER)
+    assert all(b.state is BlockState.SAVED for b in fact)
+    before = [b.token_ids for b in s.blocks.values()]
+    query = [t for b in s.add_message("user", "my walrus?") for t in b.token_ids]
+    events = [e for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == s.memory.turn]
+    assert [e["block"] for e in events] == [fact[0].block_id]
+    expected = LexicalIndex(before).score(query, fact[0].token_ids)  # the lexical signal, not the embedding
+    assert events[0]["similarity"] == round(expected, 4)
+    m.close(s.session_id)
+
+
+def test_recovery_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="recovery_signal"):
+        SessionConfig(recovery_signal="bm25")  # type: ignore[arg-type]
 
 
 def test_breadcrumb_recovers_by_recompute(engine: Engine, model_dir: Path) -> None:

@@ -33,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--embedder", choices=["hidden", "tokens"], default="hidden")
+    p.add_argument("--signal", choices=["lexical", "embedding"], default="lexical", help="recovery signal")
+    p.add_argument(
+        "--no-bar",
+        action="store_true",
+        help="recover saved blocks even when a resident block is more similar to the new message",
+    )
     p.add_argument("--seed", type=int, default=HELDOUT_SEED)
     p.add_argument("--min-distance", type=int, default=0, help="fewest turns between plant and probe")
     p.add_argument("--max-tokens", type=int, default=24)
@@ -63,6 +69,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 block = max(8, min(128, tokens // 4))
                 config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), block)
                 config.embedder = args.embedder
+                config.recovery_signal = args.signal
+                config.recovery_bar = not args.no_bar
                 if args.weights and name.startswith("kvos-"):
                     config.scorer = _scorer(args.weights)
                 session = manager.session(config=config)
@@ -78,6 +86,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **header("recall", path.name),
         "sessions": len(chats),
         "embedder": args.embedder,
+        "signal": args.signal,
+        "bar": not args.no_bar,
         "weights": args.weights or "default",
         "rows": rows,
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
@@ -11,6 +12,8 @@ from kvos.policy.budget import Budget
 from kvos.policy.scorer import Scorer
 from kvos.session.embedder import EmbedderName
 from kvos.session.pager import Backend, PositionMode
+
+RecoverySignal = Literal["lexical", "embedding"]
 
 
 @dataclass
@@ -20,9 +23,12 @@ class SessionConfig:
     block_tokens: the largest block a message is chunked into (messages are blocks; long ones are split).
     capture_layers: layers whose decode attention feeds the attention signal; None picks a few middle and
         late layers (at most 16).
-    recovery_top_k / recovery_min_similarity: similarity recovery keeps at most this many saved blocks,
-        each at least this similar to the new user message (cosine) and more similar than the best
-        resident block that is not part of the new message.
+    recovery_signal: how similarity recovery compares a saved block with the new user message:
+        "lexical" (IDF-weighted token overlap over the session's blocks, the default: it measured best on
+        the recall benchmark, docs/benchmarks.md) or "embedding" (cosine of the blocks' embeddings).
+    recovery_top_k / recovery_min_similarity / recovery_bar: similarity recovery keeps at most this many
+        saved blocks, each at least this similar to the new user message and, with ``recovery_bar``,
+        more similar than the best resident block that is not part of the new message.
     """
 
     budget: Budget = field(default_factory=Budget)
@@ -34,8 +40,10 @@ class SessionConfig:
     attention_mode: str = "ewma"
     capture_layers: tuple[int, ...] | None = None
     embedder: EmbedderName = "hidden"
+    recovery_signal: RecoverySignal = "lexical"
     recovery_top_k: int = 4
     recovery_min_similarity: float = 0.2
+    recovery_bar: bool = True
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
 
@@ -48,6 +56,10 @@ class SessionConfig:
             raise ConfigError(
                 f"max_active_tokens ({self.budget.max_active_tokens}) must hold at least two blocks of "
                 f"block_tokens ({self.block_tokens}): lower block_tokens or raise the budget"
+            )
+        if self.recovery_signal not in ("lexical", "embedding"):
+            raise ConfigError(
+                f"recovery_signal must be 'lexical' or 'embedding', got {self.recovery_signal!r}"
             )
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode
 

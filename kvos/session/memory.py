@@ -16,6 +16,7 @@ from kvos.policy.attention import AttentionTracker, block_masses
 from kvos.policy.blocks import BlockState, MemBlock
 from kvos.policy.budget import select_victims
 from kvos.policy.focus import TaskFocus
+from kvos.policy.lexical import LexicalIndex
 from kvos.policy.scorer import ScoreContext
 from kvos.policy.signals import cosine
 from kvos.session.config import SessionConfig
@@ -119,22 +120,33 @@ class SessionMemory:
         return True
 
     # ---------------------------------------------------------------- recovery
-    def recover_similar(self, query: torch.Tensor, incoming_locked: int = 0) -> None:
-        """Bring back the saved (or breadcrumbed) blocks most similar to the new user message, best last.
-        ``incoming_locked``: tokens of the new message that will stay locked (a pinned message), so the
-        recovered blocks leave room for them."""
+    def recover_similar(self, ids: list[int], query: torch.Tensor, incoming_locked: int = 0) -> None:
+        """Bring back the saved (or breadcrumbed) blocks most similar to the new user message ``ids``
+        (embedded as ``query``), best last. ``incoming_locked``: tokens of the new message that will stay
+        locked (a pinned message), so the recovered blocks leave room for them."""
         if self.config.backend == "discard" or self.config.recovery_top_k == 0:
             return
         candidates = [b for b in self.blocks.values() if self._recoverable(b)]
         if not candidates:
             return
-        sims = {b.block_id: cosine(query, b.embedding) for b in candidates if b.embedding is not None}
-        resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(self.config.sink_count)]
-        bar = max((cosine(query, b.embedding) for b in resident if b.embedding is not None), default=-1.0)
-        bar = max(bar, self.config.recovery_min_similarity)
+        similarity = self._similarity(ids, query)
+        sims = {b.block_id: s for b in candidates if (s := similarity(b)) is not None}
+        bar = self.config.recovery_min_similarity
+        if self.config.recovery_bar:
+            sinks = self.config.sink_count
+            resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(sinks)]
+            bar = max([bar, *(s for b in resident if (s := similarity(b)) is not None)])
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
         for block_id in reversed(self._affordable(ranked, incoming_locked)):
-            self.recover(self.blocks[block_id], similarity=sims[block_id])
+            self.recover(self.blocks[block_id], similarity=round(sims[block_id], 4))
+
+    def _similarity(self, ids: list[int], query: torch.Tensor) -> Callable[[MemBlock], float | None]:
+        """How a block is compared with the new message: IDF-weighted token overlap over the session's
+        blocks ("lexical") or the cosine of the embeddings ("embedding"; None without an embedding)."""
+        if self.config.recovery_signal == "lexical":
+            index = LexicalIndex(b.token_ids for b in self.blocks.values())
+            return lambda b: index.score(ids, b.token_ids)
+        return lambda b: None if b.embedding is None else cosine(query, b.embedding)
 
     def _affordable(self, ranked: list[int], incoming_locked: int = 0) -> list[int]:
         """The best-ranked blocks (at most recovery_top_k) that can be protected this turn while pinned

@@ -122,7 +122,7 @@ class Session:
         self.memory.turn += 1
         self.memory.protected.clear()
         query = self.embed(ids)
-        self.memory.recover_similar(query, locked)
+        self.memory.recover_similar(ids, query, locked)
         if self.memory.focus.update(query, boundary=boundary):
             self.memory.journal.log(self.memory.turn, "focus", snapped=True)
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from kvos.bench.common import header, median, print_table, write_json
 from kvos.bench.quality_runs import (
@@ -182,14 +183,17 @@ def bench_model(
         )
     results: dict[Key, list[list[Outcome]]] = {key: [] for key in contenders}
     repeats = args.repeats or (1 if args.quick else 3)
+    bar = tqdm(total=len(texts.windows) * repeats * len(contenders), desc=name, unit="run", file=sys.stderr)
     for ids in texts.windows:
         memo: dict[str, list[Pass]] = {}
         per: dict[Key, list[Outcome]] = {key: [] for key in contenders}
         for _ in range(repeats):
             for key, fn in contenders.items():
                 per[key].append(fn(ids, memo))
+                bar.update()
         for key in contenders:
             results[key].append(per[key])
+    bar.close()
     targets = [torch.tensor(ids[1:], dtype=torch.int64) for ids in texts.windows]
     scored = [torch.tensor(m[1:], dtype=torch.bool) for m in texts.scored]
     full = results[("full", None)]

@@ -136,3 +136,14 @@ def test_entropy_rows_hold_their_head_budgets(model: Transformer, tokens: list[i
     assert {row: cache.num_tokens(*row) for row in cache.rows} == expected
     assert cache.pool.allocator.num_used == 1 + 5 + 2 + 4  # ceil(budget / 4) head-blocks per row
     assert cache.uniform_bytes() == 4 * 3 * cache.pool.layout.bytes_per_head_block  # 41 tokens: 11 per row
+
+
+def test_stories260k_full_budget_equals_the_engine(shared_dir: Path) -> None:
+    """A real pretrained model (llama2.c format, 8 query heads over 4 KV heads): same logits as the Engine."""
+    path = shared_dir / "models" / "stories260K" / "stories260K.bin"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    stories = load_model(path)
+    ids = [1, *torch.randint(3, 512, (95,), generator=torch.Generator().manual_seed(2)).tolist()]
+    run = run_budgeted(stories, ids, "snapkv", 96, prefill=40)
+    assert (run.logits - engine_logits(stories, ids, 40)[:-1]).abs().max() <= 1e-4

@@ -239,7 +239,8 @@ class HeadCache:
     def enforce(self, policy: TokenPolicy, budgets: Mapping[Row, int]) -> int:
         """Drop tokens of every row that holds more than its budget, as ``policy`` selects; returns the
         number of head-blocks freed."""
-        over = [row for row in self.rows if self.num_tokens(*row) > budgets[row]]
+        counts = self._counts.flatten().tolist()
+        over = [row for row, count in zip(self.rows, counts, strict=True) if count > budgets[row]]
         if not over:
             return 0
         window = self.window_scores()

@@ -110,7 +110,8 @@ class HeadPageTable:
                 raise InvalidPositionError(f"keep indices must be strictly increasing, got {list(keep)}")
         if keep and (keep[0] < 0 or keep[-1] >= count):
             raise InvalidPositionError(f"keep indices must lie in [0, {count}), got {list(keep)}")
-        moves = [(self._slot(i, src), self._slot(i, dst)) for dst, src in enumerate(keep) if src != dst]
+        first = next((dst for dst, src in enumerate(keep) if src != dst), len(keep))  # the prefix stays
+        moves = [(self._slot(i, keep[dst]), self._slot(i, dst)) for dst in range(first, len(keep))]
         return moves, self.truncate(layer, kv_head, len(keep))
 
     def free_all(self) -> None:

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import math
-import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from kvos.bench.quality_runs import NoHook, RandomZeroHook, SparsifyHook, codec_
 from kvos.cli import main
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
+from kvos.policy import budgeted
 from kvos.policy.sparsify import MagnitudeSparsifier
 
 CONTRACT = ("benchmark", "model", "device", "torch", "rows")
@@ -146,9 +145,7 @@ def test_budget_rows_from_the_head_cache_contract(
         run = teacher_forced(engine, token_ids, 1, NoHook())
         return FakeRun(run.logits, 10.0 * budget_tokens, 20.0 * budget_tokens, 0.5)
 
-    fake = types.ModuleType("kvos.engine.head_cache")
-    fake.run_budgeted = run_budgeted  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvos.engine.head_cache", fake)
+    monkeypatch.setattr(budgeted, "run_budgeted", run_budgeted)
     argv = ["--model", str(model_dir), "--quick", "--tokens", "160", "--policies", "uniform,h2o"]
     result = run_bench(tmp_path, "quality", *argv)
     rows = [r for r in result["rows"] if r["policy"] != "full"]

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from kvos.engine.engine import Engine
-from kvos.engine.head_cache import HeadCache, run_budgeted
+from kvos.engine.head_cache import HeadCache
 from kvos.model.loader import load_model
 from kvos.model.rope import Rope
 from kvos.model.transformer import Transformer, rms_norm
+from kvos.policy.budgeted import run_budgeted
 from kvos.policy.entropy import head_budgets
 from kvos.policy.token_select import POLICIES
 

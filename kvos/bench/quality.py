@@ -12,8 +12,9 @@ every policy is acting), top-1 agreement and KL(full || policy) per position, me
   same schedule) run on the kvos engine; ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes
   of the final cached K/V, cut into pool blocks as the block store saves them.
 - ``uniform``, ``entropy``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the ``random`` control) keep
-  ``budget_tokens`` per KV head in the per-head cache (:mod:`kvos.engine.head_cache`); their
-  ``stored_bytes_ratio`` is the mean resident K/V bytes over the same cache holding every token.
+  ``budget_tokens`` per KV head in the per-head cache (:mod:`kvos.engine.head_cache`, driven by
+  :mod:`kvos.policy.budgeted`); their ``stored_bytes_ratio`` is the mean resident K/V bytes over the
+  same cache holding every token.
   ``entropy`` is calibrated on text other than the evaluation windows.
 
 ``overhead_pct`` is the token-by-token time against the full cache of the same runtime (the engine, or the
@@ -24,7 +25,6 @@ turn; medians per window, summed over windows.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -53,6 +53,7 @@ from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.generate_cli import find_tokenizer
 from kvos.model.loader import load_model
+from kvos.policy import budgeted
 from kvos.policy.entropy import HeadMap, kv_head_entropies
 from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier
 
@@ -129,7 +130,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        head_cache, skipped = _head_cache(policies)
         rows, sources = [], {}
         for path in [Path(m) for m in args.model] or default_models():
             model = load_model(path, dtype=torch.float32)
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "windows": len(texts.windows),
                 "tokens": tokens,
             }
-            rows += bench_model(model_name(path), Engine(model), texts, policies, budgets, head_cache, args)
+            rows += bench_model(model_name(path), Engine(model), texts, policies, budgets, args)
     finally:
         torch.set_num_threads(threads)
     result = {
@@ -151,7 +151,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": repeats,
         "threads": args.threads,
         "schedule": {"n_sink": 64, "every": 64, "warmup": 128},
-        "skipped_policies": skipped,
         "rows": rows,
     }
     print_table([{**r, "scales": _scales_text(r["scales"])} for r in rows], COLUMNS)
@@ -168,19 +167,16 @@ def bench_model(
     texts: Texts,
     policies: list[str],
     budgets: list[float],
-    head_cache: Any,
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """Rows of every requested policy (and budget) on one model; see the module docstring."""
     tokens = len(texts.windows[0])
     counts = sorted({_budget_tokens(b, tokens) for b in budgets})
     contenders = _engine_contenders(engine, policies, args.prefill, args.seed)
-    wanted = [p for p in policies if p in BUDGET_POLICIES] if head_cache is not None else []
+    wanted = [p for p in policies if p in BUDGET_POLICIES]
     if wanted:
         calibration = _calibration(engine, texts.calibration) if "entropy" in wanted else None
-        contenders.update(
-            _budget_contenders(head_cache, engine, wanted, counts, calibration, args.prefill, args.seed)
-        )
+        contenders.update(_budget_contenders(engine, wanted, counts, calibration, args.prefill, args.seed))
     results: dict[Key, list[list[Outcome]]] = {key: [] for key in contenders}
     repeats = args.repeats or (1 if args.quick else 3)
     bar = tqdm(total=len(texts.windows) * repeats * len(contenders), desc=name, unit="run", file=sys.stderr)
@@ -229,7 +225,6 @@ def _engine_contenders(engine: Engine, policies: list[str], prefill: int, seed: 
 
 
 def _budget_contenders(
-    head_cache: Any,
     engine: Engine,
     policies: list[str],
     counts: list[int],
@@ -242,7 +237,7 @@ def _budget_contenders(
     def make(policy: str, budget: int | None) -> Contender:
         def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
             n = budget if budget is not None else len(ids)
-            run = head_cache.run_budgeted(
+            run = budgeted.run_budgeted(
                 engine.model, ids, "uniform" if budget is None else policy, n,
                 calibration=calibration, prefill=min(prefill, n), seed=seed,
             )  # fmt: skip
@@ -339,19 +334,6 @@ def _calibration(engine: Engine, texts: list[list[int]]) -> HeadMap:
         (layer, h): float(bits[layer, h]) for layer in range(bits.shape[0]) for h in range(bits.shape[1])
     }
     return kv_head_entropies(heads, engine.model.config.group_size)
-
-
-def _head_cache(policies: list[str]) -> tuple[Any, list[str]]:
-    """The per-head cache module when budget policies are asked for and it is installed; the budget
-    policies left out because it is not."""
-    wanted = [p for p in policies if p in BUDGET_POLICIES]
-    if not wanted:
-        return None, []
-    try:
-        return importlib.import_module("kvos.engine.head_cache"), []
-    except ImportError as exc:
-        print(f"[kvos] budget policies {', '.join(wanted)} skipped: {exc}", file=sys.stderr)
-        return None, wanted
 
 
 def _parse_policies(text: str) -> list[str]:

@@ -1,5 +1,6 @@
 """The memory policy: block metadata, the scorer and its signals, task focus, attention tracking, budget and
-victim selection. Imports torch and :mod:`kvos.errors` only (never the engine, session or server)."""
+victim selection, recovery signals, compression (sparsification, entropy budgets, per-head token policies).
+Imports the layers below it (memory, model, engine) and never the session or server layers."""
 
 from kvos.policy.attention import AttentionTracker, block_masses
 from kvos.policy.blocks import BlockKind, BlockState, Keep, MemBlock

@@ -180,6 +180,25 @@ def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_d
     m.close(s.session_id)
 
 
+@pytest.mark.parametrize("bar", [False, True])
+def test_recovery_bar(engine: Engine, model_dir: Path, bar: bool) -> None:
+    """With the bar, a saved block comes back only when it beats every resident block (not part of the new
+    message); without it (the default), the best saved blocks come back regardless."""
+    m = manager(engine, model_dir, recovery_top_k=1, recovery_bar=bar)
+    s = m.session()
+    s.add_message("system", "hi")
+    s.add_message("user", "my walrus?", keep="pin")  # stays resident and matches the last query fully
+    fact = s.add_message("user", "my walrus is named quince")
+    for i in range(12):
+        s.add_message("user", f"{i} my " + FILLER)
+    assert all(b.state is BlockState.SAVED for b in fact)
+    s.add_message("user", "my walrus?")
+    turn = s.memory.turn
+    restored = [e["block"] for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == turn]
+    assert restored == ([] if bar else [fact[0].block_id])
+    m.close(s.session_id)
+
+
 def test_recovery_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="recovery_signal"):
         SessionConfig(recovery_signal="bm25")  # type: ignore[arg-type]

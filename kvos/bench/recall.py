@@ -35,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedder", choices=["hidden", "tokens"], default="hidden")
     p.add_argument("--signal", choices=["lexical", "embedding"], default="lexical", help="recovery signal")
     p.add_argument(
-        "--no-bar",
+        "--bar",
         action="store_true",
-        help="recover saved blocks even when a resident block is more similar to the new message",
+        help="recover only saved blocks more similar to the new message than every resident block",
     )
     p.add_argument("--seed", type=int, default=HELDOUT_SEED)
     p.add_argument("--min-distance", type=int, default=0, help="fewest turns between plant and probe")
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), block)
                 config.embedder = args.embedder
                 config.recovery_signal = args.signal
-                config.recovery_bar = not args.no_bar
+                config.recovery_bar = args.bar
                 if args.weights and name.startswith("kvos-"):
                     config.scorer = _scorer(args.weights)
                 session = manager.session(config=config)
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sessions": len(chats),
         "embedder": args.embedder,
         "signal": args.signal,
-        "bar": not args.no_bar,
+        "bar": args.bar,
         "weights": args.weights or "default",
         "rows": rows,
     }

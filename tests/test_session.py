@@ -103,20 +103,31 @@ def run_session(s: Session, msgs: list, mode: str, backend: str) -> None:
                 assert b.state is not BlockState.DISCARDED
 
 
-def test_recovery_leaves_room_for_a_pinned_message(engine: Engine, model_dir: Path) -> None:
-    """Similarity recovery at the start of a turn must leave room for the new message's pinned tokens:
-    found by hypothesis (blocks recovered for a pinned three-chunk message filled the budget)."""
-    m = manager(
-        engine, model_dir, budget=Budget(max_active_tokens=160, policy="hard"), recovery_signal="embedding"
-    )
+PINNED_CASES = [  # found by hypothesis: recovered (protected) blocks + a pinned message overran a hard budget
+    ("embedding", [("user", 84, None), ("user", 68, None), ("user", 1, None), ("user", 30, "pin")]),
+    (
+        "lexical",
+        [
+            ("user", 32, None),
+            ("user", 67, None),
+            ("user", 1, None),
+            ("user", 1, None),
+            ("user", 4, None),
+            ("tool", 17, "pin"),  # a pinned message that starts no turn: recovery could not foresee it
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("signal", "msgs"), PINNED_CASES)
+def test_pinned_messages_fit_after_recovery(engine: Engine, model_dir: Path, signal: str, msgs: list) -> None:
+    """Similarity recovery leaves room for a pinned user message, and a recovered block's protection
+    yields to a pinned message arriving later in the turn."""
+    budget = Budget(max_active_tokens=160, policy="hard")
+    m = manager(engine, model_dir, budget=budget, recovery_signal=signal)
     s = m.session()
     try:
-        run_session(
-            s,
-            [("user", 84, None), ("user", 68, None), ("user", 1, None), ("user", 30, "pin")],
-            "compact",
-            "kv_restore",
-        )
+        run_session(s, msgs, "compact", "kv_restore")
         assert s.stats()["recoveries_restore"] > 0
         assert all(b.resident for b in s.blocks.values() if b.pinned)
     finally:

@@ -64,6 +64,9 @@ class SessionMemory:
         self.evict(victims, scores)
         if self.pager.active_tokens + n > budget.max_active_tokens:
             self._evict_last_resort(n, keep)
+        if self.pager.active_tokens + n > budget.max_active_tokens and self.protected:
+            # a recovered block's protection for its turn yields to pins and the block being written
+            self._evict_last_resort(n, protected or set())
         if self.pager.active_tokens + n > budget.max_active_tokens:
             raise BudgetError(
                 f"session {self.session_id}: {n} more tokens do not fit in max_active_tokens="

@@ -185,7 +185,7 @@ def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_d
     before = [b.token_ids for b in s.blocks.values()]
     query = [t for b in s.add_message("user", "my walrus?") for t in b.token_ids]
     events = [e for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == s.memory.turn]
-    assert [e["block"] for e in events] == [fact[0].block_id]
+    assert [e["block"] for e in events] == [b.block_id for b in fact]  # the whole message
     expected = LexicalIndex(before).score(query, fact[0].token_ids)  # the lexical signal, not the embedding
     assert events[0]["similarity"] == round(expected, 4)
     m.close(s.session_id)
@@ -206,8 +206,34 @@ def test_recovery_bar(engine: Engine, model_dir: Path, bar: bool) -> None:
     s.add_message("user", "my walrus?")
     turn = s.memory.turn
     restored = [e["block"] for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == turn]
-    assert restored == ([] if bar else [fact[0].block_id])
+    assert restored == ([] if bar else [b.block_id for b in fact])
     m.close(s.session_id)
+
+
+def test_recovery_brings_back_a_whole_message(engine: Engine, model_dir: Path) -> None:
+    """A matched chunk comes back with the other chunks of its message, in order: a fact split across
+    chunks is recovered whole, though only its first chunk shares a word with the query."""
+    m = manager(engine, model_dir, recovery_top_k=1)
+    s = m.session()
+    s.add_message("system", "hi")
+    fact = s.add_message("user", "my walrus is named " + "quince " * 10)
+    assert len(fact) >= 2 and all("walrus" not in b.text for b in fact[1:])
+    for i in range(12):
+        s.add_message("user", f"{i} my " + FILLER)
+    assert all(b.state is BlockState.SAVED for b in fact)
+    s.add_message("user", "my walrus?")
+    turn = s.memory.turn
+    restored = [e["block"] for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == turn]
+    assert restored == [b.block_id for b in fact]
+    order = s.pager.order()
+    assert order[order.index(fact[0].block_id) : order.index(fact[0].block_id) + len(fact)] == restored
+    m.close(s.session_id)
+
+
+def test_min_similarity_defaults_per_signal() -> None:
+    assert SessionConfig(recovery_signal="lexical").min_similarity() == 0.1
+    assert SessionConfig(recovery_signal="embedding").min_similarity() == 0.2
+    assert SessionConfig(recovery_signal="embedding", recovery_min_similarity=0.5).min_similarity() == 0.5
 
 
 def test_recovery_config_is_validated() -> None:

@@ -113,14 +113,17 @@ class SessionMemory:
                     raise
 
     def _evict_own(self, protected: set[int]) -> bool:
+        """Page out this session's lowest-scored block that is not ``protected``; blocks recovered this turn
+        go only when nothing else can (their protection yields to the block being written)."""
         resident, scores = self.resident_scores()
-        keep = self.protected | protected
-        victims = select_victims(resident, scores, self.pager.active_tokens, 0, keep, self.config.sink_count)
-        if not victims:
-            return False
-        self.evict(victims[:1], scores)
-        self.journal.log(self.turn, "pool_full", block=victims[0].block_id)
-        return True
+        sinks = self.config.sink_count
+        for keep in (self.protected | protected, protected):
+            victims = select_victims(resident, scores, self.pager.active_tokens, 0, keep, sinks)
+            if victims:
+                self.evict(victims[:1], scores)
+                self.journal.log(self.turn, "pool_full", block=victims[0].block_id)
+                return True
+        return False
 
     # ---------------------------------------------------------------- recovery
     def recover_similar(self, ids: list[int], query: torch.Tensor, incoming_locked: int = 0) -> None:
@@ -134,14 +137,30 @@ class SessionMemory:
             return
         similarity = self._similarity(ids, query)
         sims = {b.block_id: s for b in candidates if (s := similarity(b)) is not None}
-        bar = self.config.recovery_min_similarity
+        bar = self.config.min_similarity()
         if self.config.recovery_bar:
             sinks = self.config.sink_count
             resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(sinks)]
             bar = max([bar, *(s for b in resident if (s := similarity(b)) is not None)])
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
-        for block_id in reversed(self._affordable(ranked, incoming_locked)):
-            self.recover(self.blocks[block_id], similarity=round(sims[block_id], 4))
+        for best, group in reversed(self._affordable(self._message_groups(ranked), incoming_locked)):
+            for block_id in group:  # a message's chunks in their order, the best message last
+                if not self.recover(self.blocks[block_id], similarity=round(sims[best], 4), matched=best):
+                    return
+
+    def _message_groups(self, ranked: list[int]) -> list[tuple[int, list[int]]]:
+        """Each ranked block with the other recoverable chunks of its message (in order), best first, each
+        message once: a fact split across chunks ("... my room number is" | "529.") comes back whole."""
+        groups: list[tuple[int, list[int]]] = []
+        seen: set[int] = set()
+        for block_id in ranked:
+            message = self.blocks[block_id].message_index
+            if message in seen:
+                continue
+            seen.add(message)
+            chunks = [b for b in self.blocks.values() if b.message_index == message and self._recoverable(b)]
+            groups.append((block_id, [b.block_id for b in sorted(chunks, key=lambda b: b.original_start)]))
+        return groups
 
     def _similarity(self, ids: list[int], query: torch.Tensor) -> Callable[[MemBlock], float | None]:
         """How a block is compared with the new message: IDF-weighted token overlap over the session's
@@ -151,9 +170,12 @@ class SessionMemory:
             return lambda b: index.score(ids, b.token_ids)
         return lambda b: None if b.embedding is None else cosine(query, b.embedding)
 
-    def _affordable(self, ranked: list[int], incoming_locked: int = 0) -> list[int]:
-        """The best-ranked blocks (at most recovery_top_k) that can be protected this turn while pinned
-        blocks, sinks, the new message's locked tokens and one block being written still fit."""
+    def _affordable(
+        self, groups: list[tuple[int, list[int]]], incoming_locked: int = 0
+    ) -> list[tuple[int, list[int]]]:
+        """The best-ranked messages (at most recovery_top_k; a message whose chunks do not all fit comes back
+        as its best chunk alone) that can be protected this turn while pinned blocks, sinks, the new
+        message's locked tokens and one block being written still fit."""
         sinks = self.config.sink_count
         locked = sum(
             b.num_tokens
@@ -161,12 +183,16 @@ class SessionMemory:
             if b.resident and (b.pinned or b.is_sink(sinks) or b.block_id in self.protected)
         )
         room = self.config.budget.max_active_tokens - self.config.block_tokens - locked - incoming_locked
-        chosen: list[int] = []
-        for block_id in ranked:
-            size = self.blocks[block_id].num_tokens
-            if len(chosen) < self.config.recovery_top_k and size <= room:
-                chosen.append(block_id)
-                room -= size
+        chosen: list[tuple[int, list[int]]] = []
+        for best, group in groups:
+            if len(chosen) == self.config.recovery_top_k:
+                break
+            for option in (group, [best]):
+                size = sum(self.blocks[i].num_tokens for i in option)
+                if size <= room:
+                    chosen.append((best, option))
+                    room -= size
+                    break
         return chosen
 
     def _recoverable(self, block: MemBlock) -> bool:
@@ -174,19 +200,29 @@ class SessionMemory:
             return True
         return block.state is BlockState.DISCARDED and self.config.backend != "discard"
 
-    def recover(self, block: MemBlock, at: str = "end", **detail: Any) -> None:
-        """Page a block back in: splice saved K/V, or recompute from its tokens; protected for this turn."""
+    def recover(self, block: MemBlock, at: str = "end", **detail: Any) -> bool:
+        """Page a block back in: splice saved K/V, or recompute from its tokens; protected for this turn.
+
+        Best effort under pool pressure: when the pool's cap leaves no room even after paging out other
+        sessions' and this session's unprotected blocks, the block stays out (logged) and False is returned.
+        """
         self.make_room(block.num_tokens, protected={block.block_id})
-        if block.state is BlockState.SAVED:
-            self.guarded(lambda: self.pager.restore(block, at), set())  # type: ignore[arg-type]
-            how = "restore"
-        else:
-            self.guarded(lambda: self.pager.recompute(block), set())
-            how = "recompute"
+        saved = block.state is BlockState.SAVED
+        try:
+            keep = set(self.protected)  # one recovery never pages out another
+            if saved:
+                self.guarded(lambda: self.pager.restore(block, at), keep)  # type: ignore[arg-type]
+            else:
+                self.guarded(lambda: self.pager.recompute(block), keep)
+        except PoolOutOfMemoryError:
+            self.journal.log(self.turn, "recover_skipped", block=block.block_id, reason="pool_full")
+            return False
         block.recovered_turn = self.turn
         self.protected.add(block.block_id)
+        how = "restore" if saved else "recompute"
         self.journal.log(self.turn, how, block=block.block_id, tokens=block.num_tokens, **detail)
         self.journal.seen(self.pager.active_tokens)
+        return True
 
     def fill_gaps(self, token_ids: list[int]) -> int:
         """Identity gap-fill: walk the history against a re-sent prompt; every saved block whose exact
@@ -196,7 +232,8 @@ class SessionMemory:
             if token_ids[block.original_start : block.original_end] != block.token_ids:
                 break
             if block.state is BlockState.SAVED:
-                self.recover(block, at="place", trigger="gap_fill")
+                if not self.recover(block, at="place", trigger="gap_fill"):
+                    break
                 restored += 1
         return restored
 

@@ -235,12 +235,11 @@ class Session:
         target = self.config.budget.target()
         for block in sorted(self.blocks.values(), key=lambda b: b.original_start, reverse=True):
             fits = self.pager.active_tokens + block.num_tokens <= target
-            if (
-                block.state is BlockState.SAVED
-                and fits
-                and prompt[block.original_start : block.original_end] == block.token_ids
-            ):
-                self.memory.recover(block, at="place", trigger="gap_fill")
+            resent = prompt[block.original_start : block.original_end] == block.token_ids
+            if not (block.state is BlockState.SAVED and fits and resent):
+                continue
+            if not self.memory.recover(block, at="place", trigger="gap_fill"):
+                return
 
     def swap_out(self) -> None:
         """Page the whole session out to its store (kv_restore), freeing all its pool blocks."""

@@ -8,7 +8,8 @@ import pytest
 import torch
 from hf_models import build
 
-from kvos.engine.engine import Engine
+import kvos.engine.engine as engine_module
+from kvos.engine.engine import Engine, contiguous_runs
 from kvos.engine.sequence import Segment, Sequence
 from kvos.memory.store import BlockStore
 from kvos.model.loader import load_model
@@ -170,3 +171,58 @@ def test_splice_is_all_or_nothing_at_the_pool_cap(model_dir: Path) -> None:
         pos = torch.arange(24) + 100
         engine.splice(seq, 3, tokens(24, 9), big_k, big_v, pos, pos)
     assert (seq.num_tokens, engine.pool.allocator.num_used, len(seq.segments)) == before
+
+
+def test_contiguous_runs() -> None:
+    slots = torch.tensor([5, 6, 7, 20, 21, 3], dtype=torch.int64)
+    assert contiguous_runs(slots) == [(0, 3), (3, 5), (5, 6)]
+    assert contiguous_runs(torch.arange(10, 18)) == [(0, 8)]
+    assert contiguous_runs(torch.tensor([], dtype=torch.int64)) == []
+
+
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_direct_pool_writes_equal_indexed_writes(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, fragmented: bool
+) -> None:
+    """A splice into at most MAX_RUNS slot runs writes (and rotates) straight into pool views; the pool
+    then holds bit-for-bit what the indexed path (one rotation, index_copy per layer) writes."""
+    engine = Engine(load_model(model_dir), block_size=4)
+    saved = engine.new_sequence()
+    (seg,) = fill(engine, saved, [13])
+    k, v = engine.read_kv(seg)
+    old = seg.positions.clone()
+    results = []
+    for max_runs in (4, 0):  # direct writes, then the indexed path
+        monkeypatch.setattr(engine_module, "MAX_RUNS", max_runs)
+        seq = engine.new_sequence()
+        if fragmented:  # fill the pool one block at a time, alternately, then free every other block
+            gap, keep = engine.new_sequence(), engine.new_sequence()
+            while engine.pool.allocator.num_free >= 2:
+                engine.extend(gap, tokens(4, 1))
+                engine.extend(keep, tokens(4, 2))
+            engine.release(gap)
+        spliced = engine.splice(seq, 0, tokens(13, 99), k, v, old, old + 40)
+        runs = contiguous_runs(spliced.slots)
+        assert 1 <= len(runs) <= 4 and (len(runs) > 1) == fragmented
+        results.append(engine.read_kv(spliced))
+        engine.release(seq)
+        if fragmented:
+            engine.release(keep)
+    (k_direct, v_direct), (k_indexed, v_indexed) = results
+    assert torch.equal(k_direct, k_indexed) and torch.equal(v_direct, v_indexed)
+    rope = engine.model.rope
+    expected = torch.stack([rope.reanchor(k[i], old, old + 40) for i in range(k.shape[0])])
+    assert (k_direct - expected).abs().max().item() <= TOL
+
+
+def test_rotate_into_is_rotate() -> None:
+    rope = Rope(64, 10000.0)
+    keys = torch.randn(9, 2, 64)
+    rotation = rope.rotation(torch.arange(9), torch.arange(9) + 100, torch.device("cpu"))
+    dense = (rotation[0].expand_as(keys).contiguous(), rotation[1].expand_as(keys).contiguous())
+    out = torch.empty_like(keys)
+    Rope.rotate_into(out, keys, dense)
+    assert torch.equal(out, Rope.rotate(keys, rotation))
+    low = torch.empty(9, 2, 64, dtype=torch.bfloat16)  # another dtype: computed in float32, cast once
+    Rope.rotate_into(low, keys.bfloat16(), rotation)
+    assert torch.equal(low, Rope.rotate(keys.bfloat16(), rotation))

@@ -168,12 +168,29 @@ class Engine:
         """
         seg = seq.new_segment()
         slots = seg.extend(list(token_ids), positions).to(self.model.device)
-        keys = k.to(self.model.device)
-        if not torch.equal(saved_positions, positions):  # one rotation for all layers: [L, n, Hkv, D]
-            cos, sin = self.model.rope.rotation(saved_positions, positions, self.model.device)
-            keys = Rope.rotate(keys, (cos[None], sin[None]))
-        for layer in range(self.pool.layout.num_layers):
-            self.pool.write(layer, slots, keys[layer], v[layer])
+        keys, values = k.to(self.model.device), v.to(self.model.device)
+        moved = not torch.equal(saved_positions, positions)
+        rotation = self.model.rope.rotation(saved_positions, positions, self.model.device) if moved else None
+        runs = contiguous_runs(slots)
+        if len(runs) <= MAX_RUNS:  # write straight into the pool, rotating on the way
+            if rotation is not None:  # tables as dense as the keys: the elementwise ops then vectorise
+                rotation = (
+                    rotation[0].expand_as(keys[0]).contiguous(),
+                    rotation[1].expand_as(keys[0]).contiguous(),
+                )
+            for layer in range(self.pool.layout.num_layers):
+                for lo, hi in runs:
+                    kdst, vdst = self.pool.run_views(layer, int(slots[lo]), hi - lo)
+                    if rotation is None:
+                        kdst.copy_(keys[layer, lo:hi])
+                    else:
+                        Rope.rotate_into(kdst, keys[layer, lo:hi], (rotation[0][lo:hi], rotation[1][lo:hi]))
+                    vdst.copy_(values[layer, lo:hi])
+        else:  # scattered slots: one rotation for all layers ([L, n, Hkv, D]), then indexed writes
+            if rotation is not None:
+                keys = Rope.rotate(keys, (rotation[0][None], rotation[1][None]))
+            for layer in range(self.pool.layout.num_layers):
+                self.pool.write(layer, slots, keys[layer], values[layer])
         seq.insert(index, seg)
         return seg
 
@@ -209,3 +226,16 @@ class _NoStore:
 
 
 _NO_STORE = _NoStore()
+
+
+MAX_RUNS = 4  # splices whose slots fall in more runs than this use indexed writes
+
+
+def contiguous_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive slot ids: int64 [n] -> [(lo, hi), ...] index ranges into ``slots``."""
+    n = int(slots.shape[0])
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+    edges = [0, *breaks, n]
+    return list(pairwise(edges))

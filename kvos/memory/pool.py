@@ -179,6 +179,18 @@ class KVPool:
             self._flat(self.v[layer]).index_select(0, slots),
         )
 
+    def run_views(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writable views of K and V of ``layer`` at the contiguous flat slots ``start .. start + n - 1``:
+        two ``[n, num_kv_heads, head_dim]`` views into the pool (valid until the pool next grows)."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is out of range: the pool has {self.layout.num_layers} layers")
+        end = start + n
+        if start < 0 or n < 0 or end > self.num_blocks * self.layout.block_size:
+            raise ValueError(
+                f"slots {start}..{end - 1} are out of range for a pool of {self.num_blocks} blocks"
+            )
+        return self._flat(self.k[layer])[start:end], self._flat(self.v[layer])[start:end]
+
     # ----------------------------------------------------------- block access
     def read_blocks(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of whole blocks.

@@ -100,6 +100,19 @@ class Rope:
         out = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(signed_sin)
         return out.addcmul_(x, cos).to(keys.dtype)
 
+    @staticmethod
+    def rotate_into(
+        out: torch.Tensor, keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """:meth:`rotate` written straight into ``out`` (same shape as ``keys``), e.g. a view of the pool:
+        no full-size temporary when both are float32 (the result is then bit-identical to :meth:`rotate`)."""
+        if out.dtype != torch.float32 or keys.dtype != torch.float32:
+            out.copy_(Rope.rotate(keys, rotation))
+            return
+        cos, signed_sin = rotation
+        torch.mul(torch.roll(keys, keys.shape[-1] // 2, dims=-1), signed_sin, out=out)  # as rotate() does
+        out.addcmul_(keys, cos)
+
     def reanchor(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Move stored keys [n, kv_heads, head_dim] from positions ``old`` to ``new`` without recomputing
         them (see :meth:`rotation`)."""

@@ -9,6 +9,7 @@ import torch
 from hf_models import build
 
 import kvos.engine.engine as engine_module
+from kvos.engine import fused
 from kvos.engine.engine import Engine, contiguous_runs
 from kvos.engine.sequence import Segment, Sequence
 from kvos.memory.store import BlockStore
@@ -192,6 +193,7 @@ def test_direct_pool_writes_equal_indexed_writes(
     k, v = engine.read_kv(seg)
     old = seg.positions.clone()
     results = []
+    monkeypatch.setattr(fused, "usable", lambda *a: False)  # the eager paths
     for max_runs in (4, 0):  # direct writes, then the indexed path
         monkeypatch.setattr(engine_module, "MAX_RUNS", max_runs)
         seq = engine.new_sequence()
@@ -226,3 +228,33 @@ def test_rotate_into_is_rotate() -> None:
     low = torch.empty(9, 2, 64, dtype=torch.bfloat16)  # another dtype: computed in float32, cast once
     Rope.rotate_into(low, keys.bfloat16(), rotation)
     assert torch.equal(low, Rope.rotate(keys.bfloat16(), rotation))
+
+
+@pytest.mark.parametrize("shift", [0, 40])
+def test_fused_restore_kernel_equals_the_eager_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, shift: int
+) -> None:
+    """The compiled re-anchoring write (float32 CPU) leaves the pool as the eager path does: V bit-exact,
+    K equal to float32 rounding (the same two products and one sum per element)."""
+    if fused.kernel() is None:
+        pytest.skip(
+            "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
+        )
+    engine = Engine(load_model(model_dir), block_size=4)
+    saved = engine.new_sequence()
+    (seg,) = fill(engine, saved, [13])
+    k, v = engine.read_kv(seg)
+    old = seg.positions.clone()
+    results = []
+    for use in (True, False):
+        monkeypatch.setattr(fused, "usable", lambda *a, use=use: use)
+        seq = engine.new_sequence()
+        fill(engine, seq, [5])
+        spliced = engine.splice(seq, 0, tokens(13, 99), k, v, old, old + shift)
+        results.append(engine.read_kv(spliced))
+        engine.release(seq)
+    (k_fused, v_fused), (k_eager, v_eager) = results
+    assert torch.equal(v_fused, v_eager)
+    assert (k_fused - k_eager).abs().max().item() <= 1e-6
+    if shift == 0:
+        assert torch.equal(k_fused, k)

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from kvos.engine import fused
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.growth import GrowthPolicy
@@ -171,8 +172,10 @@ class Engine:
         keys, values = k.to(self.model.device), v.to(self.model.device)
         moved = not torch.equal(saved_positions, positions)
         rotation = self.model.rope.rotation(saved_positions, positions, self.model.device) if moved else None
-        runs = contiguous_runs(slots)
-        if len(runs) <= MAX_RUNS:  # write straight into the pool, rotating on the way
+        runs = [] if fused.usable(self.pool.k, keys, values) else contiguous_runs(slots)
+        if not runs:  # one pass: read, rotate in registers, write the slot
+            fused.rotate_write(keys, values, slots, self.pool.k, self.pool.v, rotation)
+        elif len(runs) <= MAX_RUNS:  # write straight into the pool, rotating on the way
             if rotation is not None:  # tables as dense as the keys: the elementwise ops then vectorise
                 rotation = (
                     rotation[0].expand_as(keys[0]).contiguous(),

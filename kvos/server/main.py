@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
@@ -77,6 +78,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         store_disk_dir=args.store_disk_dir,
     )
     manager = MemoryManager(Engine(model), load_tokenizer(path), config)
+    fused.kernel()  # build (or load) the restore kernel now, not inside the first request that restores
     name = args.served_model_name or path.name
     return ChatService(
         manager,

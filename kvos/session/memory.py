@@ -151,15 +151,17 @@ class SessionMemory:
     def _message_groups(self, ranked: list[int]) -> list[tuple[int, list[int]]]:
         """Each ranked block with the other recoverable chunks of its message (in order), best first, each
         message once: a fact split across chunks ("... my room number is" | "529.") comes back whole."""
+        chunks: dict[int, list[MemBlock]] = {}
+        for b in sorted(self.blocks.values(), key=lambda b: b.original_start):
+            if self._recoverable(b):
+                chunks.setdefault(b.message_index, []).append(b)
         groups: list[tuple[int, list[int]]] = []
         seen: set[int] = set()
         for block_id in ranked:
             message = self.blocks[block_id].message_index
-            if message in seen:
-                continue
-            seen.add(message)
-            chunks = [b for b in self.blocks.values() if b.message_index == message and self._recoverable(b)]
-            groups.append((block_id, [b.block_id for b in sorted(chunks, key=lambda b: b.original_start)]))
+            if message not in seen:
+                seen.add(message)
+                groups.append((block_id, [b.block_id for b in chunks[message]]))
         return groups
 
     def _similarity(self, ids: list[int], query: torch.Tensor) -> Callable[[MemBlock], float | None]:

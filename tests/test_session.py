@@ -172,19 +172,29 @@ def test_similarity_recovery_restores_the_relevant_block(
     m.close(s.session_id)
 
 
+def bury(s: Session, text: str) -> list:
+    """Add ``text`` as a user message, then 12 filler messages that page it out; returns its blocks."""
+    fact = s.add_message("user", text)
+    for i in range(12):
+        s.add_message("user", f"{i} my " + FILLER)
+    assert all(b.state is BlockState.SAVED for b in fact)
+    return fact
+
+
+def restores_this_turn(s: Session) -> list[dict]:
+    return [e for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == s.memory.turn]
+
+
 def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_dir: Path) -> None:
     """The lexical signal ranks by the query's rare tokens: the block sharing them comes back, not the
     (more recent, equally long) blocks that share only the chat template and common words with it."""
     m = manager(engine, model_dir, recovery_top_k=1)
     s = m.session()
     s.add_message("system", "hi")
-    fact = s.add_message("user", "my walrus is named quince")
-    for i in range(12):
-        s.add_message("user", f"{i} my " + FILLER)
-    assert all(b.state is BlockState.SAVED for b in fact)
+    fact = bury(s, "my walrus is named quince")
     before = [b.token_ids for b in s.blocks.values()]
     query = [t for b in s.add_message("user", "my walrus?") for t in b.token_ids]
-    events = [e for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == s.memory.turn]
+    events = restores_this_turn(s)
     assert [e["block"] for e in events] == [b.block_id for b in fact]  # the whole message
     expected = LexicalIndex(before).score(query, fact[0].token_ids)  # the lexical signal, not the embedding
     assert events[0]["similarity"] == round(expected, 4)
@@ -199,13 +209,9 @@ def test_recovery_bar(engine: Engine, model_dir: Path, bar: bool) -> None:
     s = m.session()
     s.add_message("system", "hi")
     s.add_message("user", "my walrus?", keep="pin")  # stays resident and matches the last query fully
-    fact = s.add_message("user", "my walrus is named quince")
-    for i in range(12):
-        s.add_message("user", f"{i} my " + FILLER)
-    assert all(b.state is BlockState.SAVED for b in fact)
+    fact = bury(s, "my walrus is named quince")
     s.add_message("user", "my walrus?")
-    turn = s.memory.turn
-    restored = [e["block"] for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == turn]
+    restored = [e["block"] for e in restores_this_turn(s)]
     assert restored == ([] if bar else [b.block_id for b in fact])
     m.close(s.session_id)
 
@@ -216,14 +222,10 @@ def test_recovery_brings_back_a_whole_message(engine: Engine, model_dir: Path) -
     m = manager(engine, model_dir, recovery_top_k=1)
     s = m.session()
     s.add_message("system", "hi")
-    fact = s.add_message("user", "my walrus is named " + "quince " * 10)
+    fact = bury(s, "my walrus is named " + "quince " * 10)
     assert len(fact) >= 2 and all("walrus" not in b.text for b in fact[1:])
-    for i in range(12):
-        s.add_message("user", f"{i} my " + FILLER)
-    assert all(b.state is BlockState.SAVED for b in fact)
     s.add_message("user", "my walrus?")
-    turn = s.memory.turn
-    restored = [e["block"] for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == turn]
+    restored = [e["block"] for e in restores_this_turn(s)]
     assert restored == [b.block_id for b in fact]
     order = s.pager.order()
     assert order[order.index(fact[0].block_id) : order.index(fact[0].block_id) + len(fact)] == restored

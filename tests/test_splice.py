@@ -181,36 +181,54 @@ def test_contiguous_runs() -> None:
     assert contiguous_runs(torch.tensor([], dtype=torch.int64)) == []
 
 
+def saved_block(model_dir: Path) -> tuple[Engine, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An engine (block size 4) and the K, V and positions of a 13-token segment read out of it."""
+    engine = Engine(load_model(model_dir), block_size=4)
+    (seg,) = fill(engine, engine.new_sequence(), [13])
+    k, v = engine.read_kv(seg)
+    return engine, k, v, seg.positions.clone()
+
+
+def fragment(engine: Engine) -> Sequence:
+    """Fill the pool one block at a time from two sequences, then free one: the free blocks alternate, so
+    the next allocation's slots fall in several runs. Returns the sequence still holding its blocks."""
+    gap, keep = engine.new_sequence(), engine.new_sequence()
+    while engine.pool.allocator.num_free >= 2:
+        engine.extend(gap, tokens(4, 1))
+        engine.extend(keep, tokens(4, 2))
+    engine.release(gap)
+    return keep
+
+
+def splice_with(
+    engine: Engine, k: torch.Tensor, v: torch.Tensor, old: torch.Tensor, new: torch.Tensor, fragmented: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Splice the saved block into a fresh sequence (into a fragmented pool if asked); K, V read back and
+    the number of slot runs it landed in. Frees everything it allocated."""
+    seq = engine.new_sequence()
+    keep = fragment(engine) if fragmented else None
+    spliced = engine.splice(seq, 0, tokens(13, 99), k, v, old, new)
+    runs = len(contiguous_runs(spliced.slots))
+    k_out, v_out = engine.read_kv(spliced)
+    engine.release(seq)
+    if keep is not None:
+        engine.release(keep)
+    return k_out, v_out, runs
+
+
 @pytest.mark.parametrize("fragmented", [False, True])
 def test_direct_pool_writes_equal_indexed_writes(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, fragmented: bool
 ) -> None:
     """A splice into at most MAX_RUNS slot runs writes (and rotates) straight into pool views; the pool
     then holds bit-for-bit what the indexed path (one rotation, index_copy per layer) writes."""
-    engine = Engine(load_model(model_dir), block_size=4)
-    saved = engine.new_sequence()
-    (seg,) = fill(engine, saved, [13])
-    k, v = engine.read_kv(seg)
-    old = seg.positions.clone()
-    results = []
+    engine, k, v, old = saved_block(model_dir)
     monkeypatch.setattr(fused, "usable", lambda *a: False)  # the eager paths
-    for max_runs in (4, 0):  # direct writes, then the indexed path
-        monkeypatch.setattr(engine_module, "MAX_RUNS", max_runs)
-        seq = engine.new_sequence()
-        if fragmented:  # fill the pool one block at a time, alternately, then free every other block
-            gap, keep = engine.new_sequence(), engine.new_sequence()
-            while engine.pool.allocator.num_free >= 2:
-                engine.extend(gap, tokens(4, 1))
-                engine.extend(keep, tokens(4, 2))
-            engine.release(gap)
-        spliced = engine.splice(seq, 0, tokens(13, 99), k, v, old, old + 40)
-        runs = contiguous_runs(spliced.slots)
-        assert 1 <= len(runs) <= 4 and (len(runs) > 1) == fragmented
-        results.append(engine.read_kv(spliced))
-        engine.release(seq)
-        if fragmented:
-            engine.release(keep)
-    (k_direct, v_direct), (k_indexed, v_indexed) = results
+    monkeypatch.setattr(engine_module, "MAX_RUNS", 4)
+    k_direct, v_direct, runs = splice_with(engine, k, v, old, old + 40, fragmented)
+    assert 1 <= runs <= 4 and (runs > 1) == fragmented
+    monkeypatch.setattr(engine_module, "MAX_RUNS", 0)
+    k_indexed, v_indexed, _ = splice_with(engine, k, v, old, old + 40, fragmented)
     assert torch.equal(k_direct, k_indexed) and torch.equal(v_direct, v_indexed)
     rope = engine.model.rope
     expected = torch.stack([rope.reanchor(k[i], old, old + 40) for i in range(k.shape[0])])
@@ -230,30 +248,22 @@ def test_rotate_into_is_rotate() -> None:
     assert torch.equal(low, Rope.rotate(keys.bfloat16(), rotation))
 
 
-@pytest.mark.parametrize("shift", [0, 40])
+@pytest.mark.parametrize(("shift", "fragmented"), [(0, False), (40, False), (40, True)])
 def test_fused_restore_kernel_equals_the_eager_path(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, shift: int
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, shift: int, fragmented: bool
 ) -> None:
-    """The compiled re-anchoring write (float32 CPU) leaves the pool as the eager path does: V bit-exact,
-    K equal to float32 rounding (the same two products and one sum per element)."""
+    """The compiled re-anchoring write (float32 CPU) leaves the pool as the eager path does, scattered
+    slots included: V bit-exact, K equal to float32 rounding (the same two products and one sum)."""
     if fused.kernel() is None:
         pytest.skip(
             "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
         )
-    engine = Engine(load_model(model_dir), block_size=4)
-    saved = engine.new_sequence()
-    (seg,) = fill(engine, saved, [13])
-    k, v = engine.read_kv(seg)
-    old = seg.positions.clone()
-    results = []
-    for use in (True, False):
-        monkeypatch.setattr(fused, "usable", lambda *a, use=use: use)
-        seq = engine.new_sequence()
-        fill(engine, seq, [5])
-        spliced = engine.splice(seq, 0, tokens(13, 99), k, v, old, old + shift)
-        results.append(engine.read_kv(spliced))
-        engine.release(seq)
-    (k_fused, v_fused), (k_eager, v_eager) = results
+    engine, k, v, old = saved_block(model_dir)
+    monkeypatch.setattr(fused, "usable", lambda *a: True)
+    k_fused, v_fused, runs = splice_with(engine, k, v, old, old + shift, fragmented)
+    assert (runs > 1) == fragmented
+    monkeypatch.setattr(fused, "usable", lambda *a: False)
+    k_eager, v_eager, _ = splice_with(engine, k, v, old, old + shift, fragmented)
     assert torch.equal(v_fused, v_eager)
     assert (k_fused - k_eager).abs().max().item() <= 1e-6
     if shift == 0:

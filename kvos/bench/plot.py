@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,22 @@ def _pyplot() -> Any:
     return plt
 
 
+@contextmanager
+def png_figure(path: str | Path, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """``plt.subplots(**subplots)`` as ``(fig, axes)``; when the block ends, laid out and saved as a PNG at
+    ``path`` (parent directories made). The figure is closed either way."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(**subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+
+
 def plot_session_tokens(
     rows: Sequence[dict[str, Any]], budget: int, path: str | Path, title: str = ""
 ) -> Path:
@@ -32,10 +49,10 @@ def plot_session_tokens(
     Two panels: all three counts on a log scale (history grows to many times the budget), and the active
     tokens against the budget on a linear scale.
     """
-    plt = _pyplot()
     turns = [r["turn"] for r in rows]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 2))
-    try:
+    out = Path(path)
+    shape = {"nrows": 2, "ncols": 1, "figsize": (9, 7), "sharex": True, "height_ratios": (3, 2)}
+    with png_figure(out, **shape) as (_, (top, bottom)):
         top.plot(
             turns, [r["cached_tokens"] for r in rows], "-", color="tab:orange", linewidth=3, label="cached"
         )
@@ -55,10 +72,4 @@ def plot_session_tokens(
         bottom.set_ylabel("active tokens")
         bottom.legend(loc="lower right")
         bottom.grid(True, alpha=0.3)
-        fig.tight_layout()
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", dpi=100)
-    finally:
-        plt.close(fig)
     return out

@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from kvos.bench.common import header, median, print_table, write_json
+from kvos.bench.plot import png_figure
 from kvos.bench.quality_runs import (
     Agreement,
     NoHook,
@@ -365,12 +366,9 @@ def _budget_tokens(budget: float, tokens: int) -> int:
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     """Per model: ppl change and top-1 agreement against stored bytes / full, one marker series per policy."""
-    from kvos.bench.plot import _pyplot
-
-    plt = _pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
-    try:
+    shape = {"nrows": len(models), "ncols": 2, "figsize": (12, 4.5 * len(models)), "squeeze": False}
+    with png_figure(path, **shape) as (_, axes):
         for (left, right), model in zip(axes, models, strict=True):
             mine = [r for r in rows if r["model"] == model]
             for policy in dict.fromkeys(r["policy"] for r in mine):
@@ -388,8 +386,3 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
                 ax.set_title(model)
                 ax.grid(True, alpha=0.3)
             right.legend(loc="lower right", fontsize=7)
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png", dpi=100)
-    finally:
-        plt.close(fig)

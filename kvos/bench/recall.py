@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from kvos.bench.common import header, print_table, write_json
 from kvos.bench.playback import play, session_tokens
-from kvos.bench.plot import _pyplot
+from kvos.bench.plot import png_figure
 from kvos.builtin.corpus import HELDOUT_SEED, heldout_sessions
 from kvos.builtin.evaluate import wilson_interval
 from kvos.engine.engine import Engine
@@ -139,9 +139,7 @@ def _row(name: str, frac: float, results: list[tuple[bool, int, int]]) -> dict[s
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Pass rate against budget fraction, one line per strategy, with the Wilson intervals as bands."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    try:
+    with png_figure(path, figsize=(8, 5)) as (_, ax):
         for name in dict.fromkeys(r["strategy"] for r in rows):
             mine = sorted((r for r in rows if r["strategy"] == name), key=lambda r: r["budget_frac"])
             xs = [r["budget_frac"] for r in mine]
@@ -152,8 +150,3 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_ylim(-0.02, 1.02)
         ax.grid(True, alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png", dpi=100)
-    finally:
-        plt.close(fig)

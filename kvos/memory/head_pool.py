@@ -19,34 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvos.errors import ConfigError
 from kvos.memory.allocator import BlockAllocator
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.head_table import HeadPageTable
-
-_CPU = torch.device("cpu")
+from kvos.memory.pool import KVLayout
 
 
 @dataclass(frozen=True)
-class HeadLayout:
-    """Shape, dtype and device of a head pool. ``device`` may be given as a string."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int = 16
-    dtype: torch.dtype = torch.float32
-    device: torch.device = _CPU
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"HeadLayout.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ConfigError(f"HeadLayout.dtype must be a floating torch.dtype, got {self.dtype!r}")
-        if not isinstance(self.device, torch.device):
-            object.__setattr__(self, "device", torch.device(self.device))
+class HeadLayout(KVLayout):
+    """A :class:`KVLayout` (same fields and checks) whose unit of storage is a head-block: K and V of one
+    KV head of one layer for ``block_size`` tokens."""
 
     @property
     def bytes_per_head_block(self) -> int:

@@ -35,9 +35,11 @@ class KVLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
+                raise ConfigError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ConfigError(f"KVLayout.dtype must be a floating torch.dtype, got {self.dtype!r}")
+            raise ConfigError(
+                f"{type(self).__name__}.dtype must be a floating torch.dtype, got {self.dtype!r}"
+            )
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
 

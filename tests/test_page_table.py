@@ -61,6 +61,7 @@ def test_locate_and_slots_follow_the_block_row() -> None:
     assert t1.slots(2, 6) == [2, 3, 8, 9]
     assert t1.slots(3, 3) == []
     assert t2.slots(0, 3) == [4, 5, 6]
+    assert t1.slots(0, 6) == [0, 1, 2, 3, 8, 9] and t1.slots(4, 5) == [8]
 
 
 def test_row_is_the_shared_row_for_every_head_and_a_copy() -> None:

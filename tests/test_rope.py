@@ -57,3 +57,25 @@ def test_rope_matches_transformers_inverse_frequencies() -> None:
     )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     assert torch.allclose(Rope(64, 10000.0, scaling).inv_freq, expected, rtol=1e-6)
+
+
+def test_half_rotation_from_cached_tables_equals_the_direct_angle_difference() -> None:
+    """Restores take cos/sin of (new - old) from cached float64 tables of the float32 angles; the result is
+    the direct float64 cos/sin of the difference to float32 rounding, and positions outside the tables
+    (negative ones, here) take the direct path."""
+    rope = Rope(64, 10000.0)
+    cpu = torch.device("cpu")
+    old = torch.arange(0, 3000, 7)
+    new = old.flip(0) + 11
+    cos, sin = rope.half_rotation(old, new, cpu)
+    assert rope.angle_tables(old, new, cpu) is not None
+    delta = rope.angles(new, cpu).double() - rope.angles(old, cpu).double()
+    assert (cos - delta.cos().float()).abs().max().item() <= 2e-7
+    assert (sin - delta.sin().float()).abs().max().item() <= 2e-7
+    assert rope.angle_tables(old - 5000, new, cpu) is None
+    cos_neg, sin_neg = rope.half_rotation(old - 5000, new, cpu)
+    delta = rope.angles(new, cpu).double() - rope.angles(old - 5000, cpu).double()
+    assert torch.equal(cos_neg, delta.cos().float()) and torch.equal(sin_neg, delta.sin().float())
+    full_cos, signed_sin = rope.rotation(old, new, cpu)
+    assert torch.equal(full_cos[:, 0], torch.cat((cos, cos), -1))
+    assert torch.equal(signed_sin[:, 0], torch.cat((-sin, sin), -1))

@@ -268,3 +268,64 @@ def test_fused_restore_kernel_equals_the_eager_path(
     assert (k_fused - k_eager).abs().max().item() <= 1e-6
     if shift == 0:
         assert torch.equal(k_fused, k)
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24: no whole AVX lanes per half, the scalar loop
+def test_fused_kernel_streaming_stores_and_tables(head_dim: int) -> None:
+    """The kernel leaves the same bits with and without non-temporal stores, for scattered slots; its
+    rotation tables equal Rope.half_rotation's bit for bit; its keys equal the eager rotation."""
+    if fused.kernel() is None:
+        pytest.skip(
+            "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
+        )
+    g = torch.Generator().manual_seed(head_dim)
+    layers, n, heads, block = 3, 37, 2, 4
+    rope = Rope(head_dim, 10000.0)
+    k, v = torch.randn(2, layers, n, heads, head_dim, generator=g)
+    old = torch.arange(n) * 3 + 5
+    new = old + 700
+    cpu = torch.device("cpu")
+    cos, sin = fused.half_rotation(rope, old, new)
+    reference = rope.half_rotation(old, new, cpu)
+    assert torch.equal(cos, reference[0]) and torch.equal(sin, reference[1])
+    slots = torch.randperm(16 * block, generator=g)[:n]
+    pools = {}
+    for stream in (False, True):
+        pool_k = [torch.zeros(16, block, heads, head_dim) for _ in range(layers)]
+        pool_v = [torch.zeros(16, block, heads, head_dim) for _ in range(layers)]
+        fused.rotate_write(k, v, slots, pool_k, pool_v, (cos, sin), stream=stream)
+        pools[stream] = (torch.stack(pool_k).flatten(1, 2), torch.stack(pool_v).flatten(1, 2))
+    assert torch.equal(pools[False][0], pools[True][0]) and torch.equal(pools[False][1], pools[True][1])
+    pool_k, pool_v = pools[True]
+    assert torch.equal(pool_v[:, slots], v)
+    expected = Rope.rotate(
+        k, (torch.cat((cos, cos), -1)[None, :, None], torch.cat((-sin, sin), -1)[None, :, None])
+    )
+    assert (pool_k[:, slots] - expected).abs().max().item() <= 1e-6
+    untouched = torch.ones(16 * block, dtype=torch.bool)
+    untouched[slots] = False
+    assert not pool_k[:, untouched].any() and not pool_v[:, untouched].any()
+
+
+def test_fused_kernel_rejects_bad_inputs_before_writing() -> None:
+    """The kernel writes raw memory, so it checks slots, shapes and tables first: ValueError, pool intact."""
+    if fused.kernel() is None:
+        pytest.skip(
+            "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
+        )
+    k, v = torch.randn(2, 2, 5, 1, 16)
+    pool_k = [torch.zeros(2, 4, 1, 16) for _ in range(2)]
+    pool_v = [torch.zeros(2, 4, 1, 16) for _ in range(2)]
+    tables = (torch.ones(5, 8), torch.zeros(5, 8))
+    bad = [
+        (torch.tensor([0, 1, 2, 3, 8]), tables, pool_k),  # slot 8 is past the 8 rows of the pool
+        (torch.tensor([0, 1, 2, 3, -1]), tables, pool_k),
+        (torch.tensor([0, 1, 2, 3]), tables, pool_k),  # 4 slots for 5 tokens
+        (torch.arange(5), (torch.ones(5, 16), torch.zeros(5, 16)), pool_k),  # full-width tables
+        (torch.arange(5), tables, pool_k[:1]),  # one layer short
+        (torch.arange(5), tables, [t.double() for t in pool_k]),
+    ]
+    for slots, rotation, pk in bad:
+        with pytest.raises(ValueError, match="rotate_write"):
+            fused.rotate_write(k, v, slots, pk, pool_v, rotation)
+    assert not any(t.any() for t in (*pool_k, *pool_v))

@@ -103,6 +103,10 @@ def test_meta_round_trips_through_json_alike_in_both_tiers(tmp_path: Path) -> No
     with pytest.raises(BlockDataError, match="JSON"):
         store.put("z", *block(3), {"bad": object()})
     assert "z" not in store
+    positions = store.get("x").meta_int64("pos")
+    assert positions.dtype == torch.int64 and positions.tolist() == [3, 4]
+    store.put("w", *block(4), {"pos": []})
+    assert store.get("w").meta_int64("pos").shape == (0,)
 
 
 def test_lru_order_under_a_ram_cap_and_disk_loads_come_back_to_ram(tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ class _Round:
 
     def load(self, positions: torch.Tensor) -> None:
         saved = self.store.get("block")
-        old = torch.tensor(saved.meta["positions"], dtype=torch.int64)
+        old = saved.meta_int64("positions")
         self.seg = self.engine.splice(self.seq, self.index, self.block, saved.k, saved.v, old, positions)
 
     def reprefill(self) -> None:

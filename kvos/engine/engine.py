@@ -171,31 +171,44 @@ class Engine:
         slots = seg.extend(list(token_ids), positions).to(self.model.device)
         keys, values = k.to(self.model.device), v.to(self.model.device)
         moved = not torch.equal(saved_positions, positions)
-        rotation = self.model.rope.rotation(saved_positions, positions, self.model.device) if moved else None
-        runs = [] if fused.usable(self.pool.k, keys, values) else contiguous_runs(slots)
-        if not runs:  # one pass: read, rotate in registers, write the slot
-            fused.rotate_write(keys, values, slots, self.pool.k, self.pool.v, rotation)
-        elif len(runs) <= MAX_RUNS:  # write straight into the pool, rotating on the way
-            if rotation is not None:  # tables as dense as the keys: the elementwise ops then vectorise
-                rotation = (
-                    rotation[0].expand_as(keys[0]).contiguous(),
-                    rotation[1].expand_as(keys[0]).contiguous(),
-                )
-            for layer in range(self.pool.layout.num_layers):
-                for lo, hi in runs:
-                    kdst, vdst = self.pool.run_views(layer, int(slots[lo]), hi - lo)
-                    if rotation is None:
-                        kdst.copy_(keys[layer, lo:hi])
-                    else:
-                        Rope.rotate_into(kdst, keys[layer, lo:hi], (rotation[0][lo:hi], rotation[1][lo:hi]))
-                    vdst.copy_(values[layer, lo:hi])
-        else:  # scattered slots: one rotation for all layers ([L, n, Hkv, D]), then indexed writes
+        rope, device = self.model.rope, self.model.device
+        if fused.usable(self.pool.k, keys, values):  # one pass: read, rotate in registers, write the slot
+            half = fused.half_rotation(rope, saved_positions, positions) if moved else None
+            fused.rotate_write(keys, values, slots, self.pool.k, self.pool.v, half)
+        else:
+            rotation = rope.rotation(saved_positions, positions, device) if moved else None
+            self._write_eager(slots, keys, values, rotation)
+        seq.insert(index, seg)
+        return seg
+
+    def _write_eager(
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Write K/V [L, n, Hkv, D] into ``slots`` (int64 [n]) of every layer, keys rotated by a
+        :meth:`Rope.rotation` (or copied): straight into pool views when the slots form at most
+        :data:`MAX_RUNS` runs, else one rotation of all layers and indexed writes."""
+        runs = contiguous_runs(slots)
+        if len(runs) > MAX_RUNS:
             if rotation is not None:
                 keys = Rope.rotate(keys, (rotation[0][None], rotation[1][None]))
             for layer in range(self.pool.layout.num_layers):
                 self.pool.write(layer, slots, keys[layer], values[layer])
-        seq.insert(index, seg)
-        return seg
+            return
+        if rotation is not None:  # tables as dense as the keys: the elementwise ops then vectorise
+            cos, signed_sin = rotation
+            rotation = (cos.expand_as(keys[0]).contiguous(), signed_sin.expand_as(keys[0]).contiguous())
+        for layer in range(self.pool.layout.num_layers):
+            for lo, hi in runs:
+                kdst, vdst = self.pool.run_views(layer, int(slots[lo]), hi - lo)
+                if rotation is None:
+                    kdst.copy_(keys[layer, lo:hi])
+                else:
+                    Rope.rotate_into(kdst, keys[layer, lo:hi], (rotation[0][lo:hi], rotation[1][lo:hi]))
+                vdst.copy_(values[layer, lo:hi])
 
     def evict(self, seq: Sequence, seg: Segment) -> int:
         """Take a segment out of ``seq`` and free its blocks; returns the index it had."""

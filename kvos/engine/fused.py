@@ -18,16 +18,134 @@ from typing import Any
 
 import torch
 
+from kvos.model.rope import Rope
+
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cstdint>
 #include <cstring>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+// One head's key row x [D] rotated into o [D] with the pair tables c, s [half]:
+//   o[d] = x[d] c[d] - x[d + half] s[d],  o[d + half] = x[d + half] c[d] + x[d] s[d],
+// each product rounded, then the sum (no FMA), the operations Rope.rotate_into performs. With stream, o is
+// 32-byte aligned and half % 8 == 0: AVX loads, non-temporal stores.
+static inline void rotate_head(float* o, const float* x, const float* c, const float* s, int64_t half,
+                               bool stream) {
+#if defined(__AVX__)
+  if (stream) {
+    for (int64_t d = 0; d < half; d += 8) {
+      const __m256 x1 = _mm256_loadu_ps(x + d), x2 = _mm256_loadu_ps(x + d + half);
+      const __m256 cd = _mm256_loadu_ps(c + d), sd = _mm256_loadu_ps(s + d);
+      _mm256_stream_ps(o + d, _mm256_sub_ps(_mm256_mul_ps(x1, cd), _mm256_mul_ps(x2, sd)));
+      _mm256_stream_ps(o + d + half, _mm256_add_ps(_mm256_mul_ps(x1, sd), _mm256_mul_ps(x2, cd)));
+    }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < half; ++d) {
+    const float x1 = x[d], x2 = x[d + half];
+    const float lo = x2 * s[d], hi = x1 * s[d];
+    o[d] = x1 * c[d] - lo;
+    o[d + half] = hi + x2 * c[d];
+  }
+}
+
+// count floats from src to dst; with stream, dst is 32-byte aligned and count % 8 == 0.
+static inline void copy_row(float* dst, const float* src, int64_t count, bool stream) {
+#if defined(__AVX__)
+  if (stream) {
+    for (int64_t j = 0; j < count; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, sizeof(float) * count);
+}
+
+// cos64, sin64: [P, half] float64 angle tables (Rope.angle_tables); old, new: int64 [n] positions
+// -> float32 [n, half] cos and sin of new - old, computed as Rope.half_rotation computes them from the same
+// tables (products and sums each rounded in float64, then one rounding to float32): bit-identical. Returns
+// nothing when a position lies outside [0, P) (the caller grows the tables).
+std::vector<torch::Tensor> pair_tables(torch::Tensor cos64, torch::Tensor sin64, torch::Tensor old_pos,
+                                       torch::Tensor new_pos) {
+  TORCH_CHECK_VALUE(cos64.scalar_type() == torch::kFloat64 && cos64.is_contiguous() && cos64.dim() == 2 &&
+                        sin64.sizes() == cos64.sizes() && sin64.scalar_type() == torch::kFloat64 &&
+                        sin64.is_contiguous(),
+                    "pair_tables: tables must be contiguous float64 [P, half]");
+  TORCH_CHECK_VALUE(old_pos.scalar_type() == torch::kInt64 && new_pos.scalar_type() == torch::kInt64 &&
+                        old_pos.is_contiguous() && new_pos.is_contiguous() && old_pos.dim() == 1 &&
+                        old_pos.sizes() == new_pos.sizes(),
+                    "pair_tables: positions must be contiguous int64 [n], old and new alike");
+  const int64_t n = old_pos.size(0), P = cos64.size(0), half = cos64.size(1);
+  const int64_t* a = old_pos.data_ptr<int64_t>();
+  const int64_t* b = new_pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (a[i] < 0 || a[i] >= P || b[i] < 0 || b[i] >= P) return {};
+  }
+  torch::Tensor cos = torch::empty({n, half}, torch::TensorOptions().dtype(torch::kFloat32));
+  torch::Tensor sin = torch::empty({n, half}, torch::TensorOptions().dtype(torch::kFloat32));
+  const double* C = cos64.data_ptr<double>();
+  const double* S = sin64.data_ptr<double>();
+  float* co = cos.data_ptr<float>();
+  float* so = sin.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const double *ca = C + a[i] * half, *sa = S + a[i] * half, *cb = C + b[i] * half, *sb = S + b[i] * half;
+    for (int64_t d = 0; d < half; ++d) {
+      const double cc = cb[d] * ca[d], ss = sb[d] * sa[d], sc = sb[d] * ca[d], cs = cb[d] * sa[d];
+      co[i * half + d] = static_cast<float>(cc + ss);
+      so[i * half + d] = static_cast<float>(sc - cs);
+    }
+  }
+  return {cos, sin};
+}
+
+static bool dense_f32(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
+}
+
+// Everything rotate_write relies on, checked before it writes raw memory (ValueError in Python).
+static void check_inputs(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots,
+                         const std::vector<torch::Tensor>& pool_k, const std::vector<torch::Tensor>& pool_v,
+                         const torch::Tensor& cos, const torch::Tensor& sin, bool rotate) {
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.sizes() == v.sizes() && dense_f32(k) && dense_f32(v),
+                    "rotate_write: K and V must be contiguous float32 CPU tensors [L, n, H, D] of one shape");
+  const int64_t L = k.size(0), n = k.size(1);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(pool_k.size()) == L && static_cast<int64_t>(pool_v.size()) == L,
+                    "rotate_write: the pool has ", pool_k.size(), " layers, K/V have ", L);
+  for (int64_t l = 0; l < L; ++l) {
+    for (const torch::Tensor* t : {&pool_k[l], &pool_v[l]}) {
+      TORCH_CHECK_VALUE(dense_f32(*t) && t->dim() == 4 && t->sizes() == pool_k[0].sizes() &&
+                            t->size(2) == k.size(2) && t->size(3) == k.size(3),
+                        "rotate_write: pool layers must be contiguous float32 [blocks, bs, H, D] like K/V");
+    }
+  }
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == n && slots.scalar_type() == torch::kInt64 &&
+                        slots.is_contiguous() && slots.device().is_cpu(),
+                    "rotate_write: slots must be a contiguous int64 CPU tensor [", n, "]");
+  const int64_t rows = L ? pool_k[0].size(0) * pool_k[0].size(1) : 0;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(sp[i] >= 0 && sp[i] < rows, "rotate_write: slots must lie in [0, ", rows, ")");
+  }
+  if (rotate) {
+    TORCH_CHECK_VALUE(dense_f32(cos) && dense_f32(sin) && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                          cos.size(0) == n && cos.size(1) == k.size(3) / 2 && k.size(3) % 2 == 0,
+                      "rotate_write: rotation tables must be contiguous float32 [n, head_dim / 2]");
+  }
+}
 
 // k, v: [L, n, H, D] float32; slots: int64 [n]; pool_k / pool_v: L tensors [blocks, bs, H, D] float32;
-// cos, sin: [n, D] float32 (sin signed as in Rope.rotation), used when rotate is true.
+// cos, sin: [n, D / 2] float32 (Rope.half_rotation), used when rotate is true. Rows go in layer-major order
+// (measured faster than tiles of tokens across all layers), with software prefetch AHEAD rows ahead.
+// stream asks for non-temporal stores (a large restore: no read-for-ownership of pool lines it overwrites
+// whole); it is honoured where the build has AVX and every pool row is 32-byte aligned.
 void rotate_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                   std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v,
-                  torch::Tensor cos, torch::Tensor sin, bool rotate) {
+                  torch::Tensor cos, torch::Tensor sin, bool rotate, bool stream) {
+  check_inputs(k, v, slots, pool_k, pool_v, cos, sin, rotate);
   const int64_t L = k.size(0), n = k.size(1), H = k.size(2), D = k.size(3), half = D / 2, row = H * D;
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -35,38 +153,49 @@ void rotate_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots,
   const float* cp = rotate ? cos.data_ptr<float>() : nullptr;
   const float* snp = rotate ? sin.data_ptr<float>() : nullptr;
   std::vector<float*> dk(L), dv(L);
+  bool aligned = D % 16 == 0;
   for (int64_t l = 0; l < L; ++l) {
     dk[l] = pool_k[l].data_ptr<float>();
     dv[l] = pool_v[l].data_ptr<float>();
+    aligned = aligned && reinterpret_cast<std::uintptr_t>(dk[l]) % 32 == 0;
+    aligned = aligned && reinterpret_cast<std::uintptr_t>(dv[l]) % 32 == 0;
   }
+#if defined(__AVX__)
+  stream = stream && aligned;
+#else
+  stream = false;
+#endif
+  constexpr int64_t AHEAD = 8;  // rows prefetched ahead
   at::parallel_for(0, L * n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t l = idx / n, i = idx % n;
       const float* src = kp + idx * row;
       float* out = dk[l] + sp[i] * row;
+      if (idx + AHEAD < end) {  // the hardware prefetcher alone leaves this loop waiting on memory
+        for (int64_t j = 0; j < row; j += 16) {
+          __builtin_prefetch(src + AHEAD * row + j);
+          __builtin_prefetch(vp + (idx + AHEAD) * row + j);
+        }
+      }
       if (rotate) {
-        const float* c = cp + i * D;
-        const float* s = snp + i * D;
         for (int64_t h = 0; h < H; ++h) {
-          const float* x = src + h * D;
-          float* o = out + h * D;
-          for (int64_t d = 0; d < half; ++d) {
-            const float t = x[d + half] * s[d];
-            o[d] = t + x[d] * c[d];
-          }
-          for (int64_t d = half; d < D; ++d) {
-            const float t = x[d - half] * s[d];
-            o[d] = t + x[d] * c[d];
-          }
+          rotate_head(out + h * D, src + h * D, cp + i * half, snp + i * half, half, stream);
         }
       } else {
-        std::memcpy(out, src, sizeof(float) * row);
+        copy_row(out, src, row, stream);
       }
-      std::memcpy(dv[l] + sp[i] * row, vp + idx * row, sizeof(float) * row);
+      copy_row(dv[l] + sp[i] * row, vp + idx * row, row, stream);
     }
+#if defined(__AVX__)
+    if (stream) _mm_sfence();  // this thread's non-temporal stores land before the pool is read
+#endif
   });
 }
 """
+
+
+_EMPTY = torch.empty(0)
+STREAM_MIN_BYTES = 4 << 20  # restores this large write the pool with non-temporal stores
 
 
 @functools.cache
@@ -78,10 +207,12 @@ def kernel() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="kvos_fused_restore_v2",
+            name="kvos_fused_restore_v5",
             cpp_sources=[_SOURCE],
-            functions=["rotate_write"],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            functions=["rotate_write", "pair_tables"],
+            # -fopenmp: at::parallel_for is inline OpenMP, serial without it (torch's libgomp is reused)
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, headers missing: the eager path still works
@@ -89,9 +220,28 @@ def kernel() -> Any | None:
         return None
 
 
+def half_rotation(rope: Rope, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`Rope.half_rotation` on CPU (float32 [n, head_dim / 2] cos and sin), bit-identical, computed by
+    the kernel from the rope's cached angle tables in one pass where they cover the positions (the tables
+    grow when they do not). Falls back to the rope when the kernel is unavailable."""
+    cpu = torch.device("cpu")
+    module = kernel()
+    if module is not None:
+        old, new = (
+            t if t.dtype == torch.int64 and t.is_contiguous() else t.long().contiguous() for t in (old, new)
+        )
+        for tables in (rope.cached_tables(cpu), rope.angle_tables(old, new, cpu)):
+            pair = module.pair_tables(*tables, old, new) if tables is not None else None
+            if pair:
+                return pair[0], pair[1]
+    return rope.half_rotation(old, new, cpu)
+
+
 def usable(pool_k: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`rotate_write` applies: float32 CPU pool and rows, contiguous, and the kernel built."""
-    tensors = [k, v, *pool_k]
+    """Whether :func:`rotate_write` applies: float32 CPU pool and rows, contiguous, and the kernel built
+    (the pool's layer tensors share one dtype and device: the first stands for all; rotate_write checks
+    their shapes and contiguity)."""
+    tensors = [k, v, pool_k[0]]
     return all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
     ) and (kernel() is not None)
@@ -104,25 +254,18 @@ def rotate_write(
     pool_k: Sequence[torch.Tensor],
     pool_v: Sequence[torch.Tensor],
     rotation: tuple[torch.Tensor, torch.Tensor] | None,
+    stream: bool | None = None,
 ) -> None:
     """Write saved K/V ([L, n, H, D] float32) into the pool's flat ``slots`` (int64 [n]) of every layer,
-    keys rotated by ``rotation`` ((cos, signed sin) [n, 1, D] from ``Rope.rotation``) or copied as is.
-    Shapes and slot ranges are checked here: the kernel writes raw memory."""
+    keys rotated by ``rotation`` ((cos, sin) float32 [n, D / 2] from ``Rope.half_rotation``) or copied as is.
+
+    ``stream``: non-temporal stores (default: when K and V together reach :data:`STREAM_MIN_BYTES`, as
+    large ``memcpy`` calls do; a small restore is better left in cache for the attention that reads it
+    next). Either way the pool holds the same bits. The kernel checks dtypes, shapes, contiguity and slot
+    ranges before it writes raw memory: :class:`ValueError` otherwise."""
     module = kernel()
     assert module is not None, "check usable() first"
-    slots = slots.to(dtype=torch.int64).contiguous()
-    rows = pool_k[0].shape[0] * pool_k[0].shape[1]
-    shapes_ok = k.shape == v.shape and k.shape[0] == len(pool_k) == len(pool_v) == len(pool_v)
-    shapes_ok = shapes_ok and k.shape[1] == slots.shape[0] and k.shape[2:] == pool_k[0].shape[2:]
-    if not shapes_ok or any(t.shape != pool_k[0].shape for t in (*pool_k, *pool_v)):
-        raise ValueError(
-            f"rotate_write: K/V {tuple(k.shape)} do not match the pool or {slots.shape[0]} slots"
-        )
-    if slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < rows):
-        raise ValueError(f"rotate_write: slots must lie in [0, {rows})")
-    if rotation is None:
-        empty = torch.empty(0)
-        module.rotate_write(k, v, slots, list(pool_k), list(pool_v), empty, empty, False)
-        return
-    cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in rotation)
-    module.rotate_write(k, v, slots, list(pool_k), list(pool_v), cos, sin, True)
+    if stream is None:
+        stream = k.nbytes + v.nbytes >= STREAM_MIN_BYTES
+    cos, sin = rotation if rotation is not None else (_EMPTY, _EMPTY)
+    module.rotate_write(k, v, slots, list(pool_k), list(pool_v), cos, sin, rotation is not None, stream)

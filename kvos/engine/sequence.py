@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvos.errors import ConfigError
+from kvos.memory.int64 import as_int64
 from kvos.memory.page_table import PageTable
 
 
@@ -45,9 +46,12 @@ class Segment:
         """Reserve pool slots for new tokens (all or nothing); returns their slots, int64 [n]."""
         start, n = self.num_tokens, len(token_ids)
         self.page_table.append(n)
-        new_slots = torch.tensor(self.page_table.slots(start, start + n), dtype=torch.int64)
-        self._slots = put(self._slots, start, new_slots)
-        self._positions = put(self._positions, start, positions)
+        new_slots = as_int64(self.page_table.slots(start, start + n))
+        if start == 0:  # a new segment (a restore's, say): fresh buffers, no copy into a grown one
+            self._slots, self._positions = new_slots, positions.clone()
+        else:
+            self._slots = put(self._slots, start, new_slots)
+            self._positions = put(self._positions, start, positions)
         self.token_ids.extend(token_ids)
         return new_slots
 

@@ -135,5 +135,8 @@ class PageTable:
                 f"need 0 <= start <= end <= {self._num_tokens}"
             )
         bs = self.block_size
-        blocks = self._blocks
-        return [blocks[i // bs] * bs + i % bs for i in range(start, end)]
+        first = start // bs
+        out: list[int] = []
+        for block_id in self._blocks[first : -(-end // bs)]:  # whole blocks, then trimmed to the range
+            out.extend(range(block_id * bs, block_id * bs + bs))
+        return out[start - first * bs : end - first * bs]

@@ -54,6 +54,7 @@ import torch
 
 from kvos.errors import BlockDataError, BlockNotFoundError, ConfigError, CorruptBlockError
 from kvos.memory.codec import CODEC_NAME, EncodedTensor, encode, from_payload
+from kvos.memory.int64 import as_int64
 
 MAGIC = b"KVOSBLK\x00"
 FORMAT_VERSION = 1
@@ -70,6 +71,11 @@ class StoredBlock:
     k: torch.Tensor
     v: torch.Tensor
     meta: dict[str, Any]
+
+    def meta_int64(self, key: str) -> torch.Tensor:
+        """``meta[key]``, a list of ints (token positions, say), as an int64 tensor [n] (fast: a restore's
+        hot path)."""
+        return as_int64(self.meta[key])
 
 
 Pair = tuple[EncodedTensor, EncodedTensor]

@@ -42,12 +42,17 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+TABLE_MIN = 1024  # positions in the smallest cached angle table
+TABLE_LIMIT = 1 << 20  # rotations reaching this far compute their angles directly
+
+
 class Rope:
     """Cos/sin tables computed on demand for arbitrary (possibly sparse) integer positions."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         self.head_dim = head_dim
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, device: torch.device
@@ -79,17 +84,52 @@ class Rope:
         self, old: torch.Tensor, new: torch.Tensor, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotation that moves keys from positions ``old`` to ``new`` (int64 [n] each): (cos, signed sin),
-        float32 [n, 1, head_dim], for :meth:`apply`.
+        float32 [n, 1, head_dim], for :meth:`apply` (from :meth:`half_rotation`)."""
+        cos, sin = self.half_rotation(old, new, device)
+        return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
-        It is the difference of the float32 angle tables of ``new`` and ``old`` (the very angles a fresh
-        forward pass would use), taken in float64, so re-anchored keys equal keys rotated at ``new``
+    def half_rotation(
+        self, old: torch.Tensor, new: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the angle deltas that move keys from ``old`` to ``new`` (int64 [n] each), float32
+        [n, head_dim // 2] (one entry per rotated pair).
+
+        The delta is the difference of the float32 angle tables of ``new`` and ``old`` (the very angles a
+        fresh forward pass would use), taken in float64, so re-anchored keys equal keys rotated at ``new``
         directly up to float32 rounding (~1e-7), not up to float32 angle error (~1e-4 at positions in the
         thousands). Compute it once per move and apply it to every layer.
         """
-        delta = self.angles(new, device).double() - self.angles(old, device).double()
-        cos, sin = delta.cos(), delta.sin()
-        full_cos = torch.cat((cos, cos), -1).float()[:, None, :]
-        return full_cos, torch.cat((-sin, sin), -1).float()[:, None, :]
+        tables = self.angle_tables(old, new, device)
+        if tables is None:
+            delta = self.angles(new, device).double() - self.angles(old, device).double()
+            return delta.cos().float(), delta.sin().float()
+        cos64, sin64 = tables  # cos(b - a) and sin(b - a) from the cached cos/sin of a and of b
+        cos_a, sin_a = cos64[old], sin64[old]
+        cos_b, sin_b = cos64[new], sin64[new]
+        return (cos_b * cos_a + sin_b * sin_a).float(), (sin_b * cos_a - cos_b * sin_a).float()
+
+    def cached_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The :meth:`angle_tables` built so far on ``device`` (None before any), whatever they cover."""
+        return self._tables.get(device)
+
+    def angle_tables(
+        self, old: torch.Tensor, new: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """float64 cos and sin [P, head_dim // 2] of the float32 angles of positions 0..P-1, covering every
+        position in ``old`` and ``new`` (grown by doubling, cached per device), or None for positions outside
+        [0, TABLE_LIMIT): a restore's trigonometry then becomes gathers and four products per angle."""
+        if old.numel() == 0:
+            return None
+        lo, hi = (int(x) for x in torch.aminmax(torch.cat((old, new))))
+        if lo < 0 or hi >= TABLE_LIMIT:
+            return None
+        tables = self._tables.get(device)
+        if tables is None or tables[0].shape[0] <= hi:
+            size = max(TABLE_MIN, 1 << hi.bit_length())
+            angles = self.angles(torch.arange(size), device).double()
+            tables = (angles.cos(), angles.sin())
+            self._tables[device] = tables
+        return tables
 
     @staticmethod
     def rotate(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

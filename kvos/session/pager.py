@@ -128,7 +128,7 @@ class Pager:
         """Splice a saved block back from the store with no forward pass."""
         assert self.store is not None and block.state is BlockState.SAVED
         saved = self.store.get(block.block_id)
-        old = torch.tensor(saved.meta["positions"], dtype=torch.int64)
+        old = saved.meta_int64("positions")
         index, start = self._landing(block, at)
         new = torch.arange(start, start + block.num_tokens)
         seg = self.engine.splice(self.seq, index, block.token_ids, saved.k, saved.v, old, new)

@@ -296,6 +296,9 @@ def test_gather_returns_exactly_the_written_rows_for_noncontiguous_slots() -> No
     assert torch.equal(gk, k[[3, 0, 4]]) and torch.equal(gv, v[[3, 0, 4]])
     assert torch.equal(pool.k[1][3, 1], k[0])  # slot 13 = block 3, offset 1
     assert torch.equal(pool.gather(0, slots)[0], torch.zeros(5, 2, 3))  # other layer untouched
+    out = (torch.full((3, 2, 3), 9.0), torch.full((3, 2, 3), 9.0))
+    assert pool.gather(1, torch.tensor([8, 13, 0]), out=out) is out  # written in place, same rows
+    assert torch.equal(out[0], gk) and torch.equal(out[1], gv)
 
 
 def test_write_and_gather_errors() -> None:

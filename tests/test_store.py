@@ -82,6 +82,18 @@ def test_put_from_an_accelerator_returns_cpu_tensors(tmp_path: Path) -> None:
     assert same_bits(got.k, k) and same_bits(got.v, v)
 
 
+def test_put_without_copy_keeps_contiguous_cpu_tensors_and_copies_the_rest() -> None:
+    store = BlockStore()
+    k, v = block(5)
+    store.put("own", k, v, copy=False)
+    got = store.get("own")
+    assert got.k.data_ptr() == k.data_ptr() and got.v.data_ptr() == v.data_ptr()
+    strided = k.transpose(1, 2)  # not contiguous: copied into the store's own tensor
+    store.put("strided", strided, strided, copy=False)
+    got = store.get("strided")
+    assert got.k.is_contiguous() and torch.equal(got.k, strided) and got.k.data_ptr() != k.data_ptr()
+
+
 def test_tensors_that_require_grad_are_stored_detached() -> None:
     k, v = block(4)
     store = BlockStore()

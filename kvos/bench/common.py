@@ -32,6 +32,17 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+class CacheFlush:
+    """Call before a timed operation to start it with cold CPU caches: rewrites a buffer larger than any
+    last-level cache (64 MiB by default), evicting whatever the previous operation left there."""
+
+    def __init__(self, nbytes: int = 64 << 20) -> None:
+        self.buffer = torch.zeros(nbytes // 4)
+
+    def __call__(self) -> None:
+        self.buffer.add_(1.0)
+
+
 def alternate(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
     """Time several contenders side by side: each repeat runs every contender once, in turn,
     so drift in machine load hits them alike. Returns seconds per contender per repeat."""

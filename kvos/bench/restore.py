@@ -4,8 +4,8 @@ For each block size, one sequence holds ``context`` tokens of seeded random cont
 ``block_tokens`` tokens as a segment of their own. One warm-up round, then ``repeats`` rounds; each round
 times, in turn:
 
-- save: ``engine.read_kv(seg)`` + ``BlockStore.put`` (host-RAM store, no cap); then the segment is evicted
-  (not timed);
+- save: ``engine.read_kv(seg)`` + ``BlockStore.put(..., copy=False)`` (host-RAM store, no cap; the
+  pager saves the same way); then the segment is evicted (not timed);
 - load: ``store.get`` + ``engine.splice`` of the saved block back at the segment's place in cache order, its
   keys re-anchored to new positions, shifted by +block_tokens (as a compact-mode restore at the end moves
   them); checked, then evicted (not timed);
@@ -14,9 +14,12 @@ times, in turn:
   hidden states only, as the pager's recompute asks); the segment this leaves is the next round's to save;
 - copy: ``dst.copy_(src)`` of preallocated tensors shaped like the saved K and V.
 
-The table shows medians. ``speedup = reprefill_ms / load_ms`` and ``load_vs_copy = load_ms / copy_ms`` (and
-the same for load_same_pos). Every restore is checked before its time is kept: V read back with
-``read_kv`` equals the saved V exactly, and K is within 1e-4 of ``rope.reanchor`` of the saved K.
+Every timed operation but the re-prefill starts with cold caches (:class:`CacheFlush`), as a restore of a
+block saved long ago does: otherwise a load right after its save reads K/V still in cache while the copy's
+source is not. The table shows medians. ``speedup = reprefill_ms / load_ms`` and
+``load_vs_copy = load_ms / copy_ms`` (and the same for load_same_pos). Every restore is checked before its
+time is kept: V read back with ``read_kv`` equals the saved V exactly, and K is within 1e-4 of
+``rope.reanchor`` of the saved K.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvos.bench.common import header, median, print_table, timed, write_json
+from kvos.bench.common import CacheFlush, header, median, print_table, timed, write_json
 from kvos.engine.engine import Engine
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError
@@ -129,7 +132,7 @@ class _Round:
 
     def save(self) -> None:
         k, v = self.engine.read_kv(self.seg)
-        self.store.put("block", k, v, {"positions": self.seg.positions.tolist()})
+        self.store.put("block", k, v, {"positions": self.seg.positions.tolist()}, copy=False)
 
     def evict(self) -> None:
         self.engine.evict(self.seq, self.seg)
@@ -165,6 +168,7 @@ class _Round:
 def bench_size(engine: Engine, context: list[int], block: list[int], repeats: int) -> dict[str, Any]:
     """One row: medians over ``repeats`` rounds, after one warm-up round."""
     state = _Round(engine, context, block)
+    flush = CacheFlush()
     src = [torch.randn_like(t) for t in engine.read_kv(state.seg)]
     dst = [torch.empty_like(t) for t in src]
 
@@ -175,13 +179,16 @@ def bench_size(engine: Engine, context: list[int], block: list[int], repeats: in
     times: dict[str, list[float]] = {name: [] for name in TIMED}
     try:
         for round_ in range(repeats + 1):  # round 0 is the warm-up
+            flush()
             spent = {"save": timed(state.save)[0]}
             state.evict()
             for name, positions in (("load", state.shifted), ("load_same_pos", state.old)):
+                flush()
                 spent[name] = timed(partial(state.load, positions))[0]
                 state.check(positions)
                 state.evict()
             spent["reprefill"] = timed(state.reprefill)[0]
+            flush()
             spent["copy"] = timed(copy)[0]
             if round_:
                 for name, seconds in spent.items():

@@ -134,9 +134,14 @@ class Engine:
     # ------------------------------------------------ recompute-free K/V movement
     def read_kv(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of a segment's K and V for every layer: each [num_layers, n, num_kv_heads, head_dim]."""
+        layout = self.pool.layout
+        shape = (layout.num_layers, seg.num_tokens, layout.num_kv_heads, layout.head_dim)
+        k = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        v = torch.empty_like(k)
         slots = seg.slots.to(self.model.device)
-        pairs = [self.pool.gather(layer, slots) for layer in range(self.pool.layout.num_layers)]
-        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+        for layer in range(layout.num_layers):
+            self.pool.gather(layer, slots, out=(k[layer], v[layer]))
+        return k, v
 
     def reposition(self, seq: Sequence, seg: Segment, positions: torch.Tensor) -> None:
         """Move a resident segment to new rotary positions (int64 [n]) by re-rotating its keys in place."""

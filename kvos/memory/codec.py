@@ -98,10 +98,11 @@ def encode(x: torch.Tensor) -> EncodedTensor:
     numel, itemsize = x.numel(), x.dtype.itemsize
     if numel == 0 or itemsize not in _BITS:
         return EncodedTensor(x.dtype, shape, x)
-    keep = nonzero_mask(x).reshape(-1)
-    nnz = int(keep.sum())
+    bits = x.contiguous().view(_BITS[itemsize])
+    nnz = int(torch.count_nonzero(bits))  # a reduction: no mask is built unless sparse wins
     if sparse_nbytes(numel, nnz, itemsize) >= numel * itemsize:
         return EncodedTensor(x.dtype, shape, x)
+    keep = (bits != 0).reshape(-1)
     values = x.contiguous().reshape(-1)[keep].clone()
     return EncodedTensor(x.dtype, shape, values, np.packbits(keep.numpy()))
 

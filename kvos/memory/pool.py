@@ -173,13 +173,18 @@ class KVPool:
         self._flat(self.k[layer]).index_copy_(0, slots, self._cast(k))
         self._flat(self.v[layer]).index_copy_(0, slots, self._cast(v))
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` at flat slot ids: int64 ``[T]`` -> two ``[T, num_kv_heads, head_dim]``."""
+    def gather(
+        self, layer: int, slots: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at flat slot ids: int64 ``[T]`` -> two ``[T, num_kv_heads, head_dim]``,
+        written into ``out`` (two contiguous tensors of that shape and the pool's dtype) when given."""
         slots = self._slot_index(layer, slots)
-        return (
-            self._flat(self.k[layer]).index_select(0, slots),
-            self._flat(self.v[layer]).index_select(0, slots),
-        )
+        k, v = self._flat(self.k[layer]), self._flat(self.v[layer])
+        if out is None:
+            return k.index_select(0, slots), v.index_select(0, slots)
+        torch.index_select(k, 0, slots, out=out[0])
+        torch.index_select(v, 0, slots, out=out[1])
+        return out
 
     def run_views(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of K and V of ``layer`` at the contiguous flat slots ``start .. start + n - 1``:

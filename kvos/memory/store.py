@@ -157,10 +157,13 @@ def _parse(data: bytes) -> tuple[Pair, str]:
     return _decode(payload, header), json.dumps(header["meta"])
 
 
-def _to_cpu(t: object, name: str) -> torch.Tensor:
-    """A fresh contiguous CPU copy of ``t`` (any device, dtype and shape)."""
+def _to_cpu(t: object, name: str, copy: bool = True) -> torch.Tensor:
+    """A fresh contiguous CPU copy of ``t`` (any device, dtype and shape); without ``copy``, ``t`` itself
+    (detached) when it is already contiguous on the CPU."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         raise BlockDataError(f"{name} must be a dense torch.Tensor, got {type(t).__name__}")
+    if not copy and t.device.type == "cpu" and t.is_contiguous():
+        return t.detach()
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     out.copy_(t.detach())
     return out
@@ -204,13 +207,22 @@ class BlockStore:
         self._counts = dict.fromkeys(("puts", "gets", "spills", "drops", "disk_loads", "corrupt"), 0)
 
     def put(
-        self, key: Hashable, k: torch.Tensor, v: torch.Tensor, meta: Mapping[str, Any] | None = None
+        self,
+        key: Hashable,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: Mapping[str, Any] | None = None,
+        *,
+        copy: bool = True,
     ) -> None:
         """Save ``k``, ``v`` (``[num_layers, num_tokens, num_kv_heads, head_dim]``, any device) under ``key``.
 
-        Copies to CPU, so the caller may free the originals at once. Replaces an existing ``key``.
+        Copies to CPU, so the caller may free or reuse the originals at once. ``copy=False`` hands them
+        over instead: contiguous CPU tensors are kept as they are (no second allocation and copy of a
+        block just read out of the pool), and the caller must not modify them afterwards. Replaces an
+        existing ``key``.
         """
-        kv = encode(_to_cpu(k, "k")), encode(_to_cpu(v, "v"))
+        kv = encode(_to_cpu(k, "k", copy)), encode(_to_cpu(v, "v", copy))
         entry = _Entry(_meta_json(meta), kv[0].raw_bytes + kv[1].raw_bytes, kv[0].nbytes + kv[1].nbytes, kv)
         if key in self._entries:
             self._remove(key)

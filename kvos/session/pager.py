@@ -102,7 +102,7 @@ class Pager:
                 assert self.store is not None
                 k, v = self.engine.read_kv(seg)
                 block.state = BlockState.SAVED  # before put: a store over its caps may drop it at once
-                self.store.put(block.block_id, k, v, {"positions": seg.positions.tolist()})
+                self.store.put(block.block_id, k, v, {"positions": seg.positions.tolist()}, copy=False)
             else:
                 block.state = BlockState.DISCARDED
             freed += seg.num_tokens

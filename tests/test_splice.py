@@ -181,6 +181,13 @@ def test_contiguous_runs() -> None:
     assert contiguous_runs(torch.tensor([], dtype=torch.int64)) == []
 
 
+def require_kernel() -> None:
+    if fused.kernel() is None:
+        pytest.skip(
+            "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
+        )
+
+
 def saved_block(model_dir: Path) -> tuple[Engine, torch.Tensor, torch.Tensor, torch.Tensor]:
     """An engine (block size 4) and the K, V and positions of a 13-token segment read out of it."""
     engine = Engine(load_model(model_dir), block_size=4)
@@ -254,10 +261,7 @@ def test_fused_restore_kernel_equals_the_eager_path(
 ) -> None:
     """The compiled re-anchoring write (float32 CPU) leaves the pool as the eager path does, scattered
     slots included: V bit-exact, K equal to float32 rounding (the same two products and one sum)."""
-    if fused.kernel() is None:
-        pytest.skip(
-            "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
-        )
+    require_kernel()
     engine, k, v, old = saved_block(model_dir)
     monkeypatch.setattr(fused, "usable", lambda *a: True)
     k_fused, v_fused, runs = splice_with(engine, k, v, old, old + shift, fragmented)
@@ -274,10 +278,7 @@ def test_fused_restore_kernel_equals_the_eager_path(
 def test_fused_kernel_streaming_stores_and_tables(head_dim: int) -> None:
     """The kernel leaves the same bits with and without non-temporal stores, for scattered slots; its
     rotation tables equal Rope.half_rotation's bit for bit; its keys equal the eager rotation."""
-    if fused.kernel() is None:
-        pytest.skip(
-            "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
-        )
+    require_kernel()
     g = torch.Generator().manual_seed(head_dim)
     layers, n, heads, block = 3, 37, 2, 4
     rope = Rope(head_dim, 10000.0)
@@ -309,10 +310,7 @@ def test_fused_kernel_streaming_stores_and_tables(head_dim: int) -> None:
 
 def test_fused_kernel_rejects_bad_inputs_before_writing() -> None:
     """The kernel writes raw memory, so it checks slots, shapes and tables first: ValueError, pool intact."""
-    if fused.kernel() is None:
-        pytest.skip(
-            "fused restore kernel unavailable (KVOS_NO_EXTENSIONS=1 or no C++ toolchain): eager path in use"
-        )
+    require_kernel()
     k, v = torch.randn(2, 2, 5, 1, 16)
     pool_k = [torch.zeros(2, 4, 1, 16) for _ in range(2)]
     pool_v = [torch.zeros(2, 4, 1, 16) for _ in range(2)]

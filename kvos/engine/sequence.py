@@ -47,7 +47,9 @@ class Segment:
         start, n = self.num_tokens, len(token_ids)
         self.page_table.append(n)
         new_slots = as_int64(self.page_table.slots(start, start + n))
-        if start == 0:  # a new segment (a restore's, say): fresh buffers, no copy into a grown one
+        # A new segment (a restore's, say) adopts fresh buffers instead of copying into grown ones; the
+        # returned slots are then its buffer, which callers use at once and never keep.
+        if start == 0:
             self._slots, self._positions = new_slots, positions.clone()
         else:
             self._slots = put(self._slots, start, new_slots)

@@ -30,10 +30,9 @@ def sparse_nbytes(numel: int, nnz: int, itemsize: int) -> int:
     return (numel + 7) // 8 + nnz * itemsize
 
 
-def nonzero_mask(x: torch.Tensor) -> torch.Tensor:
-    """Bool tensor of ``x``'s shape: True where the element's bits are not all zero (-0.0 counts)."""
-    bits = _BITS[x.dtype.itemsize]
-    return x.contiguous().view(bits) != 0
+def _as_bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as same-width integers, so "nonzero" means "bits not all zero" (-0.0 counts)."""
+    return x.contiguous().view(_BITS[x.dtype.itemsize])
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def encode(x: torch.Tensor) -> EncodedTensor:
     numel, itemsize = x.numel(), x.dtype.itemsize
     if numel == 0 or itemsize not in _BITS:
         return EncodedTensor(x.dtype, shape, x)
-    bits = x.contiguous().view(_BITS[itemsize])
+    bits = _as_bits(x)
     nnz = int(torch.count_nonzero(bits))  # a reduction: no mask is built unless sparse wins
     if sparse_nbytes(numel, nnz, itemsize) >= numel * itemsize:
         return EncodedTensor(x.dtype, shape, x)

@@ -81,6 +81,10 @@ def test_quick_every_policy(model_dir: Path, tmp_path: Path) -> None:
         assert row["zeroed_elements"] > 0
     assert rows["elastic-sweet"][0]["scales"] == {"k": 0.45, "v": 0.5}
     assert rows["random-zero"][0]["zeroed_elements"] == rows["elastic-sweet"][0]["zeroed_elements"]
+    pair = rows["elastic-sweet-pair"][0]
+    assert pair["scales"] == {"k": 0.45, "v": 0.5}
+    assert rows["random-zero-pair"][0]["zeroed_elements"] == pair["zeroed_elements"]
+    assert pair["zeroed_elements"] != rows["elastic-sweet"][0]["zeroed_elements"]
     tokens = result["texts"][model_dir.name]["tokens"]
     for name in ("uniform", "entropy", "streaming_llm", "h2o", "snapkv"):
         assert sorted(r["budget_tokens"] for r in rows[name]) == [tokens // 4, tokens // 2]

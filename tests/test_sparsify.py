@@ -11,7 +11,8 @@ from kvos.errors import ConfigError
 from kvos.memory.codec import encode
 from kvos.memory.pool import KVLayout, KVPool
 from kvos.memory.store import BlockStore
-from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier, sparsify_, thresholds
+from kvos.model.rope import Rope
+from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier, pair_moduli, sparsify_, thresholds
 
 LAYERS, HEADS, DIM, BLOCK = 2, 3, 8, 16
 
@@ -118,6 +119,53 @@ def test_apply_uses_positions_not_cache_order_and_works_in_bfloat16() -> None:
     assert torch.equal(k[t - 64 :], before[0][t - 64 :]) and torch.equal(v[t - 64 :], before[1][t - 64 :])
     tau = thresholds(before[0][: t - 64], 0.5)
     assert torch.equal(k[: t - 64] == 0, before[0][: t - 64].float().abs() < tau[None, :, None])
+
+
+def numpy_pair_expected(k: np.ndarray, scale: float) -> np.ndarray:
+    """k [T, H, D] with every rotate-half pair (i, i + D/2) zeroed whole where its modulus is below tau_h,
+    tau_h from the formula over the head's pair moduli (numpy, float64)."""
+    half = k.shape[-1] // 2
+    moduli = np.sqrt(k[..., :half].astype(np.float64) ** 2 + k[..., half:].astype(np.float64) ** 2)
+    tau = numpy_tau(moduli, scale)
+    below = moduli < tau[None, :, None]
+    out = k.copy()
+    out[np.concatenate([below, below], axis=-1)] = 0.0
+    return out
+
+
+def test_rotary_pair_keys_zero_whole_pairs_below_the_moduli_tau() -> None:
+    t = 150
+    pool, slots, positions = filled_pool(t)
+    before = [pool.gather(layer, slots) for layer in range(LAYERS)]
+    sp = MagnitudeSparsifier.preset("sweet", key_unit="rotary_pair")
+    report = sp.apply(pool, slots, positions)
+    zeroed = 0
+    for layer in range(LAYERS):
+        k, v = pool.gather(layer, slots)
+        k0, v0 = before[layer]
+        assert torch.equal(k[:64], k0[:64])
+        expected = k0.clone()
+        expected[64:] = torch.from_numpy(numpy_pair_expected(k0[64:].numpy(), sp.k_scale))
+        assert torch.equal(k, expected)
+        assert torch.equal(v, expected_after(v0, sp.n_sink, sp.v_scale))  # values: element-wise as ever
+        half = DIM // 2
+        assert torch.equal(k[64:, :, :half] == 0, k[64:, :, half:] == 0)  # pairs go together
+        zeroed += int((k[64:] == 0).sum())
+    assert report.k_zeroed == zeroed > 0
+
+
+def test_pair_moduli_do_not_move_with_the_rotary_position() -> None:
+    """The reason for the pair unit: re-rotating keys to other positions leaves every pair's modulus (and
+    so which pairs a pass zeroes) unchanged, while the element magnitudes change."""
+    rope = Rope(DIM, 10000.0)
+    k = mixed_heads(80, seed=3)
+    moved = rope.reanchor(k, torch.arange(80), torch.arange(80) * 7 + 1000)
+    torch.testing.assert_close(pair_moduli(moved), pair_moduli(k), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(moved.abs(), k.abs(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ConfigError, match="key_unit"):
+        MagnitudeSparsifier(key_unit="pairs")
+    with pytest.raises(ValueError, match="even head_dim"):
+        pair_moduli(torch.zeros(4, 2, 7))
 
 
 def test_schedule_fires_after_warmup_then_every_64_tokens() -> None:

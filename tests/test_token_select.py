@@ -110,6 +110,31 @@ def test_entropy_budgets_follow_head_budgets() -> None:
         make_policy("entropy")
 
 
+@pytest.mark.parametrize("block", [1, 16])
+def test_entropy_matched_spends_the_uniform_blocks_by_entropy(block: int) -> None:
+    calibration = {(0, 0): 0.5, (0, 1): 4.0, (1, 0): 1.0, (1, 1): 2.5, (2, 0): 3.0, (2, 1): 1.5}
+    rows = list(calibration)
+    policy = make_policy("entropy_matched", calibration=calibration, block_size=block)
+    blocks = lambda b: -(-b // block)  # noqa: E731
+    for n, budget in ((200, 50), (300, 64), (500, 37), (100, 99)):
+        got = policy.budgets(n, budget, rows)
+        target = blocks(budget) * len(rows)
+        assert sum(blocks(b) for b in got.values()) <= target
+        assert all(b % block == 0 or b == n for b in got.values())
+        # the most blocks any keep_ratio of the formula (rounded up to blocks) fits under the target
+        best = 0
+        for r in torch.linspace(1e-6, 1.0, 4001).tolist():
+            total = sum(blocks(min(blocks(b) * block, n)) for b in head_budgets(calibration, n, r).values())
+            if total <= target:
+                best = max(best, total)
+        assert sum(blocks(b) for b in got.values()) == best
+        order = sorted(rows, key=calibration.__getitem__)
+        assert [got[r] for r in order] == sorted(got[r] for r in order)  # more entropy, more tokens
+    assert policy.budgets(40, 50, rows) == dict.fromkeys(rows, 40)
+    with pytest.raises(ConfigError):
+        make_policy("entropy_matched")
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_keeps_the_budget_and_the_sinks(name: str) -> None:
     g = torch.Generator().manual_seed(0)

@@ -7,15 +7,18 @@ logits of every position. Against the full cache's logits on the same window it 
 its change (``ppl_delta_pct``; ``ppl_delta_tail_pct`` over the second half of each window only, where
 every policy is acting), top-1 agreement and KL(full || policy) per position, means over all windows.
 
-- ``full``, ``elastic-*`` (magnitude sparsification presets on their schedule) and ``random-zero`` (the
-  ablation: as many zeros per layer, KV head and K/V as ``elastic-sweet`` made, at random non-sink places,
-  same schedule) run on the kvos engine; ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes
-  of the final cached K/V, cut into pool blocks as the block store saves them.
-- ``uniform``, ``entropy``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the ``random`` control) keep
-  ``budget_tokens`` per KV head in the per-head cache (:mod:`kvos.engine.head_cache`, driven by
-  :mod:`kvos.policy.budgeted`); their ``stored_bytes_ratio`` is the mean resident K/V bytes over the
-  same cache holding every token.
-  ``entropy`` is calibrated on text other than the evaluation windows.
+- ``full``, ``elastic-*`` (magnitude sparsification presets on their schedule; ``elastic-*-pair``
+  threshold the keys' rotary pairs by modulus, :mod:`kvos.policy.sparsify`) and ``random-zero`` /
+  ``random-zero-pair`` (the ablation: as many zeros per layer, KV head and K/V as ``elastic-sweet`` /
+  ``elastic-sweet-pair`` made, at random non-sink places, same schedule) run on the kvos engine;
+  ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes of the final cached K/V, cut into pool
+  blocks as the block store saves them.
+- ``uniform``, ``entropy``, ``entropy_matched``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the
+  ``random`` control) keep ``budget_tokens`` per KV head in the per-head cache
+  (:mod:`kvos.engine.head_cache`, driven by :mod:`kvos.policy.budgeted`); their ``stored_bytes_ratio``
+  is the mean resident K/V bytes over the same cache holding every token.
+  ``entropy`` is calibrated on text other than the evaluation windows; ``entropy_matched`` splits the
+  same calibration at the uniform budget's resident blocks (:class:`kvos.policy.token_select.EntropyMatched`).
 
 ``overhead_pct`` is the token-by-token time against the full cache of the same runtime (the engine, or the
 head cache with a budget of every token), timed side by side: each repeat runs every contender once, in
@@ -58,15 +61,24 @@ from kvos.policy import budgeted
 from kvos.policy.entropy import HeadMap, kv_head_entropies
 from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier
 
-SPARSIFY = {
+PRESET_POLICIES = {
     "elastic-default": "default",
     "elastic-sweet": "sweet",
     "elastic-aggressive": "aggressive",
     "elastic-konly": "k-only",
 }
-ENGINE_POLICIES = ("full", *SPARSIFY, "random-zero")
-BUDGET_POLICIES = ("uniform", "entropy", "streaming_llm", "h2o", "snapkv", "random")
-DEFAULT_POLICIES = ("full", "uniform", "entropy", *SPARSIFY, "random-zero", "streaming_llm", "h2o", "snapkv")
+# policy -> (preset, key unit): the element-wise rule and its rotary-pair form ("-pair")
+SPARSIFY = {
+    **{policy: (preset, "element") for policy, preset in PRESET_POLICIES.items()},
+    **{f"{policy}-pair": (preset, "rotary_pair") for policy, preset in PRESET_POLICIES.items()},
+}
+ABLATIONS = {"random-zero": "elastic-sweet", "random-zero-pair": "elastic-sweet-pair"}  # -> matched run
+ENGINE_POLICIES = ("full", *SPARSIFY, *ABLATIONS)
+BUDGET_POLICIES = ("uniform", "entropy", "entropy_matched", "streaming_llm", "h2o", "snapkv", "random")
+DEFAULT_POLICIES = (
+    "full", "uniform", "entropy", "entropy_matched", *SPARSIFY, *ABLATIONS, "streaming_llm", "h2o", "snapkv",
+)  # fmt: skip
+ENTROPY_POLICIES = {"entropy", "entropy_matched"}  # need a calibration
 HEAD_FULL = "head-full"  # the head cache with a budget of every token: the budget rows' reference
 COLUMNS = (
     "model",
@@ -176,7 +188,7 @@ def bench_model(
     contenders = _engine_contenders(engine, policies, args.prefill, args.seed)
     wanted = [p for p in policies if p in BUDGET_POLICIES]
     if wanted:
-        calibration = _calibration(engine, texts.calibration) if "entropy" in wanted else None
+        calibration = _calibration(engine, texts.calibration) if ENTROPY_POLICIES & set(wanted) else None
         contenders.update(_budget_contenders(engine, wanted, counts, calibration, args.prefill, args.seed))
     results: dict[Key, list[list[Outcome]]] = {key: [] for key in contenders}
     repeats = args.repeats or (1 if args.quick else 3)
@@ -199,29 +211,35 @@ def bench_model(
 
 
 def _engine_contenders(engine: Engine, policies: list[str], prefill: int, seed: int) -> dict[Key, Contender]:
-    """The full cache, always; the sparsification presets asked for (sweet too, for random-zero)."""
+    """The full cache, always; the sparsification policies asked for, and those an ablation matches."""
 
     def full(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
         return _outcome(teacher_forced(engine, ids, prefill, NoHook()))
 
-    def sparsified(preset: str) -> Contender:
+    def sparsified(policy: str) -> Contender:
+        preset, unit = SPARSIFY[policy]
+
         def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
-            hook = SparsifyHook(MagnitudeSparsifier.preset(preset))
+            hook = SparsifyHook(MagnitudeSparsifier.preset(preset, key_unit=unit))
             out = _outcome(teacher_forced(engine, ids, prefill, hook))
-            memo.setdefault(preset, hook.passes)
+            memo.setdefault(policy, hook.passes)
             return out
 
         return go
 
-    def random_zero(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
-        return _outcome(teacher_forced(engine, ids, prefill, RandomZeroHook(memo["sweet"], seed=seed)))
+    def random_zero(matched: str) -> Contender:
+        def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
+            return _outcome(teacher_forced(engine, ids, prefill, RandomZeroHook(memo[matched], seed=seed)))
+
+        return go
 
     out: dict[Key, Contender] = {("full", None): full}
-    for policy, preset in SPARSIFY.items():
-        if policy in policies or (preset == "sweet" and "random-zero" in policies):
-            out[(policy, None)] = sparsified(preset)
-    if "random-zero" in policies:
-        out[("random-zero", None)] = random_zero
+    wanted = [p for p in policies if p in SPARSIFY] + [ABLATIONS[p] for p in policies if p in ABLATIONS]
+    for policy in dict.fromkeys(wanted):
+        out[(policy, None)] = sparsified(policy)
+    for ablation, matched in ABLATIONS.items():
+        if ablation in policies:
+            out[(ablation, None)] = random_zero(matched)
     return out
 
 
@@ -320,7 +338,7 @@ def _delta_pct(value: float, reference: float) -> float:
 def _scales(policy: str) -> dict[str, float] | None:
     if policy not in SPARSIFY:
         return None
-    k, v = PRESETS[SPARSIFY[policy]]
+    k, v = PRESETS[SPARSIFY[policy][0]]
     return {"k": k, "v": v}
 
 

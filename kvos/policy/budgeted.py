@@ -60,7 +60,9 @@ def run_budgeted(
         raise ConfigError(f"run_budgeted needs at least 2 tokens, got {len(token_ids)}")
     if budget_tokens < 1:
         raise ConfigError(f"budget_tokens must be >= 1, got {budget_tokens}")
-    chooser = make_policy(policy, sink_count=sink_count, calibration=calibration, seed=seed)
+    chooser = make_policy(
+        policy, sink_count=sink_count, calibration=calibration, seed=seed, block_size=block_size
+    )
     start = time.perf_counter()
     cache = HeadCache(model, block_size)
     ids = token_ids[:-1]  # the last token is only ever predicted

@@ -6,17 +6,26 @@ head_dim), and ``tau_h = max(sigma_h / 2, mu_h) * scale``. Elements with ``|x| <
 place; the first ``n_sink`` positions are never touched. K and V have separate scales; a scale of 0 leaves
 that tensor alone. The zeros free memory only where the tensors are stored sparse: the block store's codec
 (:mod:`kvos.memory.codec`) packs them, so report compression as its stored bytes, not as a zero fraction.
+
+Keys carry the rotary embedding: dimensions ``i`` and ``i + head_dim / 2`` are one rotating pair (the
+rotate-half layout every kvos model uses), so an element's own magnitude swings with its position while
+the pair's modulus ``sqrt(x_i^2 + x_{i+D/2}^2)`` does not. ``key_unit="rotary_pair"`` applies the same rule
+to those moduli (``mu_h``, ``sigma_h`` over the pairs' moduli, a pair below ``tau_h`` zeroed whole); the
+default ``"element"`` is the rule above, element by element. Values carry no rotation and are always
+thresholded element by element.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvos.errors import ConfigError
 from kvos.memory.pool import KVPool
 
+KEY_UNITS = ("element", "rotary_pair")
 PRESETS: dict[str, tuple[float, float]] = {
     "default": (0.35, 0.17),
     "sweet": (0.45, 0.50),
@@ -41,6 +50,26 @@ def thresholds(x: torch.Tensor, scale: float) -> torch.Tensor:
     mu = a.mean(dim=1)
     sigma = a.std(dim=1, correction=0)
     return torch.maximum(sigma / 2, mu) * scale
+
+
+def pair_moduli(x: torch.Tensor) -> torch.Tensor:
+    """``x``: ``[T, num_kv_heads, head_dim]`` (even head_dim, rotate-half pairs ``(i, i + head_dim / 2)``)
+    -> the pairs' moduli ``[T, num_kv_heads, head_dim / 2]``, in float32 (float64 for a float64 ``x``)."""
+    if x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [T, num_kv_heads, even head_dim], got shape {tuple(x.shape)}")
+    half = x.shape[-1] // 2
+    work = x.to(torch.promote_types(x.dtype, torch.float32))
+    return torch.hypot(work[..., :half], work[..., half:])
+
+
+def sparsify_pairs_(x: torch.Tensor, scale: float) -> int:
+    """Zero, in place, every rotary pair of ``x`` (``[T, num_kv_heads, head_dim]``) whose modulus is below
+    its head's :func:`thresholds` computed over the moduli (both elements become +0.0). Returns how many
+    elements are now below threshold (twice the pairs), already-zero ones included."""
+    moduli = pair_moduli(x)
+    below = moduli < thresholds(moduli, scale)[None, :, None]
+    x.masked_fill_(torch.cat((below, below), dim=-1), 0.0)
+    return 2 * int(below.sum())
 
 
 def sparsify_(x: torch.Tensor, tau: torch.Tensor) -> int:
@@ -95,6 +124,7 @@ class MagnitudeSparsifier:
     n_sink: int = 64
     every: int = 64
     warmup: int = 128
+    key_unit: str = "element"
     _last_run: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,11 +136,15 @@ class MagnitudeSparsifier:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ConfigError(f"MagnitudeSparsifier.{name} must be an int >= {low}, got {value!r}")
+        if self.key_unit not in KEY_UNITS:
+            raise ConfigError(
+                f"MagnitudeSparsifier.key_unit must be one of {', '.join(KEY_UNITS)}, got {self.key_unit!r}"
+            )
 
     @classmethod
-    def preset(cls, name: str, **overrides: int) -> MagnitudeSparsifier:
+    def preset(cls, name: str, **overrides: Any) -> MagnitudeSparsifier:
         """A sparsifier with the K and V scales of a preset: ``default``, ``sweet``, ``aggressive``,
-        ``k-only``; ``overrides`` set ``n_sink``, ``every``, ``warmup``."""
+        ``k-only``; ``overrides`` set ``n_sink``, ``every``, ``warmup``, ``key_unit``."""
         if name not in PRESETS:
             raise ConfigError(f"unknown sparsification preset {name!r}; choose one of {', '.join(PRESETS)}")
         k_scale, v_scale = PRESETS[name]
@@ -130,11 +164,20 @@ class MagnitudeSparsifier:
         counts = [0, 0, 0, 0]
         for layer in range(pool.layout.num_layers):
             k, v = pool.gather(layer, chosen)
-            for i, (x, scale) in enumerate(((k, self.k_scale), (v, self.v_scale))):
-                counts[2 * i] += sparsify_(x, thresholds(x, scale)) if scale > 0 else 0
-                counts[2 * i + 1] += x.numel()
+            if self.k_scale > 0:
+                counts[0] += self._sparsify_keys(k)
+            if self.v_scale > 0:
+                counts[2] += sparsify_(v, thresholds(v, self.v_scale))
+            counts[1] += k.numel()
+            counts[3] += v.numel()
             pool.write(layer, chosen, k, v)
         return SparsifyReport(*counts)
+
+    def _sparsify_keys(self, k: torch.Tensor) -> int:
+        """Threshold one layer's keys ``[T, num_kv_heads, head_dim]`` in place by :attr:`key_unit`."""
+        if self.key_unit == "rotary_pair":
+            return sparsify_pairs_(k, self.k_scale)
+        return sparsify_(k, thresholds(k, self.k_scale))
 
     def due(self, num_tokens: int) -> bool:
         """Whether the schedule calls for a pass at ``num_tokens`` tokens (does not record one)."""

@@ -113,6 +113,38 @@ class Entropy(Uniform):
 
 
 @dataclass
+class EntropyMatched(Entropy):
+    """:class:`Entropy` at the uniform policy's memory: ``keep_ratio`` is the largest for which the heads'
+    budgets, each rounded up to whole blocks of ``block_size`` tokens (a head's last block holds that many
+    whatever its budget), take no more blocks than ``budget_tokens`` per row would."""
+
+    name: ClassVar[str] = "entropy_matched"
+    block_size: int = 1
+
+    def budgets(self, n_seen: int, budget_tokens: int, rows: Sequence[Row]) -> dict[Row, int]:
+        if budget_tokens >= n_seen:
+            return dict.fromkeys(rows, n_seen)
+        entropies = {row: self.calibration[row] for row in rows}
+        target = self._blocks(budget_tokens) * len(rows)
+        low, high = 0.0, 1.0  # the block total is nondecreasing in keep_ratio: bisect on it
+        best = self._whole_blocks(head_budgets(entropies, n_seen, 1e-9), n_seen)
+        for _ in range(30):
+            mid = (low + high) / 2
+            trial = self._whole_blocks(head_budgets(entropies, n_seen, mid), n_seen)
+            if sum(self._blocks(b) for b in trial.values()) <= target:
+                low, best = mid, trial
+            else:
+                high = mid
+        return best
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _whole_blocks(self, budgets: dict[Row, int], n_seen: int) -> dict[Row, int]:
+        return {row: min(self._blocks(b) * self.block_size, n_seen) for row, b in budgets.items()}
+
+
+@dataclass
 class StreamingLLM(TokenPolicy):
     """Attention sinks plus the most recent tokens."""
 
@@ -198,7 +230,7 @@ class Random(TokenPolicy):
 
 
 POLICIES: dict[str, type[TokenPolicy]] = {
-    cls.name: cls for cls in (Uniform, Entropy, StreamingLLM, H2O, SnapKV, Random)
+    cls.name: cls for cls in (Uniform, Entropy, EntropyMatched, StreamingLLM, H2O, SnapKV, Random)
 }
 
 
@@ -208,12 +240,15 @@ def make_policy(
     sink_count: int = DEFAULT_SINKS,
     calibration: Mapping[tuple[int, int], float] | None = None,
     seed: int = 0,
+    block_size: int = 1,
 ) -> TokenPolicy:
     """A fresh policy by name (``entropy`` needs ``calibration``; ``random`` uses ``seed``)."""
-    if name == "entropy":
+    if name in ("entropy", "entropy_matched"):
         if not calibration:
-            raise ConfigError("the entropy policy needs a calibration: run `kvos calibrate` and load it")
-        return Entropy(sink_count=sink_count, calibration=dict(calibration))
+            raise ConfigError(f"the {name} policy needs a calibration: run `kvos calibrate` and load it")
+        if name == "entropy":
+            return Entropy(sink_count=sink_count, calibration=dict(calibration))
+        return EntropyMatched(sink_count=sink_count, calibration=dict(calibration), block_size=block_size)
     if name == "random":
         return Random(sink_count=sink_count, seed=seed)
     if name not in POLICIES:

@@ -54,9 +54,10 @@ messages = st.lists(
     policy=st.sampled_from(["hard", "watermark"]),
     mode=st.sampled_from(["compact", "sparse"]),
     backend=st.sampled_from(["kv_restore", "breadcrumb", "discard"]),
+    signal=st.sampled_from(["answer", "lexical"]),
 )
 def test_budget_never_exceeded(
-    engine: Engine, model_dir: Path, msgs: list, policy: str, mode: str, backend: str
+    engine: Engine, model_dir: Path, msgs: list, policy: str, mode: str, backend: str, signal: str
 ) -> None:
     m = manager(
         engine,
@@ -64,6 +65,7 @@ def test_budget_never_exceeded(
         budget=Budget(max_active_tokens=160, policy=policy),
         position_mode=mode,
         backend=backend,
+        recovery_signal=signal,
     )
     s = m.session()
     try:
@@ -188,7 +190,7 @@ def restores_this_turn(s: Session) -> list[dict]:
 def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_dir: Path) -> None:
     """The lexical signal ranks by the query's rare tokens: the block sharing them comes back, not the
     (more recent, equally long) blocks that share only the chat template and common words with it."""
-    m = manager(engine, model_dir, recovery_top_k=1)
+    m = manager(engine, model_dir, recovery_signal="lexical", recovery_top_k=1)
     s = m.session()
     s.add_message("system", "hi")
     fact = bury(s, "my walrus is named quince")
@@ -205,7 +207,7 @@ def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_d
 def test_recovery_bar(engine: Engine, model_dir: Path, bar: bool) -> None:
     """With the bar, a saved block comes back only when it beats every resident block (not part of the new
     message); without it (the default), the best saved blocks come back regardless."""
-    m = manager(engine, model_dir, recovery_top_k=1, recovery_bar=bar)
+    m = manager(engine, model_dir, recovery_signal="lexical", recovery_top_k=1, recovery_bar=bar)
     s = m.session()
     s.add_message("system", "hi")
     s.add_message("user", "my walrus?", keep="pin")  # stays resident and matches the last query fully
@@ -219,7 +221,7 @@ def test_recovery_bar(engine: Engine, model_dir: Path, bar: bool) -> None:
 def test_recovery_brings_back_a_whole_message(engine: Engine, model_dir: Path) -> None:
     """A matched chunk comes back with the other chunks of its message, in order: a fact split across
     chunks is recovered whole, though only its first chunk shares a word with the query."""
-    m = manager(engine, model_dir, recovery_top_k=1)
+    m = manager(engine, model_dir, recovery_signal="lexical", recovery_top_k=1)
     s = m.session()
     s.add_message("system", "hi")
     fact = bury(s, "my walrus is named " + "quince " * 10)
@@ -233,6 +235,7 @@ def test_recovery_brings_back_a_whole_message(engine: Engine, model_dir: Path) -
 
 
 def test_min_similarity_defaults_per_signal() -> None:
+    assert SessionConfig().recovery_signal == "answer" and SessionConfig().min_similarity() == 0.3
     assert SessionConfig(recovery_signal="lexical").min_similarity() == 0.1
     assert SessionConfig(recovery_signal="embedding").min_similarity() == 0.2
     assert SessionConfig(recovery_signal="embedding", recovery_min_similarity=0.5).min_similarity() == 0.5
@@ -244,7 +247,7 @@ def test_recovery_config_is_validated() -> None:
 
 
 def test_breadcrumb_recovers_by_recompute(engine: Engine, model_dir: Path) -> None:
-    m = manager(engine, model_dir, backend="breadcrumb")
+    m = manager(engine, model_dir, recovery_signal="lexical", backend="breadcrumb")
     s = m.session()
     s.add_message("system", "hi")
     fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]
@@ -324,7 +327,9 @@ def test_pool_pressure_evicts_from_other_sessions(model_dir: Path) -> None:
 
 
 def test_store_drop_keeps_breadcrumb_and_recomputes(engine: Engine, model_dir: Path) -> None:
-    m = manager(engine, model_dir, store_ram_bytes=1)  # nothing fits in RAM and there is no disk: dropped
+    m = manager(
+        engine, model_dir, recovery_signal="lexical", store_ram_bytes=1
+    )  # nothing fits in RAM and there is no disk: dropped
     s = m.session()
     s.add_message("system", "hi")
     fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]

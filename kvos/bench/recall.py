@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--embedder", choices=["hidden", "tokens"], default="hidden")
-    p.add_argument("--signal", choices=["lexical", "embedding"], default="lexical", help="recovery signal")
+    p.add_argument(
+        "--signal", choices=["answer", "lexical", "embedding"], default="answer", help="recovery signal"
+    )
     p.add_argument(
         "--bar",
         action="store_true",

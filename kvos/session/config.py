@@ -13,7 +13,7 @@ from kvos.policy.scorer import Scorer
 from kvos.session.embedder import EmbedderName
 from kvos.session.pager import Backend, PositionMode
 
-RecoverySignal = Literal["lexical", "embedding"]
+RecoverySignal = Literal["answer", "lexical", "embedding"]
 
 
 @dataclass
@@ -24,8 +24,12 @@ class SessionConfig:
     capture_layers: layers whose decode attention feeds the attention signal; None picks a few middle and
         late layers (at most 16).
     recovery_signal: how similarity recovery compares a saved block with the new user message:
-        "lexical" (IDF-weighted token overlap over the session's blocks, the default: it measured best on
-        the recall benchmark, docs/benchmarks.md) or "embedding" (cosine of the blocks' embeddings).
+        "answer" (the default: how much the saved message changes the model's answer to the new one,
+        :mod:`kvos.session.relevance`; it measured best on the recall benchmark, docs/benchmarks.md),
+        "lexical" (IDF-weighted token overlap over the session's blocks) or "embedding" (cosine of the
+        blocks' embeddings).
+    recovery_candidates: with the "answer" signal, the most saved messages scored per user message (one
+        short forward pass each): the lexically closest, then the most recent.
     recovery_top_k / recovery_min_similarity / recovery_bar: similarity recovery brings back at most this
         many messages (a matched chunk with its message's other chunks when they fit), each at least this
         similar (default: see :meth:`min_similarity`) to the new user message and, with ``recovery_bar``,
@@ -44,7 +48,8 @@ class SessionConfig:
     attention_mode: str = "ewma"
     capture_layers: tuple[int, ...] | None = None
     embedder: EmbedderName = "hidden"
-    recovery_signal: RecoverySignal = "lexical"
+    recovery_signal: RecoverySignal = "answer"
+    recovery_candidates: int = 32
     recovery_top_k: int = 4
     recovery_min_similarity: float | None = None
     recovery_bar: bool = False
@@ -54,25 +59,26 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.block_tokens <= 0:
             raise ConfigError(f"block_tokens must be positive, got {self.block_tokens}")
-        if self.sink_count < 0 or self.recovery_top_k < 0:
-            raise ConfigError("sink_count and recovery_top_k must be >= 0")
+        if self.sink_count < 0 or self.recovery_top_k < 0 or self.recovery_candidates < 0:
+            raise ConfigError("sink_count, recovery_top_k and recovery_candidates must be >= 0")
         if self.budget.max_active_tokens < 2 * self.block_tokens:
             raise ConfigError(
                 f"max_active_tokens ({self.budget.max_active_tokens}) must hold at least two blocks of "
                 f"block_tokens ({self.block_tokens}): lower block_tokens or raise the budget"
             )
-        if self.recovery_signal not in ("lexical", "embedding"):
+        if self.recovery_signal not in ("answer", "lexical", "embedding"):
             raise ConfigError(
-                f"recovery_signal must be 'lexical' or 'embedding', got {self.recovery_signal!r}"
+                f"recovery_signal must be 'answer', 'lexical' or 'embedding', got {self.recovery_signal!r}"
             )
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode
 
     def min_similarity(self) -> float:
-        """``recovery_min_similarity``, or the signal's default: 0.2 (a cosine) for "embedding", 0.1 (a
-        share of the query's IDF mass) for "lexical", measured on the recall benchmark."""
+        """``recovery_min_similarity``, or the signal's default, measured on the recall benchmark: 0.3
+        nats for "answer", 0.2 (a cosine) for "embedding", 0.1 (a share of the query's IDF mass) for
+        "lexical"."""
         if self.recovery_min_similarity is not None:
             return self.recovery_min_similarity
-        return 0.2 if self.recovery_signal == "embedding" else 0.1
+        return {"answer": 0.3, "embedding": 0.2, "lexical": 0.1}[self.recovery_signal]
 
     def layers_to_capture(self, num_layers: int) -> frozenset[int]:
         """The configured layers, or {L/2, 3L/4, L-1} by default."""

@@ -22,6 +22,7 @@ from kvos.policy.signals import cosine
 from kvos.session.config import SessionConfig
 from kvos.session.journal import Journal
 from kvos.session.pager import Pager
+from kvos.session.relevance import AnswerContrast
 
 
 class SessionMemory:
@@ -40,6 +41,7 @@ class SessionMemory:
         self.focus = TaskFocus()
         self.journal = Journal()
         self.protected: set[int] = set()
+        self.answer: AnswerContrast | None = None  # set by the session for the "answer" signal
         self.turn = 0
         self.history_tokens = 0
 
@@ -165,12 +167,44 @@ class SessionMemory:
         return groups
 
     def _similarity(self, ids: list[int], query: torch.Tensor) -> Callable[[MemBlock], float | None]:
-        """How a block is compared with the new message: IDF-weighted token overlap over the session's
-        blocks ("lexical") or the cosine of the embeddings ("embedding"; None without an embedding)."""
-        if self.config.recovery_signal == "lexical":
+        """How a block is compared with the new message: by the model's answer ("answer", per message;
+        lexical for this turn if the pool has no room for its scratch passes), IDF-weighted token overlap
+        over the session's blocks ("lexical") or the cosine of the embeddings ("embedding"; None without an
+        embedding). None: not a candidate."""
+        signal = self.config.recovery_signal
+        if signal == "answer" and self.answer is not None:
+            scores = self._answer_scores(ids)
+            if scores is not None:
+                return lambda b: scores.get(b.message_index)
+            signal = "lexical"
+        if signal in ("lexical", "answer"):
             index = LexicalIndex(b.token_ids for b in self.blocks.values())
             return lambda b: index.score(ids, b.token_ids)
         return lambda b: None if b.embedding is None else cosine(query, b.embedding)
+
+    def _answer_scores(self, ids: list[int]) -> dict[int, float] | None:
+        """message index -> :class:`AnswerContrast` score of the message's recoverable chunks, for at most
+        ``recovery_candidates`` messages (the lexically closest, then the most recent), or None when the
+        pool cannot hold the scratch passes."""
+        assert self.answer is not None
+        messages: dict[int, list[int]] = {}
+        ordered = sorted(self.blocks.values(), key=lambda b: b.original_start)
+        for b in ordered:
+            if self._recoverable(b):
+                messages.setdefault(b.message_index, []).extend(b.token_ids)
+        cap = self.config.recovery_candidates
+        if len(messages) > cap:
+            index = LexicalIndex(b.token_ids for b in self.blocks.values())
+            lexical = {m: index.score(ids, tokens) for m, tokens in messages.items()}
+            kept = sorted(messages, key=lambda m: (lexical[m], m), reverse=True)[:cap]
+            messages = {m: messages[m] for m in kept}
+        sinks = self.config.sink_count
+        prefix = [t for b in ordered if b.resident and b.is_sink(sinks) for t in b.token_ids]
+        try:
+            return self.answer.scores(prefix, ids, messages)
+        except PoolOutOfMemoryError:
+            self.journal.log(self.turn, "answer_signal_skipped", reason="pool_full")
+            return None
 
     def _affordable(
         self, groups: list[tuple[int, list[int]]], incoming_locked: int = 0

@@ -27,6 +27,7 @@ from kvos.session.embedder import make_embedder
 from kvos.session.memory import SessionMemory
 from kvos.session.pager import Pager
 from kvos.session.prompt import Span, common_prefix, flatten
+from kvos.session.relevance import AnswerContrast
 from kvos.session.writer import ReplyWriter
 
 ROLE_KINDS = {
@@ -68,6 +69,8 @@ class Session:
             )
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.blocks)
         self.memory = SessionMemory(session_id, config, self.pager, relieve)
+        if config.recovery_signal == "answer":
+            self.memory.answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
         self.embed = make_embedder(config.embedder, engine)
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
@@ -103,6 +106,14 @@ class Session:
     def add_document(self, text: str, *, keep: Keep | None = None, priority: float = 1.0) -> list[MemBlock]:
         """A document given as user content: DOCUMENT blocks, no turn of its own."""
         return self.add_message("user", text, keep=keep, priority=priority, kind=BlockKind.DOCUMENT)
+
+    def _generation_prompt(self) -> list[int]:
+        """The tokens the chat template puts after a user message to open the assistant's turn."""
+        if self.template is None:
+            return []
+        message = [{"role": "user", "content": "x"}]
+        opened = self.template.render(message, add_generation_prompt=True)
+        return self.tokenizer.encode(opened[len(self.template.render(message)) :])
 
     def _render_delta(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         if self.template is None:

@@ -1,0 +1,123 @@
+"""The "answer" recovery signal: scores are exact log-likelihood drops (checked against transformers), the
+null answer stops where it should, and in a session it brings back a fact that shares no content word with
+the question (built-in model), caps its candidates and falls back to lexical when the pool is full."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import hf_model
+
+from kvos.builtin import builtin_model_path
+from kvos.engine.engine import Engine
+from kvos.engine.sampling import SamplingParams
+from kvos.errors import PoolOutOfMemoryError
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.blocks import BlockState
+from kvos.policy.budget import Budget
+from kvos.policy.lexical import LexicalIndex
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+from kvos.session.relevance import AnswerContrast
+
+
+def hf_log_likelihood(model: object, context: list[int], answer: list[int]) -> float:
+    ids = torch.tensor([context + answer[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(context) - 1 :].double()  # type: ignore[operator]
+    return float(torch.log_softmax(logits, -1).gather(1, torch.tensor(answer)[:, None]).sum())
+
+
+def test_scores_are_the_drop_in_the_null_answers_log_likelihood(model_dir: Path) -> None:
+    engine = Engine(load_model(model_dir), block_size=8)
+    contrast = AnswerContrast(engine, generation_prompt=[7, 8], eos_ids=[], max_new=5)
+    prefix, query = [1, 2, 3], [40, 41, 42, 43]
+    candidates = {"a": [50, 51, 52], "b": list(range(60, 80)), "c": [99]}
+    scores = contrast.scores(prefix, query, candidates)
+    answer = contrast.null_answer(prefix + query + [7, 8])
+    assert len(answer) == 5  # no end-of-turn token given: stops at max_new
+    reference = hf_model(model_dir)
+    base = hf_log_likelihood(reference, prefix + query + [7, 8], answer)
+    for key, tokens in candidates.items():
+        expected = base - hf_log_likelihood(reference, prefix + tokens + query + [7, 8], answer)
+        assert scores[key] == pytest.approx(expected, abs=1e-4)
+    assert len({round(v, 6) for v in scores.values()}) == 3
+    assert engine.pool.allocator.num_used == 0  # scratch sequences released
+
+
+def test_null_answer_stops_after_an_end_of_turn_token(model_dir: Path) -> None:
+    engine = Engine(load_model(model_dir), block_size=8)
+    free = AnswerContrast(engine, [], eos_ids=[], max_new=4).null_answer([5, 6, 7])
+    stopping = AnswerContrast(engine, [], eos_ids=[free[1]], max_new=4).null_answer([5, 6, 7])
+    assert stopping == free[: free.index(free[1]) + 1]  # greedy, cut after the first end-of-turn token
+    with pytest.raises(ValueError, match="max_new"):
+        AnswerContrast(engine, [], [], max_new=0)
+
+
+def buried_fact_session(signal: str, **cfg: object) -> tuple[MemoryManager, object, list]:
+    """The built-in model; a fact the question shares no content word with, then enough filler to page
+    it out under a 160-token budget."""
+    path = builtin_model_path()
+    manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=160, policy="hard"), block_tokens=40, recovery_signal=signal, **cfg
+    )  # type: ignore[arg-type]
+    s = manager.session(config=config)
+    s.add_message("system", "You are a helpful assistant.")
+    fact = s.add_message("user", "For a living I work as a translator.")
+    s.add_message("assistant", "Got it: you work as a translator.")
+    for a, b in ((3, 4), (12, 9), (7, 7), (20, 5), (6, 16), (8, 2), (11, 13), (4, 19)):
+        s.add_message("user", f"What is {a} plus {b}?")
+        s.add_message("assistant", f"{a} plus {b} is {a + b}.")
+    assert all(block.state is BlockState.SAVED for block in fact)
+    return manager, s, fact
+
+
+@pytest.mark.parametrize("signal", ["answer", "lexical"])
+def test_answer_signal_recovers_a_fact_without_shared_words(signal: str) -> None:
+    manager, s, fact = buried_fact_session(signal)
+    s.add_message("user", "What is my job?")
+    reply = s.generate(SamplingParams(max_tokens=16))[0]
+    if signal == "answer":
+        assert all(block.resident for block in fact) and "translator" in reply
+    else:  # the lexical signal finds no rare word in common: the fact stays out and the model cannot answer
+        assert not any(block.resident for block in fact) and "translator" not in reply
+    manager.close(s.session_id)
+
+
+def test_candidates_are_capped_lexically_and_pool_pressure_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    manager, s, _ = buried_fact_session("answer", recovery_candidates=1)
+    seen: list[tuple[dict, int]] = []
+    original = AnswerContrast.scores
+
+    def spy(self: AnswerContrast, prefix: list[int], query: list[int], candidates: dict) -> dict:
+        index = LexicalIndex(b.token_ids for b in s.blocks.values())
+        saved: dict[int, list[int]] = {}
+        for b in sorted(s.blocks.values(), key=lambda b: b.original_start):
+            if b.state is BlockState.SAVED:
+                saved.setdefault(b.message_index, []).extend(b.token_ids)
+        assert len(saved) > 1
+        closest = max(saved, key=lambda m: (index.score(query, saved[m]), m))
+        seen.append((dict(candidates), closest))
+        return original(self, prefix, query, candidates)
+
+    monkeypatch.setattr(AnswerContrast, "scores", spy)
+    s.add_message("user", "What is 7 plus 7?")
+    [(candidates, closest)] = seen
+    assert list(candidates) == [closest]  # one candidate, the lexically closest saved message
+    assert "7 plus 7" in s.messages[closest]["content"]
+
+    def full(*args: object) -> dict:
+        raise PoolOutOfMemoryError(2 << 20, 1 << 20, 1 << 20)
+
+    monkeypatch.setattr(AnswerContrast, "scores", full)
+    s.add_message("user", "I work as what, again? translator?")
+    events = [e for e in s.memory.journal.events if e["turn"] == s.memory.turn]
+    assert any(e["event"] == "answer_signal_skipped" for e in events)
+    assert any(e["event"] == "restore" for e in events)  # lexical took over ("work", "translator")
+    manager.close(s.session_id)

@@ -57,9 +57,9 @@ def test_null_answer_stops_after_an_end_of_turn_token(model_dir: Path) -> None:
         AnswerContrast(engine, [], [], max_new=0)
 
 
-def buried_fact_session(signal: str, **cfg: object) -> tuple[MemoryManager, object, list]:
-    """The built-in model; a fact the question shares no content word with, then enough filler to page
-    it out under a 160-token budget."""
+def buried_fact_session(signal: str, fillers: int = 8, **cfg: object) -> tuple[MemoryManager, object, list]:
+    """The built-in model; a fact the question shares no content word with, then ``fillers`` exchanges
+    (8 page it out under the 160-token budget; after 7 it is still resident, the least recent block)."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
     config = SessionConfig(
@@ -69,10 +69,11 @@ def buried_fact_session(signal: str, **cfg: object) -> tuple[MemoryManager, obje
     s.add_message("system", "You are a helpful assistant.")
     fact = s.add_message("user", "For a living I work as a translator.")
     s.add_message("assistant", "Got it: you work as a translator.")
-    for a, b in ((3, 4), (12, 9), (7, 7), (20, 5), (6, 16), (8, 2), (11, 13), (4, 19)):
+    for a, b in ((3, 4), (12, 9), (7, 7), (20, 5), (6, 16), (8, 2), (11, 13), (4, 19))[:fillers]:
         s.add_message("user", f"What is {a} plus {b}?")
         s.add_message("assistant", f"{a} plus {b} is {a + b}.")
-    assert all(block.state is BlockState.SAVED for block in fact)
+    expected = BlockState.SAVED if fillers == 8 else BlockState.RESIDENT
+    assert all(block.state is expected for block in fact)
     return manager, s, fact
 
 
@@ -81,10 +82,22 @@ def test_answer_signal_recovers_a_fact_without_shared_words(signal: str) -> None
     manager, s, fact = buried_fact_session(signal)
     s.add_message("user", "What is my job?")
     reply = s.generate(SamplingParams(max_tokens=16))[0]
-    if signal == "answer":
-        assert all(block.resident for block in fact) and "translator" in reply
+    if signal == "answer":  # the fact and its acknowledgement (one exchange) are back
+        ack = [b for b in s.blocks.values() if b.message_index == fact[0].message_index + 1]
+        assert ack and all(block.resident for block in fact + ack) and "translator" in reply
     else:  # the lexical signal finds no rare word in common: the fact stays out and the model cannot answer
         assert not any(block.resident for block in fact) and "translator" not in reply
+    manager.close(s.session_id)
+
+
+@pytest.mark.parametrize("signal", ["answer", "lexical"])
+def test_answer_signal_keeps_a_resident_fact_the_question_needs(signal: str) -> None:
+    """Making room for the question pages out the least recent block, the fact; the answer signal
+    protects the exchange the answer needs for the turn, the lexical one cannot see it."""
+    manager, s, fact = buried_fact_session(signal, fillers=7)
+    s.add_message("user", "What is my job?")
+    state = BlockState.RESIDENT if signal == "answer" else BlockState.SAVED
+    assert all(block.state is state for block in fact)
     manager.close(s.session_id)
 
 
@@ -97,19 +110,20 @@ def test_candidates_are_capped_lexically_and_pool_pressure_falls_back(
 
     def spy(self: AnswerContrast, prefix: list[int], query: list[int], candidates: dict) -> dict:
         index = LexicalIndex(b.token_ids for b in s.blocks.values())
-        saved: dict[int, list[int]] = {}
+        exchanges: dict[int, list[int]] = {}  # user message index -> its text and its reply's
         for b in sorted(s.blocks.values(), key=lambda b: b.original_start):
-            if b.state is BlockState.SAVED:
-                saved.setdefault(b.message_index, []).extend(b.token_ids)
-        assert len(saved) > 1
-        closest = max(saved, key=lambda m: (index.score(query, saved[m]), m))
+            if b.message_index > 0:  # message 0 is the system prompt (the sink)
+                exchanges.setdefault(b.message_index - (b.message_index + 1) % 2, []).extend(b.token_ids)
+        assert len(exchanges) > 1 and s.messages[max(exchanges)]["role"] == "user"
+        closest = max(exchanges, key=lambda m: (index.score(query, exchanges[m]), m))
+        assert candidates[closest] == exchanges[closest]  # scored on the whole exchange
         seen.append((dict(candidates), closest))
         return original(self, prefix, query, candidates)
 
     monkeypatch.setattr(AnswerContrast, "scores", spy)
     s.add_message("user", "What is 7 plus 7?")
     [(candidates, closest)] = seen
-    assert list(candidates) == [closest]  # one candidate, the lexically closest saved message
+    assert list(candidates) == [closest]  # one candidate, the lexically closest exchange
     assert "7 plus 7" in s.messages[closest]["content"]
 
     def full(*args: object) -> dict:

@@ -135,3 +135,24 @@ def test_candidates_are_capped_lexically_and_pool_pressure_falls_back(
     assert any(e["event"] == "answer_signal_skipped" for e in events)
     assert any(e["event"] == "restore" for e in events)  # lexical took over ("work", "translator")
     manager.close(s.session_id)
+
+
+def test_an_exchange_too_large_comes_back_as_its_whole_message() -> None:
+    """Under a 64-token budget the code's exchange (20 + 19 tokens in four 16-token chunks) cannot come
+    back whole; its user message must (both chunks), not only its first chunk, which ends before the
+    code's last character."""
+    path = builtin_model_path()
+    manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
+    config = SessionConfig(budget=Budget(max_active_tokens=64, policy="hard"), block_tokens=16)
+    s = manager.session(config=config)
+    s.add_message("system", "You are a helpful assistant.")
+    fact = s.add_message("user", "Note this down: my access code is V1-BP4.")
+    ack = s.add_message("assistant", "Got it: your access code is V1-BP4.")
+    for a, b in ((3, 4), (12, 9)):
+        s.add_message("user", f"What is {a} plus {b}?")
+        s.add_message("assistant", f"{a} plus {b} is {a + b}.")
+    assert len(fact) == len(ack) == 2 and all(b.state is BlockState.SAVED for b in fact + ack)
+    s.add_message("user", "What was my code?")
+    assert [b.state for b in fact + ack] == [BlockState.RESIDENT] * 2 + [BlockState.SAVED] * 2
+    assert "V1-BP4" in s.generate(SamplingParams(max_tokens=16))[0]
+    manager.close(s.session_id)

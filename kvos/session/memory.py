@@ -253,9 +253,10 @@ class SessionMemory:
     def _affordable(
         self, groups: list[tuple[int, list[int]]], incoming_locked: int = 0
     ) -> list[tuple[int, list[int]]]:
-        """The best-ranked messages (at most recovery_top_k; a message whose chunks do not all fit comes back
-        as its best chunk alone) that can be protected this turn while pinned blocks, sinks, the new
-        message's locked tokens and one block being written still fit."""
+        """The best-ranked groups (at most recovery_top_k) that can be protected this turn while pinned
+        blocks, sinks, the new message's locked tokens and one block being written still fit. A group that
+        does not fit whole comes back as the message of its best block (an exchange's user message without
+        its reply), or failing that as the best block alone."""
         sinks = self.config.sink_count
         locked = sum(
             b.num_tokens
@@ -267,7 +268,8 @@ class SessionMemory:
         for best, group in groups:
             if len(chosen) == self.config.recovery_top_k:
                 break
-            for option in (group, [best]):
+            message = [i for i in group if self.blocks[i].message_index == self.blocks[best].message_index]
+            for option in (group, message, [best]):
                 size = sum(self.blocks[i].num_tokens for i in option)
                 if size <= room:
                     chosen.append((best, option))

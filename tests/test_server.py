@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ from openai import OpenAI
 from server_harness import MODEL_NAME, running_server
 
 from kvos.model.tokenizer import load_tokenizer
+from kvos.server.main import add_arguments, build_service
 from kvos.server.reply import parse_reply
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 4}
@@ -434,3 +436,17 @@ def test_listing_and_metrics_while_a_session_runs(model_dir: Path) -> None:
         assert len(statuses) >= 20 and set(statuses) == {200}
         stats = httpx.get(f"{url}/sessions").json()["data"][0]
         assert stats["evictions"] > 0 and stats["max_active_tokens_seen"] <= 256
+
+
+@pytest.mark.parametrize("signal", ["answer", "lexical"])
+def test_serve_options_reach_the_session_config(model_dir: Path, signal: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--model", str(model_dir), "--budget", "512", "--backend", "breadcrumb"]
+    args = parser.parse_args(argv + (["--recovery-signal", signal] if signal != "answer" else []))
+    config = build_service(args).manager.config
+    assert (config.recovery_signal, config.backend, config.budget.max_active_tokens) == (
+        signal,
+        "breadcrumb",
+        512,
+    )

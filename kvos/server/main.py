@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=["watermark", "hard"], default="watermark")
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
+    p.add_argument(
+        "--recovery-signal",
+        choices=["answer", "lexical", "embedding"],
+        default="answer",
+        help="how a new user message finds saved blocks (answer: one short forward pass per candidate)",
+    )
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     p.add_argument("--max-sessions", type=int, default=8, help="sessions resident at once (others swap out)")
     p.add_argument(
@@ -74,6 +80,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         budget=Budget(max_active_tokens=budget, policy=args.policy),
         backend=args.backend,
         position_mode=args.position_mode,
+        recovery_signal=args.recovery_signal,
         store_ram_bytes=args.store_ram_bytes,
         store_disk_dir=args.store_disk_dir,
     )

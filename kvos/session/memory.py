@@ -13,7 +13,7 @@ import torch
 
 from kvos.errors import BudgetError, PoolOutOfMemoryError
 from kvos.policy.attention import AttentionTracker, block_masses
-from kvos.policy.blocks import BlockKind, BlockState, MemBlock
+from kvos.policy.blocks import BlockState, MemBlock
 from kvos.policy.budget import select_victims
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import LexicalIndex
@@ -23,6 +23,7 @@ from kvos.session.config import SessionConfig
 from kvos.session.journal import Journal
 from kvos.session.pager import Pager
 from kvos.session.relevance import AnswerContrast
+from kvos.session.units import by_message, exchange_units, in_order, unit_groups, unit_texts
 
 
 class SessionMemory:
@@ -133,7 +134,8 @@ class SessionMemory:
         (embedded as ``query``), best last. ``incoming_locked``: tokens of the new message that will stay
         locked (a pinned message), so the recovered blocks leave room for them.
 
-        With the "answer" signal the unit is an exchange (:meth:`_unit_key`), resident exchanges compete
+        With the "answer" signal the unit is an exchange (:func:`~kvos.session.units.exchange_units`),
+        not a message (a message's chunks come back together either way), resident exchanges compete
         too, and a chosen exchange's resident chunks are protected for the turn, so making room for the
         new message cannot page out what its answer needs (nor half of an exchange brought back)."""
         if self.config.backend == "discard" or self.config.recovery_top_k == 0:
@@ -141,9 +143,8 @@ class SessionMemory:
         if not any(self._recoverable(b) for b in self.blocks.values()):
             return
         exchanges = self.config.recovery_signal == "answer"
-        candidates = [
-            b for b in self.blocks.values() if self._recoverable(b) or (exchanges and self._holdable(b))
-        ]
+        eligible = self._eligible if exchanges else self._recoverable
+        candidates = [b for b in self.blocks.values() if eligible(b)]
         similarity = self._similarity(ids, query)
         sims = {b.block_id: s for b in candidates if (s := similarity(b)) is not None}
         bar = self.config.min_similarity()
@@ -152,14 +153,19 @@ class SessionMemory:
             resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(sinks)]
             bar = max([bar, *(s for b in resident if (s := similarity(b)) is not None)])
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
-        groups = self._message_groups(ranked, self._unit_key() if exchanges else None)
+        unit = exchange_units(self.blocks.values()) if exchanges else by_message
+        groups = unit_groups(self.blocks, ranked, eligible, unit)  # with an exchange, its resident chunks
         for best, group in reversed(self._affordable(groups, incoming_locked)):
-            for block_id in group:  # a message's chunks in their order, the best message last
+            for block_id in group:  # a unit's chunks in their order, the best unit last
                 block = self.blocks[block_id]
-                if block.resident:
+                if block.resident:  # part of a chosen exchange: kept for the turn
                     self.protected.add(block_id)
                 elif not self.recover(block, similarity=round(sims[best], 4), matched=best):
                     return
+
+    def _eligible(self, block: MemBlock) -> bool:
+        """A candidate of the answer signal: recoverable, or resident and holdable."""
+        return self._recoverable(block) or self._holdable(block)
 
     def _holdable(self, block: MemBlock) -> bool:
         """Resident and free to page out: neither a sink, nor pinned, nor protected this turn."""
@@ -170,40 +176,6 @@ class SessionMemory:
             and block.block_id not in self.protected
         )
 
-    def _message_groups(
-        self, ranked: list[int], unit: Callable[[MemBlock], int] | None = None
-    ) -> list[tuple[int, list[int]]]:
-        """Each ranked block with the other recoverable chunks of its message (in order), best first, each
-        message once: a fact split across chunks ("... my room number is" | "529.") comes back whole.
-        ``unit`` widens a message to a larger unit (:meth:`_unit_key`: an exchange) and then takes its
-        holdable resident chunks along (:meth:`_holdable`), to be protected."""
-        key = unit or (lambda b: b.message_index)
-        chunks: dict[int, list[MemBlock]] = {}
-        for b in sorted(self.blocks.values(), key=lambda b: b.original_start):
-            if self._recoverable(b) or (unit is not None and self._holdable(b)):
-                chunks.setdefault(key(b), []).append(b)
-        groups: list[tuple[int, list[int]]] = []
-        seen: set[int] = set()
-        for block_id in ranked:
-            message = key(self.blocks[block_id])
-            if message not in seen:
-                seen.add(message)
-                groups.append((block_id, [b.block_id for b in chunks[message]]))
-        return groups
-
-    def _unit_key(self) -> Callable[[MemBlock], int]:
-        """Block -> the message index of its exchange: an assistant reply belongs with the user, tool or
-        document message right before it (a statement and its acknowledgement are one unit: the model
-        may need both to answer from them); any other message is a unit of its own."""
-        kinds = {b.message_index: b.kind for b in self.blocks.values()}
-        opens = (BlockKind.USER, BlockKind.TOOL, BlockKind.DOCUMENT)
-
-        def key(b: MemBlock) -> int:
-            m = b.message_index
-            return m - 1 if kinds[m] is BlockKind.ASSISTANT and kinds.get(m - 1) in opens else m
-
-        return key
-
     def _similarity(self, ids: list[int], query: torch.Tensor) -> Callable[[MemBlock], float | None]:
         """How a block is compared with the new message: by the model's answer ("answer", per exchange;
         lexical for this turn if the pool has no room for its scratch passes), IDF-weighted token overlap
@@ -213,7 +185,7 @@ class SessionMemory:
         if signal == "answer" and self.answer is not None:
             scores = self._answer_scores(ids)
             if scores is not None:
-                unit = self._unit_key()
+                unit = exchange_units(self.blocks.values())
                 return lambda b: scores.get(unit(b))
             signal = "lexical"
         if signal in ("lexical", "answer"):
@@ -222,19 +194,14 @@ class SessionMemory:
         return lambda b: None if b.embedding is None else cosine(query, b.embedding)
 
     def _answer_scores(self, ids: list[int]) -> dict[int, float] | None:
-        """exchange (:meth:`_unit_key`) -> :class:`AnswerContrast` score of its whole text, for the
-        exchanges with a recoverable or holdable chunk, at most ``recovery_candidates`` of them
-        (the lexically closest, then the most recent), or None when the pool cannot hold the scratch
-        passes."""
+        """exchange (:func:`~kvos.session.units.exchange_units`) -> :class:`AnswerContrast` score of its
+        whole text, for the exchanges with a recoverable or holdable chunk, at most ``recovery_candidates``
+        of them (the lexically closest, then the most recent), or None when the pool cannot hold the
+        scratch passes."""
         assert self.answer is not None
-        unit = self._unit_key()
-        texts: dict[int, list[int]] = {}
-        wanted: set[int] = set()
-        ordered = sorted(self.blocks.values(), key=lambda b: b.original_start)
-        for b in ordered:
-            texts.setdefault(unit(b), []).extend(b.token_ids)
-            if self._recoverable(b) or self._holdable(b):
-                wanted.add(unit(b))
+        unit = exchange_units(self.blocks.values())
+        texts = unit_texts(self.blocks.values(), unit)
+        wanted = {unit(b) for b in self.blocks.values() if self._eligible(b)}
         candidates = {u: texts[u] for u in sorted(wanted)}
         cap = self.config.recovery_candidates
         if len(candidates) > cap:
@@ -243,7 +210,9 @@ class SessionMemory:
             kept = sorted(candidates, key=lambda u: (lexical[u], u), reverse=True)[:cap]
             candidates = {u: candidates[u] for u in kept}
         sinks = self.config.sink_count
-        prefix = [t for b in ordered if b.resident and b.is_sink(sinks) for t in b.token_ids]
+        prefix = [
+            t for b in in_order(self.blocks.values()) if b.resident and b.is_sink(sinks) for t in b.token_ids
+        ]
         try:
             return self.answer.scores(prefix, ids, candidates)
         except PoolOutOfMemoryError:

@@ -1,0 +1,61 @@
+"""Recovery units: a message's chunks, and exchanges (an opening message with the reply after it)."""
+
+from __future__ import annotations
+
+from kvos.policy.blocks import BlockKind, MemBlock
+from kvos.session.units import by_message, exchange_units, unit_groups, unit_texts
+
+# (message index, kind, tokens): system; user in two chunks; its reply; a document; its reply in two chunks;
+# an assistant message after an assistant message; a tool message with no reply
+LAYOUT = [
+    (0, BlockKind.SYSTEM, [1]),
+    (1, BlockKind.USER, [2, 3]),
+    (1, BlockKind.USER, [4]),
+    (2, BlockKind.ASSISTANT, [5]),
+    (3, BlockKind.DOCUMENT, [6]),
+    (4, BlockKind.ASSISTANT, [7]),
+    (4, BlockKind.ASSISTANT, [8]),
+    (5, BlockKind.ASSISTANT, [9]),
+    (6, BlockKind.TOOL, [10]),
+]
+
+
+def blocks() -> dict[int, MemBlock]:
+    out, start = {}, 0
+    for block_id, (message, kind, tokens) in reversed(list(enumerate(LAYOUT))):  # registry out of order
+        start = sum(len(t) for _, _, t in LAYOUT[:block_id])
+        out[block_id] = MemBlock(
+            block_id=block_id,
+            kind=kind,
+            turn=0,
+            token_ids=tokens,
+            original_start=start,
+            message_index=message,
+        )
+    return out
+
+
+def test_exchange_keys_and_texts() -> None:
+    b = blocks()
+    unit = exchange_units(b.values())
+    assert [unit(b[i]) for i in range(len(LAYOUT))] == [0, 1, 1, 1, 3, 3, 3, 5, 6]
+    assert unit_texts(b.values(), unit) == {0: [1], 1: [2, 3, 4, 5], 3: [6, 7, 8], 5: [9], 6: [10]}
+    assert unit_texts(b.values(), by_message)[1] == [2, 3, 4]
+
+
+def test_groups_follow_the_ranking_once_per_unit_with_eligible_members_in_order() -> None:
+    b = blocks()
+    eligible = {1, 3, 4, 6, 7}.__contains__
+    ranked = [6, 3, 4, 1, 7]
+    assert unit_groups(b, ranked, lambda m: eligible(m.block_id), exchange_units(b.values())) == [
+        (6, [4, 6]),
+        (3, [1, 3]),
+        (7, [7]),
+    ]
+    assert unit_groups(b, ranked, lambda m: eligible(m.block_id), by_message) == [
+        (6, [6]),
+        (3, [3]),
+        (4, [4]),
+        (1, [1]),
+        (7, [7]),
+    ]

@@ -22,6 +22,7 @@ from kvos.policy.lexical import LexicalIndex
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.relevance import AnswerContrast
+from kvos.session.session import Session
 
 
 def hf_log_likelihood(model: object, context: list[int], answer: list[int]) -> float:
@@ -40,6 +41,11 @@ def test_scores_are_the_drop_in_the_null_answers_log_likelihood(model_dir: Path)
     answer = contrast.null_answer(prefix + query + [7, 8])
     assert len(answer) == 5  # no end-of-turn token given: stops at max_new
     reference = hf_model(model_dir)
+    greedy = prefix + query + [7, 8]
+    for _ in range(5):  # transformers' greedy continuation, one argmax at a time
+        with torch.no_grad():
+            greedy.append(int(reference(torch.tensor([greedy])).logits[0, -1].argmax()))
+    assert answer == greedy[-5:]
     base = hf_log_likelihood(reference, prefix + query + [7, 8], answer)
     for key, tokens in candidates.items():
         expected = base - hf_log_likelihood(reference, prefix + tokens + query + [7, 8], answer)
@@ -57,7 +63,7 @@ def test_null_answer_stops_after_an_end_of_turn_token(model_dir: Path) -> None:
         AnswerContrast(engine, [], [], max_new=0)
 
 
-def buried_fact_session(signal: str, fillers: int = 8, **cfg: object) -> tuple[MemoryManager, object, list]:
+def buried_fact_session(signal: str, fillers: int = 8, **cfg: object) -> tuple[MemoryManager, Session, list]:
     """The built-in model; a fact the question shares no content word with, then ``fillers`` exchanges
     (8 page it out under the 160-token budget; after 7 it is still resident, the least recent block)."""
     path = builtin_model_path()

@@ -18,14 +18,15 @@ thresholded element by element.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from kvos.errors import ConfigError
 from kvos.memory.pool import KVPool
 
-KEY_UNITS = ("element", "rotary_pair")
+KeyUnit = Literal["element", "rotary_pair"]
+KEY_UNITS: tuple[KeyUnit, ...] = ("element", "rotary_pair")
 PRESETS: dict[str, tuple[float, float]] = {
     "default": (0.35, 0.17),
     "sweet": (0.45, 0.50),
@@ -124,7 +125,7 @@ class MagnitudeSparsifier:
     n_sink: int = 64
     every: int = 64
     warmup: int = 128
-    key_unit: str = "element"
+    key_unit: KeyUnit = "element"
     _last_run: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

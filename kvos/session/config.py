@@ -28,11 +28,12 @@ class SessionConfig:
         :mod:`kvos.session.relevance`; it measured best on the recall benchmark, docs/benchmarks.md),
         "lexical" (IDF-weighted token overlap over the session's blocks) or "embedding" (cosine of the
         blocks' embeddings).
-    recovery_candidates: with the "answer" signal, the most saved messages scored per user message (one
-        short forward pass each): the lexically closest, then the most recent.
+    recovery_candidates: with the "answer" signal, the most exchanges scored per user message (one short
+        forward pass each): the lexically closest, then the most recent.
     recovery_top_k / recovery_min_similarity / recovery_bar: similarity recovery brings back at most this
-        many messages (a matched chunk with its message's other chunks when they fit), each at least this
-        similar (default: see :meth:`min_similarity`) to the new user message and, with ``recovery_bar``,
+        many messages (exchanges with the "answer" signal; a matched chunk comes with its message's other
+        chunks when they fit), each at least this similar (default: see :meth:`min_similarity`) to the new
+        user message and, with ``recovery_bar``,
         more similar than the best resident block that is not part of the new message (the reference
         system's rule; off by default: lexically, an earlier question resembles a new one more than the
         statement that answers it, so the bar blocked the right block: 57.5% vs 63.3-70% probe recall at

@@ -23,7 +23,7 @@ from kvos.session.config import SessionConfig
 from kvos.session.journal import Journal
 from kvos.session.pager import Pager
 from kvos.session.relevance import AnswerContrast
-from kvos.session.units import by_message, exchange_units, in_order, unit_groups, unit_texts
+from kvos.session.units import Unit, by_message, exchange_units, in_order, unit_groups, unit_texts
 
 
 class SessionMemory:
@@ -35,14 +35,16 @@ class SessionMemory:
         config: SessionConfig,
         pager: Pager,
         relieve: Callable[[SessionMemory], bool] | None = None,
+        answer: AnswerContrast | None = None,
     ) -> None:
+        """``answer``: the scorer of the "answer" recovery signal (without one, that signal is lexical)."""
         self.session_id, self.config, self.pager, self.relieve = session_id, config, pager, relieve
+        self.answer = answer
         self.blocks: dict[int, MemBlock] = pager.blocks
         self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
         self.focus = TaskFocus()
         self.journal = Journal()
         self.protected: set[int] = set()
-        self.answer: AnswerContrast | None = None  # set by the session for the "answer" signal
         self.turn = 0
         self.history_tokens = 0
 
@@ -144,8 +146,9 @@ class SessionMemory:
             return
         exchanges = self.config.recovery_signal == "answer"
         eligible = self._eligible if exchanges else self._recoverable
+        unit = exchange_units(self.blocks.values()) if exchanges else by_message
         candidates = [b for b in self.blocks.values() if eligible(b)]
-        similarity = self._similarity(ids, query)
+        similarity = self._similarity(ids, query, unit)
         sims = {b.block_id: s for b in candidates if (s := similarity(b)) is not None}
         bar = self.config.min_similarity()
         if self.config.recovery_bar:
@@ -153,7 +156,6 @@ class SessionMemory:
             resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(sinks)]
             bar = max([bar, *(s for b in resident if (s := similarity(b)) is not None)])
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
-        unit = exchange_units(self.blocks.values()) if exchanges else by_message
         groups = unit_groups(self.blocks, ranked, eligible, unit)  # with an exchange, its resident chunks
         for best, group in reversed(self._affordable(groups, incoming_locked)):
             for block_id in group:  # a unit's chunks in their order, the best unit last
@@ -176,16 +178,17 @@ class SessionMemory:
             and block.block_id not in self.protected
         )
 
-    def _similarity(self, ids: list[int], query: torch.Tensor) -> Callable[[MemBlock], float | None]:
-        """How a block is compared with the new message: by the model's answer ("answer", per exchange;
+    def _similarity(
+        self, ids: list[int], query: torch.Tensor, unit: Unit
+    ) -> Callable[[MemBlock], float | None]:
+        """How a block is compared with the new message: by the model's answer ("answer", per ``unit``;
         lexical for this turn if the pool has no room for its scratch passes), IDF-weighted token overlap
         over the session's blocks ("lexical") or the cosine of the embeddings ("embedding"; None without an
         embedding). None: not a candidate."""
         signal = self.config.recovery_signal
         if signal == "answer" and self.answer is not None:
-            scores = self._answer_scores(ids)
+            scores = self._answer_scores(ids, unit)
             if scores is not None:
-                unit = exchange_units(self.blocks.values())
                 return lambda b: scores.get(unit(b))
             signal = "lexical"
         if signal in ("lexical", "answer"):
@@ -193,13 +196,12 @@ class SessionMemory:
             return lambda b: index.score(ids, b.token_ids)
         return lambda b: None if b.embedding is None else cosine(query, b.embedding)
 
-    def _answer_scores(self, ids: list[int]) -> dict[int, float] | None:
-        """exchange (:func:`~kvos.session.units.exchange_units`) -> :class:`AnswerContrast` score of its
-        whole text, for the exchanges with a recoverable or holdable chunk, at most ``recovery_candidates``
-        of them (the lexically closest, then the most recent), or None when the pool cannot hold the
-        scratch passes."""
+    def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
+        """unit (an exchange, :func:`~kvos.session.units.exchange_units`) -> :class:`AnswerContrast` score
+        of its whole text, for the units with a recoverable or holdable chunk, at most
+        ``recovery_candidates`` of them (the lexically closest, then the most recent), or None when the pool
+        cannot hold the scratch passes."""
         assert self.answer is not None
-        unit = exchange_units(self.blocks.values())
         texts = unit_texts(self.blocks.values(), unit)
         wanted = {unit(b) for b in self.blocks.values() if self._eligible(b)}
         candidates = {u: texts[u] for u in sorted(wanted)}

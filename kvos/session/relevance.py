@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 
 from kvos.engine.engine import Engine
+from kvos.engine.sampling import Sampler, SamplingParams
 
 K = TypeVar("K")
 
@@ -58,14 +59,16 @@ class AnswerContrast:
 
     def null_answer(self, context: Sequence[int]) -> list[int]:
         """Greedy continuation of ``context`` (non-empty): at most ``max_new`` tokens, stopping after an
-        end-of-turn token (which is kept)."""
+        end-of-turn token, which is kept (its probability is part of the answer's; :func:`kvos.engine.
+        generate.stream` drops it, so this loop is its own)."""
+        pick = Sampler(SamplingParams(max_tokens=self.max_new))  # greedy
         seq = self.engine.new_sequence()
         out: list[int] = []
         try:
             with torch.no_grad():
                 logits = self.engine.extend(seq, list(context))
                 while True:
-                    token = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
+                    token = pick(logits)
                     out.append(token)
                     if token in self.eos_ids or len(out) == self.max_new:
                         return out

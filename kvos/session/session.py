@@ -68,9 +68,10 @@ class Session:
                 config.store_ram_bytes, config.store_disk_dir, on_drop=lambda key: self.memory.on_drop(key)
             )
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.blocks)
-        self.memory = SessionMemory(session_id, config, self.pager, relieve)
+        answer = None
         if config.recovery_signal == "answer":
-            self.memory.answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
+            answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
+        self.memory = SessionMemory(session_id, config, self.pager, relieve, answer)
         self.embed = make_embedder(config.embedder, engine)
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None

@@ -143,11 +143,58 @@ class Engine:
             self.pool.gather(layer, slots, out=(k[layer], v[layer]))
         return k, v
 
+    # ------------------------------------------------- blocks shared between sequences
+    def share(self, seg: Segment, into: Sequence, num_tokens: int) -> Segment:
+        """Append to ``into`` a segment holding the first ``num_tokens`` tokens of ``seg`` (of another
+        sequence) at the same positions, by reference: the same pool blocks, one more reference each, no
+        forward pass. A partly filled last block is copied, so that neither side ever writes into a block
+        the other reads."""
+        new = into.new_segment()
+        new.adopt(seg.page_table.share(num_tokens), seg.token_ids[:num_tokens], seg.positions[:num_tokens])
+        if num_tokens % self.pool.layout.block_size:
+            try:
+                self._copy_blocks(new, [new.page_table.num_blocks - 1])
+            except BaseException:
+                new.release()
+                raise
+        into.segments.append(new)
+        into.rebuild()
+        return new
+
+    def truncate(self, seq: Sequence, seg: Segment, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of a resident segment; a partly filled last block that
+        another sequence shares is copied first (the segment may be written again)."""
+        seg.truncate(num_tokens)
+        table = seg.page_table
+        if num_tokens % self.pool.layout.block_size and self._shared(table.blocks[-1]):
+            self._copy_blocks(seg, [table.num_blocks - 1])
+        seq.rebuild()
+
+    def _shared(self, block_id: int) -> bool:
+        return self.pool.allocator.refcount(block_id) > 1
+
+    def _copy_blocks(self, seg: Segment, indices: list[int]) -> None:
+        """Copy-on-write: give ``seg`` private copies of its logical blocks ``indices`` (all or nothing),
+        dropping its references to the shared originals."""
+        table = seg.page_table
+        fresh = self.pool.alloc_n(len(indices))
+        old = [table.blocks[i] for i in indices]
+        k, v = self.pool.read_blocks(old)
+        self.pool.write_blocks(fresh, k, v)
+        for index, block_id in zip(indices, fresh, strict=True):
+            self.pool.free(table.replace(index, block_id))
+        seg.refresh_slots()
+
     def reposition(self, seq: Sequence, seg: Segment, positions: torch.Tensor) -> None:
-        """Move a resident segment to new rotary positions (int64 [n]) by re-rotating its keys in place."""
+        """Move a resident segment to new rotary positions (int64 [n]) by re-rotating its keys in place
+        (blocks that another sequence shares are copied first: the rotation must not move its keys)."""
         old = seg.positions
         if torch.equal(old, positions):
             return
+        shared = [i for i, b in enumerate(seg.page_table.blocks) if self._shared(b)]
+        if shared:
+            self._copy_blocks(seg, shared)
+            seq.rebuild()
         slots = seg.slots.to(self.model.device)
         rotation = self.model.rope.rotation(old, positions, self.model.device)
         for layer in range(self.pool.layout.num_layers):

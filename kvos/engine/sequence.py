@@ -57,6 +57,20 @@ class Segment:
         self.token_ids.extend(token_ids)
         return new_slots
 
+    def adopt(self, page_table: PageTable, token_ids: Seq[int], positions: torch.Tensor) -> None:
+        """Become a segment holding ``token_ids`` at ``positions`` (int64 [n]) in the slots of
+        ``page_table`` (shared blocks of another segment, say): no pool writes."""
+        if page_table.num_tokens != len(token_ids) or positions.shape != (len(token_ids),):
+            raise ConfigError("a segment adopts as many tokens and positions as its page table holds")
+        self.page_table = page_table
+        self.token_ids = list(token_ids)
+        self._slots = as_int64(page_table.slots(0, len(token_ids)))
+        self._positions = positions.clone()
+
+    def refresh_slots(self) -> None:
+        """Re-read every token's slot from the page table (after one of its blocks was replaced)."""
+        self._slots = as_int64(self.page_table.slots(0, self.num_tokens))
+
     def set_positions(self, positions: torch.Tensor) -> None:
         """Replace every token's rotary position (after its keys were re-anchored): int64 [num_tokens]."""
         if positions.shape != (self.num_tokens,):

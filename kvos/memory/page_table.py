@@ -23,6 +23,10 @@ class BlockSource(Protocol):
         """Drop one reference to ``block_id``; ``True`` when the block became free."""
         ...
 
+    def incref(self, block_id: int) -> None:
+        """Add one reference to an allocated ``block_id`` (a second table now shares it)."""
+        ...
+
 
 class PageTable:
     """A sequence's token indices -> (block, offset).
@@ -105,6 +109,30 @@ class PageTable:
         self._num_tokens = num_tokens
         for block_id in tail:
             self.source.free(block_id)
+
+    def share(self, num_tokens: int) -> PageTable:
+        """A new table over the same source holding the first ``num_tokens`` tokens: the blocks that hold
+        them are shared (one more reference each), nothing is copied. Writing into a shared block is the
+        caller's to prevent (copy it first: :meth:`replace`)."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise InvalidPositionError(
+                f"cannot share {num_tokens} tokens: the table holds {self._num_tokens}; "
+                f"pass a count in [0, {self._num_tokens}]"
+            )
+        table = PageTable(self.block_size, self.source)
+        table._blocks = self._blocks[: self._blocks_for_tokens(num_tokens)]
+        table._num_tokens = num_tokens
+        for block_id in table._blocks:
+            self.source.incref(block_id)
+        return table
+
+    def replace(self, index: int, block_id: int) -> int:
+        """Put ``block_id`` (already allocated by the caller) at logical block ``index``; returns the id it
+        replaces, whose reference the caller still holds and must free (copy-on-write: copy, replace, free)."""
+        if not 0 <= index < len(self._blocks):
+            raise InvalidPositionError(f"logical block {index} is outside [0, {len(self._blocks)})")
+        old, self._blocks[index] = self._blocks[index], block_id
+        return old
 
     def free_all(self) -> None:
         """Free every block, in row order; the table is then empty and can be reused."""

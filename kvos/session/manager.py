@@ -18,6 +18,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.blocks import MemBlock
 from kvos.policy.budget import select_victims
+from kvos.session.branch import fork
 from kvos.session.config import SessionConfig
 from kvos.session.memory import SessionMemory
 from kvos.session.session import Session
@@ -58,6 +59,21 @@ class MemoryManager:
         elif config is not None:
             raise ConfigError(f"session {session_id!r} exists already; its config cannot change")
         return self.sessions[session_id]
+
+    def fork(self, parent_id: str, session_id: str, length: int) -> Session:
+        """A new session ``session_id`` holding the first ``length`` tokens of session ``parent_id``'s
+        history, sharing its resident K/V by reference (:func:`kvos.session.branch.fork`)."""
+        if session_id in self.sessions:
+            raise ConfigError(f"session {session_id!r} exists already")
+        parent = self.sessions[parent_id]
+        child = Session(session_id, self.engine, self.tokenizer, parent.config, relieve=self.relieve)
+        try:
+            fork(parent, child, length)
+        except BaseException:
+            child.close()
+            raise
+        self.sessions[session_id] = child
+        return child
 
     def session_template(self) -> ChatTemplate | None:
         """The model's chat template (None when its tokenizer has none)."""

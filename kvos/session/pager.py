@@ -153,9 +153,23 @@ class Pager:
 
     def truncate(self, block: MemBlock, keep: int) -> None:
         """Keep the first ``keep`` tokens of a resident block (history truncation inside a block)."""
-        seg = self.segments[block.block_id]
-        seg.truncate(keep)
-        self.seq.rebuild()
+        self.engine.truncate(self.seq, self.segments[block.block_id], keep)
+
+    def share(self, source: Pager, block: MemBlock, num_tokens: int) -> None:
+        """Make this pager's copy of a resident block of ``source`` resident here, at the end of the cache,
+        holding its first ``num_tokens`` tokens at the same positions: the pool blocks are shared by
+        reference (a forked branch), not copied or recomputed."""
+        seg = self.engine.share(source.segments[block.block_id], self.seq, num_tokens)
+        self.segments[block.block_id] = seg
+        block.state, block.current_start = BlockState.RESIDENT, int(seg.positions[0])
+
+    def copy_saved(self, source: Pager, block: MemBlock) -> bool:
+        """Copy a saved block's K/V from ``source``'s store into this pager's; False when it has none."""
+        if self.store is None or source.store is None or block.block_id not in source.store:
+            return False
+        saved = source.store.get(block.block_id)
+        self.store.put(block.block_id, saved.k, saved.v, saved.meta)
+        return True
 
     def swap_out(self) -> list[tuple[int, list[int]]]:
         """Save every resident block (kv_restore) and free the pool; returns (block id, positions) in cache

@@ -127,8 +127,9 @@ class PageTable:
         return table
 
     def replace(self, index: int, block_id: int) -> int:
-        """Put ``block_id`` (already allocated by the caller) at logical block ``index``; returns the id it
-        replaces, whose reference the caller still holds and must free (copy-on-write: copy, replace, free)."""
+        """Put ``block_id`` (already allocated by the caller) at logical block ``index``; returns the id
+        it replaces, whose reference the caller still holds and must free (copy-on-write: copy, replace,
+        free)."""
         if not 0 <= index < len(self._blocks):
             raise InvalidPositionError(f"logical block {index} is outside [0, {len(self._blocks)})")
         old, self._blocks[index] = self._blocks[index], block_id

@@ -1,4 +1,5 @@
-"""Generation: sample, stop on EOS, max_tokens or a stop string, and stream text deltas."""
+"""Generation: sample (optionally under a grammar), stop on EOS, max_tokens, a stop string or a complete
+grammar, and stream text deltas with the sampled tokens' log-probabilities when asked for."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
+from kvos.engine.constraint import Constraint
 from kvos.engine.engine import Engine
-from kvos.engine.sampling import Sampler, SamplingParams
+from kvos.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from kvos.engine.sequence import Sequence
 from kvos.model.tokenizer import Tokenizer
 
@@ -19,11 +23,41 @@ ANCHOR_TOKENS = 4
 @dataclass
 class StreamEvent:
     """One step of a stream: the new text (possibly empty while held back) and the token just sampled
-    (None for the end-of-sequence token, which is not part of the completion)."""
+    (None for the end-of-sequence token, which is not part of the completion), with its log-probability
+    when the parameters asked for it."""
 
     text: str
     token_id: int | None
     finish_reason: FinishReason | None = None
+    logprob: TokenLogprob | None = None
+
+
+class TokenPicker:
+    """One step's choice from the model's logits: the sampler under the grammar's mask, the log-probability
+    of the pick under the model (raw logits: before bias, penalties, grammar and temperature), and whether
+    the grammar is complete. End-of-sequence tokens come back as ``None``."""
+
+    def __init__(self, params: SamplingParams, tokenizer: Tokenizer) -> None:
+        self.params, self.sampler = params, Sampler(params)
+        self.eos = set() if params.ignore_eos else set(tokenizer.eos_ids)
+        self.constraint = Constraint(params.grammar, tokenizer) if params.grammar is not None else None
+
+    def pick(self, logits: torch.Tensor) -> tuple[int | None, TokenLogprob | None]:
+        """logits: float [vocab] (or [1, vocab]) -> (token id or None for EOS, its log-probability)."""
+        allowed = self.constraint.allowed(logits.shape[-1]) if self.constraint is not None else None
+        token = self.sampler(logits, allowed)
+        if token in self.eos:
+            return None, None
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        if self.params.logprobs is None:
+            return token, None
+        return token, token_logprob(logits, token, self.params.logprobs)
+
+    @property
+    def complete(self) -> bool:
+        """True when the grammar's text is complete: the reply ends after the last pick."""
+        return self.constraint is not None and self.constraint.complete
 
 
 @dataclass
@@ -99,29 +133,44 @@ def stream(
     The last sampled token is not fed back (its K/V are not in ``seq``): a later turn feeds it with the
     next prompt, so nothing is decoded that may be thrown away.
     """
-    sampler = Sampler(params)
+    picker = TokenPicker(params, tokenizer)
     assembler = TextAssembler(tokenizer, list(seq.token_ids) + list(prompt_ids), params.stop)
-    eos = set() if params.ignore_eos else set(tokenizer.eos_ids)
     generated: list[int] = []
     if params.max_tokens == 0:
         yield StreamEvent("", None, "length")
         return
     logits = engine.extend(seq, prompt_ids)[0]
     while True:
-        token = sampler(logits)
-        if token in eos:
+        token, logprob = picker.pick(logits)
+        if token is None:
             yield StreamEvent(assembler.flush(), None, "stop")
             return
         generated.append(token)
-        delta, hit = assembler.update(generated)
-        if hit:
-            yield StreamEvent(delta, token, "stop")
+        event = next_event(assembler, generated, picker, params.max_tokens, logprob)
+        yield event
+        if event.finish_reason is not None:
             return
-        if len(generated) >= params.max_tokens:
-            yield StreamEvent(delta + assembler.flush(), token, "length")
-            return
-        yield StreamEvent(delta, token)
         logits = engine.decode(seq, token)
+
+
+def next_event(
+    assembler: TextAssembler,
+    generated: list[int],
+    picker: TokenPicker,
+    max_tokens: int,
+    logprob: TokenLogprob | None,
+) -> StreamEvent:
+    """The event for the token just appended to ``generated``: its text, and the finish reason if it ends
+    the reply (a stop string, a complete grammar, or ``max_tokens``)."""
+    token = generated[-1]
+    delta, hit = assembler.update(generated)
+    if hit:
+        return StreamEvent(delta, token, "stop", logprob)
+    if picker.complete:
+        return StreamEvent(delta + assembler.flush(), token, "stop", logprob)
+    if len(generated) >= max_tokens:
+        return StreamEvent(delta + assembler.flush(), token, "length", logprob)
+    return StreamEvent(delta, token, None, logprob)
 
 
 def generate(

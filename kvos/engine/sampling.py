@@ -1,17 +1,28 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded; logit bias, presence and
+frequency penalties, an optional grammar mask; the log-probabilities of what was picked."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvos.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvos.engine.constraint import Grammar
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
+
+    ``presence_penalty`` / ``frequency_penalty`` follow OpenAI's formula over the tokens generated so far;
+    ``logit_bias`` adds to the logits of the given token ids; ``logprobs`` (None: off) asks for the chosen
+    token's log-probability and that many top alternatives; ``grammar`` constrains the text.
+    """
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -20,6 +31,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -32,14 +48,34 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ConfigError(f"logprobs must be in [0, 20] top alternatives, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits change before the pick (penalties or bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of a sampled token under the model, and the most likely alternatives there."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
 
 class Sampler:
-    """Draws one token id from a logits vector according to :class:`SamplingParams`."""
+    """Draws one token id from a logits vector according to :class:`SamplingParams`; with penalties it
+    counts the tokens it has returned (the tokens generated so far)."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -48,14 +84,49 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        self.counts: torch.Tensor | None = None  # float [vocab]: times each token was generated
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: float [vocab] (or [1, vocab]) -> token id."""
+    def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
+        """logits: float [vocab] (or [1, vocab]); allowed: bool [vocab] or None -> token id."""
         logits = logits.reshape(-1).float()
+        if self.params.adjusts_logits:
+            logits = self.adjust(logits)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if self.params.greedy:
-            return int(torch.argmax(logits).item())
-        probs = filtered_probs(logits / self.params.temperature, self.params.top_k, self.params.top_p)
-        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+            token = int(torch.argmax(logits).item())
+        else:
+            probs = filtered_probs(logits / self.params.temperature, self.params.top_k, self.params.top_p)
+            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+        if self.params.presence_penalty or self.params.frequency_penalty:
+            self._count(token, logits.shape[0])
+        return token
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """OpenAI's ``mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty`` (c[j]: how often
+        token j was generated so far), plus ``logit_bias``. logits: float [vocab] -> float [vocab]."""
+        p = self.params
+        out = logits.clone()
+        for token_id, bias in p.logit_bias.items():
+            if 0 <= token_id < out.shape[0]:
+                out[token_id] += bias
+        if self.counts is not None:
+            counts = self.counts.to(out.device)
+            out -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+        return out
+
+    def _count(self, token: int, vocab: int) -> None:
+        if self.counts is None:
+            self.counts = torch.zeros(vocab)
+        self.counts[token] += 1
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The model's log-softmax at ``token`` and its ``top`` most likely tokens. logits: float [vocab]."""
+    logp = torch.log_softmax(logits.reshape(-1).float(), dim=-1)
+    best = torch.topk(logp, top) if top > 0 else None
+    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return TokenLogprob(token, float(logp[token].item()), pairs)
 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

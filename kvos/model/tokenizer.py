@@ -230,6 +230,11 @@ class HFTokenizer:
         """The text one token decodes to on its own (a partial UTF-8 character shows as U+FFFD)."""
         return self.decode([token_id])
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (read-only use: its vocabulary and decoder)."""
+        return self._tok
+
     def token_id(self, token: str) -> int | None:
         """The id of a token given as its vocabulary string (e.g. ``"<|im_end|>"``), or ``None``."""
         token_id = self._tok.token_to_id(token)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvos.engine.generate import StreamEvent, TextAssembler
-from kvos.engine.sampling import Sampler, SamplingParams
+from kvos.engine.generate import StreamEvent, TextAssembler, TokenPicker, next_event
+from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
 from kvos.policy.blocks import BlockKind, MemBlock
 
@@ -34,24 +34,20 @@ class ReplyWriter:
         if params.max_tokens == 0:
             yield StreamEvent("", None, "length")
             return ""
-        sampler, eos = Sampler(params), set() if params.ignore_eos else set(self.s.tokenizer.eos_ids)
+        picker = TokenPicker(params, self.s.tokenizer)
         assembler = TextAssembler(self.s.tokenizer, anchor, params.stop)
         generated: list[int] = []
         while True:
-            token = sampler(self.s.last_logits)
-            if token in eos:
+            token, logprob = picker.pick(self.s.last_logits)
+            if token is None:
                 yield StreamEvent(assembler.flush(), None, "stop")
                 return assembler.text
             generated.append(token)
             block = self.block = self.feed(token, block)
-            delta, hit = assembler.update(generated)
-            if hit:
-                yield StreamEvent(delta, token, "stop")
+            event = next_event(assembler, generated, picker, params.max_tokens, logprob)
+            yield event
+            if event.finish_reason is not None:
                 return assembler.text
-            if len(generated) == params.max_tokens:
-                yield StreamEvent(delta + assembler.flush(), token, "length")
-                return assembler.text
-            yield StreamEvent(delta, token)
 
     def feed(self, token: int, block: MemBlock | None) -> MemBlock:
         """Append one generated token to the reply (opening a new block at block_tokens), decode it."""

@@ -17,10 +17,10 @@ from kvos.server.main import default_model
 
 
 def find_tokenizer(model_path: Path, explicit: str | None) -> Tokenizer:
-    """The tokenizer given explicitly, beside a HF model (its directory), or beside a llama2.c .bin."""
+    """The tokenizer given explicitly, of a HF directory or a GGUF file, or beside a llama2.c .bin."""
     if explicit:
         return load_tokenizer(explicit)
-    if model_path.is_dir():
+    if model_path.is_dir() or model_path.suffix == ".gguf":
         return load_tokenizer(model_path)
     candidates = [model_path.parent / "tokenizer.bin", *sorted(model_path.parent.glob("tok*.bin"))]
     for candidate in candidates:

@@ -78,12 +78,18 @@ def load_hf(
 def load_model(
     path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Load a model from a Hugging Face directory or a llama2.c ``.bin`` checkpoint."""
+    """Load a model from a Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` checkpoint."""
     root = Path(path)
     if root.is_dir():
         return load_hf(root, dtype, device)
+    if root.suffix == ".gguf" and root.is_file():
+        from kvos.model.gguf import load_gguf
+
+        return load_gguf(root, dtype, device)
     if root.suffix == ".bin" and root.is_file():
         from kvos.model.llama2c import load_llama2c
 
         return load_llama2c(root, dtype, device)
-    raise ModelLoadError(f"{root} is neither a Hugging Face model directory nor a llama2.c .bin checkpoint")
+    raise ModelLoadError(
+        f"{root} is neither a Hugging Face model directory, a GGUF file nor a llama2.c .bin checkpoint"
+    )

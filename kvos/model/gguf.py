@@ -1,0 +1,225 @@
+"""GGUF checkpoints (llama.cpp's format, versions 2 and 3), read with the ``gguf`` package's reader.
+
+:func:`read_gguf` gives the config, one :class:`GGUFTensor` per weight (its raw bytes, row by row, memory-
+mapped where possible) and the metadata; :func:`load_gguf` turns them into a :class:`Transformer`. Every
+GGUF type this module reads quantizes along the input dimension, so each output row of a matrix is a whole
+number of blocks: a weight is ``raw`` uint8 [rows, row_bytes], and permuting rows of ``raw`` permutes rows
+of the matrix exactly, for every type. That is how the q/k row permutation llama.cpp's converter applies for
+interleaved-pair RoPE (llama and mistral architectures, not qwen2/qwen3) is undone, once, before either the
+dequantized or a kept-quantized path sees the weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from kvos.errors import ModelLoadError, UnsupportedModelError
+from kvos.model.config import ModelConfig
+from kvos.model.gguf_config import PERMUTED_ARCHITECTURES, architecture, config_from_metadata, hf_name
+from kvos.model.transformer import Transformer
+
+QType = gguf.GGMLQuantizationType
+# The tensor types kvos reads, by GGUF type name.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16}
+
+
+@dataclass
+class GGUFTensor:
+    """One weight of a GGUF file, under its kvos (Hugging Face-style) name.
+
+    Attributes:
+        name: the kvos name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+        qtype: the GGUF type name, one of :data:`SUPPORTED_TYPES` (e.g. ``"Q4_1"``).
+        shape: the torch shape: (rows, cols) = [out, in] for a matrix, (n,) for a vector.
+        raw: uint8 [rows, row_bytes], the bytes of each row as stored (a vector is one row); for block types
+            each row is ``cols / block_size`` blocks of ``type_size`` bytes. Possibly a read-only view of the
+            memory-mapped file.
+    """
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    raw: np.ndarray
+
+    @property
+    def block_size(self) -> int:
+        """Values per block (1 for F32/F16/BF16, 32 for Q8_0/Q4_0/Q4_1, 256 for the K-quants)."""
+        return gguf.GGML_QUANT_SIZES[QType.__members__[self.qtype]][0]
+
+    @property
+    def type_size(self) -> int:
+        """Bytes per block."""
+        return gguf.GGML_QUANT_SIZES[QType.__members__[self.qtype]][1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values as a ``dtype`` tensor of :attr:`shape` (computed in float32, then cast)."""
+        view = _FLOAT_VIEWS.get(self.qtype)
+        if view is not None:
+            values = np.ascontiguousarray(self.raw).view(view).astype(np.float32)  # a writable copy
+        else:
+            values = gguf.quants.dequantize(self.raw, QType.__members__[self.qtype]).astype(
+                np.float32, copy=False
+            )
+        return torch.from_numpy(values).reshape(self.shape).to(dtype)
+
+    def permute_rows(self, order: np.ndarray) -> GGUFTensor:
+        """A copy whose row ``i`` is this tensor's row ``order[i]`` (a vector's elements, for a bias)."""
+        if len(self.shape) == 2:
+            return GGUFTensor(self.name, self.qtype, self.shape, self.raw[order])
+        if self.qtype not in ("F32", "F16", "BF16"):
+            raise UnsupportedModelError(f"{self.name}: cannot permute a {self.qtype} vector")
+        elements = self.raw.reshape(self.shape[0], -1)[order]
+        return GGUFTensor(self.name, self.qtype, self.shape, elements.reshape(1, -1))
+
+
+def interleaved_to_halves_order(rows: int, heads: int) -> np.ndarray:
+    """Row order that turns a [heads * head_dim, cols] projection written for interleaved-pair RoPE
+    (llama.cpp, Meta) into the half-rotation layout kvos uses: within each head, even rows then odd rows."""
+    if rows % (2 * heads):
+        raise ModelLoadError(
+            f"cannot un-permute {rows} rows over {heads} heads: not a multiple of {2 * heads}"
+        )
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` that checks every tensor's type and extent before mapping it, so a bad file is a
+    :class:`ModelLoadError` that names the tensor, not an obscure numpy error."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                qtype = QType(int(raw_dtype[0]))
+            except ValueError:
+                raise ModelLoadError(
+                    f"tensor {name!r} has unknown tensor type {int(raw_dtype[0])}; the gguf package does "
+                    "not know it (a newer llama.cpp type?)"
+                ) from None
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise ModelLoadError(
+                    f"the file is truncated: tensor {name!r} ends at byte {end} but the file has {size} bytes"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def _open(path: Path) -> gguf.GGUFReader:
+    """The reader for ``path``; every failure to parse is a :class:`ModelLoadError` naming the file."""
+    try:
+        reader = _CheckedReader(path)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF v2/v3 file (truncated, corrupt or another format): {exc}"
+        ) from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    return reader
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """Every key/value of a GGUF file (e.g. ``tokenizer.ggml.tokens``), without touching tensor data.
+
+    Raises:
+        ModelLoadError: the file is missing, truncated or not GGUF.
+    """
+    return _metadata(_open(Path(path)))
+
+
+def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Every key/value of the file as Python values (strings, numbers, lists), GGUF.* header keys included."""
+    values: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            values[key] = field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"GGUF metadata key {key!r} cannot be read: {exc}") from exc
+    return values
+
+
+def _record(tensor: Any) -> GGUFTensor:
+    """A reader tensor as a :class:`GGUFTensor` (name not yet mapped, rows not yet un-permuted)."""
+    qtype = tensor.tensor_type.name
+    if qtype not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name!r} has type {qtype}, which kvos does not read; supported: "
+            f"{', '.join(SUPPORTED_TYPES)}"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if len(shape) > 2:
+        raise UnsupportedModelError(f"tensor {tensor.name!r} has {len(shape)} dimensions; expected 1 or 2")
+    rows = shape[0] if len(shape) == 2 else 1
+    raw = tensor.data.reshape(rows, -1).view(np.uint8)
+    return GGUFTensor(tensor.name, qtype, shape, raw)
+
+
+def _unpermute(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
+    """Undo llama.cpp's interleaved-RoPE permutation of every attn_q / attn_k weight (and bias) in place."""
+    for name, tensor in tensors.items():
+        for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            if f".self_attn.{proj}." in name:
+                order = interleaved_to_halves_order(tensor.shape[0], heads)
+                tensors[name] = tensor.permute_rows(order)
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dict[str, Any]]:
+    """Parse a GGUF file: its model config, its weights under kvos names (q/k rows already in kvos's
+    half-rotation order), and its metadata (every key/value, e.g. ``tokenizer.ggml.tokens``).
+
+    Raises:
+        ModelLoadError: the file is missing, truncated, not GGUF v2/v3, or has an unknown tensor type.
+        UnsupportedModelError: an architecture, tensor type, tensor or RoPE variant kvos does not implement.
+    """
+    path = Path(path)
+    reader = _open(path)
+    metadata = _metadata(reader)
+    version = metadata.get("GGUF.version")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path} is GGUF version {version}; kvos reads versions 2 and 3")
+    arch = architecture(metadata)
+    try:
+        tensors = {hf_name(t.name): _record(t) for t in reader.tensors}
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{path}: {exc}") from exc
+    for name, tensor in tensors.items():
+        tensor.name = name
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path} has no token_embd.weight tensor")
+    config = config_from_metadata(metadata, embed.shape[0], tied="lm_head.weight" not in tensors)
+    if arch in PERMUTED_ARCHITECTURES:
+        _unpermute(tensors, config)
+    return config, tensors, metadata
+
+
+WeightMaker = Callable[[GGUFTensor], torch.Tensor]
+
+
+def dequantized(dtype: torch.dtype, device: torch.device) -> WeightMaker:
+    """The weight maker that dequantizes every tensor to ``dtype`` on ``device``."""
+    return lambda tensor: tensor.dequantize(dtype).to(device)
+
+
+def load_gguf(
+    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> Transformer:
+    """Load a GGUF file as a :class:`Transformer`, every weight dequantized to ``dtype`` (None: float32)."""
+    from kvos.model.loader import resolve_dtype
+
+    config, tensors, _ = read_gguf(path)
+    make = dequantized(resolve_dtype(dtype), torch.device(device))
+    weights = {name: make(tensor) for name, tensor in tensors.items()}
+    return Transformer(config, weights)

@@ -1,0 +1,129 @@
+"""A :class:`ModelConfig` from a GGUF file's metadata, and the GGUF -> Hugging Face tensor names.
+
+GGUF keys are prefixed by the architecture (``llama.block_count``, ``qwen2.attention.head_count``, ...),
+as llama.cpp's converter writes them. kvos reads the llama, mistral, qwen2 and qwen3 architectures:
+llama.cpp writes Llama and Mistral checkpoints as ``llama`` (attn_q/attn_k rows permuted for interleaved
+RoPE; see :data:`PERMUTED_ARCHITECTURES`) and Qwen2/Qwen3 under their own names (rows in Hugging Face
+order).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kvos.errors import ModelLoadError, UnsupportedModelError
+from kvos.model.config import ModelConfig
+
+# GGUF architecture -> kvos model_type.
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose attn_q / attn_k rows llama.cpp's converter permutes for interleaved-pair RoPE.
+PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face-style name kvos uses for a GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``).
+
+    Raises:
+        UnsupportedModelError: a tensor kvos has no place for (e.g. Llama 3.1's ``rope_freqs.weight``).
+    """
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    raise UnsupportedModelError(
+        f"GGUF tensor {gguf_name!r} has no counterpart in kvos's Llama-family model; files with it "
+        "(e.g. rope_freqs for Llama 3.1 frequency scaling) are not supported yet"
+    )
+
+
+def architecture(metadata: Mapping[str, Any]) -> str:
+    """The file's ``general.architecture``, checked against the ones kvos implements."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; kvos loads {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return str(arch)
+
+
+def _get(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = metadata.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata lacks the required key {key!r}")
+    return value
+
+
+def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+    """Hugging Face-style rope scaling from ``{arch}.rope.scaling.*`` (none and linear are supported)."""
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_get(metadata, f"{arch}.rope.scaling.factor"))}
+    raise UnsupportedModelError(
+        f"GGUF rope scaling {kind!r} is not supported; kvos implements none and linear"
+    )
+
+
+def config_from_metadata(metadata: Mapping[str, Any], vocab_rows: int, tied: bool) -> ModelConfig:
+    """The model config a GGUF file's metadata describes.
+
+    Args:
+        metadata: every key/value of the file (as :func:`kvos.model.gguf.read_gguf` returns it).
+        vocab_rows: rows of ``token_embd.weight`` (the vocabulary the model was built with).
+        tied: the file has no ``output.weight``, so the output head is the token embedding.
+    """
+    arch = architecture(metadata)
+    heads = int(_get(metadata, f"{arch}.attention.head_count"))
+    hidden = int(_get(metadata, f"{arch}.embedding_length"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // heads)
+    rope_dims = metadata.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedModelError(
+            f"partial rotary embedding ({rope_dims} of {head_dim} head dims) is not supported"
+        )
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=vocab_rows,
+        hidden_size=hidden,
+        intermediate_size=int(_get(metadata, f"{arch}.feed_forward_length")),
+        num_layers=int(_get(metadata, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        model_type=ARCHITECTURES[arch],
+        rms_norm_eps=float(_get(metadata, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(metadata, arch),
+        max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings=tied,
+        attention_bias=False,
+        qk_norm=arch == "qwen3",
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )

@@ -248,7 +248,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at ``path``.
 
     ``path`` may be a directory with ``tokenizer.json`` (Hugging Face) or ``tokenizer.bin`` (llama2.c), a
-    ``tokenizer.json`` file, or a llama2.c tokenizer ``.bin`` file.
+    ``tokenizer.json`` file, a ``.gguf`` model file (its own tokenizer), or a llama2.c tokenizer ``.bin`` file.
 
     Raises:
         TokenizerError: nothing usable at ``path``, or the tokenizer files are malformed.
@@ -264,11 +264,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "model directory or the tokenizer file itself"
         )
     if path.is_file():
+        if path.suffix == ".gguf":
+            from kvos.model.gguf_tokenizer import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(path)
         if path.name == "tokenizer.json":
             return HFTokenizer.from_dir(path.parent)
         if path.suffix == ".bin":
             return Llama2cTokenizer.from_file(path)
     raise TokenizerError(
         f"no tokenizer at {path}: expected a directory with tokenizer.json or tokenizer.bin, a "
-        "tokenizer.json file, or a llama2.c tokenizer .bin file"
+        "tokenizer.json file, a .gguf file, or a llama2.c tokenizer .bin file"
     )

@@ -7,8 +7,11 @@ the event loop only parses, authenticates, routes and streams.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
@@ -29,6 +32,38 @@ from kvos.server.service import ChatService, Entry, Outcome, unknown_model
 from kvos.session.prompt import Span
 
 DONE = object()
+_log = logging.getLogger("kvos.server")
+
+
+class RequestRecord:
+    """One log line per request: who, which session and branch, what it cost, how long it took."""
+
+    def __init__(self, request: Request, kind: str, began: float, entry: Entry | None = None) -> None:
+        self.what = f"{request.method} {request.url.path}"
+        self.key, self.began, self.entry, self.logged = str(request.state.owner), began, entry, False
+        request.state.record = self
+
+    def log(self, status: int, outcome: Outcome | None) -> None:
+        """Write the line (once)."""
+        if self.logged:
+            return
+        self.logged = True
+        usage = outcome.usage if outcome is not None else {}
+        extra = usage.get("kvos", {})
+        fields = {
+            "key": self.key,
+            "session": self.entry.session_id if self.entry else "-",
+            "branch": extra.get("branch", "-"),
+            "prompt": usage.get("prompt_tokens", "-"),
+            "reused": extra.get("reused_tokens", "-"),
+            "decoded": extra.get("decoded_tokens", "-"),
+            "completion": usage.get("completion_tokens", "-"),
+            "evictions": extra.get("evictions", "-"),
+            "recoveries": extra.get("recoveries", "-"),
+        }
+        ms = (time.perf_counter() - self.began) * 1000
+        line = " ".join(f"{k}={v}" for k, v in fields.items())
+        _log.info("%s %d %s %.0f ms", self.what, status, line, ms)
 
 
 def create_app(
@@ -46,6 +81,18 @@ def create_app(
         return str(request.state.owner)
 
     _install_errors(app, max_body_bytes)
+
+    @app.middleware("http")
+    async def log_request(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        began = time.perf_counter()
+        response = await call_next(request)
+        record = getattr(request.state, "record", None)
+        if record is None:
+            record = RequestRecord(request, "", began)
+            record.key = str(getattr(request.state, "owner", "-"))
+        if not isinstance(response, StreamingResponse) or response.status_code != 200:
+            record.log(response.status_code, None)  # streams log themselves when they end
+        return response
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -79,6 +126,7 @@ def create_app(
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
         who = owner(request)
+        service.cancel(who, session_id)  # now, not queued behind the request it cancels
         await asyncio.get_running_loop().run_in_executor(engine, service.delete, who, session_id)
         return {"id": session_id, "object": "session", "deleted": True}
 
@@ -102,23 +150,49 @@ def create_app(
             spans = await loop.run_in_executor(engine, prep)
             service.sampling(req)  # validates max_tokens and sampling before anything changes
         except BaseException:
-            service.release(entry)
+            service.release(entry, abandoned=True)
             raise
+        request.state.entry = entry
         return entry, spans, chat
 
     async def respond(request: Request, req: ChatRequest | CompletionRequest, kind: str) -> Response:
         began = time.perf_counter()
         entry, spans, chat = await start(request, req)
-        headers = {"X-Session-Id": getattr(entry.session, "public_id", "")}
-        work = lambda: service.run(entry, spans, req, chat)  # noqa: E731
+        headers = {"X-Session-Id": entry.session_id}
+        cancel = entry.cancel
+        record = RequestRecord(request, kind, began, entry)
+
+        def work() -> Outcome:  # on the engine thread; the session is released there, whatever happens
+            try:
+                return _drain(service.run(entry, spans, req, chat), cancel)
+            finally:
+                service.release(entry)
+                latency.labels(kind).observe(time.perf_counter() - began)
+
         if req.stream:
-            body = _sse(engine, service, entry, work, req, kind, name, began, latency)
+
+            def steps() -> Generator[StreamEvent, None, Outcome]:
+                try:
+                    return (yield from service.run(entry, spans, req, chat))
+                finally:
+                    service.release(entry)
+                    latency.labels(kind).observe(time.perf_counter() - began)
+
+            body = _sse(engine, steps, cancel, req, kind, name, record)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(engine, work)
+        watcher = asyncio.create_task(_watch_disconnect(request, cancel, future))
         try:
-            outcome = await asyncio.get_running_loop().run_in_executor(engine, lambda: _drain(work()))
+            outcome = await future
+        except Cancelled:
+            record.log(499, None)
+            return JSONResponse(
+                APIError(499, "the client closed the request", "client_closed").body(), status_code=499
+            )
         finally:
-            service.release(entry)
-            latency.labels(kind).observe(time.perf_counter() - began)
+            watcher.cancel()
+        record.log(200, outcome)
         return JSONResponse(_final(outcome, kind, name), headers=headers)
 
     @app.post("/v1/chat/completions")
@@ -133,14 +207,31 @@ def create_app(
     return app
 
 
-def _drain(gen: Generator[StreamEvent, None, Outcome]) -> Outcome:
-    """Run a request's generator to its end on the engine thread; its return value is the outcome."""
+class Cancelled(Exception):
+    """The client went away (or DELETE cancelled the request): generation stopped early."""
+
+
+def _drain(gen: Generator[StreamEvent, None, Outcome], cancel: threading.Event) -> Outcome:
+    """Run a request's generator to its end on the engine thread; its return value is the outcome. When
+    ``cancel`` is set it stops within one decode step (closing the generator rolls the reply back)."""
     while True:
+        if cancel.is_set():
+            gen.close()
+            raise Cancelled()
         try:
             next(gen)
         except StopIteration as stop:
             outcome: Outcome = stop.value
             return outcome
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event, work: asyncio.Future[Any]) -> None:
+    """Set ``cancel`` when the client of a non-streaming request disconnects before its answer."""
+    while not work.done():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(0.05)
 
 
 def _message(outcome: Outcome) -> dict[str, Any]:
@@ -190,35 +281,47 @@ def _chunk(kind: str, cid: str, model: str, delta: dict[str, Any] | str, finish:
 
 async def _sse(
     engine: ThreadPoolExecutor,
-    service: ChatService,
-    entry: Entry,
     work: Callable[[], Generator[StreamEvent, None, Outcome]],
+    cancel: threading.Event,
     req: SamplingFields,
     kind: str,
     model: str,
-    began: float,
-    latency: Any,
+    record: RequestRecord,
 ) -> AsyncIterator[str]:
-    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains."""
+    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains.
+
+    The engine thread owns the request from start to end: it stops within one decode step once ``cancel``
+    is set (the client went away: this coroutine is then closed or cancelled, and only sets the flag,
+    which needs no await) and releases the session itself, so a dropped connection never leaves the
+    session busy."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
-    stop = [False]
+
+    def put(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def produce() -> None:
         gen = work()
         try:
-            while not stop[0]:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, next(gen))
-                except StopIteration as done:
-                    loop.call_soon_threadsafe(queue.put_nowait, (DONE, done.value))
+            while True:
+                if cancel.is_set():
+                    gen.close()
+                    record.log(499, None)
                     return
-            gen.close()
+                try:
+                    put(next(gen))
+                except StopIteration as done:
+                    record.log(200, done.value)
+                    put((DONE, done.value))
+                    return
         except BaseException as exc:  # reported to the client as an error event
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
+            gen.close()
+            record.log(getattr(exc, "status", 500), None)
+            put(exc)
 
     cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    future = loop.run_in_executor(engine, produce)
+    loop.run_in_executor(engine, produce)
     try:
         if kind == "chat":
             yield _chunk(kind, cid, model, {"role": "assistant", "content": ""}, None)
@@ -239,10 +342,7 @@ async def _sse(
                 yield _chunk(kind, cid, model, {"content": item.text} if kind == "chat" else item.text, None)
         yield "data: [DONE]\n\n"
     finally:
-        stop[0] = True
-        await future
-        service.release(entry)
-        latency.labels(kind).observe(time.perf_counter() - began)
+        cancel.set()  # no-op once the request is over (the entry has a fresh event by then)
 
 
 def from_outcome(outcome: Outcome, kind: str, cid: str, model: str, req: SamplingFields) -> str:

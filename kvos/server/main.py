@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import socket
 import sys
+import time
 from pathlib import Path
 
 from kvos.engine import fused
@@ -37,9 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument(
-        "--budget", type=int, help="max active tokens per session (default max(2048, 0.75 x context))"
+        "--budget",
+        type=int,
+        help="max active tokens per session (default: max(2048, 0.75 x context), clipped to the context "
+        "minus room for a reply)",
     )
     p.add_argument("--policy", choices=["watermark", "hard"], default="watermark")
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
@@ -59,7 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--busy-timeout", type=float, default=0.0, help="seconds to wait for a busy session (0: 409)"
     )
     p.add_argument("--max-tokens-limit", type=int, default=4096)
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=1 << 20,
+        help="longest conversation accepted, in tokens (default 1048576; the budget decides what is resident)",
+    )
+    p.add_argument("--max-branches", type=int, default=4, help="conversation branches kept per session")
+    p.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], default="info", help="server log level"
+    )
     p.add_argument(
         "--keep-thinking", action="store_true", help="keep <think> traces in replies and the cache"
     )
@@ -71,11 +87,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number in [1, 65535]."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
+    return port
+
+
+REPLY_ROOM = 256  # positions the default budget leaves free for a reply (the default max_tokens)
+
+
+def default_budget(context: int, requested: int | None) -> int:
+    """The session budget: ``requested``, or max(2048, 0.75 x context); never more than the model can
+    attend to with room for a reply (``context - REPLY_ROOM``, at least half the context)."""
+    ceiling = max(context - REPLY_ROOM, context // 2)
+    budget = requested or max(2048, int(0.75 * context))
+    if budget > ceiling:
+        if requested:
+            print(
+                f"[kvos] --budget {requested} is more than this model can attend to ({context} positions) with "
+                f"room for a reply: using {ceiling}",
+                file=sys.stderr,
+            )
+        budget = ceiling
+    return budget
+
+
 def build_service(args: argparse.Namespace) -> ChatService:
     path = Path(args.model) if args.model else default_model()
     model = load_model(path, args.dtype, args.device)
     context = model.config.max_position_embeddings
-    budget = args.budget or max(2048, int(0.75 * context))
+    budget = default_budget(context, args.budget)
     config = SessionConfig(
         budget=Budget(max_active_tokens=budget, policy=args.policy),
         backend=args.backend,
@@ -85,7 +131,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         store_disk_dir=args.store_disk_dir,
     )
     manager = MemoryManager(Engine(model), load_tokenizer(path), config)
-    fused.kernel()  # build (or load) the restore kernel now, not inside the first request that restores
+    prepare_kernel()
     name = args.served_model_name or path.name
     return ChatService(
         manager,
@@ -94,11 +140,41 @@ def build_service(args: argparse.Namespace) -> ChatService:
             max_sessions=args.max_sessions,
             session_ttl_s=args.session_ttl,
             busy_timeout_s=args.busy_timeout,
-            max_prompt_tokens=context,
+            max_prompt_tokens=args.max_prompt_tokens,
             max_tokens_limit=args.max_tokens_limit,
+            max_branches=args.max_branches,
             keep_thinking=args.keep_thinking,
         ),
     )
+
+
+def prepare_kernel() -> None:
+    """Build (or load) the restore kernel now, not inside the first request that restores; say so when it
+    takes a while (the first start compiles it)."""
+    print("[kvos] preparing the restore kernel (compiled once on first start, ~30 s)", file=sys.stderr)
+    began = time.perf_counter()
+    ready = fused.kernel() is not None
+    state = "ready" if ready else "unavailable: restores use the eager path"
+    print(f"[kvos] restore kernel {state} ({time.perf_counter() - began:.1f} s)", file=sys.stderr)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port), or a one-line :class:`SystemExit` saying why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise SystemExit(f"kvos serve: cannot resolve host {host!r}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        reason = "it is already in use" if exc.errno == 98 else exc.strerror
+        raise SystemExit(f"kvos serve: cannot listen on {host}:{port}: {reason}") from None
+    sock.listen(128)
+    return sock
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -106,10 +182,17 @@ def serve(args: argparse.Namespace) -> int:
 
     from kvos.server.app import create_app
 
+    sock = bind(args.host, args.port)  # before loading anything: a busy port fails at once, in one line
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     service = build_service(args)
     app = create_app(service, args.api_key, args.max_body_bytes)
     print(
-        f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr
+        f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1 "
+        f"(budget {service.manager.config.budget.max_active_tokens} tokens per session)",
+        file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

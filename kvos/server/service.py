@@ -34,17 +34,35 @@ class ServiceConfig:
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
+    max_branches: int = 4  # conversation branches kept per session; the least recently used goes first
+    cancel_wait_s: float = 30.0  # how long DELETE waits for a cancelled request to let go of its session
     keep_thinking: bool = False
     prefix_min_tokens: int = 64
 
 
 @dataclass
 class Entry:
-    session: Session
+    """A client's session: its branches (sessions of the manager sharing a prefix by reference), the one
+    the latest request used first, and the request running on it, if any."""
+
+    session_id: str
     owner: str
     renderer: SpanRenderer | None
+    branches: list[Session]
     busy: bool = False
+    served: int = 0  # requests that reached the model
     last_used: float = field(default_factory=time.monotonic)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    branch_used: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def session(self) -> Session:
+        """The branch of the latest request."""
+        return self.branches[0]
+
+    def branch_name(self, session: Session) -> str:
+        """A branch's public name: ``main`` for the first, ``b1``, ``b2``, ... for the forks."""
+        return session.session_id.rsplit("#", 1)[1] if "#" in session.session_id else "main"
 
 
 @dataclass
@@ -83,9 +101,15 @@ class ChatService:
             entry.busy = True
             return entry
 
-    def release(self, entry: Entry) -> None:
+    def release(self, entry: Entry, abandoned: bool = False) -> None:
+        """The request on ``entry`` is over. ``abandoned``: it was rejected before reaching the model, so a
+        session it created is removed again (a rejected request leaves nothing behind)."""
         with self.cond:
             entry.busy, entry.last_used = False, time.monotonic()
+            entry.cancel = threading.Event()
+            key = (entry.owner, entry.session_id)
+            if abandoned and not entry.served and self.entries.get(key) is entry:
+                self._close(key)
             self.cond.notify_all()
 
     def _find(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
@@ -94,16 +118,15 @@ class ChatService:
         best, best_len = None, self.config.prefix_min_tokens - 1
         for (who, _), entry in self.entries.items():
             if who == owner and probe is not None:
-                shared = common_prefix(probe, entry.session.history_ids())
+                shared = max(common_prefix(probe, b.history_ids()) for b in entry.branches)
                 if shared > best_len:
                     best, best_len = entry, shared
         return best or self._create(owner, uuid.uuid4().hex[:16])
 
     def _create(self, owner: str, session_id: str) -> Entry:
         session = self.manager.session(f"{owner}/{session_id}")
-        session.public_id = session_id  # type: ignore[attr-defined]
         renderer = SpanRenderer(session.template, session.tokenizer) if session.template else None
-        entry = Entry(session, owner, renderer)
+        entry = Entry(session_id, owner, renderer, [session])
         self.entries[(owner, session_id)] = entry
         return entry
 
@@ -115,24 +138,50 @@ class ChatService:
 
     def _close(self, key: tuple[str, str]) -> None:
         entry = self.entries.pop(key)
-        self.manager.close(entry.session.session_id)
+        for branch in entry.branches:
+            self.manager.close(branch.session_id)
 
     def sessions(self, owner: str) -> list[dict[str, Any]]:
         with self.cond:
             return [
-                {"id": sid, "busy": e.busy, "swapped": e.session.swapped, **e.session.stats()}
+                {
+                    "id": sid,
+                    "busy": e.busy,
+                    "swapped": e.session.swapped,
+                    **e.session.stats(),
+                    "branches": [
+                        {"name": e.branch_name(b), "history_tokens": b.memory.history_tokens}
+                        for b in e.branches
+                    ],
+                }
                 for (who, sid), e in self.entries.items()
                 if who == owner
             ]
 
+    def cancel(self, owner: str, session_id: str) -> bool:
+        """Ask the request running on a session to stop (within one decode step); False when none runs."""
+        with self.cond:
+            entry = self.entries.get((owner, session_id))
+            if entry is None or not entry.busy:
+                return False
+            entry.cancel.set()
+            return True
+
     def delete(self, owner: str, session_id: str) -> None:
+        """Delete a session; a request running on it is cancelled first (and waited for)."""
+        self.cancel(owner, session_id)
         with self.cond:
             entry = self.entries.get((owner, session_id))
             if entry is None:
                 raise not_found(f"no session {session_id!r}", "session_not_found")
-            if entry.busy:
-                raise busy(session_id)
-            self._close((owner, session_id))
+            deadline = time.monotonic() + self.config.cancel_wait_s
+            while entry.busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise busy(session_id)
+                self.cond.wait(left)
+            if self.entries.get((owner, session_id)) is entry:
+                self._close((owner, session_id))
 
     # ---------------------------------------------------------------- turns
     def prepare_chat(self, entry: Entry, req: ChatRequest) -> list[Span]:
@@ -188,23 +237,61 @@ class ChatService:
     def run(
         self, entry: Entry, spans: list[Span], req: SamplingFields, chat: ChatRequest | None
     ) -> Generator[StreamEvent, None, Outcome]:
-        """One request on the worker thread: sync the prompt, generate, canonicalise; yields text events."""
-        session, hints = entry.session, req.hints()
+        """One request on the worker thread: pick (or fork) the branch, sync the prompt, generate,
+        canonicalise; yields text events.
+
+        Closing the generator early (the client went away, ``entry.cancel``) rolls the branch back to the
+        prompt: the partial reply is dropped from the cache, the prompt stays (a retry reuses all of it)."""
+        hints, prompt = req.hints(), flatten(spans)
         params = self.sampling(req)
+        session = self._branch(entry, prompt)
         self._make_resident(entry)
+        entry.served += 1
         counts = dict(session.memory.journal.counts)
         synced = session.sync(spans, hints.priority, hints.pinned, hints.task_boundary)
-        outcome = Outcome()
-        for event in session.reply(params):
-            outcome.text += event.text
-            outcome.finish_reason = event.finish_reason or outcome.finish_reason
-            if event.token_id is not None:
-                outcome.completion_ids.append(event.token_id)
-            yield event
+        outcome, finished = Outcome(), False
+        try:
+            for event in session.reply(params):
+                outcome.text += event.text
+                outcome.finish_reason = event.finish_reason or outcome.finish_reason
+                if event.token_id is not None:
+                    outcome.completion_ids.append(event.token_id)
+                yield event
+            finished = True
+        finally:
+            if not finished:
+                session.truncate(len(prompt))
+                session.memory.journal.log(session.memory.turn, "cancel", tokens=len(outcome.completion_ids))
         if chat is not None and entry.renderer is not None:
             self._canonicalise(entry, chat, outcome)
-        self._account(session, counts, synced.reused, synced.decoded, len(flatten(spans)), outcome)
+        self._account(entry, counts, synced.reused, synced.decoded, len(prompt), outcome)
         return outcome
+
+    def _branch(self, entry: Entry, prompt: list[int]) -> Session:
+        """The branch a prompt continues: the one sharing its longest prefix, continued in place when the
+        prompt departs from it only within its last turn (a new turn, a regenerated reply, an edited last
+        message); otherwise a new branch forked at the shared prefix (a side request with another system
+        prompt, an edit further back), sharing those blocks by reference. Branches past ``max_branches``
+        go least recently used first. The chosen branch becomes ``entry.session``."""
+        shared = {b.session_id: common_prefix(prompt, b.history_ids()) for b in entry.branches}
+        used = entry.branch_used
+        best = max(entry.branches, key=lambda b: (shared[b.session_id], used.get(b.session_id, 0.0)))
+        chosen = best
+        if shared[best.session_id] < best.last_turn_start():
+            while len(entry.branches) >= max(self.config.max_branches, 1):
+                stale = min(
+                    (b for b in entry.branches if b is not best),
+                    key=lambda b: entry.branch_used.get(b.session_id, 0),
+                )
+                entry.branches.remove(stale)
+                self.manager.close(stale.session_id)
+            name = f"{entry.owner}/{entry.session_id}#b{entry.served}"
+            chosen = self.manager.fork(best.session_id, name, shared[best.session_id])
+            entry.branches.append(chosen)
+        entry.branches.remove(chosen)
+        entry.branches.insert(0, chosen)
+        entry.branch_used[chosen.session_id] = time.monotonic()
+        return chosen
 
     def _canonicalise(self, entry: Entry, req: ChatRequest, outcome: Outcome) -> None:
         """Make the cache hold the reply exactly as the client will echo it next turn (thinking removed
@@ -225,13 +312,14 @@ class ChatService:
 
     def _account(
         self,
-        session: Session,
+        entry: Entry,
         before: dict[str, int],
         reused: int,
         decoded: int,
         prompt: int,
         outcome: Outcome,
     ) -> None:
+        session = entry.session
         counts = session.memory.journal.counts
 
         def delta(*keys: str) -> int:
@@ -242,7 +330,8 @@ class ChatService:
             "completion_tokens": len(outcome.completion_ids),
             "total_tokens": prompt + len(outcome.completion_ids),
             "kvos": {
-                "session_id": getattr(session, "public_id", session.session_id),
+                "session_id": entry.session_id,
+                "branch": entry.branch_name(session),
                 "reused_tokens": reused,
                 "decoded_tokens": decoded + len(outcome.completion_ids),
                 "evictions": delta("evict"),
@@ -255,18 +344,23 @@ class ChatService:
         self.totals["requests"] += 1
 
     def _make_resident(self, entry: Entry) -> None:
-        """Keep at most ``max_sessions`` sessions in the pool, this one included: swap out the least recently
-        used idle ones (their blocks go to their stores), then swap this one in if it was out."""
+        """Keep at most ``max_sessions`` sessions (branches count one each) in the pool, this request's
+        branch included: swap out the least recently used idle ones (their blocks go to their stores), then
+        swap this one in if it was out."""
         with self.cond:
             others = [
-                e
+                (e, b)
                 for e in self.entries.values()
-                if e is not entry and not e.session.swapped and e.session.pager.active_tokens
+                for b in e.branches
+                if b is not entry.session and not b.swapped and b.pager.active_tokens
             ]
-            idle = sorted((e for e in others if not e.busy), key=lambda e: e.last_used)
-        for other in idle[: max(0, len(others) + 1 - self.config.max_sessions)]:
-            if other.session.pager.store is not None:
-                other.session.swap_out()
+            idle = sorted(
+                ((e, b) for e, b in others if not e.busy or e is entry),
+                key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
+            )
+        for _, other in idle[: max(0, len(others) + 1 - self.config.max_sessions)]:
+            if other.pager.store is not None:
+                other.swap_out()
         if entry.session.swapped:
             entry.session.swap_in()
 

@@ -177,6 +177,14 @@ class Session:
         self.memory.observe(captured)
 
     # ------------------------------------------------------- whole-prompt sync
+    def last_turn_start(self) -> int:
+        """Where the last user message begins in the history (0 when there is none)."""
+        users = [b for b in self.blocks.values() if b.kind is BlockKind.USER]
+        if not users:
+            return 0
+        last = max(users, key=lambda b: b.original_start)
+        return min(b.original_start for b in users if b.message_index == last.message_index)
+
     def history_ids(self) -> list[int]:
         """Every token of the logical history (resident, saved or discarded blocks alike), in order."""
         return [t for b in sorted(self.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]

@@ -2,44 +2,43 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 
-from kvos.engine.engine import Engine
-from kvos.model.loader import load_model
-from kvos.model.tokenizer import load_tokenizer
-from kvos.policy.budget import Budget
 from kvos.server.app import create_app
-from kvos.server.service import ChatService, ServiceConfig
-from kvos.session.config import SessionConfig
-from kvos.session.manager import MemoryManager
+from kvos.server.main import add_arguments, build_service
 
 MODEL_NAME = "kvos-test"
 
 
 @contextmanager
 def running_server(
-    model_dir: Path,
-    budget: int = 4096,
+    model: Path | str,
+    *argv: str,
+    budget: int | None = None,
     api_keys: list[str] | None = None,
-    max_body_bytes: int = 1 << 20,
-    **service: Any,
+    max_sessions: int | None = None,
+    served_model_name: str = MODEL_NAME,
 ) -> Iterator[str]:
-    """Yields the base URL (http://127.0.0.1:PORT/v1) of a live server; stops it afterwards."""
-    model = load_model(model_dir)
-    config = SessionConfig(
-        budget=Budget(max_active_tokens=budget), block_tokens=min(128, budget // 2), embedder="tokens"
-    )
-    manager = MemoryManager(Engine(model, block_size=16), load_tokenizer(model_dir), config)
-    svc = ChatService(manager, ServiceConfig(model_name=MODEL_NAME, max_prompt_tokens=4096, **service))
-    app = create_app(svc, api_keys, max_body_bytes)
+    """Yields the base URL (http://127.0.0.1:PORT/v1) of a live server built exactly as ``kvos serve
+    --model MODEL ARGV...`` builds it (its defaults and limits, not the tests' own); stops it afterwards."""
+    args = [*argv, "--model", str(model), "--served-model-name", served_model_name]
+    if budget is not None:
+        args += ["--budget", str(budget)]
+    if max_sessions is not None:
+        args += ["--max-sessions", str(max_sessions)]
+    for key in api_keys or []:
+        args += ["--api-key", key]
+    options = serve_options(args)
+    service = build_service(options)
+    app = create_app(service, options.api_key, options.max_body_bytes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -57,3 +56,10 @@ def running_server(
         server.should_exit = True
         thread.join(timeout=30)
         app.state.engine.shutdown(wait=True)
+
+
+def serve_options(argv: list[str]) -> argparse.Namespace:
+    """``kvos serve``'s parsed options for ``argv``."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)

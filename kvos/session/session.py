@@ -177,6 +177,20 @@ class Session:
         self.memory.observe(captured)
 
     # ------------------------------------------------------- whole-prompt sync
+    def reply_room(self) -> int:
+        """The longest reply this session can write: the budget less what cannot be paged out (sinks and
+        pinned blocks), and in sparse mode no further than the model's last position (compact mode keeps
+        positions below the budget)."""
+        sinks = self.config.sink_count
+        locked = sum(
+            b.num_tokens for b in self.blocks.values() if b.resident and (b.pinned or b.is_sink(sinks))
+        )
+        room = self.config.budget.max_active_tokens - locked
+        if self.config.position_mode == "sparse":
+            context = self.engine.model.config.max_position_embeddings
+            room = min(room, context - self.memory.history_tokens)
+        return max(room, 0)
+
     def last_turn_start(self) -> int:
         """Where the last user message begins in the history (0 when there is none)."""
         users = [b for b in self.blocks.values() if b.kind is BlockKind.USER]

@@ -15,6 +15,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from kvos.engine.sequence import Sequence
 from kvos.model.tokenizer import Tokenizer
+from kvos.model.vocab import speller
 
 FinishReason = Literal["stop", "length"]
 ANCHOR_TOKENS = 4
@@ -41,6 +42,7 @@ class TokenPicker:
         self.params, self.sampler = params, Sampler(params)
         self.eos = set() if params.ignore_eos else set(tokenizer.eos_ids)
         self.constraint = Constraint(params.grammar, tokenizer) if params.grammar is not None else None
+        self.spell = speller(tokenizer) if params.logprobs is not None else None
 
     def pick(self, logits: torch.Tensor) -> tuple[int | None, TokenLogprob | None]:
         """logits: float [vocab] (or [1, vocab]) -> (token id or None for EOS, its log-probability)."""
@@ -52,7 +54,7 @@ class TokenPicker:
             self.constraint.advance(token)
         if self.params.logprobs is None:
             return token, None
-        return token, token_logprob(logits, token, self.params.logprobs)
+        return token, token_logprob(logits, token, self.params.logprobs, self.spell)
 
     @property
     def complete(self) -> bool:

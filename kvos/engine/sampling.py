@@ -3,7 +3,7 @@ frequency penalties, an optional grammar mask; the log-probabilities of what was
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,12 +65,20 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """The log-probability of a sampled token under the model, and the most likely alternatives there."""
+class Scored:
+    """A token with its log-probability under the model, and the bytes it adds to the text."""
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]
+    piece: bytes = b""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token and the most likely tokens at its position, each with its log-probability."""
+
+    chosen: Scored
+    top: list[Scored]
 
 
 class Sampler:
@@ -121,12 +129,19 @@ class Sampler:
         self.counts[token] += 1
 
 
-def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """The model's log-softmax at ``token`` and its ``top`` most likely tokens. logits: float [vocab]."""
+def token_logprob(
+    logits: torch.Tensor, token: int, top: int, spell: Callable[[int], bytes] | None = None
+) -> TokenLogprob:
+    """The model's log-softmax at ``token`` and at its ``top`` most likely tokens, spelled by ``spell``
+    (token id -> bytes). logits: float [vocab]."""
     logp = torch.log_softmax(logits.reshape(-1).float(), dim=-1)
+
+    def scored(token_id: int, value: float) -> Scored:
+        return Scored(token_id, value, spell(token_id) if spell is not None else b"")
+
     best = torch.topk(logp, top) if top > 0 else None
-    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
-    return TokenLogprob(token, float(logp[token].item()), pairs)
+    pairs = [] if best is None else zip(best.indices.tolist(), best.values.tolist(), strict=True)
+    return TokenLogprob(scored(token, float(logp[token].item())), [scored(t, v) for t, v in pairs])
 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

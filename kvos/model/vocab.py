@@ -111,6 +111,23 @@ def vocab_of(tokenizer: Tokenizer) -> Vocab:
     return Vocab(pieces, frozenset(tokenizer.eos_ids))
 
 
+@lru_cache(maxsize=4)
+def _cached(tokenizer: Tokenizer) -> Vocab:
+    return vocab_of(tokenizer)
+
+
+def speller(tokenizer: Tokenizer) -> Callable[[int], bytes]:
+    """token id -> the bytes it adds to the text (special tokens: their decoded text); the vocabulary is
+    read once per tokenizer object."""
+    pieces = _cached(tokenizer).pieces  # type: ignore[arg-type]  # tokenizers hash by identity
+
+    def spell(token_id: int) -> bytes:
+        piece = pieces[token_id] if 0 <= token_id < len(pieces) else b""
+        return piece or tokenizer.decode([token_id]).encode()
+
+    return spell
+
+
 def llama2c_bytes(piece: bytes) -> bytes:
     """A llama2.c piece's bytes: the raw byte for ``<0xNN>``, otherwise the piece itself."""
     match = _BYTE_PIECE.fullmatch(piece.decode("utf-8", "replace"))

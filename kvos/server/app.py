@@ -25,8 +25,10 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvos.engine.generate import StreamEvent
+from kvos.engine.sampling import TokenLogprob
 from kvos.server.errors import APIError, bad_request, too_large, unauthorized
 from kvos.server.metrics import make_registry
+from kvos.server.protocol import chat_logprobs, legacy_logprobs
 from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
 from kvos.session.prompt import Span
@@ -250,32 +252,39 @@ def _final(outcome: Outcome, kind: str, model: str) -> dict[str, Any]:
         "model": model,
         "usage": outcome.usage,
     }
+    choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason}
+    choice["logprobs"] = _logprobs(kind, outcome.logprobs)
     if kind == "chat":
-        choice = {"index": 0, "message": _message(outcome), "finish_reason": outcome.finish_reason}
+        choice["message"] = _message(outcome)
         return {**base, "object": "chat.completion", "choices": [choice]}
-    choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+    choice["text"] = outcome.text
     return {**base, "object": "text_completion", "choices": [choice]}
 
 
-def _chunk(kind: str, cid: str, model: str, delta: dict[str, Any] | str, finish: str | None) -> str:
+def _logprobs(kind: str, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` in the API's own form (None when not asked for)."""
+    if items is None:
+        return None
+    return chat_logprobs(items) if kind == "chat" else legacy_logprobs(items)
+
+
+def _chunk(
+    kind: str,
+    cid: str,
+    model: str,
+    delta: dict[str, Any] | str,
+    finish: str | None,
+    logprob: TokenLogprob | None = None,
+) -> str:
+    """One server-sent event; ``logprob``: the token this chunk carries, when logprobs were asked for."""
+    lp = _logprobs(kind, [logprob]) if logprob is not None else None
     if kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
-        body = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [choice],
-        }
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-        body = {
-            "id": cid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [choice],
-        }
+        choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp}
+        obj = "text_completion"
+    body = {"id": cid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
@@ -338,8 +347,9 @@ async def _sse(
             if isinstance(item, tuple) and item[0] is DONE:
                 yield from_outcome(item[1], kind, cid, model, req)
                 break
-            if item.text:
-                yield _chunk(kind, cid, model, {"content": item.text} if kind == "chat" else item.text, None)
+            if item.text or item.logprob is not None:
+                delta = {"content": item.text} if kind == "chat" else item.text
+                yield _chunk(kind, cid, model, delta, None, item.logprob)
         yield "data: [DONE]\n\n"
     finally:
         cancel.set()  # no-op once the request is over (the entry has a fresh event by then)

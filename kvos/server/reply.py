@@ -11,12 +11,16 @@ THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*", re.DOTALL)
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_reply(text: str, keep_thinking: bool = False) -> tuple[str, str | None, list[dict[str, Any]]]:
+def parse_reply(
+    text: str, keep_thinking: bool = False, tools: bool = True, parallel: bool = True
+) -> tuple[str, str | None, list[dict[str, Any]]]:
     """(content, reasoning or None, tool_calls) of a generated reply.
 
     A leading ``<think>...</think>`` trace becomes ``reasoning`` unless ``keep_thinking`` (then it stays in
-    the content, and so in the cache). ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
-    (the Hermes / Qwen convention) become OpenAI tool calls; malformed ones stay in the content.
+    the content, and so in the cache). Unless ``tools`` is False (none were offered),
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (the Hermes / Qwen convention, and
+    kvos's default tool rendering) become OpenAI tool calls; malformed ones stay in the content. Without
+    ``parallel`` only the first call is kept (the others are dropped from the content too).
     """
     reasoning = None
     if not keep_thinking:
@@ -31,6 +35,8 @@ def parse_reply(text: str, keep_thinking: bool = False) -> tuple[str, str | None
             name, arguments = call["name"], call.get("arguments", {})
         except (json.JSONDecodeError, KeyError, TypeError):
             return match.group(0)
+        if calls and not parallel:
+            return ""
         args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         calls.append(
             {
@@ -41,5 +47,7 @@ def parse_reply(text: str, keep_thinking: bool = False) -> tuple[str, str | None
         )
         return ""
 
+    if not tools:
+        return text, reasoning, []
     content = TOOL_CALL.sub(take, text)
     return (content.strip() if calls else content), reasoning, calls

@@ -38,24 +38,36 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. Each known field is honoured or rejected with a 400 that
+    names it (:mod:`kvos.server.protocol`); unknown ones land in ``model_extra``, ignored and logged."""
 
     model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int | None = 1
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     kvos: Hints | None = None
     evoke_priority: float | None = Field(None, gt=0.0, le=100.0)
     evoke_pinned: bool | None = None
@@ -84,9 +96,26 @@ class SamplingFields(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    # known, and answered with 400 when set (kvos cannot honour them): see protocol.UNSUPPORTED
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None

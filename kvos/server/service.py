@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvos.engine.generate import StreamEvent
-from kvos.engine.sampling import SamplingParams
+from kvos.engine.sampling import SamplingParams, TokenLogprob
 from kvos.errors import KvosError
 from kvos.policy.blocks import BlockKind
 from kvos.server.errors import APIError, bad_request, busy, not_found
+from kvos.server.protocol import logit_bias, logprob_count, note_unknown, reject_unsupported, request_grammar
 from kvos.server.reply import parse_reply
 from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from kvos.server.tools import plan_tools, template_inputs
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span, SpanRenderer, common_prefix, flatten
 from kvos.session.session import Session
@@ -75,6 +77,7 @@ class Outcome:
     completion_ids: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     usage: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # None: not asked for
 
 
 class ChatService:
@@ -188,9 +191,9 @@ class ChatService:
         """Render and check the prompt without touching the session (errors leave it as it was)."""
         if entry.renderer is None:
             raise bad_request("this model has no chat template; use /v1/completions", "no_chat_template")
-        messages = [m.as_template_dict() for m in req.messages]
         try:
-            spans = entry.renderer.render(messages, True, req.tools, **(req.chat_template_kwargs or {}))
+            messages, tools = template_inputs(entry.renderer.template, req)
+            spans = entry.renderer.render(messages, True, tools, **(req.chat_template_kwargs or {}))
         except KvosError as exc:
             raise bad_request(
                 f"cannot render the conversation with the model's chat template: {exc}", "template_error"
@@ -214,6 +217,9 @@ class ChatService:
             )
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
+        """The request's sampling, checked: a field it cannot honour is a 400 naming it; unknown ones logged."""
+        reject_unsupported(req)
+        note_unknown(req, self._unknown_fields())
         wanted = req.requested_tokens()
         max_tokens = self.config.default_max_tokens if wanted is None else wanted
         if max_tokens > self.config.max_tokens_limit:
@@ -225,11 +231,16 @@ class ChatService:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
+                temperature=1.0 if req.temperature is None else req.temperature,
                 top_k=req.top_k,
-                top_p=req.top_p,
+                top_p=1.0 if req.top_p is None else req.top_p,
                 seed=req.seed,
                 stop=req.stops(),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                logit_bias=logit_bias(req, self.manager.engine.model.config.vocab_size),
+                logprobs=logprob_count(req),
+                grammar=request_grammar(req, self.manager.tokenizer),
             )
         except KvosError as exc:
             raise bad_request(str(exc)) from exc
@@ -249,13 +260,15 @@ class ChatService:
         entry.served += 1
         counts = dict(session.memory.journal.counts)
         synced = session.sync(spans, hints.priority, hints.pinned, hints.task_boundary)
-        outcome, finished = Outcome(), False
+        outcome, finished = Outcome(logprobs=None if params.logprobs is None else []), False
         try:
             for event in session.reply(params):
                 outcome.text += event.text
                 outcome.finish_reason = event.finish_reason or outcome.finish_reason
                 if event.token_id is not None:
                     outcome.completion_ids.append(event.token_id)
+                if event.logprob is not None and outcome.logprobs is not None:
+                    outcome.logprobs.append(event.logprob)
                 yield event
             finished = True
         finally:
@@ -293,10 +306,19 @@ class ChatService:
         entry.branch_used[chosen.session_id] = time.monotonic()
         return chosen
 
+    def _unknown_fields(self) -> set[str]:
+        """The unknown request field names logged so far (each is logged once)."""
+        if not hasattr(self, "_unknown"):
+            self._unknown: set[str] = set()
+        return self._unknown
+
     def _canonicalise(self, entry: Entry, req: ChatRequest, outcome: Outcome) -> None:
         """Make the cache hold the reply exactly as the client will echo it next turn (thinking removed
         unless kept, tool calls as returned), so that turn reuses every token."""
-        content, reasoning, calls = parse_reply(outcome.text, self.config.keep_thinking)
+        plan = plan_tools(req)
+        content, reasoning, calls = parse_reply(
+            outcome.text, self.config.keep_thinking, bool(plan.offered), plan.parallel
+        )
         outcome.text, outcome.reasoning, outcome.tool_calls = content, reasoning, calls
         if calls and outcome.finish_reason == "stop":
             outcome.finish_reason = "tool_calls"
@@ -305,9 +327,9 @@ class ChatService:
             echo["tool_calls"] = calls
         if reasoning is not None:
             echo["reasoning_content"] = reasoning
-        messages = [m.as_template_dict() for m in req.messages] + [echo]
         assert entry.renderer is not None
-        spans = entry.renderer.render(messages, False, req.tools, **(req.chat_template_kwargs or {}))
+        messages, tools = template_inputs(entry.renderer.template, req, [echo])
+        spans = entry.renderer.render(messages, False, tools, **(req.chat_template_kwargs or {}))
         entry.session.sync(spans, need_logits=False)
 
     def _account(

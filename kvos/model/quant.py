@@ -1,0 +1,184 @@
+"""Weight matrices kept quantized: GGUF's Q8_0, Q4_0, Q4_1 and Q4_K as int8 or 4-bit groups of 32.
+
+Every kept type is one of two layouts, in groups of 32 consecutive inputs of one output row:
+
+- 8-bit (Q8_0): int8 q [out, in] and a float32 scale per group: w = scale * q;
+- 4-bit (Q4_0, Q4_1, Q4_K): q in 0..15 packed two per byte [out, in / 2] (each group's 16 bytes hold its
+  elements 0-15 in the low nibbles and 16-31 in the high ones, GGUF's order) with a float32 scale and min
+  per group: w = scale * q + min. Q4_1 is this exactly (scale d, min m); Q4_0 is d * (q - 8), so min = -8 d;
+  Q4_K's super-block of 256 is 8 groups of 32 with scale d * sc and min -dmin * m.
+
+The scales and mins are products of a float16 and at most a 6-bit integer, exact in float32, and so is
+scale * q: the dequantized values are bit-identical to ``gguf.quants.dequantize``. Rows of the same layout
+concatenate (fused q/k/v and gate/up projections). A matmul with a few activation rows (decode) runs from
+the packed bytes (:mod:`kvos.model.quant_kernel`); more rows (prefill) dequantize a tile of at most
+``TILE_FLOATS`` weights at a time and call the float32 matmul, so no float copy of a matrix is ever kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvos.errors import ModelLoadError
+from kvos.model.quant_kernel import kernel
+
+GROUP = 32
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+SMALL_N = 4  # activation rows up to which the packed-bytes kernel beats dequantize + float32 matmul
+TILE_FLOATS = 1 << 20  # weights dequantized at once on the prefill path (4 MiB of float32)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A weight matrix [out, in] in groups of 32 along ``in``: ``q`` int8 [out, in] (8-bit) or packed
+    uint8 [out, in / 2] (4-bit); ``scale`` float32 [out, in / 32]; ``min`` float32 [out, in / 32] (4-bit)
+    or None (8-bit)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.min is None else 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in), as torch's [out, in] weight."""
+        return int(self.scale.shape[0]), int(self.scale.shape[1]) * GROUP
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of what it computes: float32."""
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.q, self.scale) if self.min is None else (self.q, self.scale, self.min)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    @classmethod
+    def from_gguf(cls, qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+        """From a GGUF tensor's rows: ``raw`` uint8 [out, row_bytes] of ``qtype`` blocks; ``shape`` is
+        (out, in)."""
+        if qtype not in KEPT_TYPES:
+            raise ModelLoadError(f"tensor type {qtype} is not kept quantized; use one of {KEPT_TYPES}")
+        rows, cols = shape
+        row_bytes = cols // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype]
+        if cols % BLOCK_VALUES[qtype] or raw.shape != (rows, row_bytes):
+            raise ModelLoadError(f"{qtype} tensor of shape {shape} has rows of {raw.shape}, not whole blocks")
+        blocks = np.ascontiguousarray(raw).reshape(rows, -1, BLOCK_BYTES[qtype])
+        if qtype == "Q8_0":
+            d = _f16(blocks[..., :2])
+            return cls(_tensor(blocks[..., 2:].view(np.int8), rows), _tensor(d, rows), None)
+        if qtype == "Q4_K":
+            return cls(*_from_q4_k(blocks, rows))
+        d = _f16(blocks[..., :2])
+        m = -8 * d if qtype == "Q4_0" else _f16(blocks[..., 2:4])
+        return cls(_tensor(blocks[..., -16:], rows), _tensor(d, rows), _tensor(m, rows))
+
+    @staticmethod
+    def cat(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """The rows of ``parts`` stacked, [sum of out, in]; all of one layout and the same ``in``."""
+        if len({(p.bits, p.shape[1]) for p in parts}) != 1:
+            raise ValueError("only weights of one layout and input size concatenate")
+        mins = [p.min for p in parts if p.min is not None]
+        return QuantizedWeight(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat(mins) if mins else None,
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The matrix as ``dtype`` [out, in]."""
+        return self._rows(self.q, self.scale, self.min).to(dtype)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` [n] as float32 [n, in] (an embedding lookup); only ``dim`` 0 is supported."""
+        if dim != 0:
+            raise ValueError("a quantized weight selects rows only (dim 0)")
+        index = index.to(self.device)
+        mins = None if self.min is None else self.min.index_select(0, index)
+        return self._rows(self.q.index_select(0, index), self.scale.index_select(0, index), mins)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] -> x @ W.T [n, out], float32 (x is cast to float32 first), then back to x's dtype."""
+        xf = x.float().contiguous()
+        k = kernel()
+        if k is not None and xf.shape[0] <= SMALL_N and xf.device.type == "cpu":
+            out = k.mm(xf, self.q, self.scale, _EMPTY if self.min is None else self.min, self.min is not None)
+        else:
+            out = self._tiled_mm(xf)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def addmm(self, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """c [n, out] (or broadcastable) + x [n, in] @ W.T."""
+        return self.mm(x).add_(c)
+
+    def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [n, in] @ W.T through float32 tiles of at most TILE_FLOATS weights."""
+        out_features, in_features = self.shape
+        step = max(1, TILE_FLOATS // in_features)
+        if step >= out_features:
+            return x @ self.dequantize().t()
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32, device=x.device)
+        for a in range(0, out_features, step):
+            b = min(a + step, out_features)
+            mins = None if self.min is None else self.min[a:b]
+            out[:, a:b] = x @ self._rows(self.q[a:b], self.scale[a:b], mins).t()
+        return out
+
+    @staticmethod
+    def _rows(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+        """Dequantize rows: q int8 [r, in] or uint8 [r, in / 2], scale and mins [r, in / 32] -> float32
+        [r, in]."""
+        k = kernel()
+        if k is not None and q.device.type == "cpu":
+            m = _EMPTY if mins is None else mins.contiguous()
+            return k.dequantize(q.contiguous(), scale.contiguous(), m, mins is not None)
+        r, groups = scale.shape
+        if mins is None:
+            return (q.view(r, groups, GROUP).float() * scale.unsqueeze(-1)).view(r, -1)
+        nibbles = q.view(r, groups, GROUP // 2)
+        values = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).float()
+        return (values * scale.unsqueeze(-1) + mins.unsqueeze(-1)).view(r, -1)
+
+
+_EMPTY = torch.empty(0)
+
+
+def _f16(halves: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2] holding little-endian float16s -> float32 [...]."""
+    return np.ascontiguousarray(halves).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _tensor(values: np.ndarray, rows: int) -> torch.Tensor:
+    """A contiguous torch copy of ``values`` as [rows, -1]."""
+    return torch.from_numpy(np.ascontiguousarray(values).reshape(rows, -1))
+
+
+def _from_q4_k(blocks: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks uint8 [rows, n, 144] (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+    nibbles) -> packed [rows, n * 128], scale and min [rows, n * 8] of the 4-bit layout."""
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    packed = blocks[..., 4:16].reshape(rows, -1, 3, 4)
+    lo, hi, top = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate((lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)), axis=-1)
+    mn = np.concatenate((hi & 0x3F, (top >> 4) | ((hi >> 2) & 0x30)), axis=-1)
+    scale = d[..., None] * sc.astype(np.float32)
+    mins = -(dmin[..., None] * mn.astype(np.float32))
+    # 4 chunks of 32 bytes: sub-block 2j is chunk j's low nibbles, 2j + 1 its high ones (32 values each)
+    chunks = blocks[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    values = (chunks & 0x0F).reshape(rows, -1, GROUP)
+    q = values[..., :16] | (values[..., 16:] << 4)
+    return _tensor(q, rows), _tensor(scale, rows), _tensor(mins, rows)

@@ -1,0 +1,179 @@
+"""CPU kernels for weights kept quantized: a matmul for a few activation rows and a row dequantizer.
+
+Two layouts, both in groups of 32 along the input dim (see :mod:`kvos.model.quant`):
+
+- ``q4``: packed uint8 [N, K / 2] (in each group's 16 bytes the low nibbles are elements 0-15, the high ones
+  16-31, GGUF's order), scale and min float32 [N, K / 32]: w = scale * q + min, q in 0..15;
+- ``q8``: int8 [N, K], scale float32 [N, K / 32]: w = scale * q.
+
+``mm(x, ...)`` computes x [n, K] @ w.T for small n straight from the packed bytes: each group's weights are
+widened to float once and used for every row of x, dot products are summed per group and scaled once, and
+for q4 the mins enter as min * sum(x over the group). It reads 0.5 (q4) or 1 (q8) byte per weight where a
+float32 matmul reads 4, which is what decode is bound by. ``dequantize(...)`` writes float32 rows exactly
+(scale * q is exact in float32, so scale * q + min is rounded once, as gguf.quants does). Compiled on first
+use with ``torch.utils.cpp_extension`` (-march=native: AVX-512 intrinsics where the CPU has them,
+portable loops otherwise) and cached; without a compiler, or with ``KVOS_NO_EXTENSIONS=1``,
+:mod:`kvos.model.quant` computes the same values with torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+constexpr int64_t GROUP = 32;
+
+// sum_g min[g] * xsum[g]: the mins' share of one output (q4).
+static inline float min_term(const float* mins, const float* xsum, int64_t groups) {
+  float acc = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) acc += mins[g] * xsum[g];
+  return acc;
+}
+
+#if defined(__AVX512F__)
+// One group's 32 weights widened to float: lo = elements 0-15, hi = 16-31.
+template <bool Q4>
+static inline void widen(const uint8_t* w, __m512& lo, __m512& hi) {
+  if (Q4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
+  } else {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+  }
+}
+#endif
+
+// Output r for rows i0..i0+t (t <= 4) of x: per group, dot(x, q) * scale, plus sum_g min * xsum for q4.
+template <bool Q4>
+static inline void mm_tile(const float* x, const float* xsum, int64_t t, int64_t K, const uint8_t* wr,
+                           const float* sr, const float* mr, float* out, int64_t N) {
+  const int64_t groups = K / GROUP, group_bytes = Q4 ? 16 : 32;
+  float total[4];
+#if defined(__AVX512F__)
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 lo, hi;
+    widen<Q4>(wr + g * group_bytes, lo, hi);
+    const __m512 s = _mm512_set1_ps(sr[g]);
+    for (int64_t i = 0; i < t; ++i) {
+      const float* xg = x + i * K + g * GROUP;
+      const __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xg)));
+      acc[i] = _mm512_fmadd_ps(d, s, acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < t; ++i) total[i] = _mm512_reduce_add_ps(acc[i]);
+#else
+  for (int64_t i = 0; i < t; ++i) {
+    const float* xi = x + i * K;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* w = wr + g * group_bytes;
+      const float* xg = xi + g * GROUP;
+      float d = 0.0f;
+      for (int64_t j = 0; j < 16; ++j) {
+        const float a = Q4 ? float(w[j] & 0x0F) : float(int8_t(w[j]));
+        const float b = Q4 ? float(w[j] >> 4) : float(int8_t(w[j + 16]));
+        d += a * xg[j] + b * xg[j + 16];
+      }
+      acc += d * sr[g];
+    }
+    total[i] = acc;
+  }
+#endif
+  for (int64_t i = 0; i < t; ++i)
+    out[i * N] = Q4 ? total[i] + min_term(mr, xsum + i * groups, groups) : total[i];
+}
+
+// out[:, r0:r1] for every row of x, four rows of x at a time.
+template <bool Q4>
+static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, const uint8_t* w,
+                    const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1) {
+  const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t i0 = 0; i0 < n; i0 += 4)
+      mm_tile<Q4>(x + i0 * K, xsum + i0 * groups, std::min<int64_t>(4, n - i0), K, w + r * row_bytes,
+                  scale + r * groups, Q4 ? mins + r * groups : nullptr, out + i0 * N + r, N);
+}
+
+// x [n, K] float32 @ w.T -> [n, N] float32; mins is empty for q8.
+torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4) {
+  const int64_t n = x.size(0), K = x.size(1), N = scale.size(0);
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
+  TORCH_CHECK(K % GROUP == 0 && scale.size(1) == K / GROUP, "x's columns do not match the weight");
+  auto out = torch::empty({n, N}, x.options());
+  auto xsum = q4 ? x.view({n, K / GROUP, GROUP}).sum(-1).contiguous() : x;
+  const float* xp = x.data_ptr<float>();
+  const float* sp = xsum.data_ptr<float>();
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const float* scp = scale.data_ptr<float>();
+  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    if (q4) mm_rows<true>(xp, sp, n, K, wp, scp, mp, op, N, r0, r1);
+    else mm_rows<false>(xp, sp, n, K, wp, scp, mp, op, N, r0, r1);
+  });
+  return out;
+}
+
+// The rows of w as float32 [N, K]: scale * q + min (q4) or scale * q (q8), exact products, one rounding.
+torch::Tensor dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4) {
+  const int64_t N = scale.size(0), groups = scale.size(1), K = groups * GROUP;
+  auto out = torch::empty({N, K}, scale.options());
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const float* scp = scale.data_ptr<float>();
+  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N * groups, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* o = op + b * GROUP;
+      const float s = scp[b], m = q4 ? mp[b] : 0.0f;
+      if (q4) {
+        const uint8_t* q = wp + b * 16;
+        for (int64_t j = 0; j < 16; ++j) {
+          o[j] = s * float(q[j] & 0x0F) + m;
+          o[j + 16] = s * float(q[j] >> 4) + m;
+        }
+      } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(wp) + b * GROUP;
+        for (int64_t j = 0; j < GROUP; ++j) o[j] = s * float(q[j]);
+      }
+    }
+  });
+  return out;
+}
+"""
+
+
+@functools.cache
+def kernel() -> Any | None:
+    """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
+    if os.environ.get("KVOS_NO_EXTENSIONS") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name="kvos_quant_v1",
+            cpp_sources=[_SOURCE],
+            functions=["mm", "dequantize"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, headers missing: the torch path still works
+        warnings.warn(f"kvos: quantized matmul kernel unavailable, using torch ops ({exc})", stacklevel=2)
+        return None

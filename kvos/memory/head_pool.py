@@ -98,6 +98,10 @@ class HeadPool:
         """Drop one reference to ``block_id``; ``True`` when it became free."""
         return self.allocator.free(block_id)
 
+    def incref(self, block_id: int) -> None:
+        """Share an allocated head-block."""
+        self.allocator.incref(block_id)
+
     def free_n(self, ids: Iterable[int]) -> None:
         """Drop one reference per id; all checked first."""
         self.allocator.free_n(ids)

@@ -184,7 +184,7 @@ def create_app(
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(engine, work)
-        watcher = asyncio.create_task(_watch_disconnect(request, cancel, future))
+        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
         try:
             outcome = await future
         except Cancelled:
@@ -227,13 +227,13 @@ def _drain(gen: Generator[StreamEvent, None, Outcome], cancel: threading.Event) 
             return outcome
 
 
-async def _watch_disconnect(request: Request, cancel: threading.Event, work: asyncio.Future[Any]) -> None:
-    """Set ``cancel`` when the client of a non-streaming request disconnects before its answer."""
-    while not work.done():
-        if await request.is_disconnected():
-            cancel.set()
-            return
-        await asyncio.sleep(0.05)
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set ``cancel`` when the client of a non-streaming request disconnects before its answer: once the
+    body is read, the next ASGI message a request can receive is its disconnect (``is_disconnected()``
+    cannot see it through the http middlewares; this waits for the message instead)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
 
 
 def _message(outcome: Outcome) -> dict[str, Any]:
@@ -317,6 +317,7 @@ async def _sse(
                 if cancel.is_set():
                     gen.close()
                     record.log(499, None)
+                    put(APIError(499, "the request was cancelled", "cancelled"))  # DELETE, or nobody reads
                     return
                 try:
                     put(next(gen))

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"
     )
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--budget",
         type=int,
@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-prompt-tokens",
         type=int,
         default=1 << 20,
-        help="longest conversation accepted, in tokens (default 1048576; the budget decides what is resident)",
+        help="longest conversation accepted, in tokens (default 1048576; the budget decides what stays "
+        "resident)",
     )
     p.add_argument("--max-branches", type=int, default=4, help="conversation branches kept per session")
     p.add_argument(
@@ -87,17 +88,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
-def _port(text: str) -> int:
-    """An argparse type: a TCP port number in [1, 65535]."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
-    return port
-
-
 REPLY_ROOM = 256  # positions the default budget leaves free for a reply (the default max_tokens)
 
 
@@ -109,8 +99,8 @@ def default_budget(context: int, requested: int | None) -> int:
     if budget > ceiling:
         if requested:
             print(
-                f"[kvos] --budget {requested} is more than this model can attend to ({context} positions) with "
-                f"room for a reply: using {ceiling}",
+                f"[kvos] --budget {requested} is more than this model can attend to ({context} positions) "
+                f"with room for a reply: using {ceiling}",
                 file=sys.stderr,
             )
         budget = ceiling
@@ -160,6 +150,8 @@ def prepare_kernel() -> None:
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on (host, port), or a one-line :class:`SystemExit` saying why not."""
+    if not 1 <= port <= 65535:
+        raise SystemExit(f"kvos serve: --port {port} is outside 1-65535")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:

@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvos.engine.generate import StreamEvent
@@ -77,6 +77,7 @@ class Outcome:
     completion_ids: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     usage: dict[str, Any] = field(default_factory=dict)
+    clipped: dict[str, int] | None = None  # max_tokens asked for and granted, when it was over the room
     logprobs: list[TokenLogprob] | None = None  # None: not asked for
 
 
@@ -98,9 +99,11 @@ class ChatService:
             deadline = time.monotonic() + self.config.busy_timeout_s
             while entry.busy:
                 left = deadline - time.monotonic()
+                if entry.cancel.is_set():  # a cancelled request lets go within one decode step
+                    left = max(left, self.config.cancel_wait_s)
                 if left <= 0:
-                    raise busy(entry.session.session_id)
-                self.cond.wait(left)
+                    raise busy(entry.session_id)
+                self.cond.wait(min(left, 0.1))
             entry.busy = True
             return entry
 
@@ -261,6 +264,10 @@ class ChatService:
         counts = dict(session.memory.journal.counts)
         synced = session.sync(spans, hints.priority, hints.pinned, hints.task_boundary)
         outcome, finished = Outcome(logprobs=None if params.logprobs is None else []), False
+        room = session.reply_room()
+        if params.max_tokens > room:
+            outcome.clipped = {"requested": params.max_tokens, "granted": room}
+            params = replace(params, max_tokens=room)
         try:
             for event in session.reply(params):
                 outcome.text += event.text
@@ -359,6 +366,7 @@ class ChatService:
                 "evictions": delta("evict"),
                 "recoveries": delta("restore", "recompute"),
                 "active_tokens": session.pager.active_tokens,
+                **({"max_tokens_clipped": outcome.clipped} if outcome.clipped else {}),
             },
         }
         self.totals["reused_tokens"] += reused

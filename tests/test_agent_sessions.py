@@ -1,0 +1,301 @@
+"""What agent harnesses send, against ``kvos serve``'s own defaults on the built-in model (1,024 positions):
+conversations longer than the context, cancelled requests, side requests under one session id."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from server_harness import MODEL_NAME, running_server
+
+from kvos.builtin import MODEL_DIR
+from kvos.model.tokenizer import load_tokenizer
+
+CONTEXT = 1024  # the built-in model's positions
+TOKENIZER = load_tokenizer(MODEL_DIR)
+NEVER_END = {str(t): -100 for t in TOKENIZER.eos_ids}  # a reply that runs to max_tokens
+
+
+def client(url: str, timeout: float = 120) -> OpenAI:
+    return OpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout)
+
+
+def ask(c: OpenAI, messages: list[dict[str, Any]], session: str, **kw: Any) -> Any:
+    return c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=kw.pop("max_tokens", 12),
+        temperature=0,
+        extra_headers={"X-Session-Id": session},
+        **kw,
+    )
+
+
+def usage(response: Any) -> dict[str, Any]:
+    return dict(response.usage.model_extra["kvos"])
+
+
+def session_stats(url: str, sid: str) -> dict[str, Any] | None:
+    rows = httpx.get(f"{url}/sessions", timeout=30).json()["data"]
+    return next((s for s in rows if s["id"] == sid), None)
+
+
+def wait_idle(url: str, sid: str, limit: float = 10.0) -> float:
+    """Seconds until the session is no longer busy (fails past ``limit``)."""
+    began = time.monotonic()
+    while (stats := session_stats(url, sid)) is not None and stats["busy"]:
+        assert time.monotonic() - began < limit, f"session {sid} still busy after {limit} s"
+        time.sleep(0.02)
+    return time.monotonic() - began
+
+
+def tail_tokens(content: str) -> int:
+    """Tokens of a new user message plus the generation prompt, as the built-in ChatML template renders."""
+    return len(TOKENIZER.encode(f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"))
+
+
+@pytest.fixture(scope="module")
+def default_url() -> Iterator[str]:
+    with running_server(MODEL_DIR) as url:
+        yield url
+
+
+def test_default_budget_fits_the_model() -> None:
+    from kvos.server.main import default_budget
+
+    assert default_budget(CONTEXT, None) == 768  # max(2048, 0.75 x 1024) clipped to 1024 - 256
+    assert default_budget(8192, None) == 6144
+    assert default_budget(CONTEXT, 4096) == 768  # an explicit budget past what the model attends to too
+    assert default_budget(CONTEXT, 512) == 512
+
+
+def test_sixty_turns_far_past_the_context() -> None:
+    budget = 512
+    with running_server(MODEL_DIR, budget=budget) as url:
+        c = client(url)
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
+        for turn in range(60):
+            content = (
+                f"Note {turn}: the crate numbered {turn * 37 % 101} holds {turn % 9 + 2} lanterns, "
+                f"and the ferry to island {turn % 7} leaves at {8 + turn % 10} o'clock; please remember it. "
+                f"Also the garden behind house {turn % 11} grows {turn % 5 + 3} rows of beans and the "
+                f"baker on street {turn % 13} sells bread for {turn % 4 + 1} coins."
+            )
+            msgs.append({"role": "user", "content": content})
+            r = ask(c, msgs, "long")
+            u = usage(r)
+            assert r.usage.completion_tokens > 0
+            assert u["active_tokens"] <= budget
+            if turn:
+                assert r.usage.prompt_tokens - u["reused_tokens"] == tail_tokens(content)  # only the new tail
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        stats = session_stats(url, "long")
+        assert stats is not None
+        assert stats["history_tokens"] > 5 * CONTEXT
+        assert stats["max_active_tokens_seen"] <= budget
+        assert stats["evictions"] > 0
+
+
+def agent_request() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """An opencode-shaped first request: a system prompt of >= 8,000 characters and 10 tool schemas."""
+    rules = " ".join(
+        f"Rule {i}: read a file before you edit it, keep each answer short, and never invent paths."
+        for i in range(110)
+    )
+    system = f"You are a coding agent working in a repository. {rules}"
+    assert len(system) >= 8000
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"Tool {i}: reads, lists or edits files of the repository in way number {i}.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                    "required": ["path"],
+                },
+            },
+        }
+        for i in range(10)
+    ]
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "My favourite number is 42."},
+    ]
+    return messages, tools
+
+
+def test_agent_shaped_first_request_is_answered_then_reused(default_url: str) -> None:
+    c = client(default_url)
+    messages, tools = agent_request()
+    first = ask(c, messages, "agent", tools=tools)
+    u1 = usage(first)
+    assert first.usage.prompt_tokens > 4 * CONTEXT
+    assert u1["active_tokens"] <= 768 and u1["evictions"] > 0
+    assert first.usage.completion_tokens > 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "What is my favourite number?"},
+    ]
+    second = ask(c, messages, "agent", tools=tools)
+    u2 = usage(second)
+    assert u2["reused_tokens"] >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert u2["active_tokens"] <= 768
+
+
+def open_stream(url: str, sid: str, messages: list[dict[str, Any]]) -> httpx.Response:
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_tokens": 400,
+        "stream": True,
+        "logit_bias": NEVER_END,
+    }
+    request = httpx.Request("POST", f"{url}/chat/completions", json=body, headers={"X-Session-Id": sid})
+    return httpx.Client(timeout=60).send(request, stream=True)
+
+
+def test_cancelled_stream_releases_the_session(default_url: str) -> None:
+    messages = [{"role": "user", "content": "Tell me a long story about the sea."}]
+    response = open_stream(default_url, "cancel", messages)
+    lines = response.iter_lines()
+    chunks = [next(lines) for _ in range(8)]
+    assert all(line.startswith("data: ") or not line for line in chunks)
+    response.close()  # the client goes away after a few chunks
+    waited = wait_idle(default_url, "cancel")
+    stats = session_stats(default_url, "cancel")
+    assert stats is not None and stats["history_tokens"] == tail_tokens(messages[0]["content"])  # rolled back
+    r = ask(client(default_url), messages, "cancel")
+    assert r.usage.completion_tokens > 0
+    assert usage(r)["reused_tokens"] == r.usage.prompt_tokens - 1  # the whole prompt was kept
+    assert waited < 10
+
+
+def test_non_streaming_client_timeout_releases_the_session(default_url: str) -> None:
+    messages = [{"role": "user", "content": "Count slowly to a thousand."}]
+    with pytest.raises(openai.APITimeoutError):
+        client(default_url, timeout=0.5).chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=4000,
+            logit_bias=NEVER_END,  # type: ignore[arg-type]
+            extra_headers={"X-Session-Id": "timeout"},
+        )
+    wait_idle(default_url, "timeout")
+    stats = session_stats(default_url, "timeout")
+    assert stats is not None and stats["history_tokens"] == tail_tokens(messages[0]["content"])
+    r = ask(client(default_url), messages, "timeout")
+    assert r.usage.completion_tokens > 0
+
+
+def test_delete_cancels_a_busy_session(default_url: str) -> None:
+    response = open_stream(default_url, "doomed", [{"role": "user", "content": "Describe every wave."}])
+    lines = response.iter_lines()
+    next(lines)
+    next(lines)
+    r = httpx.delete(f"{default_url}/sessions/doomed", timeout=60)
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["error"]["code"] == "cancelled"
+    response.close()
+    assert session_stats(default_url, "doomed") is None
+
+
+def test_side_requests_keep_the_main_branch(default_url: str) -> None:
+    c = client(default_url)
+    main_system = {"role": "system", "content": "You are a coding agent. " + "Be careful with files. " * 30}
+    title_system = {"role": "system", "content": "Write a short title for the conversation."}
+    user1 = {"role": "user", "content": "Please look at the parser and tell me what it does with tabs."}
+    first = ask(c, [main_system, user1], "oc")
+    history = first.usage.prompt_tokens + first.usage.completion_tokens
+    title = ask(c, [title_system, user1], "oc")  # opencode's title request, same session header
+    assert usage(title)["branch"] != "main"
+    reply1 = {"role": "assistant", "content": first.choices[0].message.content}
+    user2 = {"role": "user", "content": "And what does it do with spaces?"}
+    second = ask(c, [main_system, user1, reply1, user2], "oc")
+    reuse = usage(second)["reused_tokens"] / history
+    assert reuse >= 0.95, f"main turn 2 reused {reuse:.1%} of main turn 1's history"
+    assert usage(second)["branch"] == "main"
+    summary_system = {"role": "system", "content": "Summarise the conversation for a later session."}
+    reply2 = {"role": "assistant", "content": second.choices[0].message.content}
+    compact = ask(c, [summary_system, user1, reply1, user2, reply2], "oc")  # the compaction request
+    assert usage(compact)["branch"] not in ("main", usage(title)["branch"])
+    third = ask(c, [main_system, user1, reply1, user2, reply2, {"role": "user", "content": "Thanks."}], "oc")
+    assert usage(third)["branch"] == "main"
+    assert usage(third)["reused_tokens"] >= second.usage.prompt_tokens + second.usage.completion_tokens - 1
+    stats = session_stats(default_url, "oc")
+    assert stats is not None and len(stats["branches"]) == 3
+
+
+def test_rejected_requests_leave_no_session(default_url: str) -> None:
+    bad = [
+        {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
+    ]
+    for i, body in enumerate(bad):
+        r = httpx.post(f"{default_url}/chat/completions", json=body, headers={"X-Session-Id": f"rej-{i}"})
+        assert r.status_code in (400, 404)
+        assert session_stats(default_url, f"rej-{i}") is None
+
+
+def test_one_log_line_per_request(default_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvos.server"):
+        ask(client(default_url), [{"role": "user", "content": "hello"}], "logged")
+        httpx.post(f"{default_url}/chat/completions", json={"model": "gpt-9", "messages": []})
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvos.server"]
+    served = [line for line in lines if "session=logged" in line]
+    assert len(served) == 1
+    for field in ("POST /v1/chat/completions 200", "key=local", "branch=main", "prompt=", "reused="):
+        assert field in served[0]
+    assert any("POST /v1/chat/completions 400" in line for line in lines)
+
+
+def test_max_tokens_past_the_room_is_clipped() -> None:
+    with running_server(MODEL_DIR, "--position-mode", "sparse", budget=512) as url:
+        content = "Tell me everything. " * 40
+        r = ask(client(url), [{"role": "user", "content": content}], "room", max_tokens=4000)
+        clipped = usage(r)["max_tokens_clipped"]
+        assert clipped["requested"] == 4000
+        assert clipped["granted"] <= 512 and r.usage.completion_tokens <= clipped["granted"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("case", ["out of range", "in use"])
+def test_bad_port_is_one_line(case: str) -> None:
+    holder = socket.socket()
+    port = 99999
+    if case == "in use":
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "kvos.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.close()
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr
+    message = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(message) == 1, run.stderr
+    assert ("outside 1-65535" if case == "out of range" else "already in use") in run.stderr

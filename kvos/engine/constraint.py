@@ -28,6 +28,26 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
+def closed(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``schema`` with every object that does not say otherwise closed (``additionalProperties: false``).
+
+    Text valid against the closed schema is valid against ``schema``; a small model given room for keys
+    of its own invents them and never finishes. Subschemas under ``allOf`` are left open (closing one
+    would forbid the keys another adds)."""
+    out = dict(schema)
+    if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: closed(v) if isinstance(v, Mapping) else v for k, v in out[key].items()}
+    for key in ("anyOf", "oneOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) if isinstance(v, Mapping) else v for v in out[key]]
+    if isinstance(out.get("items"), Mapping):
+        out["items"] = closed(out["items"])
+    return out
+
+
 @dataclass(frozen=True)
 class Grammar:
     """A grammar in llguidance's Lark dialect (https://github.com/guidance-ai/llguidance, docs/syntax.md)."""
@@ -37,7 +57,7 @@ class Grammar:
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | None = None) -> Grammar:
         """JSON text valid against ``schema`` (``None``: any JSON object, OpenAI's ``json_object``)."""
-        body: dict[str, Any] = dict(schema) if schema is not None else {"type": "object"}
+        body: dict[str, Any] = closed(schema) if schema is not None else {"type": "object"}
         body["x-guidance"] = JSON_STYLE
         return cls(f"start: %json {json.dumps(body)}")
 
@@ -50,7 +70,7 @@ class Grammar:
             raise ConfigError("a tool-call grammar needs at least one tool")
         variants = []
         for tool in tools:
-            params = dict(tool.get("parameters") or {"type": "object", "properties": {}})
+            params = closed(tool.get("parameters") or {"type": "object", "properties": {}})
             variants.append(
                 {
                     "type": "object",

@@ -1,0 +1,151 @@
+"""Small GGUF files written by the tests with the ``gguf`` package's writer.
+
+:func:`write_model` converts a tiny Hugging Face checkpoint the way llama.cpp's converter does (tensor names,
+attn_q/attn_k rows permuted for interleaved RoPE in the llama/mistral architectures, metadata keys), storing
+every matrix in one GGUF type, and returns the weights the file really holds, back in Hugging Face layout, so
+a transformers model given them is the exact reference. gguf's Python quantizer has no K-quants, so those are
+random blocks with small scales.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from kvos.model.llama2c import interleaved_to_halves
+
+QType = gguf.GGMLQuantizationType
+MATRIX_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# Byte offsets of the float16 scale fields in one 256-value K-quant block (the rest may be any bytes).
+_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(name: str) -> str:
+    """llama.cpp's name for a Hugging Face tensor name."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+
+
+def halves_to_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation of q/k rows (the inverse of kvos's un-permutation)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def encode(values: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(raw bytes or float array to write, float32 values the file then holds) for a [rows, cols] matrix."""
+    if qtype == "F32":
+        return values, values
+    if qtype == "F16":
+        half = values.astype(np.float16)
+        return half, half.astype(np.float32)
+    if qtype in _K_SCALES:
+        block_bytes = gguf.GGML_QUANT_SIZES[QType.__members__[qtype]][1]
+        raw = rng.integers(
+            0, 256, size=(values.shape[0], values.shape[1] // 256, block_bytes), dtype=np.uint8
+        )
+        for offset in _K_SCALES[qtype]:
+            scale = rng.uniform(2e-5, 2e-4, size=raw.shape[:2]).astype(np.float16)
+            raw[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw = raw.reshape(values.shape[0], -1)
+    else:
+        raw = gguf.quants.quantize(values, QType.__members__[qtype])
+    return raw, gguf.quants.dequantize(raw, QType.__members__[qtype]).astype(np.float32)
+
+
+def metadata_keys(config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The architecture-prefixed keys llama.cpp writes for a Hugging Face config."""
+    heads = config["num_attention_heads"]
+    keys: dict[str, Any] = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "rope.freq_base": float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+    }
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    keys["attention.key_length"] = keys["attention.value_length"] = head_dim
+    keys["rope.dimension_count"] = head_dim
+    return {f"{arch}.{key}": value for key, value in keys.items()}
+
+
+def write_file(
+    path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, tuple[np.ndarray, str]]
+) -> Path:
+    """A GGUF file with ``metadata`` (ints as uint32, floats as float32) and ``tensors`` (name -> (array,
+    type name); quantized arrays are the raw uint8 rows)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    for name, (array, qtype) in tensors.items():
+        raw_dtype = None if qtype in ("F32", "F16") else QType.__members__[qtype]
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_model(hf_dir: Path, path: Path, arch: str, qtype: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Convert the checkpoint in ``hf_dir`` to a GGUF at ``path`` with every matrix as ``qtype`` (vectors
+    F32); return the weights the file holds, in Hugging Face names and layout (float32)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
+        values = weight.float().numpy()
+        proj = next((p for p in heads if f".{p}." in name), None)
+        permute = arch in ("llama", "mistral") and proj is not None
+        if permute:
+            values = halves_to_interleaved(values, heads[proj])  # type: ignore[index]
+        kind = qtype if values.ndim == 2 else "F32"
+        raw, held = encode(values, kind, rng)
+        tensors[gguf_name(name)] = (raw, kind)
+        held_t = torch.from_numpy(np.array(held, dtype=np.float32))
+        reference[name] = interleaved_to_halves(held_t, heads[proj]) if permute else held_t  # type: ignore[index]
+    write_file(path, arch, metadata_keys(config, arch), tensors)
+    return reference

@@ -1,0 +1,92 @@
+"""The sampler: OpenAI's presence and frequency penalties, logit bias, masks, log-probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvos.engine.sampling import Sampler, SamplingParams, filtered_probs, token_logprob
+from kvos.errors import ConfigError
+
+
+def openai_penalised(
+    logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI's documented formula: mu[j] - c[j] * frequency - float(c[j] > 0) * presence."""
+    return torch.tensor(
+        [
+            float(mu) - float(c) * frequency - (1.0 if c > 0 else 0.0) * presence
+            for mu, c in zip(logits, counts, strict=True)
+        ]
+    )
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.7, 0.4), (0.0, 1.1), (1.3, 0.0), (-0.5, -0.3)])
+def test_greedy_picks_follow_the_penalty_formula(presence: float, frequency: float) -> None:
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(1)) * 2
+    sampler = Sampler(SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency))
+    counts = torch.zeros(40)
+    picks = []
+    for _ in range(25):
+        expected = openai_penalised(logits, counts, presence, frequency)
+        assert torch.allclose(sampler.adjust(logits), expected, atol=1e-6)
+        token = sampler(logits)
+        assert token == int(torch.argmax(expected))
+        counts[token] += 1
+        picks.append(token)
+    if presence > 0 or frequency > 0:
+        assert len(set(picks)) > 1  # the penalties moved the argmax away from the first pick
+    else:
+        assert len(set(picks)) == 1  # negative penalties keep it
+
+
+def test_sampled_draws_come_from_the_penalised_distribution() -> None:
+    logits = torch.randn(30, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.6, frequency_penalty=0.9)
+    sampler = Sampler(params)
+    twin = torch.Generator().manual_seed(7)  # draws the same uniforms as the sampler's generator
+    counts = torch.zeros(30)
+    for _ in range(40):
+        probs = filtered_probs(openai_penalised(logits, counts, 0.6, 0.9) / 0.8, 0, 0.9)
+        expected = int(torch.multinomial(probs, 1, generator=twin).item())
+        assert sampler(logits) == expected
+        counts[expected] += 1
+
+
+def test_logit_bias_is_added_before_the_pick() -> None:
+    logits = torch.tensor([3.0, 1.0, 0.5, 2.9])
+    assert Sampler(SamplingParams(logit_bias={2: 2.6}))(logits) == 2
+    assert Sampler(SamplingParams(logit_bias={0: -100.0}))(logits) == 3
+    biased = Sampler(SamplingParams(logit_bias={1: 1.5, 3: -0.5})).adjust(logits)
+    assert biased.tolist() == pytest.approx([3.0, 2.5, 0.5, 2.4])
+
+
+def test_the_plain_greedy_path_keeps_no_state() -> None:
+    sampler = Sampler(SamplingParams())
+    assert not sampler.params.adjusts_logits
+    assert sampler(torch.tensor([0.1, 0.9, 0.3])) == 1 and sampler.counts is None
+
+
+def test_a_mask_limits_the_pick() -> None:
+    logits = torch.tensor([5.0, 1.0, 4.0])
+    assert Sampler(SamplingParams())(logits, torch.tensor([False, True, True])) == 2
+
+
+def test_token_logprob_is_the_log_softmax_with_its_top_alternatives() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    lp = token_logprob(logits, 7, 4, lambda i: bytes([65 + i % 26]))
+    assert lp.chosen.token_id == 7 and lp.chosen.logprob == pytest.approx(float(reference[7]), abs=1e-6)
+    assert lp.chosen.piece == bytes([65 + 7])
+    order = torch.argsort(reference, descending=True)[:4].tolist()
+    assert [t.token_id for t in lp.top] == order
+    assert [t.logprob for t in lp.top] == pytest.approx(reference[order].tolist(), abs=1e-6)
+    assert token_logprob(logits, 7, 0).top == []
+
+
+@pytest.mark.parametrize(
+    "bad", [{"presence_penalty": 2.5}, {"frequency_penalty": -2.1}, {"logprobs": 21}, {"logprobs": -1}]
+)
+def test_out_of_range_parameters_are_config_errors(bad: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        SamplingParams(**bad)  # type: ignore[arg-type]

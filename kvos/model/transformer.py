@@ -1,7 +1,9 @@
 """A Llama-family decoder whose attention reads K/V through the KV pool.
 
 Weights are plain tensors (no nn.Module machinery on the hot path), stored transposed ([in, out]) so a
-projection is ``x @ W`` and a projection plus residual is one ``addmm``. Q, K and V are fused into one
+projection is ``x @ W`` and a projection plus residual is one ``addmm``; or, from a quantized GGUF file,
+:class:`~kvos.model.quant.QuantizedWeight` matrices that stay quantized (:mod:`kvos.model.linear` is the
+seam: the embedding, every projection and the head accept either). Q, K and V are fused into one
 matrix, as are the MLP's gate and up projections: fewer, larger matmuls per layer. Single-token decode is
 dominated by per-op overhead on small models, so op count matters as much as FLOPs.
 """
@@ -19,6 +21,7 @@ from kvos.errors import ModelLoadError
 from kvos.model.attention import AttentionMetadata, paged_attention
 from kvos.model.config import ModelConfig
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
+from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, transposed
 from kvos.model.rope import Rope
 
 
@@ -32,19 +35,20 @@ class KVStore(Protocol):
 
 @dataclass
 class LayerWeights:
-    """One decoder layer, projections transposed to [in, out]: qkv [hidden, (H + 2 Hkv) * D],
-    o [H * D, hidden], gate_up [hidden, 2 * inter], down [inter, hidden]; norms [hidden] (q/k norms [D])."""
+    """One decoder layer, dense projections transposed to [in, out]: qkv [hidden, (H + 2 Hkv) * D],
+    o [H * D, hidden], gate_up [hidden, 2 * inter], down [inter, hidden] (quantized ones keep torch's
+    [out, in]); norms [hidden] (q/k norms [D])."""
 
     attn_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,12 +63,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Transformer:
     """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV store."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]) -> None:
         self.config = config
         self.embed = _need(weights, "model.embed_tokens.weight")
+        self.final_norm = _dense(weights, "model.norm.weight")
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.final_norm = _need(weights, "model.norm.weight")
         head = weights.get("lm_head.weight")
         if head is None and not config.tie_word_embeddings:
             raise ModelLoadError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
@@ -83,16 +87,16 @@ class Transformer:
         """token_ids: int64 [n] -> logits float32 [1, vocab] ("last"), [n, vocab] ("all"),
         or the final hidden states [n, hidden] ("none"). With :class:`HeadAttentionMetadata` every KV head
         reads its own keys from a head pool (``kv`` is then a ``kvos.memory.head_pool.HeadPool``)."""
-        x = F.embedding(token_ids.to(self.device), self.embed)
+        x = embedding(token_ids.to(self.device), self.embed)
         cos, sin = self.rope.cos_sin(meta.positions, self.dtype, self.device)
         eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             out = self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv)
             if layer.o_bias is not None:
                 x = x + layer.o_bias
-            x = torch.addmm(x, out, layer.o)
-            gate, up = (rms_norm(x, layer.mlp_norm, eps) @ layer.gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, layer.down)
+            x = addmm(x, out, layer.o)
+            gate, up = matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up).chunk(2, dim=-1)
+            x = addmm(x, F.silu(gate) * up, layer.down)
         x = rms_norm(x, self.final_norm, eps)
         if logits == "none":
             return x
@@ -100,7 +104,7 @@ class Transformer:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> float32 logits [n, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return logits(hidden, self.lm_head)
 
     def _attention(
         self,
@@ -115,7 +119,7 @@ class Transformer:
         """h: [n, hidden] -> attention output [n, H * D], before the output projection."""
         c = self.config
         n = h.shape[0]
-        qkv = h @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
+        qkv = matmul(h, layer.qkv) if layer.qkv_bias is None else addmm(layer.qkv_bias, h, layer.qkv)
         qkv = qkv.view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         qk, v = qkv[:, : c.num_heads + c.num_kv_heads], qkv[:, c.num_heads + c.num_kv_heads :]
         if layer.q_norm is not None and layer.k_norm is not None:
@@ -138,31 +142,40 @@ class Transformer:
         return paged_attention(q, keys, values, meta, c.window(index), index)
 
 
-def _need(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+def _need(weights: Mapping[str, Weight], name: str) -> Weight:
     try:
         return weights[name]
     except KeyError:
         raise ModelLoadError(f"checkpoint is missing tensor {name!r}") from None
 
 
-def _layer(config: ModelConfig, w: Mapping[str, torch.Tensor], i: int) -> LayerWeights:
+def _dense(weights: Mapping[str, Weight], name: str) -> torch.Tensor:
+    """A tensor that must be dense (norms, biases)."""
+    value = _need(weights, name)
+    if not isinstance(value, torch.Tensor):
+        raise ModelLoadError(f"tensor {name!r} must be a dense tensor, not a quantized matrix")
+    return value
+
+
+def _dense_or_none(weights: Mapping[str, Weight], name: str) -> torch.Tensor | None:
+    return _dense(weights, name) if name in weights else None
+
+
+def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights:
     p = f"model.layers.{i}."
     names = ("q_proj", "k_proj", "v_proj")
-    qkv = torch.cat([_need(w, f"{p}self_attn.{n}.weight") for n in names]).t().contiguous()
     bias = None
     if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
-        bias = torch.cat([_need(w, f"{p}self_attn.{n}.bias") for n in names])
+        bias = torch.cat([_dense(w, f"{p}self_attn.{n}.bias") for n in names])
     return LayerWeights(
-        attn_norm=_need(w, f"{p}input_layernorm.weight"),
-        qkv=qkv,
+        attn_norm=_dense(w, f"{p}input_layernorm.weight"),
+        qkv=fuse([_need(w, f"{p}self_attn.{n}.weight") for n in names]),
         qkv_bias=bias,
-        o=_need(w, f"{p}self_attn.o_proj.weight").t().contiguous(),
-        o_bias=w.get(f"{p}self_attn.o_proj.bias"),
-        q_norm=_need(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
-        k_norm=_need(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
-        mlp_norm=_need(w, f"{p}post_attention_layernorm.weight"),
-        gate_up=torch.cat([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")])
-        .t()
-        .contiguous(),
-        down=_need(w, f"{p}mlp.down_proj.weight").t().contiguous(),
+        o=transposed(_need(w, f"{p}self_attn.o_proj.weight")),
+        o_bias=_dense_or_none(w, f"{p}self_attn.o_proj.bias"),
+        q_norm=_dense(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
+        k_norm=_dense(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
+        mlp_norm=_dense(w, f"{p}post_attention_layernorm.weight"),
+        gate_up=fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
+        down=transposed(_need(w, f"{p}mlp.down_proj.weight")),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -253,12 +254,17 @@ def test_rejected_requests_leave_no_session(default_url: str) -> None:
 def test_one_log_line_per_request(default_url: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="kvos.server"):
         ask(client(default_url), [{"role": "user", "content": "hello"}], "logged")
+        list(ask(client(default_url), [{"role": "user", "content": "hello"}], "streamed", stream=True))
         httpx.post(f"{default_url}/chat/completions", json={"model": "gpt-9", "messages": []})
     lines = [r.getMessage() for r in caplog.records if r.name == "kvos.server"]
-    served = [line for line in lines if "session=logged" in line]
-    assert len(served) == 1
-    for field in ("POST /v1/chat/completions 200", "key=local", "branch=main", "prompt=", "reused="):
-        assert field in served[0]
+    for sid in ("logged", "streamed"):
+        served = [line for line in lines if f"session={sid}" in line]
+        assert len(served) == 1
+        assert re.search(
+            r"POST /v1/chat/completions 200 key=local session=\S+ branch=main prompt=\d+ "
+            r"reused=\d+ decoded=\d+ completion=\d+ evictions=\d+ recoveries=\d+ \d+ ms",
+            served[0],
+        )
     assert any("POST /v1/chat/completions 400" in line for line in lines)
 
 

@@ -43,6 +43,7 @@ class RequestRecord:
     def __init__(self, request: Request, kind: str, began: float, entry: Entry | None = None) -> None:
         self.what = f"{request.method} {request.url.path}"
         self.key, self.began, self.entry, self.logged = str(request.state.owner), began, entry, False
+        self.streaming = False  # a stream writes its line when it ends, not when its headers go out
         request.state.record = self
 
     def log(self, status: int, outcome: Outcome | None) -> None:
@@ -92,7 +93,7 @@ def create_app(
         if record is None:
             record = RequestRecord(request, "", began)
             record.key = str(getattr(request.state, "owner", "-"))
-        if not isinstance(response, StreamingResponse) or response.status_code != 200:
+        if not (record.streaming and response.status_code == 200):
             record.log(response.status_code, None)  # streams log themselves when they end
         return response
 
@@ -163,6 +164,7 @@ def create_app(
         headers = {"X-Session-Id": entry.session_id}
         cancel = entry.cancel
         record = RequestRecord(request, kind, began, entry)
+        record.streaming = req.stream
 
         def work() -> Outcome:  # on the engine thread; the session is released there, whatever happens
             try:

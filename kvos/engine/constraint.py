@@ -92,20 +92,46 @@ def _ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 @lru_cache(maxsize=4)
 def _cached_ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     """llguidance's view of ``tokenizer`` (built once per tokenizer: about 0.2 s for a 49k vocabulary)."""
-    vocab = vocab_of(tokenizer)
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_Wrapped(tokenizer)), eos_token=list(tokenizer.eos_ids)
+    )
 
-    class Wrapped:  # the duck type llguidance.TokenizerWrapper reads
-        def __init__(self) -> None:
-            self.eos_token_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else 0
-            self.bos_token_id = tokenizer.bos_id
-            # llguidance spells special tokens as 0xFF + name: they never match grammar text
-            self.tokens = [b"\xff<special>" if i in vocab.special else p for i, p in enumerate(vocab.pieces)]
-            self.special_token_ids = sorted(vocab.special)
 
-        def __call__(self, text: bytes) -> list[int]:
-            return tokenizer.encode(text.decode("utf-8", "replace"))
+class _Wrapped:
+    """The duck type ``llguidance.TokenizerWrapper`` reads: every token's bytes (special tokens as 0xFF +
+    a name, which never matches grammar text) and bytes -> ids."""
 
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Wrapped()), eos_token=list(tokenizer.eos_ids))
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        vocab = vocab_of(tokenizer)
+        self.tokenizer, self.pieces = tokenizer, vocab.pieces
+        self.eos_token_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else 0
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = [b"\xff<special>" if i in vocab.special else p for i, p in enumerate(vocab.pieces)]
+        self.special_token_ids = sorted(vocab.special)
+        self.index = {
+            p: i for i, p in reversed(list(enumerate(vocab.pieces))) if p and i not in vocab.special
+        }
+        self.longest = max(map(len, self.index), default=1)
+
+    def __call__(self, data: bytes) -> list[int]:
+        """The tokenizer's own ids when they spell exactly ``data`` (SentencePiece puts a space in front,
+        and bytes that are not UTF-8 cannot go through text); otherwise the longest piece first."""
+        try:
+            ids = self.tokenizer.encode(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            ids = []
+        if b"".join(self.pieces[i] for i in ids) == data:
+            return ids
+        out, at = [], 0
+        while at < len(data):
+            size = min(self.longest, len(data) - at)
+            while size > 1 and data[at : at + size] not in self.index:
+                size -= 1
+            if data[at : at + size] not in self.index:
+                raise ConfigError(f"the vocabulary cannot spell byte {data[at]:#04x}")
+            out.append(self.index[data[at : at + size]])
+            at += size
+        return out
 
 
 def check_grammar(grammar: Grammar, tokenizer: Tokenizer) -> None:

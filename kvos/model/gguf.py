@@ -11,7 +11,7 @@ dequantized or a kept-quantized path sees the weight.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,8 @@ import torch
 from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.model.config import ModelConfig
 from kvos.model.gguf_config import PERMUTED_ARCHITECTURES, architecture, config_from_metadata, hf_name
+from kvos.model.linear import Weight
+from kvos.model.quant import KEPT_TYPES, QuantizedWeight
 from kvos.model.transformer import Transformer
 
 QType = gguf.GGMLQuantizationType
@@ -205,7 +207,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
     return config, tensors, metadata
 
 
-WeightMaker = Callable[[GGUFTensor], torch.Tensor]
+WeightMaker = Callable[[GGUFTensor], Weight]
 
 
 def dequantized(dtype: torch.dtype, device: torch.device) -> WeightMaker:
@@ -213,13 +215,46 @@ def dequantized(dtype: torch.dtype, device: torch.device) -> WeightMaker:
     return lambda tensor: tensor.dequantize(dtype).to(device)
 
 
+def kept_quantized(device: torch.device) -> WeightMaker:
+    """The weight maker that keeps Q8_0/Q4_0/Q4_1/Q4_K matrices quantized (:class:`QuantizedWeight`) and
+    dequantizes every other tensor to float32, once."""
+
+    def make(tensor: GGUFTensor) -> Weight:
+        if tensor.qtype in KEPT_TYPES and len(tensor.shape) == 2:
+            rows, cols = tensor.shape
+            return QuantizedWeight.from_gguf(tensor.qtype, tensor.raw, (rows, cols)).to(device)
+        return tensor.dequantize(torch.float32).to(device)
+
+    return make
+
+
 def load_gguf(
     path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Load a GGUF file as a :class:`Transformer`, every weight dequantized to ``dtype`` (None: float32)."""
+    """Load a GGUF file as a :class:`Transformer`. ``dtype`` None keeps the Q8_0/Q4_0/Q4_1/Q4_K matrices
+    quantized (float32 compute, everything else dequantized once); a ``dtype`` dequantizes every weight."""
     from kvos.model.loader import resolve_dtype
 
     config, tensors, _ = read_gguf(path)
-    make = dequantized(resolve_dtype(dtype), torch.device(device))
-    weights = {name: make(tensor) for name, tensor in tensors.items()}
-    return Transformer(config, weights)
+    if dtype is None:
+        make = kept_quantized(torch.device(device))
+    else:
+        make = dequantized(resolve_dtype(dtype), torch.device(device))
+    return Transformer(config, _MadeOnAccess(tensors, make))
+
+
+class _MadeOnAccess(Mapping[str, Weight]):
+    """The weights, each made when the transformer reads it and not kept here: parts it fuses (q/k/v,
+    gate/up) are freed as soon as they are fused, so a load never holds two copies of the model."""
+
+    def __init__(self, tensors: dict[str, GGUFTensor], make: WeightMaker) -> None:
+        self.tensors, self.make = tensors, make
+
+    def __getitem__(self, name: str) -> Weight:
+        return self.make(self.tensors[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)

@@ -99,6 +99,13 @@ class QuantizedWeight:
             torch.cat(mins) if mins else None,
         )
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight on ``device`` (off CPU, products go through the tiled dequantize path)."""
+        if torch.device(device) == self.device:
+            return self
+        mins = None if self.min is None else self.min.to(device)
+        return QuantizedWeight(self.q.to(device), self.scale.to(device), mins)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The matrix as ``dtype`` [out, in]."""
         return self._rows(self.q, self.scale, self.min).to(dtype)

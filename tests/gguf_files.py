@@ -147,5 +147,28 @@ def write_model(hf_dir: Path, path: Path, arch: str, qtype: str, seed: int = 0) 
         tensors[gguf_name(name)] = (raw, kind)
         held_t = torch.from_numpy(np.array(held, dtype=np.float32))
         reference[name] = interleaved_to_halves(held_t, heads[proj]) if permute else held_t  # type: ignore[index]
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
+        divisors = llama3_divisors(config, scaling)
+        tensors["rope_freqs.weight"] = (divisors, "F32")
     write_file(path, arch, metadata_keys(config, arch), tensors)
     return reference
+
+
+def llama3_divisors(config: dict[str, Any], scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's converter's rope_freqs for Llama 3 scaling: one divisor of each rotary frequency."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    theta = config.get("rope_theta") or scaling["rope_theta"]
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelength = 2 * np.pi / freq
+        if wavelength < old / high:
+            divisors.append(1.0)
+        elif wavelength > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)

@@ -44,8 +44,14 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("qtype", MATRIX_TYPES)
-def test_logits_match_transformers(hf_checkpoint: tuple[str, Path], qtype: str, tmp_path: Path) -> None:
+# Every type dequantized to float32, and the default load (Q8_0/Q4_0/Q4_1/Q4_K kept quantized).
+LOADS = [(qtype, "float32") for qtype in MATRIX_TYPES] + [(q, None) for q in ("Q8_0", "Q4_0", "Q4_1", "Q4_K")]
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), LOADS)
+def test_logits_match_transformers(
+    hf_checkpoint: tuple[str, Path], qtype: str, dtype: str | None, tmp_path: Path
+) -> None:
     arch, hf_dir = hf_checkpoint
     held = write_model(hf_dir, tmp_path / "m.gguf", arch, qtype)
     reference = hf_model(hf_dir)
@@ -54,8 +60,8 @@ def test_logits_match_transformers(hf_checkpoint: tuple[str, Path], qtype: str, 
     ids = _tokens(PROMPT, 1)
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
-    model = load_model(tmp_path / "m.gguf")
-    assert model.config.model_type == arch and model.embed.dtype == torch.float32
+    model = load_model(tmp_path / "m.gguf", dtype=dtype)
+    assert model.config.model_type == arch
     assert model.config.tie_word_embeddings == ("lm_head.weight" in missing)  # qwen2 ties its head
     engine = Engine(model, block_size=4)
     got = engine.extend(engine.new_sequence(), ids, logits="all")
@@ -173,9 +179,28 @@ def test_unsupported_architecture_is_a_typed_error(tmp_path: Path) -> None:
 def test_unknown_tensor_name_is_a_typed_error(tmp_path: Path) -> None:
     path = tmp_path / "extra.gguf"
     meta = {"llama.attention.head_count": 2, "llama.embedding_length": 64}
-    write_file(path, "llama", meta, {"rope_freqs.weight": (np.ones(32, dtype=np.float32), "F32")})
-    with pytest.raises(UnsupportedModelError, match=r"'rope_freqs\.weight'"):
+    write_file(
+        path, "llama", meta, {"blk.0.ffn_gate_exps.weight": (np.ones((2, 32), dtype=np.float32), "F32")}
+    )
+    with pytest.raises(UnsupportedModelError, match=r"'blk\.0\.ffn_gate_exps\.weight' has no counterpart"):
         read_gguf(path)
+
+
+def test_llama3_rope_freqs_match_transformers(tmp_path: Path) -> None:
+    """Llama 3.1-style files carry RoPE scaling as per-frequency divisors (rope_freqs.weight)."""
+    hf_dir = build("llama3-scaled", tmp_path / "hf", **DIMS)
+    held = write_model(hf_dir, tmp_path / "m.gguf", "llama", "Q8_0")
+    config, _, _ = read_gguf(tmp_path / "m.gguf")
+    assert config.rope_scaling is not None and config.rope_scaling["factor"] == 8.0
+    assert config.rope_scaling["original_max_position_embeddings"] == pytest.approx(32.0, rel=1e-5)
+    reference = hf_model(hf_dir)
+    reference.load_state_dict(held, strict=False)
+    ids = _tokens(60, 2)  # past the original 32 positions
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    engine = Engine(load_model(tmp_path / "m.gguf", dtype="float32"), block_size=8)
+    got = engine.extend(engine.new_sequence(), ids, logits="all")
+    assert (got - expected).abs().max().item() <= TOL
 
 
 def test_stories260k_gguf_equals_bin(shared_dir: Path) -> None:

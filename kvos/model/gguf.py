@@ -177,6 +177,21 @@ def _unpermute(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
                 tensors[name] = tensor.permute_rows(order)
 
 
+def _named_tensors(reader: gguf.GGUFReader) -> tuple[dict[str, GGUFTensor], np.ndarray | None]:
+    """The weights under kvos names, and the values of ``rope_freqs.weight`` (Llama 3.1+ RoPE frequency
+    divisors, which kvos turns into rope scaling), if the file has it."""
+    tensors: dict[str, GGUFTensor] = {}
+    divisors = None
+    for item in reader.tensors:
+        record = _record(item)
+        if item.name == "rope_freqs.weight":
+            divisors = record.dequantize(torch.float32).numpy()
+            continue
+        record.name = hf_name(item.name)
+        tensors[record.name] = record
+    return tensors, divisors
+
+
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dict[str, Any]]:
     """Parse a GGUF file: its model config, its weights under kvos names (q/k rows already in kvos's
     half-rotation order), and its metadata (every key/value, e.g. ``tokenizer.ggml.tokens``).
@@ -193,15 +208,14 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
         raise ModelLoadError(f"{path} is GGUF version {version}; kvos reads versions 2 and 3")
     arch = architecture(metadata)
     try:
-        tensors = {hf_name(t.name): _record(t) for t in reader.tensors}
+        tensors, divisors = _named_tensors(reader)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from exc
-    for name, tensor in tensors.items():
-        tensor.name = name
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")
-    config = config_from_metadata(metadata, embed.shape[0], tied="lm_head.weight" not in tensors)
+    tied = "lm_head.weight" not in tensors
+    config = config_from_metadata(metadata, embed.shape[0], tied, rope_divisors=divisors)
     if arch in PERMUTED_ARCHITECTURES:
         _unpermute(tensors, config)
     return config, tensors, metadata

@@ -13,8 +13,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.model.config import ModelConfig
+from kvos.model.rope import inverse_frequencies
 
 # GGUF architecture -> kvos model_type.
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -55,10 +58,7 @@ def hf_name(gguf_name: str) -> str:
     if match and match.group(2) in _LAYER_NAMES:
         layer, part, kind = match.groups()
         return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    raise UnsupportedModelError(
-        f"GGUF tensor {gguf_name!r} has no counterpart in kvos's Llama-family model; files with it "
-        "(e.g. rope_freqs for Llama 3.1 frequency scaling) are not supported yet"
-    )
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in kvos's Llama-family model")
 
 
 def architecture(metadata: Mapping[str, Any]) -> str:
@@ -90,13 +90,62 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | No
     )
 
 
-def config_from_metadata(metadata: Mapping[str, Any], vocab_rows: int, tied: bool) -> ModelConfig:
+def _fit_llama3(divisors: np.ndarray, wavelengths: np.ndarray, factor: float) -> tuple[float, float]:
+    """(high_freq_factor, original context) of Llama 3 scaling with low_freq_factor 1 (only the ratios of the
+    three matter) whose blend matches ``divisors`` between the unscaled and the fully scaled frequencies."""
+    ones, full = divisors <= 1 + 1e-6, divisors >= factor * (1 - 1e-6)
+    middle = ~ones & ~full
+    if middle.sum() >= 2:  # smooth = (old / wavelength - low) / (high - low), linear in 1 / wavelength
+        smooth = (1 / divisors[middle] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelengths[middle], smooth, 1)
+        return 1 - 1 / intercept, -slope / intercept
+    if not ones.any() or not full.any():
+        raise UnsupportedModelError("rope_freqs.weight does not look like Llama 3 frequency scaling")
+    short = float(np.sqrt(wavelengths[ones].max() * wavelengths[~ones].min()))
+    long = float(np.sqrt(wavelengths[~full].max() * wavelengths[full].min()))
+    return long / short, long
+
+
+def llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """Hugging Face-style Llama 3 rope scaling equivalent to llama.cpp's ``rope_freqs.weight`` (one divisor
+    per rotary frequency, [head_dim // 2]), or None when every divisor is 1.
+
+    Raises:
+        UnsupportedModelError: the divisors follow no Llama 3 scaling (checked to 1e-4, relative).
+    """
+    divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
+    if divisors.shape[0] != head_dim // 2:
+        raise UnsupportedModelError(
+            f"rope_freqs.weight has {divisors.shape[0]} values; expected {head_dim // 2}"
+        )
+    factor = float(divisors.max())
+    if factor <= 1 + 1e-6:
+        return None
+    base = inverse_frequencies(head_dim, theta, None).double().numpy()
+    high, old = _fit_llama3(divisors, 2 * np.pi / base, factor)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": float(old),
+    }
+    got = inverse_frequencies(head_dim, theta, scaling).double().numpy()
+    if not np.allclose(got, base / divisors, rtol=1e-4, atol=0.0):
+        raise UnsupportedModelError("rope_freqs.weight does not follow Llama 3 frequency scaling")
+    return scaling
+
+
+def config_from_metadata(
+    metadata: Mapping[str, Any], vocab_rows: int, tied: bool, rope_divisors: np.ndarray | None = None
+) -> ModelConfig:
     """The model config a GGUF file's metadata describes.
 
     Args:
         metadata: every key/value of the file (as :func:`kvos.model.gguf.read_gguf` returns it).
         vocab_rows: rows of ``token_embd.weight`` (the vocabulary the model was built with).
         tied: the file has no ``output.weight``, so the output head is the token embedding.
+        rope_divisors: the values of ``rope_freqs.weight`` (Llama 3.1+ frequency scaling), if the file has it.
     """
     arch = architecture(metadata)
     heads = int(_get(metadata, f"{arch}.attention.head_count"))
@@ -108,6 +157,12 @@ def config_from_metadata(metadata: Mapping[str, Any], vocab_rows: int, tied: boo
             f"partial rotary embedding ({rope_dims} of {head_dim} head dims) is not supported"
         )
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = _rope_scaling(metadata, arch)
+    if rope_divisors is not None:
+        if scaling is not None:
+            raise UnsupportedModelError("a GGUF file with both rope_freqs.weight and rope scaling keys")
+        scaling = llama3_scaling(rope_divisors, head_dim, theta)
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,
@@ -118,8 +173,8 @@ def config_from_metadata(metadata: Mapping[str, Any], vocab_rows: int, tied: boo
         head_dim=head_dim,
         model_type=ARCHITECTURES[arch],
         rms_norm_eps=float(_get(metadata, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(metadata, arch),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=tied,
         attention_bias=False,

@@ -137,6 +137,18 @@ def test_tiny_file_loads(tmp_path: Path) -> None:
     assert config.vocab_size == 8 and tensors["model.embed_tokens.weight"].shape == (8, 64)
 
 
+def test_version_2_loads_and_version_1_is_a_typed_error(tmp_path: Path) -> None:
+    data = bytearray(_tiny_file(tmp_path / "v3.gguf").read_bytes())
+    assert data[:4] == b"GGUF" and int.from_bytes(data[4:8], "little") == 3
+    for version in (2, 1):
+        data[4:8] = version.to_bytes(4, "little")  # v2 and v3 share the layout; v1 had 32-bit counts
+        (tmp_path / f"v{version}.gguf").write_bytes(bytes(data))
+    config, _, metadata = read_gguf(tmp_path / "v2.gguf")
+    assert metadata["GGUF.version"] == 2 and config.hidden_size == 64
+    with pytest.raises(ModelLoadError, match="version 1"):
+        read_gguf(tmp_path / "v1.gguf")
+
+
 def test_truncated_file_is_a_typed_error(tmp_path: Path) -> None:
     data = _tiny_file(tmp_path / "ok.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"

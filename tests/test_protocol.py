@@ -71,7 +71,7 @@ def client(url: str) -> OpenAI:
 def chat(url: str, messages: list[dict[str, Any]] = ASK, **kw: Any) -> Any:
     kw.setdefault("max_tokens", 8)
     kw.setdefault("temperature", 0)
-    return client(url).chat.completions.create(model=MODEL_NAME, messages=messages, **kw)
+    return client(url).chat.completions.create(model=MODEL_NAME, messages=messages, **kw)  # type: ignore[arg-type]
 
 
 def prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
@@ -124,7 +124,7 @@ def test_completion_logprobs_in_the_legacy_form(base: str, reference: Any) -> No
     r = c.completions.create(
         model=MODEL_NAME, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2
     )
-    lp = r.choices[0].logprobs
+    lp: Any = r.choices[0].logprobs
     tok = load_tokenizer(MODEL_DIR)
     ids = tok.encode("Once upon a time")
     for i, token in enumerate(lp.tokens):
@@ -192,7 +192,7 @@ def test_default_tool_rendering_is_reused_next_turn(base: str) -> None:
     assert r1.usage.prompt_tokens > plain.usage.prompt_tokens + 60  # the schemas are in the system prompt
     call = r1.choices[0].message.tool_calls[0]
     echo = {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]}
-    turn2 = [*ask, echo, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    turn2: list[dict[str, Any]] = [*ask, echo, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
     r2 = chat(base, turn2, tools=TOOLS, extra_headers=headers)
     assert r2.usage.model_extra["kvos"]["reused_tokens"] > r1.usage.prompt_tokens  # the call was reused too
 
@@ -268,3 +268,9 @@ def test_stop_seed_max_completion_tokens_and_usage_are_honoured(base: str) -> No
     assert sampled[0] == sampled[1] and len(others | {sampled[0]}) > 1
     chunks = list(chat(base, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_null_fields_take_their_defaults(base: str) -> None:
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "top_p": None, "logprobs": None}
+    r = chat(base, temperature=None, seed=3, extra_body=nulls)
+    assert r.choices[0].message.content and r.choices[0].logprobs is None

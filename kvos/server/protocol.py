@@ -44,7 +44,7 @@ def reject_unsupported(req: SamplingFields) -> None:
     for name, why in UNSUPPORTED.items():
         if getattr(req, name, None) is not None:
             raise _fail(name, why)
-    if req.n not in (None, 1):
+    if req.n != 1:
         raise _fail("n", f"n={req.n}: kvos returns exactly one choice; send n=1 or leave it out")
     if req.store:
         raise _fail("store", "store=true: kvos does not store completions")

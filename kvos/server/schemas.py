@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Hints(BaseModel):
@@ -51,16 +51,16 @@ class SamplingFields(BaseModel):
     model: str
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    n: int = 1
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -72,6 +72,12 @@ class SamplingFields(BaseModel):
     evoke_priority: float | None = Field(None, gt=0.0, le=100.0)
     evoke_pinned: bool | None = None
     evoke_task_boundary: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI reads a top-level ``null`` as "not sent": such fields take their defaults."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def hints(self) -> Hints:
         """kvos hints, with the field names existing harnesses send accepted too."""

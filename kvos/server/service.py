@@ -220,7 +220,7 @@ class ChatService:
             )
 
     def sampling(self, req: SamplingFields) -> SamplingParams:
-        """The request's sampling, checked: a field it cannot honour is a 400 naming it; unknown ones logged."""
+        """The request's sampling; a field it cannot honour is a 400 naming it, an unknown one is logged."""
         reject_unsupported(req)
         note_unknown(req, self._unknown_fields())
         wanted = req.requested_tokens()
@@ -234,13 +234,13 @@ class ChatService:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
+                temperature=req.temperature,
                 top_k=req.top_k,
-                top_p=1.0 if req.top_p is None else req.top_p,
+                top_p=req.top_p,
                 seed=req.seed,
                 stop=req.stops(),
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
                 logit_bias=logit_bias(req, self.manager.engine.model.config.vocab_size),
                 logprobs=logprob_count(req),
                 grammar=request_grammar(req, self.manager.tokenizer),

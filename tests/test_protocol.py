@@ -20,6 +20,7 @@ from kvos.builtin import MODEL_DIR
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import load_tokenizer
 from kvos.model.vocab import vocab_of
+from kvos.server.reply import ToolCallHold
 from kvos.session.prompt import SpanRenderer, flatten
 
 ASK = [{"role": "user", "content": "Hello! What is your name?"}]
@@ -274,3 +275,36 @@ def test_null_fields_take_their_defaults(base: str) -> None:
     nulls = {"n": None, "stream": None, "presence_penalty": None, "top_p": None, "logprobs": None}
     r = chat(base, temperature=None, seed=3, extra_body=nulls)
     assert r.choices[0].message.content and r.choices[0].logprobs is None
+
+
+def test_a_streamed_tool_call_comes_as_tool_calls_not_content(base: str) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    chunks = list(chat(base, ask, tools=TOOLS, tool_choice="required", max_tokens=200, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == ""
+    calls = [call for d in deltas for call in d.tool_calls or []]
+    assert_valid_calls(calls, {"get_weather", "add"})
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = chat(base, ask, tools=TOOLS, max_tokens=30)  # auto: this model answers in prose here
+    assert not plain.choices[0].message.tool_calls
+    streamed = chat(base, ask, tools=TOOLS, max_tokens=30, stream=True)
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        == plain.choices[0].message.content
+    )
+
+
+def test_held_back_text_is_only_what_may_be_a_tool_call() -> None:
+    hold = ToolCallHold(True)
+    assert [hold.feed(t) for t in ["Sure <to", "ol", "box> ok <tool_", "call>\n{", "}"]] == [
+        "Sure ",
+        "",
+        "<toolbox> ok ",
+        "",
+        "",
+    ]
+    assert hold.rest("Sure <toolbox> ok") == "" and hold.rest("other") == ""
+    tail = ToolCallHold(True)
+    tail.feed("a <tool")
+    assert tail.rest("a <tool") == "<tool"
+    assert ToolCallHold(False).feed("<tool_call>") == "<tool_call>"

@@ -29,8 +29,10 @@ from kvos.engine.sampling import TokenLogprob
 from kvos.server.errors import APIError, bad_request, too_large, unauthorized
 from kvos.server.metrics import make_registry
 from kvos.server.protocol import chat_logprobs, legacy_logprobs
+from kvos.server.reply import ToolCallHold
 from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
+from kvos.server.tools import plan_tools
 from kvos.session.prompt import Span
 
 DONE = object()
@@ -333,6 +335,7 @@ async def _sse(
             put(exc)
 
     cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    hold = ToolCallHold(isinstance(req, ChatRequest) and bool(plan_tools(req).offered))
     loop.run_in_executor(engine, produce)
     try:
         if kind == "chat":
@@ -348,19 +351,26 @@ async def _sse(
                 yield f"data: {json.dumps(error.body())}\n\n"
                 break
             if isinstance(item, tuple) and item[0] is DONE:
-                yield from_outcome(item[1], kind, cid, model, req)
+                yield from_outcome(item[1], kind, cid, model, req, hold)
                 break
             if item.text or item.logprob is not None:
-                delta = {"content": item.text} if kind == "chat" else item.text
+                text = hold.feed(item.text)
+                delta = {"content": text} if kind == "chat" else text
                 yield _chunk(kind, cid, model, delta, None, item.logprob)
         yield "data: [DONE]\n\n"
     finally:
         cancel.set()  # no-op once the request is over (the entry has a fresh event by then)
 
 
-def from_outcome(outcome: Outcome, kind: str, cid: str, model: str, req: SamplingFields) -> str:
-    """The closing chunks of a stream: tool calls, the finish reason, and usage when asked for."""
+def from_outcome(
+    outcome: Outcome, kind: str, cid: str, model: str, req: SamplingFields, hold: ToolCallHold
+) -> str:
+    """The closing chunks of a stream: content held back that turned out not to be a tool call, tool calls,
+    the finish reason, and usage when asked for."""
     parts: list[str] = []
+    rest = hold.rest(outcome.text) if hold.active else ""
+    if kind == "chat" and rest:
+        parts.append(_chunk(kind, cid, model, {"content": rest}, None))
     if kind == "chat" and outcome.tool_calls:
         calls = [{"index": i, **call} for i, call in enumerate(outcome.tool_calls)]
         parts.append(_chunk(kind, cid, model, {"tool_calls": calls}, None))

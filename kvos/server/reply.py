@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*", re.DOTALL)
+TOOL_OPEN = "<tool_call>"
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -51,3 +52,39 @@ def parse_reply(
         return text, reasoning, []
     content = TOOL_CALL.sub(take, text)
     return (content.strip() if calls else content), reasoning, calls
+
+
+class ToolCallHold:
+    """Streams a reply's content while holding back what may be a tool call: text from ``<tool_call>`` on
+    is not streamed as content (the calls go out as ``tool_calls`` when the reply is parsed), nor a tail
+    that could be the start of that tag. Inactive (everything streams) when no tools were offered."""
+
+    def __init__(self, active: bool) -> None:
+        self.active, self.sent, self.pending, self.blocked = active, "", "", False
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` (the reply's next piece) that can go out as content now."""
+        if not self.active or self.blocked:
+            out = "" if self.blocked else text
+        else:
+            self.pending += text
+            at = self.pending.find(TOOL_OPEN)
+            if at >= 0:
+                out, self.blocked = self.pending[:at], True
+            else:
+                keep = next(
+                    (k for k in range(len(TOOL_OPEN) - 1, 0, -1) if self.pending.endswith(TOOL_OPEN[:k])), 0
+                )
+                out = self.pending[: len(self.pending) - keep]
+            self.pending = self.pending[len(out) :]
+        self.sent += out
+        return out
+
+    def rest(self, content: str) -> str:
+        """What the parsed reply's ``content`` adds to what was streamed (nothing if they part ways)."""
+        return content[len(self.sent) :] if content.startswith(self.sent) else ""
+
+
+def _tag_start(text: str) -> int:
+    """The length of the longest tail of ``text`` that begins ``<tool_call>``."""
+    return next((k for k in range(len(TOOL_OPEN) - 1, 0, -1) if text.endswith(TOOL_OPEN[:k])), 0)

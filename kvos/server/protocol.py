@@ -64,7 +64,7 @@ def reject_unsupported(req: SamplingFields) -> None:
 def _reject_chat(req: ChatRequest) -> None:
     if req.modalities is not None and list(req.modalities) != ["text"]:
         raise _fail("modalities", f"modalities {req.modalities}: kvos answers with text only")
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:
         raise _fail("top_logprobs", "top_logprobs needs logprobs=true")
     kind = (req.response_format or {}).get("type", "text")
     if kind not in ("text", "json_object", "json_schema"):

@@ -11,6 +11,7 @@ dequantized or a kept-quantized path sees the weight.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,7 @@ class _CheckedReader(gguf.GGUFReader):
                     "not know it (a newer llama.cpp type?)"
                 ) from None
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
             if end > size:
                 raise ModelLoadError(
                     f"the file is truncated: tensor {name!r} ends at byte {end} but the file has {size} bytes"

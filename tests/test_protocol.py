@@ -47,7 +47,10 @@ ADD = {
     "name": "add",
     "parameters": {
         "type": "object",
-        "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}},
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 999},
+            "b": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
         "required": ["a", "b"],
     },
 }

@@ -155,6 +155,8 @@ class Constraint:
         out = torch.zeros(vocab, dtype=torch.bool)
         n = min(vocab, bits.shape[0])
         out[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
+        if not out.any():  # llguidance always leaves a token (EOS at the end) unless it failed
+            raise ConfigError(f"the grammar allows no token: {self.matcher.get_error() or 'a dead end'}")
         return out
 
     def advance(self, token: int) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvos.engine.constraint import TOOL_CLOSE, TOOL_OPEN, Grammar
+from kvos.errors import KvosError
 from kvos.model.chat_template import ChatTemplate
 from kvos.server.errors import APIError, bad_request
 from kvos.server.schemas import ChatRequest
@@ -91,8 +92,12 @@ def template_inputs(
 def renders_tools(
     template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: list[Any], extra: dict[str, Any]
 ) -> bool:
-    """True when the template's text changes with the tools (it renders them itself)."""
-    with_tools = template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+    """True when the template's text changes with the tools (it renders them itself); a template that
+    fails with tools (some raise on purpose) cannot render them."""
+    try:
+        with_tools = template.render(messages, add_generation_prompt=True, tools=tools, **extra)
+    except KvosError:
+        return False
     return with_tools != template.render(messages, add_generation_prompt=True, **extra)
 
 

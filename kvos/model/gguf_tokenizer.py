@@ -114,11 +114,10 @@ def _spm_tokenizer(metadata: Mapping[str, Any], tokens: list[str]) -> tokenizers
     scores = metadata.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise TokenizerError("GGUF llama tokenizer needs tokenizer.ggml.scores, one score per token")
-    unk_id = int(metadata.get("tokenizer.ggml.unknown_token_id", 0))
+    unk_id = _token_id({"tokenizer.ggml.unknown_token_id": 0, **metadata}, "unknown_token_id", tokens)
     vocab = {token: index for index, token in enumerate(tokens)}
-    bpe = models.BPE(
-        vocab, score_merges(tokens, scores), unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True
-    )
+    unk = None if unk_id is None else tokens[unk_id]
+    bpe = models.BPE(vocab, score_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True)
     tokenizer = tokenizers.Tokenizer(bpe)
     # As llama.cpp does: every text fragment (the start, and each one after a special token) gets the space
     # prefix, even when it already starts with a space; spaces become "▁"; no further splitting.
@@ -134,6 +133,19 @@ def _token_id(metadata: Mapping[str, Any], key: str, tokens: Sequence[str]) -> i
     """A token id from the metadata, or None when absent or out of range (llama.cpp writes -1 as 2**32-1)."""
     value = metadata.get(f"tokenizer.ggml.{key}")
     return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+
+_NAMED = (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))
+
+
+def _named_tokens(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str]:
+    """The BOS/EOS/UNK/PAD token strings the metadata names by id, as chat templates see them."""
+    named = {}
+    for name, key in _NAMED:
+        token_id = _token_id(metadata, f"{key}_token_id", tokens)
+        if token_id is not None:
+            named[name] = tokens[token_id]
+    return named
 
 
 def gguf_tokenizer(metadata: Mapping[str, Any]) -> HFTokenizer:
@@ -155,33 +167,18 @@ def gguf_tokenizer(metadata: Mapping[str, Any]) -> HFTokenizer:
         raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported; kvos reads gpt2 and llama")
     types = metadata.get("tokenizer.ggml.token_type") or []
     tokenizer.add_special_tokens(_special_tokens(tokens, types, byte_level=kind == "gpt2"))
-    ids = {
-        key: _token_id(metadata, f"{key}_token_id", tokens) for key in ("bos", "eos", "unknown", "padding")
-    }
-    named = {
-        name: tokens[ids[key]]
-        for name, key in (
-            ("bos_token", "bos"),
-            ("eos_token", "eos"),
-            ("unk_token", "unknown"),
-            ("pad_token", "padding"),
-        )
-        if ids[key] is not None
-    }
+    named = _named_tokens(metadata, tokens)
     template = metadata.get("tokenizer.chat_template")
-    if template is not None:
-        ChatTemplate(
-            str(template), named.get("bos_token"), named.get("eos_token")
-        )  # compile: syntax errors now
+    if template is not None:  # compiled in the sandbox now, so a syntax error fails the load
+        ChatTemplate(str(template), named.get("bos_token"), named.get("eos_token"))
     end_ids = [_token_id(metadata, f"{key}_token_id", tokens) for key in ("eos", "eot", "eom")]
-    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
     return HFTokenizer(
         tokenizer,
         named_special_tokens=named,
         chat_templates={} if template is None else {"default": str(template)},
-        bos_id=ids["bos"],
+        bos_id=_token_id(metadata, "bos_token_id", tokens),
         extra_eos_ids=[token for token in end_ids if token is not None],
-        add_bos_token=bool(add_bos),
+        add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")),
     )
 
 

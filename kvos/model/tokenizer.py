@@ -248,7 +248,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at ``path``.
 
     ``path`` may be a directory with ``tokenizer.json`` (Hugging Face) or ``tokenizer.bin`` (llama2.c), a
-    ``tokenizer.json`` file, a ``.gguf`` model file (its own tokenizer), or a llama2.c tokenizer ``.bin`` file.
+    ``tokenizer.json`` file, a ``.gguf`` model file (its own tokenizer), or a llama2.c tokenizer ``.bin``.
 
     Raises:
         TokenizerError: nothing usable at ``path``, or the tokenizer files are malformed.

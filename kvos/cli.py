@@ -11,6 +11,7 @@ from kvos.errors import KvosError
 
 BENCHMARKS = {
     "decode": ("kvos.bench.decode", "decode tokens/s of kvos vs transformers' generate"),
+    "kernels": ("kvos.bench.kernels", "quantized-weight matmul kernels vs float32 on SmolLM2's shapes"),
     "growth": ("kvos.bench.growth", "pool bytes vs live bytes as one sequence grows"),
     "restore": ("kvos.bench.restore", "restoring a saved K/V block vs re-prefilling it vs a plain copy"),
     "session": ("kvos.bench.session", "a chat session growing to 100x its KV budget: tokens, events, RSS"),

@@ -162,3 +162,29 @@ def test_an_exchange_too_large_comes_back_as_its_whole_message() -> None:
     assert [b.state for b in fact + ack] == [BlockState.RESIDENT] * 2 + [BlockState.SAVED] * 2
     assert "V1-BP4" in s.generate(SamplingParams(max_tokens=16))[0]
     manager.close(s.session_id)
+
+
+def test_answer_signal_reads_bounded_spans_of_long_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent's long system prompt and a long user message: every candidate the answer signal scores, and
+    the query, are at most min(budget, 4 blocks) tokens (one pass over a 30,000-token message took 190 s)."""
+    path = builtin_model_path()
+    manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
+    config = SessionConfig(budget=Budget(max_active_tokens=256), block_tokens=32)
+    s = manager.session(config=config)
+    seen: list[tuple[list[int], dict]] = []
+    original = AnswerContrast.scores
+
+    def spy(self: AnswerContrast, prefix: list[int], query: list[int], candidates: dict) -> dict:
+        seen.append((list(query), dict(candidates)))
+        return original(self, prefix, query, candidates)
+
+    monkeypatch.setattr(AnswerContrast, "scores", spy)
+    s.add_message("system", " ".join(f"Rule {i}: read each file before you edit it." for i in range(60)))
+    s.add_message("user", "My favourite number is 4242. " + "Please keep it in mind. " * 30)
+    s.add_message("assistant", "Got it.")
+    s.add_message("user", "What is my favourite number?")
+    assert seen
+    for query, candidates in seen:
+        assert len(query) <= 128 and candidates
+        assert all(len(tokens) <= 128 for tokens in candidates.values())
+    manager.close(s.session_id)

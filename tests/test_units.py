@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvos.policy.blocks import BlockKind, MemBlock
-from kvos.session.units import by_message, exchange_units, unit_groups, unit_texts
+from kvos.session.units import bounded, by_message, exchange_units, unit_groups, unit_texts
 
 # (message index, kind, tokens): system; user in two chunks; its reply; a document; its reply in two chunks;
 # an assistant message after an assistant message; a tool message with no reply
@@ -59,3 +59,14 @@ def test_groups_follow_the_ranking_once_per_unit_with_eligible_members_in_order(
         (1, [1]),
         (7, [7]),
     ]
+
+
+def test_bounded_units_fall_apart_into_chunks() -> None:
+    b = blocks()
+    unit = bounded(exchange_units(b.values()), b.values(), 3)
+    # the user exchange (message 1 with its reply: 4 tokens) and the document's (3 tokens)
+    assert [unit(b[i]) for i in (1, 2, 3)] == [-2, -3, -4]  # over 3 tokens: each chunk on its own
+    assert [unit(b[i]) for i in (4, 5, 6)] == [3, 3, 3]  # exactly 3: one unit
+    assert unit(b[0]) == 0 and unit(b[8]) == 6
+    texts = unit_texts(b.values(), unit)
+    assert texts[-2] == [2, 3] and texts[3] == [6, 7, 8]

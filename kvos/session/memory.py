@@ -23,7 +23,15 @@ from kvos.session.config import SessionConfig
 from kvos.session.journal import Journal
 from kvos.session.pager import Pager
 from kvos.session.relevance import AnswerContrast
-from kvos.session.units import Unit, by_message, exchange_units, in_order, unit_groups, unit_texts
+from kvos.session.units import (
+    Unit,
+    bounded,
+    by_message,
+    exchange_units,
+    in_order,
+    unit_groups,
+    unit_texts,
+)
 
 
 class SessionMemory:
@@ -147,6 +155,8 @@ class SessionMemory:
         exchanges = self.config.recovery_signal == "answer"
         eligible = self._eligible if exchanges else self._recoverable
         unit = exchange_units(self.blocks.values()) if exchanges else by_message
+        if exchanges:  # each candidate costs a forward pass over it: long messages go chunk by chunk
+            unit = bounded(unit, self.blocks.values(), self._answer_span())
         candidates = [b for b in self.blocks.values() if eligible(b)]
         similarity = self._similarity(ids, query, unit)
         sims = {b.block_id: s for b in candidates if (s := similarity(b)) is not None}
@@ -197,10 +207,11 @@ class SessionMemory:
         return lambda b: None if b.embedding is None else cosine(query, b.embedding)
 
     def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
-        """unit (an exchange, :func:`~kvos.session.units.exchange_units`) -> :class:`AnswerContrast` score
-        of its whole text, for the units with a recoverable or holdable chunk, at most
-        ``recovery_candidates`` of them (the lexically closest, then the most recent), or None when the pool
-        cannot hold the scratch passes."""
+        """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see
+        :func:`~kvos.session.units.bounded`) -> :class:`AnswerContrast` score of its whole text against the
+        new message's last :meth:`_answer_span` tokens, for the units with a recoverable or holdable chunk,
+        at most ``recovery_candidates`` of them (the lexically closest, then the most recent), or None when
+        the pool cannot hold the scratch passes."""
         assert self.answer is not None
         texts = unit_texts(self.blocks.values(), unit)
         wanted = {unit(b) for b in self.blocks.values() if self._eligible(b)}
@@ -215,11 +226,18 @@ class SessionMemory:
         prefix = [
             t for b in in_order(self.blocks.values()) if b.resident and b.is_sink(sinks) for t in b.token_ids
         ]
+        query = ids[-self._answer_span() :]  # a pasted file: its end, where the question is
         try:
-            return self.answer.scores(prefix, ids, candidates)
+            return self.answer.scores(prefix, query, candidates)
         except PoolOutOfMemoryError:
             self.journal.log(self.turn, "answer_signal_skipped", reason="pool_full")
             return None
+
+    def _answer_span(self) -> int:
+        """The most tokens the answer signal reads of one candidate, and of the new message: the budget
+        (a larger unit cannot come back whole) and at most 4 blocks, so a turn's scoring stays bounded
+        (at most ``recovery_candidates`` passes of at most three such spans) whatever the messages' size."""
+        return min(self.config.budget.max_active_tokens, 4 * self.config.block_tokens)
 
     def _affordable(
         self, groups: list[tuple[int, list[int]]], incoming_locked: int = 0

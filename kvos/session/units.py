@@ -31,6 +31,21 @@ def exchange_units(blocks: Iterable[MemBlock]) -> Unit:
     return key
 
 
+def bounded(unit: Unit, blocks: Iterable[MemBlock], max_tokens: int) -> Unit:
+    """``unit``, except that a unit of more than ``max_tokens`` tokens falls apart into its chunks, each a
+    unit of its own (keyed ``-1 - block_id``, apart from message indexes): a 10,000-token system prompt or
+    pasted file is scored and recovered chunk by chunk, never as one forward pass over all of it."""
+    sizes: dict[int, int] = {}
+    for b in blocks:
+        sizes[unit(b)] = sizes.get(unit(b), 0) + b.num_tokens
+
+    def key(b: MemBlock) -> int:
+        k = unit(b)
+        return k if sizes.get(k, 0) <= max_tokens else -1 - b.block_id
+
+    return key
+
+
 def in_order(blocks: Iterable[MemBlock]) -> list[MemBlock]:
     """The blocks in history order."""
     return sorted(blocks, key=lambda b: b.original_start)

@@ -199,7 +199,8 @@ def test_busy_session_gets_409(base: str, model_dir: Path) -> None:
     with httpx.stream(
         "POST", f"{base}/chat/completions", json=body, headers={"X-Session-Id": "busy"}, timeout=60
     ) as stream:
-        next(stream.iter_lines())  # the first chunk: the request holds the session now
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the stream, which cancels the request
+        next(lines)  # the first chunk: the request holds the session now
         with pytest.raises(openai.ConflictError) as err:
             ask(c, msgs, "busy")
         assert err.value.body["code"] == "session_busy"  # type: ignore[index]
@@ -421,6 +422,7 @@ def test_listing_and_metrics_while_a_session_runs(model_dir: Path) -> None:
             "messages": [SYSTEM, {"role": "user", "content": "go " * 50}],
             "max_tokens": 400,
             "stream": True,
+            "logit_bias": {str(t): -100 for t in load_tokenizer(model_dir).eos_ids},  # no early end
         }
         statuses: list[int] = []
         with httpx.stream(

@@ -403,13 +403,11 @@ class ChatService:
         if template is None:
             return None
         try:
+            messages, tools = template_inputs(template, req)  # as prepare_chat renders it
             text = template.render(
-                [m.as_template_dict() for m in req.messages],
-                add_generation_prompt=True,
-                tools=req.tools,
-                **(req.chat_template_kwargs or {}),
+                messages, add_generation_prompt=True, tools=tools, **(req.chat_template_kwargs or {})
             )
-        except KvosError:
+        except (KvosError, APIError):
             return None
         return tok.encode(text)
 

@@ -1,4 +1,5 @@
-"""Greedy decode tokens/s of kvos vs transformers' generate on the same checkpoint and prompt.
+"""Greedy decode tokens/s of kvos vs transformers' generate on the same checkpoint and prompt (or, with
+``--peer llamacpp``, vs llama.cpp on the same GGUF file: :mod:`kvos.bench.decode_llamacpp`).
 
 Both systems get the same seeded random prompt and produce exactly ``new_tokens`` tokens greedily in
 float32. Each run is timed the same way for both: the start of the call, the moment the first new token
@@ -58,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads for both systems (default: torch's, one per core)",
     )
+    parser.add_argument(
+        "--peer",
+        choices=("hf", "llamacpp"),
+        default="hf",
+        help="the system kvos is compared with: transformers (default) or llama.cpp on a --model FILE.gguf",
+    )
 
 
 @dataclass
@@ -83,6 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.peer == "llamacpp":
+        return _run_llamacpp_peer(args)
     try:
         import transformers  # noqa: F401  (a dev dependency)
     except ImportError as exc:
@@ -98,6 +107,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = header("decode", ",".join(name for name, _ in models))
     result["rows"] = rows
     print_table(rows, COLUMNS)
+    write_json(args.json, result)
+    return result
+
+
+def _run_llamacpp_peer(args: argparse.Namespace) -> dict[str, Any]:
+    """kvos vs llama.cpp on one GGUF file (:mod:`kvos.bench.decode_llamacpp`)."""
+    from kvos.bench.decode_llamacpp import COLUMNS as PEER_COLUMNS
+    from kvos.bench.decode_llamacpp import bench_llamacpp
+
+    if not args.model:
+        raise ConfigError("--peer llamacpp needs --model FILE.gguf")
+    threads = args.threads or torch.get_num_threads()
+    row = bench_llamacpp(Path(args.model), args.prompt_tokens, args.new_tokens, args.repeats, threads)
+    result = header("decode", str(args.model))
+    result["peer"] = "llamacpp"
+    result["rows"] = [row]
+    print_table([row], PEER_COLUMNS)
     write_json(args.json, result)
     return result
 

@@ -1,0 +1,164 @@
+"""``kvos bench decode --model FILE.gguf --peer llamacpp``: kvos vs llama.cpp on the same GGUF file.
+
+kvos loads the file with its default (quantized matrices kept quantized); llama.cpp (llama-cpp-python)
+maps the same file. Both get the same seeded random prompt, the same thread count, greedy decoding with the
+file's EOS id masked, and the same clock stamps as the transformers comparison: prefill tok/s =
+prompt_tokens / (first - start), decode tok/s = (new_tokens - 1) / (last - first). One warm-up each, then
+``repeats`` runs alternating kvos, llama.cpp, ...; medians. ``*_rss_mb`` is the growth of this process's
+resident memory over loading that system and its warm-up run (llama.cpp's mapped file pages included, as
+they are resident). ``tokens_match`` compares the greedy tokens: the two compute differently (llama.cpp
+quantizes activations to 8 bits), so a divergence late in the run is expected, not a failure.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvos.bench.common import median
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+from kvos.model.loader import load_model
+
+COLUMNS = (
+    "model",
+    "prompt_tokens",
+    "new_tokens",
+    "threads",
+    "kvos_tok_s",
+    "llamacpp_tok_s",
+    "ratio",
+    "kvos_prefill_tok_s",
+    "llamacpp_prefill_tok_s",
+    "prefill_ratio",
+    "kvos_rss_mb",
+    "llamacpp_rss_mb",
+    "tokens_match",
+    "repeats",
+)
+SEED = 1234
+
+
+def rss_mb() -> float:
+    """This process's resident set size in MiB (Linux /proc; 0.0 where that is absent)."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return 0.0
+    line = next(x for x in status.read_text().splitlines() if x.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
+def bench_llamacpp(
+    path: Path, prompt_tokens: int, new_tokens: int, repeats: int, threads: int
+) -> dict[str, Any]:
+    """One row: kvos vs llama.cpp on the GGUF file at ``path``."""
+    from kvos.bench.decode import Run, _run_kvos
+
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:
+        raise ConfigError(
+            "--peer llamacpp needs llama-cpp-python (it builds llama.cpp from source, ~10 minutes on 2 "
+            "cores): pip install llama-cpp-python"
+        ) from exc
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ConfigError(f"--peer llamacpp needs --model FILE.gguf, got {path}")
+    torch.set_num_threads(threads)
+    engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
+    prompt = _prompt(engine.model.config.vocab_size, prompt_tokens)
+    before = rss_mb()
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=prompt_tokens + new_tokens + 8,
+        n_batch=max(prompt_tokens, 8),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    eos = [int(llm.token_eos())]
+    _run_llamacpp(llm, prompt, new_tokens, eos)  # warm-up
+    llamacpp_rss = rss_mb() - before
+    kvos_runs: list[Run] = []
+    peer_runs: list[Run] = []
+    with torch.inference_mode():
+        for _ in range(repeats):  # side by side, alternating
+            kvos_runs.append(_run_kvos(engine, prompt, new_tokens, eos))
+            peer_runs.append(_run_llamacpp(llm, prompt, new_tokens, eos))
+    return _row(path, prompt_tokens, new_tokens, threads, kvos_runs, peer_runs, kvos_rss, llamacpp_rss)
+
+
+def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine, float]:
+    """kvos's engine on the file (default load: quantized kept) after a warm-up run, and the RSS growth."""
+    from kvos.bench.decode import _run_kvos
+
+    before = rss_mb()
+    engine = Engine(load_model(path))
+    with torch.inference_mode():
+        _run_kvos(engine, _prompt(engine.model.config.vocab_size, prompt_tokens), new_tokens, [])
+    return engine, rss_mb() - before
+
+
+def _prompt(vocab_size: int, prompt_tokens: int) -> list[int]:
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randint(0, vocab_size, (prompt_tokens,), generator=g).tolist()
+
+
+def _run_llamacpp(llm: Any, prompt: list[int], new_tokens: int, eos: list[int]) -> Any:
+    """Prefill then greedy decode from an empty context, timed as kvos's runs are."""
+    from kvos.bench.decode import Run
+
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    token = _greedy(llm, eos)
+    first = time.perf_counter()
+    tokens = [token]
+    for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = _greedy(llm, eos)
+        tokens.append(token)
+    last = time.perf_counter()
+    return Run(start, first, last, tokens)
+
+
+def _greedy(llm: Any, eos: list[int]) -> int:
+    """argmax of the last position's logits with the EOS ids masked."""
+    logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    logits[eos] = -np.inf
+    return int(logits.argmax())
+
+
+def _row(
+    path: Path,
+    prompt_tokens: int,
+    new_tokens: int,
+    threads: int,
+    kvos_runs: list[Any],
+    peer_runs: list[Any],
+    kvos_rss: float,
+    llamacpp_rss: float,
+) -> dict[str, Any]:
+    kvos_tok_s = median([r.decode_tok_s() for r in kvos_runs])
+    peer_tok_s = median([r.decode_tok_s() for r in peer_runs])
+    kvos_prefill = median([r.prefill_tok_s(prompt_tokens) for r in kvos_runs])
+    peer_prefill = median([r.prefill_tok_s(prompt_tokens) for r in peer_runs])
+    return {
+        "model": str(path),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "threads": threads,
+        "kvos_tok_s": kvos_tok_s,
+        "llamacpp_tok_s": peer_tok_s,
+        "ratio": kvos_tok_s / peer_tok_s,
+        "kvos_prefill_tok_s": kvos_prefill,
+        "llamacpp_prefill_tok_s": peer_prefill,
+        "prefill_ratio": kvos_prefill / peer_prefill,
+        "kvos_rss_mb": kvos_rss,
+        "llamacpp_rss_mb": llamacpp_rss,
+        "tokens_match": all(k.tokens == p.tokens for k, p in zip(kvos_runs, peer_runs, strict=True)),
+        "repeats": len(kvos_runs),
+    }

@@ -268,6 +268,9 @@ class _MadeOnAccess(Mapping[str, Weight]):
     def __getitem__(self, name: str) -> Weight:
         return self.make(self.tensors[name])
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors  # without making the weight
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
 

@@ -191,7 +191,25 @@ def test_swap_out_and_in_continue_identically(model_dir: Path) -> None:
     assert replies == reference
 
 
-def test_busy_session_gets_409(base: str, model_dir: Path) -> None:
+def test_busy_session_waits_or_gets_409(model_dir: Path) -> None:
+    with running_server(model_dir, "--busy-timeout", "0") as url:
+        busy_session_gets_409(url, model_dir)
+    with running_server(model_dir) as url:  # the default: a second request waits its turn
+        c = client(url)
+        msgs = [SYSTEM, {"role": "user", "content": "long answer"}]
+        done: list[Any] = []
+        threads = [
+            threading.Thread(target=lambda: done.append(ask(c, msgs, "queue", max_tokens=40)))
+            for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(done) == 3
+
+
+def busy_session_gets_409(base: str, model_dir: Path) -> None:
     c = client(base)
     msgs = [SYSTEM, {"role": "user", "content": "long answer"}]
     never_end = {str(t): -100 for t in load_tokenizer(model_dir).eos_ids}  # 400 tokens, no early EOS

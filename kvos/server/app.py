@@ -46,6 +46,7 @@ class RequestRecord:
         self.what = f"{request.method} {request.url.path}"
         self.key, self.began, self.entry, self.logged = str(request.state.owner), began, entry, False
         self.streaming = False  # a stream writes its line when it ends, not when its headers go out
+        self.session = entry.session_id if entry else request.headers.get("x-session-id", "-")
         request.state.record = self
 
     def log(self, status: int, outcome: Outcome | None) -> None:
@@ -57,7 +58,7 @@ class RequestRecord:
         extra = usage.get("kvos", {})
         fields = {
             "key": self.key,
-            "session": self.entry.session_id if self.entry else "-",
+            "session": self.session,
             "branch": extra.get("branch", "-"),
             "prompt": usage.get("prompt_tokens", "-"),
             "reused": extra.get("reused_tokens", "-"),

@@ -62,7 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--session-ttl", type=float, default=3600.0, help="seconds before an idle session is closed"
     )
     p.add_argument(
-        "--busy-timeout", type=float, default=0.0, help="seconds to wait for a busy session (0: 409)"
+        "--busy-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request waits for its session while another request runs on it (harnesses send "
+        "side requests concurrently); 0: answer 409 session_busy at once",
     )
     p.add_argument("--max-tokens-limit", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=16 << 20)

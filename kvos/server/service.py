@@ -32,7 +32,7 @@ class ServiceConfig:
     model_name: str
     max_sessions: int = 8  # sessions resident in the pool at once; the least recently used idle ones swap out
     session_ttl_s: float = 3600.0
-    busy_timeout_s: float = 0.0  # 0: a request for a busy session gets 409 at once
+    busy_timeout_s: float = 300.0  # how long a request waits for its busy session; 0: 409 at once
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256

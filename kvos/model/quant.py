@@ -120,17 +120,24 @@ class QuantizedWeight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> x @ W.T [n, out], float32 (x is cast to float32 first), then back to x's dtype."""
+        return self.addmm(None, x)
+
+    def addmm(self, c: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T, computed in float32, as x's dtype."""
         xf = x.float().contiguous()
         k = kernel()
         if k is not None and xf.shape[0] <= SMALL_N and xf.device.type == "cpu":
-            out = k.mm(xf, self.q, self.scale, _EMPTY if self.min is None else self.min, self.min is not None)
+            fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
+            add = c.contiguous() if fused and c is not None else _EMPTY
+            mins = _EMPTY if self.min is None else self.min
+            out = k.mm(xf, self.q, self.scale, mins, self.min is not None, add)
+            if c is not None and not fused:
+                out += c
         else:
             out = self._tiled_mm(xf)
+            if c is not None:
+                out += c
         return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-    def addmm(self, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """c [n, out] (or broadcastable) + x [n, in] @ W.T."""
-        return self.mm(x).add_(c)
 
     def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [n, in] @ W.T through float32 tiles of at most TILE_FLOATS weights."""

@@ -6,14 +6,14 @@ Two layouts, both in groups of 32 along the input dim (see :mod:`kvos.model.quan
   16-31, GGUF's order), scale and min float32 [N, K / 32]: w = scale * q + min, q in 0..15;
 - ``q8``: int8 [N, K], scale float32 [N, K / 32]: w = scale * q.
 
-``mm(x, ...)`` computes x [n, K] @ w.T for small n straight from the packed bytes: each group's weights are
-widened to float once and used for every row of x, dot products are summed per group and scaled once, and
-for q4 the mins enter as min * sum(x over the group). It reads 0.5 (q4) or 1 (q8) byte per weight where a
-float32 matmul reads 4, which is what decode is bound by. ``dequantize(...)`` writes float32 rows exactly
-(scale * q is exact in float32, so scale * q + min is rounded once, as gguf.quants does). Compiled on first
-use with ``torch.utils.cpp_extension`` (-march=native: AVX-512 intrinsics where the CPU has them,
-portable loops otherwise) and cached; without a compiler, or with ``KVOS_NO_EXTENSIONS=1``,
-:mod:`kvos.model.quant` computes the same values with torch ops.
+``mm(x, ..., c)`` computes c + x [n, K] @ w.T for small n straight from the packed bytes: each group's
+weights are widened to float once and used for every row of x, dot products are summed per group and
+scaled once, and for q4 the mins enter as min * sum(x over the group). It reads 0.5 (q4) or 1 (q8) byte per
+weight where a float32 matmul reads 4, which is what decode is bound by. ``dequantize(...)`` writes
+float32 rows exactly (scale * q is exact in float32, so scale * q + min is rounded once, as gguf.quants
+does). Compiled on first use with ``torch.utils.cpp_extension`` (-march=native: AVX-512 intrinsics where
+the CPU has them, portable loops otherwise) and cached; without a compiler, or with
+``KVOS_NO_EXTENSIONS=1``, :mod:`kvos.model.quant` computes the same values with torch ops.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <algorithm>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -60,7 +61,7 @@ static inline void widen(const uint8_t* w, __m512& lo, __m512& hi) {
 // Output r for rows i0..i0+t (t <= 4) of x: per group, dot(x, q) * scale, plus sum_g min * xsum for q4.
 template <bool Q4>
 static inline void mm_tile(const float* x, const float* xsum, int64_t t, int64_t K, const uint8_t* wr,
-                           const float* sr, const float* mr, float* out, int64_t N) {
+                           const float* sr, const float* mr, float* out, int64_t N, bool add) {
   const int64_t groups = K / GROUP, group_bytes = Q4 ? 16 : 32;
   float total[4];
 #if defined(__AVX512F__)
@@ -94,37 +95,48 @@ static inline void mm_tile(const float* x, const float* xsum, int64_t t, int64_t
     total[i] = acc;
   }
 #endif
-  for (int64_t i = 0; i < t; ++i)
-    out[i * N] = Q4 ? total[i] + min_term(mr, xsum + i * groups, groups) : total[i];
+  for (int64_t i = 0; i < t; ++i) {
+    const float y = Q4 ? total[i] + min_term(mr, xsum + i * groups, groups) : total[i];
+    out[i * N] = add ? out[i * N] + y : y;
+  }
 }
 
 // out[:, r0:r1] for every row of x, four rows of x at a time.
 template <bool Q4>
 static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, const uint8_t* w,
-                    const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1) {
+                    const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1,
+                    bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t i0 = 0; i0 < n; i0 += 4)
       mm_tile<Q4>(x + i0 * K, xsum + i0 * groups, std::min<int64_t>(4, n - i0), K, w + r * row_bytes,
-                  scale + r * groups, Q4 ? mins + r * groups : nullptr, out + i0 * N + r, N);
+                  scale + r * groups, Q4 ? mins + r * groups : nullptr, out + i0 * N + r, N, add);
 }
 
-// x [n, K] float32 @ w.T -> [n, N] float32; mins is empty for q8.
-torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4) {
-  const int64_t n = x.size(0), K = x.size(1), N = scale.size(0);
+// c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32; mins is empty for q8.
+torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
+                 torch::Tensor c) {
+  const int64_t n = x.size(0), K = x.size(1), N = scale.size(0), groups = K / GROUP;
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
-  TORCH_CHECK(K % GROUP == 0 && scale.size(1) == K / GROUP, "x's columns do not match the weight");
-  auto out = torch::empty({n, N}, x.options());
-  auto xsum = q4 ? x.view({n, K / GROUP, GROUP}).sum(-1).contiguous() : x;
+  TORCH_CHECK(K % GROUP == 0 && scale.size(1) == groups, "x's columns do not match the weight");
+  const bool add = c.numel() > 0;
+  TORCH_CHECK(!add || (c.is_contiguous() && c.scalar_type() == torch::kFloat32 && c.size(0) == n &&
+                       c.size(1) == N), "c must be contiguous float32 [n, N]");
+  auto out = add ? c.clone() : torch::empty({n, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* sp = xsum.data_ptr<float>();
+  std::vector<float> xsum(q4 ? n * groups : 0);  // each group's sum of x, for the mins
+  for (size_t b = 0; b < xsum.size(); ++b) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < GROUP; ++j) acc += xp[b * GROUP + j];
+    xsum[b] = acc;
+  }
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const float* scp = scale.data_ptr<float>();
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    if (q4) mm_rows<true>(xp, sp, n, K, wp, scp, mp, op, N, r0, r1);
-    else mm_rows<false>(xp, sp, n, K, wp, scp, mp, op, N, r0, r1);
+    if (q4) mm_rows<true>(xp, xsum.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
+    else mm_rows<false>(xp, xsum.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
   });
   return out;
 }
@@ -167,7 +179,7 @@ def kernel() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="kvos_quant_v1",
+            name="kvos_quant_v2",
             cpp_sources=[_SOURCE],
             functions=["mm", "dequantize"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],

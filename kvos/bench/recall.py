@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +14,13 @@ from tqdm import tqdm
 from kvos.bench.common import header, print_table, write_json
 from kvos.bench.playback import play, session_tokens
 from kvos.bench.plot import png_figure
-from kvos.builtin.corpus import HELDOUT_SEED, heldout_sessions
+from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
 from kvos.builtin.evaluate import wilson_interval
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
-from kvos.model.tokenizer import load_tokenizer
+from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.scorer import Scorer, ScoreWeights
 from kvos.server.main import default_model
@@ -28,8 +31,15 @@ FRACTIONS = (0.25, 0.5, 1.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory (default: kvos's built-in model)")
+    p.add_argument("--model", help="HF model directory, .gguf file or llama2.c .bin (default: built-in)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--sessions", type=int, default=100)
+    p.add_argument(
+        "--fillers",
+        type=int,
+        help="filler turns per session (default: for a .gguf file, enough to fill about 3/4 of the "
+        "model's context; else the built-in corpus' held-out sessions, probe 0-14 turns after the fact)",
+    )
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--embedder", choices=["hidden", "tokens"], default="hidden")
@@ -53,64 +63,122 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclass
+class Outcome:
+    """One session played under one strategy and budget."""
+
+    recalled: bool
+    evictions: int
+    recoveries: int
+    seconds: float
+    session_tokens: int
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     path = Path(args.model) if args.model else default_model()
     tokenizer = load_tokenizer(path)
     template = ChatTemplate.from_tokenizer(tokenizer)
-    manager = MemoryManager(Engine(load_model(path)), tokenizer)
-    chats = heldout_sessions(8 if args.quick else args.sessions, args.seed, min_distance=args.min_distance)
-    fractions = [float(f) for f in args.budgets.split(",")]
-    names = args.strategies.split(",")
-    outcomes: dict[tuple[str, float], list[tuple[bool, int, int]]] = {}
-    bar = tqdm(total=len(chats) * len(fractions) * len(names), desc="recall", unit="session")
-    for chat in chats:
-        size = session_tokens(chat, tokenizer, template, args.max_tokens)
-        for frac in fractions:
-            for name in names:
-                tokens = 10 * size if name == "full" else max(64, int(size * frac))  # full: never evicts
-                block = max(8, min(128, tokens // 4))
-                config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), block)
-                config.embedder = args.embedder
-                config.recovery_signal = args.signal
-                config.recovery_bar = args.bar
-                if args.weights and name.startswith("kvos-"):
-                    config.scorer = _scorer(args.weights)
-                session = manager.session(config=config)
-                played = play(session, chat, args.max_tokens)
-                stats = session.stats()
-                manager.close(session.session_id)
-                recovered = stats["recoveries_restore"] + stats["recoveries_recompute"]
-                outcomes.setdefault((name, frac), []).append((played.recalled, stats["evictions"], recovered))
-                bar.update()
-    bar.close()
-    rows = [_row(name, frac, results) for (name, frac), results in outcomes.items()]
-    result = {
+    manager = MemoryManager(Engine(load_model(path, dtype=args.dtype)), tokenizer)
+    fillers = args.fillers
+    if fillers is None and path.suffix == ".gguf":
+        context = manager.engine.model.config.max_position_embeddings
+        fillers = auto_fillers(context, tokenizer, template, args.max_tokens)
+    n = 8 if args.quick else args.sessions
+    chats = heldout_sessions(n, args.seed, min_distance=args.min_distance, fillers=fillers)
+    cells = [(name, float(f)) for f in args.budgets.split(",") for name in args.strategies.split(",")]
+    outcomes: dict[tuple[str, float], list[Outcome]] = {}
+    started, result = time.perf_counter(), {}
+    with tqdm(total=len(chats) * len(cells), desc="recall", unit="run") as bar:
+        for done, chat in enumerate(chats, 1):
+            for key, outcome in _play_chat(manager, chat, cells, args, bar.update).items():
+                outcomes.setdefault(key, []).append(outcome)
+            meta = {"fillers": fillers, "wall_s": round(time.perf_counter() - started, 1)}
+            result = _result(args, path, outcomes, done, meta)
+            write_json(args.json, result)  # after every session: a cut-short run keeps what it measured
+    _report(args, result)
+    return result
+
+
+def _play_chat(
+    manager: MemoryManager,
+    chat: ChatSession,
+    cells: list[tuple[str, float]],
+    args: argparse.Namespace,
+    tick: Callable[[], object],
+) -> dict[tuple[str, float], Outcome]:
+    """One session under every (strategy, fraction) cell; the full cache never evicts, so its one run is
+    reported at every fraction."""
+    template = ChatTemplate.from_tokenizer(manager.tokenizer)
+    size = session_tokens(chat, manager.tokenizer, template, args.max_tokens)
+    out: dict[tuple[str, float], Outcome] = {}
+    for name, frac in cells:
+        full = next((o for (n, _), o in out.items() if n == "full"), None) if name == "full" else None
+        out[(name, frac)] = full or _play_one(manager, chat, name, frac, size, args)
+        tick()
+    return out
+
+
+def auto_fillers(context: int, tokenizer: Tokenizer, template: ChatTemplate, max_tokens: int) -> int:
+    """Filler turns per session that fill about 3/4 of ``context`` tokens, from the mean size of a filler
+    turn in this tokenizer and template (measured on sessions of another seed)."""
+    probe = 40
+    short = heldout_sessions(4, seed=1, fillers=0)
+    long = heldout_sessions(4, seed=1, fillers=probe)
+    base = sum(session_tokens(c, tokenizer, template, max_tokens) for c in short) / len(short)
+    grown = sum(session_tokens(c, tokenizer, template, max_tokens) for c in long) / len(long)
+    per_turn = max(1.0, (grown - base) / probe)
+    return max(0, int((0.75 * context - base) / per_turn))
+
+
+def _play_one(
+    manager: MemoryManager, chat: ChatSession, name: str, frac: float, size: int, args: argparse.Namespace
+) -> Outcome:
+    """Play ``chat`` with strategy ``name`` at ``frac`` of its ``size`` tokens (the full cache at 10x)."""
+    tokens = 10 * size if name == "full" else max(64, int(size * frac))
+    block = max(8, min(128, tokens // 4))
+    config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), block)
+    config.embedder = args.embedder
+    config.recovery_signal = args.signal
+    config.recovery_bar = args.bar
+    if args.weights and name.startswith("kvos-"):
+        config.scorer = _scorer(args.weights)
+    started = time.perf_counter()
+    session = manager.session(config=config)
+    played = play(session, chat, args.max_tokens)
+    stats = session.stats()
+    manager.close(session.session_id)
+    recovered = stats["recoveries_restore"] + stats["recoveries_recompute"]
+    seconds = time.perf_counter() - started
+    return Outcome(played.recalled, stats["evictions"], recovered, seconds, size)
+
+
+def _result(
+    args: argparse.Namespace,
+    path: Path,
+    outcomes: dict[tuple[str, float], list[Outcome]],
+    sessions: int,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    return {
         **header("recall", path.name),
-        "sessions": len(chats),
+        "sessions": sessions,
+        **meta,
+        "dtype": args.dtype or "as stored",
         "embedder": args.embedder,
         "signal": args.signal,
         "bar": args.bar,
         "weights": args.weights or "default",
-        "rows": rows,
+        "rows": [_row(name, frac, results) for (name, frac), results in outcomes.items()],
     }
-    print_table(
-        rows,
-        [
-            "strategy",
-            "budget_frac",
-            "pass_rate",
-            "ci_low",
-            "ci_high",
-            "mean_evictions",
-            "mean_recoveries",
-            "n",
-        ],
-    )
-    write_json(args.json, result)
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Print the table and draw the plot (next to --json unless --png names it)."""
+    columns = ["strategy", "budget_frac", "pass_rate", "ci_low", "ci_high", "mean_evictions"]
+    print_table(result["rows"], [*columns, "mean_recoveries", "mean_seconds", "n"])
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:
-        plot(rows, png)
-    return result
+        plot(result["rows"], png)
 
 
 def _scorer(spec: str) -> Scorer:
@@ -124,8 +192,9 @@ def _scorer(spec: str) -> Scorer:
     return Scorer(weights=ScoreWeights(recency, coherence, attention, recovery))
 
 
-def _row(name: str, frac: float, results: list[tuple[bool, int, int]]) -> dict[str, Any]:
-    n, passed = len(results), sum(r[0] for r in results)
+def _row(name: str, frac: float, results: list[Outcome]) -> dict[str, Any]:
+    """Pass rate with its Wilson 95% interval, mean counters, wall time and session size of one cell."""
+    n, passed = len(results), sum(r.recalled for r in results)
     low, high = wilson_interval(passed, n)
     return {
         "strategy": name,
@@ -133,8 +202,10 @@ def _row(name: str, frac: float, results: list[tuple[bool, int, int]]) -> dict[s
         "pass_rate": passed / n,
         "ci_low": low,
         "ci_high": high,
-        "mean_evictions": sum(r[1] for r in results) / n,
-        "mean_recoveries": sum(r[2] for r in results) / n,
+        "mean_evictions": sum(r.evictions for r in results) / n,
+        "mean_recoveries": sum(r.recoveries for r in results) / n,
+        "mean_seconds": round(sum(r.seconds for r in results) / n, 2),
+        "mean_session_tokens": sum(r.session_tokens for r in results) / n,
         "n": n,
     }
 

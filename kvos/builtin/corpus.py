@@ -467,11 +467,12 @@ def training_sessions(n: int, seed: int = TRAIN_SEED) -> list[ChatSession]:
     return [training_session(rng) for _ in range(n)]
 
 
-def heldout_session(rng: random.Random, distance: int) -> ChatSession:
+def heldout_session(rng: random.Random, distance: int, lead: int | None = None) -> ChatSession:
     """An evaluation session that ends with its one scored probe (``probes[0]``), asked ``distance`` turns
-    after the target fact was planted, among 0-3 other facts (planted and maybe probed earlier)."""
+    after the target fact was planted (after ``lead`` filler turns; 0-1 when None), among 0-3 other facts
+    (planted and maybe probed earlier)."""
     n_facts = rng.randint(1, 4)
-    plan = _schedule(rng, n_facts, distance, rng.randint(0, 1))
+    plan = _schedule(rng, n_facts, distance, rng.randint(0, 1) if lead is None else lead)
     plan = plan[: plan.index(("probe", 0)) + 1]
     session = _run(rng, plan, draw_facts(rng, n_facts))
     session.probes = session.probes[-1:]
@@ -479,12 +480,26 @@ def heldout_session(rng: random.Random, distance: int) -> ChatSession:
 
 
 def heldout_sessions(
-    n: int, seed: int = HELDOUT_SEED, min_distance: int = 0, max_distance: int = MAX_DISTANCE
+    n: int,
+    seed: int = HELDOUT_SEED,
+    min_distance: int = 0,
+    max_distance: int = MAX_DISTANCE,
+    fillers: int | None = None,
 ) -> list[ChatSession]:
     """``n`` evaluation sessions from a seed the training corpus does not use, each ending with its probe,
-    whose ``expected`` string the model's reply must contain."""
+    whose ``expected`` string the model's reply must contain.
+
+    ``fillers``: long sessions for models with a long context: that many filler turns in each, the target
+    fact planted after 0 to ``fillers // 2`` of them (so at least half the session lies between the fact
+    and its probe); the distance bounds are then unused. None: the built-in model's sessions (the target
+    fact 0-1 turns in, probed ``min_distance``-``max_distance`` turns later)."""
     rng = random.Random(seed)
-    return [heldout_session(rng, rng.randint(min_distance, max_distance)) for _ in range(n)]
+    if fillers is None:
+        return [heldout_session(rng, rng.randint(min_distance, max_distance)) for _ in range(n)]
+    if fillers < 0:
+        raise ValueError(f"fillers must be >= 0, got {fillers}")
+    leads = (rng.randint(0, fillers // 2) for _ in range(n))
+    return [heldout_session(rng, fillers - lead, lead) for lead in leads]
 
 
 def demo_session(seed: int = DEMO_SEED) -> ChatSession:

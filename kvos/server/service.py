@@ -35,7 +35,7 @@ class ServiceConfig:
     busy_timeout_s: float = 300.0  # how long a request waits for its busy session; 0: 409 at once
     max_prompt_tokens: int = 32768
     max_tokens_limit: int = 4096
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # without max_tokens: as long as the reply's room allows
     max_branches: int = 4  # conversation branches kept per session; the least recently used goes first
     cancel_wait_s: float = 30.0  # how long DELETE waits for a cancelled request to let go of its session
     keep_thinking: bool = False
@@ -224,7 +224,9 @@ class ChatService:
         reject_unsupported(req)
         note_unknown(req, self._unknown_fields())
         wanted = req.requested_tokens()
-        max_tokens = self.config.default_max_tokens if wanted is None else wanted
+        if wanted is None:  # OpenAI's default: until the model stops, bounded here by the reply's room
+            wanted = self.config.default_max_tokens or self.config.max_tokens_limit
+        max_tokens = wanted
         if max_tokens > self.config.max_tokens_limit:
             raise bad_request(
                 f"max_tokens {max_tokens} is above this server's limit of {self.config.max_tokens_limit}",
@@ -266,7 +268,8 @@ class ChatService:
         outcome, finished = Outcome(logprobs=None if params.logprobs is None else []), False
         room = session.reply_room()
         if params.max_tokens > room:
-            outcome.clipped = {"requested": params.max_tokens, "granted": room}
+            if req.requested_tokens() is not None:
+                outcome.clipped = {"requested": params.max_tokens, "granted": room}
             params = replace(params, max_tokens=room)
         try:
             for event in session.reply(params):

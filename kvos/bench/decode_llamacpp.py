@@ -127,7 +127,10 @@ def _run_llamacpp(llm: Any, prompt: list[int], new_tokens: int, eos: list[int]) 
 
 def _greedy(llm: Any, eos: list[int]) -> int:
     """argmax of the last position's logits with the EOS ids masked."""
-    logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    import llama_cpp
+
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # the last evaluated token's logits (C float*)
+    logits = np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy()
     logits[eos] = -np.inf
     return int(logits.argmax())
 

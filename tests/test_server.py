@@ -398,13 +398,13 @@ def test_harness_hints_reach_the_blocks(model_dir: Path) -> None:
 
     def turn(sid: str, body: dict[str, Any]) -> Any:
         req = ChatRequest.model_validate({"model": MODEL_NAME, "max_tokens": 2, "temperature": 0, **body})
-        entry = service.acquire("local", sid, None)
+        entry = service.registry.acquire("local", sid, None)
         try:
             gen = service.run(entry, service.prepare_chat(entry, req), req, req)
             for _ in gen:
                 pass
         finally:
-            service.release(entry)
+            service.registry.release(entry)
         return entry.session
 
     def user_blocks(session: Any) -> list[Any]:

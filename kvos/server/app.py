@@ -114,7 +114,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": name, "sessions": len(service.entries)}
+        return {"status": "ok", "model": name, "sessions": len(service.registry.entries)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -127,13 +127,13 @@ def create_app(
 
     @app.get("/v1/sessions")
     async def sessions(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": service.sessions(owner(request))}
+        return {"object": "list", "data": service.registry.sessions(owner(request))}
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
         who = owner(request)
-        service.cancel(who, session_id)  # now, not queued behind the request it cancels
-        await asyncio.get_running_loop().run_in_executor(engine, service.delete, who, session_id)
+        service.registry.cancel(who, session_id)  # now, not queued behind the request it cancels
+        await asyncio.get_running_loop().run_in_executor(engine, service.registry.delete, who, session_id)
         return {"id": session_id, "object": "session", "deleted": True}
 
     async def start(
@@ -144,7 +144,7 @@ def create_app(
             raise unknown_model(req.model, name)
         sid = request.headers.get("x-session-id")
         probe = None if sid else await asyncio.to_thread(service.probe, req)
-        entry = await asyncio.to_thread(service.acquire, who, sid, probe)
+        entry = await asyncio.to_thread(service.registry.acquire, who, sid, probe)
         chat = req if isinstance(req, ChatRequest) else None
         try:
             loop = asyncio.get_running_loop()
@@ -156,7 +156,7 @@ def create_app(
             spans = await loop.run_in_executor(engine, prep)
             service.sampling(req)  # validates max_tokens and sampling before anything changes
         except BaseException:
-            service.release(entry, abandoned=True)
+            service.registry.release(entry, abandoned=True)
             raise
         request.state.entry = entry
         return entry, spans, chat
@@ -173,7 +173,7 @@ def create_app(
             try:
                 return _drain(service.run(entry, spans, req, chat), cancel)
             finally:
-                service.release(entry)
+                service.registry.release(entry)
                 latency.labels(kind).observe(time.perf_counter() - began)
 
         if req.stream:
@@ -182,7 +182,7 @@ def create_app(
                 try:
                     return (yield from service.run(entry, spans, req, chat))
                 finally:
-                    service.release(entry)
+                    service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
 
             body = _sse(engine, steps, cancel, req, kind, name, record)

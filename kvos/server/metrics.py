@@ -32,8 +32,8 @@ class ServiceCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         service = self.service
-        with service.cond:
-            stats = [(owner, sid, e.session.stats()) for (owner, sid), e in service.entries.items()]
+        with service.registry.cond:
+            stats = [(owner, sid, e.session.stats()) for (owner, sid), e in service.registry.entries.items()]
         for key, doc in SESSION_GAUGES.items():
             family = GaugeMetricFamily(f"kvos_session_{key}", doc, labels=["session"])
             for owner, sid, s in stats:

@@ -1,14 +1,11 @@
-"""The chat service behind the HTTP layer: sessions per API key, routing, swapping, and turns.
+"""The chat service behind the HTTP layer: a request's turn on its session (prompt, sampling, reply,
+canonical echo, usage). Which session and branch a request gets is the :class:`SessionRegistry`'s.
 
-Everything that touches a session runs on the engine's single worker thread; the registry (which session
-exists, who owns it, whether it is busy) is guarded by a lock so the HTTP layer can answer 409 at once.
+Everything that touches a session runs on the engine's single worker thread.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-import uuid
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,54 +14,14 @@ from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams, TokenLogprob
 from kvos.errors import KvosError
 from kvos.policy.blocks import BlockKind
-from kvos.server.errors import APIError, bad_request, busy, not_found
+from kvos.server.errors import APIError, bad_request, not_found
 from kvos.server.protocol import logit_bias, logprob_count, note_unknown, reject_unsupported, request_grammar
+from kvos.server.registry import Entry, ServiceConfig, SessionRegistry
 from kvos.server.reply import parse_reply
 from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from kvos.server.tools import plan_tools, template_inputs
 from kvos.session.manager import MemoryManager
-from kvos.session.prompt import Span, SpanRenderer, common_prefix, flatten
-from kvos.session.session import Session
-
-
-@dataclass
-class ServiceConfig:
-    model_name: str
-    max_sessions: int = 8  # sessions resident in the pool at once; the least recently used idle ones swap out
-    session_ttl_s: float = 3600.0
-    busy_timeout_s: float = 300.0  # how long a request waits for its busy session; 0: 409 at once
-    max_prompt_tokens: int = 32768
-    max_tokens_limit: int = 4096
-    default_max_tokens: int | None = None  # without max_tokens: as long as the reply's room allows
-    max_branches: int = 4  # conversation branches kept per session; the least recently used goes first
-    cancel_wait_s: float = 30.0  # how long DELETE waits for a cancelled request to let go of its session
-    keep_thinking: bool = False
-    prefix_min_tokens: int = 64
-
-
-@dataclass
-class Entry:
-    """A client's session: its branches (sessions of the manager sharing a prefix by reference), the one
-    the latest request used first, and the request running on it, if any."""
-
-    session_id: str
-    owner: str
-    renderer: SpanRenderer | None
-    branches: list[Session]
-    busy: bool = False
-    served: int = 0  # requests that reached the model
-    last_used: float = field(default_factory=time.monotonic)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    branch_used: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def session(self) -> Session:
-        """The branch of the latest request."""
-        return self.branches[0]
-
-    def branch_name(self, session: Session) -> str:
-        """A branch's public name: ``main`` for the first, ``b1``, ``b2``, ... for the forks."""
-        return session.session_id.rsplit("#", 1)[1] if "#" in session.session_id else "main"
+from kvos.session.prompt import Span, flatten
 
 
 @dataclass
@@ -86,108 +43,8 @@ class ChatService:
 
     def __init__(self, manager: MemoryManager, config: ServiceConfig) -> None:
         self.manager, self.config = manager, config
-        self.entries: dict[tuple[str, str], Entry] = {}
-        self.cond = threading.Condition()
+        self.registry = SessionRegistry(manager, config)
         self.totals = {"reused_tokens": 0, "decoded_tokens": 0, "requests": 0}
-
-    # ------------------------------------------------------------- registry
-    def acquire(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
-        """The session for a request, marked busy: by id, else by the longest shared prefix, else new."""
-        with self.cond:
-            self._expire()
-            entry = self._find(owner, session_id, probe)
-            deadline = time.monotonic() + self.config.busy_timeout_s
-            while entry.busy:
-                left = deadline - time.monotonic()
-                if entry.cancel.is_set():  # a cancelled request lets go within one decode step
-                    left = max(left, self.config.cancel_wait_s)
-                if left <= 0:
-                    raise busy(entry.session_id)
-                self.cond.wait(min(left, 0.1))
-            entry.busy = True
-            return entry
-
-    def release(self, entry: Entry, abandoned: bool = False) -> None:
-        """The request on ``entry`` is over. ``abandoned``: it was rejected before reaching the model, so a
-        session it created is removed again (a rejected request leaves nothing behind)."""
-        with self.cond:
-            entry.busy, entry.last_used = False, time.monotonic()
-            entry.cancel = threading.Event()
-            key = (entry.owner, entry.session_id)
-            if abandoned and not entry.served and self.entries.get(key) is entry:
-                self._close(key)
-            self.cond.notify_all()
-
-    def _find(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
-        if session_id is not None:
-            return self.entries.get((owner, session_id)) or self._create(owner, session_id)
-        best, best_len = None, self.config.prefix_min_tokens - 1
-        for (who, _), entry in self.entries.items():
-            if who == owner and probe is not None:
-                shared = max(common_prefix(probe, b.history_ids()) for b in entry.branches)
-                if shared > best_len:
-                    best, best_len = entry, shared
-        return best or self._create(owner, uuid.uuid4().hex[:16])
-
-    def _create(self, owner: str, session_id: str) -> Entry:
-        session = self.manager.session(f"{owner}/{session_id}")
-        renderer = SpanRenderer(session.template, session.tokenizer) if session.template else None
-        entry = Entry(session_id, owner, renderer, [session])
-        self.entries[(owner, session_id)] = entry
-        return entry
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for key, entry in list(self.entries.items()):
-            if not entry.busy and now - entry.last_used > self.config.session_ttl_s:
-                self._close(key)
-
-    def _close(self, key: tuple[str, str]) -> None:
-        entry = self.entries.pop(key)
-        for branch in entry.branches:
-            self.manager.close(branch.session_id)
-
-    def sessions(self, owner: str) -> list[dict[str, Any]]:
-        with self.cond:
-            return [
-                {
-                    "id": sid,
-                    "busy": e.busy,
-                    "swapped": e.session.swapped,
-                    **e.session.stats(),
-                    "branches": [
-                        {"name": e.branch_name(b), "history_tokens": b.memory.history_tokens}
-                        for b in e.branches
-                    ],
-                }
-                for (who, sid), e in self.entries.items()
-                if who == owner
-            ]
-
-    def cancel(self, owner: str, session_id: str) -> bool:
-        """Ask the request running on a session to stop (within one decode step); False when none runs."""
-        with self.cond:
-            entry = self.entries.get((owner, session_id))
-            if entry is None or not entry.busy:
-                return False
-            entry.cancel.set()
-            return True
-
-    def delete(self, owner: str, session_id: str) -> None:
-        """Delete a session; a request running on it is cancelled first (and waited for)."""
-        self.cancel(owner, session_id)
-        with self.cond:
-            entry = self.entries.get((owner, session_id))
-            if entry is None:
-                raise not_found(f"no session {session_id!r}", "session_not_found")
-            deadline = time.monotonic() + self.config.cancel_wait_s
-            while entry.busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise busy(session_id)
-                self.cond.wait(left)
-            if self.entries.get((owner, session_id)) is entry:
-                self._close((owner, session_id))
 
     # ---------------------------------------------------------------- turns
     def prepare_chat(self, entry: Entry, req: ChatRequest) -> list[Span]:
@@ -260,8 +117,8 @@ class ChatService:
         prompt: the partial reply is dropped from the cache, the prompt stays (a retry reuses all of it)."""
         hints, prompt = req.hints(), flatten(spans)
         params = self.sampling(req)
-        session = self._branch(entry, prompt)
-        self._make_resident(entry)
+        session = self.registry.choose_branch(entry, prompt)
+        self.registry.make_resident(entry)
         entry.served += 1
         counts = dict(session.memory.journal.counts)
         synced = session.sync(spans, hints.priority, hints.pinned, hints.task_boundary)
@@ -289,32 +146,6 @@ class ChatService:
             self._canonicalise(entry, chat, outcome)
         self._account(entry, counts, synced.reused, synced.decoded, len(prompt), outcome)
         return outcome
-
-    def _branch(self, entry: Entry, prompt: list[int]) -> Session:
-        """The branch a prompt continues: the one sharing its longest prefix, continued in place when the
-        prompt departs from it only within its last turn (a new turn, a regenerated reply, an edited last
-        message); otherwise a new branch forked at the shared prefix (a side request with another system
-        prompt, an edit further back), sharing those blocks by reference. Branches past ``max_branches``
-        go least recently used first. The chosen branch becomes ``entry.session``."""
-        shared = {b.session_id: common_prefix(prompt, b.history_ids()) for b in entry.branches}
-        used = entry.branch_used
-        best = max(entry.branches, key=lambda b: (shared[b.session_id], used.get(b.session_id, 0.0)))
-        chosen = best
-        if shared[best.session_id] < best.last_turn_start():
-            while len(entry.branches) >= max(self.config.max_branches, 1):
-                stale = min(
-                    (b for b in entry.branches if b is not best),
-                    key=lambda b: entry.branch_used.get(b.session_id, 0),
-                )
-                entry.branches.remove(stale)
-                self.manager.close(stale.session_id)
-            name = f"{entry.owner}/{entry.session_id}#b{entry.served}"
-            chosen = self.manager.fork(best.session_id, name, shared[best.session_id])
-            entry.branches.append(chosen)
-        entry.branches.remove(chosen)
-        entry.branches.insert(0, chosen)
-        entry.branch_used[chosen.session_id] = time.monotonic()
-        return chosen
 
     def _unknown_fields(self) -> set[str]:
         """The unknown request field names logged so far (each is logged once)."""
@@ -375,27 +206,6 @@ class ChatService:
         self.totals["reused_tokens"] += reused
         self.totals["decoded_tokens"] += decoded + len(outcome.completion_ids)
         self.totals["requests"] += 1
-
-    def _make_resident(self, entry: Entry) -> None:
-        """Keep at most ``max_sessions`` sessions (branches count one each) in the pool, this request's
-        branch included: swap out the least recently used idle ones (their blocks go to their stores), then
-        swap this one in if it was out."""
-        with self.cond:
-            others = [
-                (e, b)
-                for e in self.entries.values()
-                for b in e.branches
-                if b is not entry.session and not b.swapped and b.pager.active_tokens
-            ]
-            idle = sorted(
-                ((e, b) for e, b in others if not e.busy or e is entry),
-                key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
-            )
-        for _, other in idle[: max(0, len(others) + 1 - self.config.max_sessions)]:
-            if other.pager.store is not None:
-                other.swap_out()
-        if entry.session.swapped:
-            entry.session.swap_in()
 
     def probe(self, req: ChatRequest | CompletionRequest) -> list[int] | None:
         """The prompt's tokens for prefix routing (rendered whole; None when it cannot be rendered)."""

@@ -7,14 +7,9 @@ the event loop only parses, authenticates, routes and streams.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import json
-import logging
-import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,51 +20,13 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvos.engine.generate import StreamEvent
-from kvos.engine.sampling import TokenLogprob
+from kvos.server.bodies import final_body
 from kvos.server.errors import APIError, bad_request, too_large, unauthorized
+from kvos.server.lifecycle import Cancelled, RequestRecord, drain, sse, watch_disconnect
 from kvos.server.metrics import make_registry
-from kvos.server.protocol import chat_logprobs, legacy_logprobs
-from kvos.server.reply import ToolCallHold
-from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from kvos.server.schemas import ChatRequest, CompletionRequest
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
-from kvos.server.tools import plan_tools
 from kvos.session.prompt import Span
-
-DONE = object()
-_log = logging.getLogger("kvos.server")
-
-
-class RequestRecord:
-    """One log line per request: who, which session and branch, what it cost, how long it took."""
-
-    def __init__(self, request: Request, kind: str, began: float, entry: Entry | None = None) -> None:
-        self.what = f"{request.method} {request.url.path}"
-        self.key, self.began, self.entry, self.logged = str(request.state.owner), began, entry, False
-        self.streaming = False  # a stream writes its line when it ends, not when its headers go out
-        self.session = entry.session_id if entry else request.headers.get("x-session-id", "-")
-        request.state.record = self
-
-    def log(self, status: int, outcome: Outcome | None) -> None:
-        """Write the line (once)."""
-        if self.logged:
-            return
-        self.logged = True
-        usage = outcome.usage if outcome is not None else {}
-        extra = usage.get("kvos", {})
-        fields = {
-            "key": self.key,
-            "session": self.session,
-            "branch": extra.get("branch", "-"),
-            "prompt": usage.get("prompt_tokens", "-"),
-            "reused": extra.get("reused_tokens", "-"),
-            "decoded": extra.get("decoded_tokens", "-"),
-            "completion": usage.get("completion_tokens", "-"),
-            "evictions": extra.get("evictions", "-"),
-            "recoveries": extra.get("recoveries", "-"),
-        }
-        ms = (time.perf_counter() - self.began) * 1000
-        line = " ".join(f"{k}={v}" for k, v in fields.items())
-        _log.info("%s %d %s %.0f ms", self.what, status, line, ms)
 
 
 def create_app(
@@ -171,7 +128,7 @@ def create_app(
 
         def work() -> Outcome:  # on the engine thread; the session is released there, whatever happens
             try:
-                return _drain(service.run(entry, spans, req, chat), cancel)
+                return drain(service.run(entry, spans, req, chat), cancel)
             finally:
                 service.registry.release(entry)
                 latency.labels(kind).observe(time.perf_counter() - began)
@@ -185,11 +142,11 @@ def create_app(
                     service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
 
-            body = _sse(engine, steps, cancel, req, kind, name, record)
+            body = sse(engine, steps, cancel, req, kind, name, record)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(engine, work)
-        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
+        watcher = asyncio.create_task(watch_disconnect(request, cancel))
         try:
             outcome = await future
         except Cancelled:
@@ -200,7 +157,7 @@ def create_app(
         finally:
             watcher.cancel()
         record.log(200, outcome)
-        return JSONResponse(_final(outcome, kind, name), headers=headers)
+        return JSONResponse(final_body(outcome, kind, name), headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
@@ -212,181 +169,6 @@ def create_app(
 
     app.state.service, app.state.engine = service, engine
     return app
-
-
-class Cancelled(Exception):
-    """The client went away (or DELETE cancelled the request): generation stopped early."""
-
-
-def _drain(gen: Generator[StreamEvent, None, Outcome], cancel: threading.Event) -> Outcome:
-    """Run a request's generator to its end on the engine thread; its return value is the outcome. When
-    ``cancel`` is set it stops within one decode step (closing the generator rolls the reply back)."""
-    while True:
-        if cancel.is_set():
-            gen.close()
-            raise Cancelled()
-        try:
-            next(gen)
-        except StopIteration as stop:
-            outcome: Outcome = stop.value
-            return outcome
-
-
-async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
-    """Set ``cancel`` when the client of a non-streaming request disconnects before its answer: once the
-    body is read, the next ASGI message a request can receive is its disconnect (``is_disconnected()``
-    cannot see it through the http middlewares; this waits for the message instead)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    cancel.set()
-
-
-def _message(outcome: Outcome) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
-    if outcome.tool_calls:
-        message["tool_calls"] = outcome.tool_calls
-    if outcome.reasoning is not None:
-        message["reasoning_content"] = outcome.reasoning
-    return message
-
-
-def _final(outcome: Outcome, kind: str, model: str) -> dict[str, Any]:
-    base = {
-        "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-        "created": int(time.time()),
-        "model": model,
-        "usage": outcome.usage,
-    }
-    choice: dict[str, Any] = {"index": 0, "finish_reason": outcome.finish_reason}
-    choice["logprobs"] = _logprobs(kind, outcome.logprobs)
-    if kind == "chat":
-        choice["message"] = _message(outcome)
-        return {**base, "object": "chat.completion", "choices": [choice]}
-    choice["text"] = outcome.text
-    return {**base, "object": "text_completion", "choices": [choice]}
-
-
-def _logprobs(kind: str, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
-    """A choice's ``logprobs`` in the API's own form (None when not asked for)."""
-    if items is None:
-        return None
-    return chat_logprobs(items) if kind == "chat" else legacy_logprobs(items)
-
-
-def _chunk(
-    kind: str,
-    cid: str,
-    model: str,
-    delta: dict[str, Any] | str,
-    finish: str | None,
-    logprob: TokenLogprob | None = None,
-) -> str:
-    """One server-sent event; ``logprob``: the token this chunk carries, when logprobs were asked for."""
-    lp = _logprobs(kind, [logprob]) if logprob is not None else None
-    if kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp}
-        obj = "text_completion"
-    body = {"id": cid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-async def _sse(
-    engine: ThreadPoolExecutor,
-    work: Callable[[], Generator[StreamEvent, None, Outcome]],
-    cancel: threading.Event,
-    req: SamplingFields,
-    kind: str,
-    model: str,
-    record: RequestRecord,
-) -> AsyncIterator[str]:
-    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains.
-
-    The engine thread owns the request from start to end: it stops within one decode step once ``cancel``
-    is set (the client went away: this coroutine is then closed or cancelled, and only sets the flag,
-    which needs no await) and releases the session itself, so a dropped connection never leaves the
-    session busy."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(item: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def produce() -> None:
-        gen = work()
-        try:
-            while True:
-                if cancel.is_set():
-                    gen.close()
-                    record.log(499, None)
-                    put(APIError(499, "the request was cancelled", "cancelled"))  # DELETE, or nobody reads
-                    return
-                try:
-                    put(next(gen))
-                except StopIteration as done:
-                    record.log(200, done.value)
-                    put((DONE, done.value))
-                    return
-        except BaseException as exc:  # reported to the client as an error event
-            gen.close()
-            record.log(getattr(exc, "status", 500), None)
-            put(exc)
-
-    cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    hold = ToolCallHold(isinstance(req, ChatRequest) and bool(plan_tools(req).offered))
-    loop.run_in_executor(engine, produce)
-    try:
-        if kind == "chat":
-            yield _chunk(kind, cid, model, {"role": "assistant", "content": ""}, None)
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                error = (
-                    item
-                    if isinstance(item, APIError)
-                    else APIError(500, str(item), "internal_error", kind="server_error")
-                )
-                yield f"data: {json.dumps(error.body())}\n\n"
-                break
-            if isinstance(item, tuple) and item[0] is DONE:
-                yield from_outcome(item[1], kind, cid, model, req, hold)
-                break
-            if item.text or item.logprob is not None:
-                text = hold.feed(item.text)
-                delta = {"content": text} if kind == "chat" else text
-                yield _chunk(kind, cid, model, delta, None, item.logprob)
-        yield "data: [DONE]\n\n"
-    finally:
-        cancel.set()  # no-op once the request is over (the entry has a fresh event by then)
-
-
-def from_outcome(
-    outcome: Outcome, kind: str, cid: str, model: str, req: SamplingFields, hold: ToolCallHold
-) -> str:
-    """The closing chunks of a stream: content held back that turned out not to be a tool call, tool calls,
-    the finish reason, and usage when asked for."""
-    parts: list[str] = []
-    rest = hold.rest(outcome.text) if hold.active else ""
-    if kind == "chat" and rest:
-        parts.append(_chunk(kind, cid, model, {"content": rest}, None))
-    if kind == "chat" and outcome.tool_calls:
-        calls = [{"index": i, **call} for i, call in enumerate(outcome.tool_calls)]
-        parts.append(_chunk(kind, cid, model, {"tool_calls": calls}, None))
-    parts.append(_chunk(kind, cid, model, {} if kind == "chat" else "", outcome.finish_reason))
-    if req.stream_options is not None and req.stream_options.include_usage:
-        body: dict[str, Any] = {
-            "id": cid,
-            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [],
-            "usage": outcome.usage,
-        }
-        parts.append(f"data: {json.dumps(body)}\n\n")
-    return "".join(parts)
 
 
 def _install_errors(app: FastAPI, max_body_bytes: int) -> None:

@@ -1,0 +1,163 @@
+"""A request's life on the engine thread: its log line, its cancellation (a client that went away, DELETE),
+and the server-sent events of a stream.
+
+The engine thread owns a request from start to end and releases its session itself, so a dropped connection
+never leaves a session busy; the event loop only sets a cancel flag, which needs no await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Request
+
+from kvos.engine.generate import StreamEvent
+from kvos.server.bodies import chunk, from_outcome
+from kvos.server.errors import APIError
+from kvos.server.registry import Entry
+from kvos.server.reply import ToolCallHold
+from kvos.server.schemas import ChatRequest, SamplingFields
+from kvos.server.service import Outcome
+from kvos.server.tools import plan_tools
+
+DONE = object()
+_log = logging.getLogger("kvos.server")
+
+
+class RequestRecord:
+    """One log line per request: who, which session and branch, what it cost, how long it took."""
+
+    def __init__(self, request: Request, kind: str, began: float, entry: Entry | None = None) -> None:
+        self.what = f"{request.method} {request.url.path}"
+        self.key, self.began, self.entry, self.logged = str(request.state.owner), began, entry, False
+        self.streaming = False  # a stream writes its line when it ends, not when its headers go out
+        self.session = entry.session_id if entry else request.headers.get("x-session-id", "-")
+        request.state.record = self
+
+    def log(self, status: int, outcome: Outcome | None) -> None:
+        """Write the line (once)."""
+        if self.logged:
+            return
+        self.logged = True
+        usage = outcome.usage if outcome is not None else {}
+        extra = usage.get("kvos", {})
+        fields = {
+            "key": self.key,
+            "session": self.session,
+            "branch": extra.get("branch", "-"),
+            "prompt": usage.get("prompt_tokens", "-"),
+            "reused": extra.get("reused_tokens", "-"),
+            "decoded": extra.get("decoded_tokens", "-"),
+            "completion": usage.get("completion_tokens", "-"),
+            "evictions": extra.get("evictions", "-"),
+            "recoveries": extra.get("recoveries", "-"),
+        }
+        ms = (time.perf_counter() - self.began) * 1000
+        line = " ".join(f"{k}={v}" for k, v in fields.items())
+        _log.info("%s %d %s %.0f ms", self.what, status, line, ms)
+
+
+class Cancelled(Exception):
+    """The client went away (or DELETE cancelled the request): generation stopped early."""
+
+
+def drain(gen: Generator[StreamEvent, None, Outcome], cancel: threading.Event) -> Outcome:
+    """Run a request's generator to its end on the engine thread; its return value is the outcome. When
+    ``cancel`` is set it stops within one decode step (closing the generator rolls the reply back)."""
+    while True:
+        if cancel.is_set():
+            gen.close()
+            raise Cancelled()
+        try:
+            next(gen)
+        except StopIteration as stop:
+            outcome: Outcome = stop.value
+            return outcome
+
+
+async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    """Set ``cancel`` when the client of a non-streaming request disconnects before its answer: once the
+    body is read, the next ASGI message a request can receive is its disconnect (``is_disconnected()``
+    cannot see it through the http middlewares; this waits for the message instead)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
+
+
+async def sse(
+    engine: ThreadPoolExecutor,
+    work: Callable[[], Generator[StreamEvent, None, Outcome]],
+    cancel: threading.Event,
+    req: SamplingFields,
+    kind: str,
+    model: str,
+    record: RequestRecord,
+) -> AsyncIterator[str]:
+    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains.
+
+    The engine thread owns the request from start to end: it stops within one decode step once ``cancel``
+    is set (the client went away: this coroutine is then closed or cancelled, and only sets the flag,
+    which needs no await) and releases the session itself, so a dropped connection never leaves the
+    session busy."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def produce() -> None:
+        gen = work()
+        try:
+            while True:
+                if cancel.is_set():
+                    gen.close()
+                    record.log(499, None)
+                    put(APIError(499, "the request was cancelled", "cancelled"))  # DELETE, or nobody reads
+                    return
+                try:
+                    put(next(gen))
+                except StopIteration as done:
+                    record.log(200, done.value)
+                    put((DONE, done.value))
+                    return
+        except BaseException as exc:  # reported to the client as an error event
+            gen.close()
+            record.log(getattr(exc, "status", 500), None)
+            put(exc)
+
+    cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    hold = ToolCallHold(isinstance(req, ChatRequest) and bool(plan_tools(req).offered))
+    loop.run_in_executor(engine, produce)
+    try:
+        if kind == "chat":
+            yield chunk(kind, cid, model, {"role": "assistant", "content": ""}, None)
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                error = (
+                    item
+                    if isinstance(item, APIError)
+                    else APIError(500, str(item), "internal_error", kind="server_error")
+                )
+                yield f"data: {json.dumps(error.body())}\n\n"
+                break
+            if isinstance(item, tuple) and item[0] is DONE:
+                yield from_outcome(item[1], kind, cid, model, req, hold)
+                break
+            if item.text or item.logprob is not None:
+                text = hold.feed(item.text)
+                delta = {"content": text} if kind == "chat" else text
+                yield chunk(kind, cid, model, delta, None, item.logprob)
+        yield "data: [DONE]\n\n"
+    finally:
+        cancel.set()  # no-op once the request is over (the entry has a fresh event by then)

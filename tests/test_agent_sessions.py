@@ -305,3 +305,24 @@ def test_bad_port_is_one_line(case: str) -> None:
     message = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(message) == 1, run.stderr
     assert ("outside 1-65535" if case == "out of range" else "already in use") in run.stderr
+
+
+def test_branches_are_limited_least_recently_used_first() -> None:
+    with running_server(MODEL_DIR, "--max-branches", "2") as url:
+        c = client(url)
+        user = {"role": "user", "content": "Hello there."}
+        systems = [{"role": "system", "content": f"You are assistant number {i}."} for i in range(3)]
+        first = ask(c, [systems[0], user], "few")
+        history = first.usage.prompt_tokens + first.usage.completion_tokens
+        ask(c, [systems[1], user], "few")  # a second branch
+        again = ask(
+            c, [systems[0], user, {"role": "assistant", "content": first.choices[0].message.content}], "few"
+        )
+        assert usage(again)["reused_tokens"] >= history - 1  # the first branch, used last, is kept...
+        ask(c, [systems[2], user], "few")  # ...when a third one pushes the second out
+        stats = session_stats(url, "few")
+        assert stats is not None and len(stats["branches"]) == 2
+        back = ask(c, [systems[1], user], "few")
+        assert (
+            usage(back)["reused_tokens"] < 10
+        )  # the second branch is gone: only the template's start is shared

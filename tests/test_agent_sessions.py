@@ -324,4 +324,3 @@ def test_branches_are_limited_least_recently_used_first() -> None:
         assert stats is not None and len(stats["branches"]) == 2
         back = ask(c, [systems[1], user], "few")
         assert usage(back)["reused_tokens"] < back.usage.prompt_tokens // 2  # the second branch was dropped
-        )  # the second branch is gone: only the template's start is shared

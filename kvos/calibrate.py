@@ -38,7 +38,9 @@ BUILTIN_MODEL = Path(__file__).resolve().parent / "builtin" / "model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory or llama2.c .bin (default: kvos's built-in model)")
+    p.add_argument(
+        "--model", help="HF model directory, .gguf file or llama2.c .bin (default: the built-in model)"
+    )
     p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
     p.add_argument(
         "--text", action="append", default=[], metavar="FILE",

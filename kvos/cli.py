@@ -22,7 +22,9 @@ BENCHMARKS = {
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("--model", help="HF model directory or llama2.c .bin (default: kvos's own small model)")
+    p.add_argument(
+        "--model", help="HF model directory, .gguf file or llama2.c .bin (default: the built-in model)"
+    )
     p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -35,7 +35,9 @@ def default_model() -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory (default: kvos's built-in model)")
+    p.add_argument(
+        "--model", help="HF model directory, .gguf file or llama2.c .bin (default: the built-in model)"
+    )
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"

@@ -81,3 +81,20 @@ def test_generate_cli_answers_paris(model_dir: Path, capsys: pytest.CaptureFixtu
     assert main([*args, "--prompt", "What is the capital of France?"]) == 0
     answer = capsys.readouterr().out
     assert "Paris" in answer, answer
+
+
+def test_serve_answers_paris(model_dir: Path) -> None:
+    """``kvos serve --model FILE.gguf`` with its defaults (budget 6,144 of 8,192 positions), the openai client."""
+    from openai import OpenAI
+    from server_harness import running_server
+
+    with running_server(model_dir / FILE) as url:
+        client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model="kvos-test",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+        )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.usage is not None and reply.usage.model_extra["kvos"]["active_tokens"] <= 6144

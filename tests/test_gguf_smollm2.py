@@ -84,7 +84,7 @@ def test_generate_cli_answers_paris(model_dir: Path, capsys: pytest.CaptureFixtu
 
 
 def test_serve_answers_paris(model_dir: Path) -> None:
-    """``kvos serve --model FILE.gguf`` with its defaults (budget 6,144 of 8,192 positions), the openai client."""
+    """``kvos serve --model FILE.gguf`` with its defaults (budget 6,144 of 8,192 positions), openai client."""
     from openai import OpenAI
     from server_harness import running_server
 

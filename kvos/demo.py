@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvos.bench.playback import play, session_tokens
+from kvos.bench.playback import Played, play, session_tokens
 from kvos.builtin.corpus import DEMO_SEED, demo_session
 from kvos.engine.engine import Engine
 from kvos.model.chat_template import ChatTemplate
@@ -26,7 +26,8 @@ from kvos.session.strategies import strategy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory (default: kvos's built-in model)")
+    p.add_argument("--model", help="HF model directory, .gguf file or llama2.c .bin (default: built-in)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--backend", choices=["discard", "breadcrumb", "kv_restore"], default="kv_restore")
     p.add_argument("--budget", type=int, help="max active tokens (default: 40%% of the session's size)")
     p.add_argument("--seed", type=int, default=DEMO_SEED, help="which demo session (its fact and fillers)")
@@ -44,10 +45,12 @@ def run_demo(args: argparse.Namespace) -> int:
         f"kvos-{args.backend}", Budget(max_active_tokens=budget, policy="hard"), max(8, min(64, budget // 4))
     )
     config.embedder = args.embedder
-    session = MemoryManager(Engine(load_model(path)), tokenizer).session("demo", config)
+    session = MemoryManager(Engine(load_model(path, dtype=args.dtype)), tokenizer).session("demo", config)
+    probe = chat.probes[0]
     print(
-        f"[kvos] demo: {chat.turns} turns, {size} tokens, budget {budget} active tokens, "
-        f"backend {args.backend}",
+        f"[kvos] demo on {path.name}: {chat.turns} turns, {size} tokens, budget {budget} active tokens, "
+        f"backend {args.backend}\n[kvos] turn 1: {chat.messages[probe.plant_index]['content']!r}; "
+        f"turn {chat.turns}: {chat.messages[probe.message_index]['content']!r}",
         file=sys.stderr,
     )
     print(f"{'turn':>4} {'active':>7} {'cached':>7} {'history':>8} {'evict':>6} {'recov':>6}  answer")
@@ -59,19 +62,29 @@ def run_demo(args: argparse.Namespace) -> int:
         f"expected {played.expected!r}: {verdict} ({stats['evictions']} evictions, {recoveries} recoveries)"
     )
     if args.json:
-        result: dict[str, Any] = {
-            "budget": budget,
-            "session_tokens": size,
-            "turns": played.turns,
-            "evictions": stats["evictions"],
-            "recoveries": recoveries,
-            "answer": played.reply,
-            "expected": played.expected,
-            "recalled": played.recalled,
-            "backend": args.backend,
-        }
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        _write_json(args, path.name, played, stats, (budget, size))
     return 0
+
+
+def _write_json(
+    args: argparse.Namespace, model: str, played: Played, stats: dict[str, Any], sizes: tuple[int, int]
+) -> None:
+    """The demo's result as JSON (at ``args.json``): budget and session size (``sizes``), per-turn
+    counters, the answer and whether it recalled."""
+    budget, size = sizes
+    result: dict[str, Any] = {
+        "budget": budget,
+        "session_tokens": size,
+        "turns": played.turns,
+        "evictions": stats["evictions"],
+        "recoveries": stats["recoveries_restore"] + stats["recoveries_recompute"],
+        "answer": played.reply,
+        "expected": played.expected,
+        "recalled": played.recalled,
+        "backend": args.backend,
+        "model": model,
+    }
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def _print_turn(t: dict[str, Any]) -> None:

@@ -75,9 +75,10 @@ def test_dequantize_is_exactly_ggufs(qtype: str, backend: str) -> None:
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 37])
-def test_mm_matches_float32_matmul(qtype: str, n: int, backend: str) -> None:
-    w, ref = _weight(qtype, seed=n), _reference(qtype, seed=n)
-    x = torch.randn(n, IN, generator=torch.Generator().manual_seed(n))
+@pytest.mark.parametrize("cols", [IN, 768])  # 16 groups of 32, and 24 (the kernel's 16-lane tail)
+def test_mm_matches_float32_matmul(qtype: str, n: int, cols: int, backend: str) -> None:
+    w, ref = _weight(qtype, cols=cols, seed=n), _reference(qtype, cols=cols, seed=n)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
     _assert_product(w.mm(x), x, ref)
     c = torch.randn(n, OUT)
     bound = MM_RTOL * (x.abs() @ ref.abs().t()).max().item() + 1e-6

@@ -35,14 +35,27 @@ _SOURCE = r"""
 
 constexpr int64_t GROUP = 32;
 
-// sum_g min[g] * xsum[g]: the mins' share of one output (q4).
-static inline float min_term(const float* mins, const float* xsum, int64_t groups) {
+// sum_g min[g] * xsum[g]: the mins' share of one output (q4), portable version.
+[[maybe_unused]] static inline float min_term(const float* mins, const float* xsum, int64_t groups) {
   float acc = 0.0f;
   for (int64_t g = 0; g < groups; ++g) acc += mins[g] * xsum[g];
   return acc;
 }
 
 #if defined(__AVX512F__)
+// min[g] * xsum[g] over every group, 16 lanes at a time (the tail masked): unreduced.
+static inline __m512 min_terms(const float* mins, const float* xsum, int64_t groups) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 16 <= groups; g += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g), _mm512_loadu_ps(xsum + g), acc);
+  if (g < groups) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (groups - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mins + g), _mm512_maskz_loadu_ps(m, xsum + g), acc);
+  }
+  return acc;
+}
+
 // One group's 32 weights widened to float: lo = elements 0-15, hi = 16-31.
 template <bool Q4>
 static inline void widen(const uint8_t* w, __m512& lo, __m512& hi) {
@@ -76,7 +89,10 @@ static inline void mm_tile(const float* x, const float* xsum, int64_t t, int64_t
       acc[i] = _mm512_fmadd_ps(d, s, acc[i]);
     }
   }
-  for (int64_t i = 0; i < t; ++i) total[i] = _mm512_reduce_add_ps(acc[i]);
+  for (int64_t i = 0; i < t; ++i) {
+    if (Q4) acc[i] = _mm512_add_ps(acc[i], min_terms(mr, xsum + i * groups, groups));
+    total[i] = _mm512_reduce_add_ps(acc[i]);  // one horizontal sum per output
+  }
 #else
   for (int64_t i = 0; i < t; ++i) {
     const float* xi = x + i * K;
@@ -96,8 +112,10 @@ static inline void mm_tile(const float* x, const float* xsum, int64_t t, int64_t
   }
 #endif
   for (int64_t i = 0; i < t; ++i) {
-    const float y = Q4 ? total[i] + min_term(mr, xsum + i * groups, groups) : total[i];
-    out[i * N] = add ? out[i * N] + y : y;
+#if !defined(__AVX512F__)
+    if (Q4) total[i] += min_term(mr, xsum + i * groups, groups);
+#endif
+    out[i * N] = add ? out[i * N] + total[i] : total[i];
   }
 }
 
@@ -179,7 +197,7 @@ def kernel() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="kvos_quant_v2",
+            name="kvos_quant_v3",
             cpp_sources=[_SOURCE],
             functions=["mm", "dequantize"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],

@@ -11,13 +11,12 @@ needed; the build is cached) and used only for float32 CPU pools; anything else,
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from kvos.extensions import build
 from kvos.model.rope import Rope
 
 _SOURCE = r"""
@@ -201,23 +200,13 @@ STREAM_MIN_BYTES = 4 << 20  # restores this large write the pool with non-tempor
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    if os.environ.get("KVOS_NO_EXTENSIONS") == "1":
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name="kvos_fused_restore_v5",
-            cpp_sources=[_SOURCE],
-            functions=["rotate_write", "pair_tables"],
-            # -fopenmp: at::parallel_for is inline OpenMP, serial without it (torch's libgomp is reused)
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, headers missing: the eager path still works
-        warnings.warn(f"kvos: fused restore kernel unavailable, using the eager path ({exc})", stacklevel=2)
-        return None
+    return build(
+        "kvos_fused_restore_v5",
+        _SOURCE,
+        ["rotate_write", "pair_tables"],
+        ["-O3", "-march=native", "-ffp-contract=off"],
+        "the eager path",
+    )
 
 
 def half_rotation(rope: Rope, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,9 @@ the CPU has them, portable loops otherwise) and cached; without a compiler, or w
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from typing import Any
+
+from kvos.extensions import build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -191,19 +191,4 @@ torch::Tensor dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor min
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    if os.environ.get("KVOS_NO_EXTENSIONS") == "1":
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(
-            name="kvos_quant_v3",
-            cpp_sources=[_SOURCE],
-            functions=["mm", "dequantize"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, headers missing: the torch path still works
-        warnings.warn(f"kvos: quantized matmul kernel unavailable, using torch ops ({exc})", stacklevel=2)
-        return None
+    return build("kvos_quant_v2", _SOURCE, ["mm", "dequantize"], ["-O3", "-march=native"], "torch ops")

@@ -11,6 +11,8 @@ dequantized or a kept-quantized path sees the weight.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -255,7 +257,21 @@ def load_gguf(
         make = kept_quantized(torch.device(device))
     else:
         make = dequantized(resolve_dtype(dtype), torch.device(device))
-    return Transformer(config, _MadeOnAccess(tensors, make))
+    model = Transformer(config, _MadeOnAccess(tensors, make))
+    del tensors
+    release_free_heap()
+    return model
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): a load frees many
+    temporaries (per-part weights before fusing, dequantized rows) that the allocator would otherwise keep
+    resident (11 MiB of a SmolLM2 Q4_1 load). A no-op where glibc is absent."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _MadeOnAccess(Mapping[str, Weight]):

@@ -324,3 +324,14 @@ def test_branches_are_limited_least_recently_used_first() -> None:
         assert stats is not None and len(stats["branches"]) == 2
         back = ask(c, [systems[1], user], "few")
         assert usage(back)["reused_tokens"] < back.usage.prompt_tokens // 2  # the second branch was dropped
+
+
+def test_one_branch_continues_in_place() -> None:
+    with running_server(MODEL_DIR, "--max-branches", "1") as url:
+        c = client(url)
+        user = {"role": "user", "content": "Hello there."}
+        for i in range(3):
+            r = ask(c, [{"role": "system", "content": f"You are assistant number {i}."}, user], "one")
+            assert usage(r)["branch"] == "main" and r.usage.completion_tokens > 0
+        stats = session_stats(url, "one")
+        assert stats is not None and len(stats["branches"]) == 1

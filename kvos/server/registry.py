@@ -171,18 +171,19 @@ class SessionRegistry:
         prompt departs from it only within its last turn (a new turn, a regenerated reply, an edited last
         message); otherwise a new branch forked at the shared prefix (a side request with another system
         prompt, an edit further back), sharing those blocks by reference. Branches past ``max_branches``
-        go least recently used first. The chosen branch becomes ``entry.session``."""
+        go least recently used first; with ``max_branches`` 1 the branch is always continued in place
+        (truncated at the divergence). The chosen branch becomes ``entry.session``."""
         shared = {b.session_id: common_prefix(prompt, b.history_ids()) for b in entry.branches}
         used = entry.branch_used
         best = max(entry.branches, key=lambda b: (shared[b.session_id], used.get(b.session_id, 0.0)))
         chosen = best
-        if shared[best.session_id] < best.last_turn_start():
-            while len(entry.branches) >= max(self.config.max_branches, 1):
+        if shared[best.session_id] < best.last_turn_start() and self.config.max_branches > 1:
+            while len(entry.branches) >= self.config.max_branches:
                 stale = min(
-                    (b for b in entry.branches if b is not best),
-                    key=lambda b: entry.branch_used.get(b.session_id, 0),
+                    (b for b in entry.branches if b is not best), key=lambda b: used.get(b.session_id, 0.0)
                 )
                 entry.branches.remove(stale)
+                used.pop(stale.session_id, None)
                 self.manager.close(stale.session_id)
             name = f"{entry.owner}/{entry.session_id}#b{entry.served}"
             chosen = self.manager.fork(best.session_id, name, shared[best.session_id])

@@ -90,3 +90,12 @@ def test_token_logprob_is_the_log_softmax_with_its_top_alternatives() -> None:
 def test_out_of_range_parameters_are_config_errors(bad: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 5e-324), (1.0, 1e-46), (5e-324, 1.0), (1e-39, 0.5)])
+def test_extreme_temperature_and_top_p_pick_the_argmax(temperature: float, top_p: float) -> None:
+    """Values the API accepts (temperature > 0, top_p in (0, 1]) whose float32 image is 0 or overflows a
+    logit: the pick is the argmax (their limit), not a NaN distribution (found by fuzzing the server)."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.5])
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=0))
+    assert [sampler(logits) for _ in range(5)] == [1] * 5

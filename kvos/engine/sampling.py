@@ -101,10 +101,12 @@ class Sampler:
             logits = self.adjust(logits)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
-        if self.params.greedy:
+        scaled = None if self.params.greedy else logits / self.params.temperature
+        if scaled is None or bool(torch.isposinf(scaled).any() | torch.isnan(scaled).any()):
+            # greedy, or a temperature so small that a logit overflowed: the limit of sampling is argmax
             token = int(torch.argmax(logits).item())
         else:
-            probs = filtered_probs(logits / self.params.temperature, self.params.top_k, self.params.top_p)
+            probs = filtered_probs(scaled, self.params.top_k, self.params.top_p)
             token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
         if self.params.presence_penalty or self.params.frequency_penalty:
             self._count(token, logits.shape[0])
@@ -145,7 +147,8 @@ def token_logprob(
 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Softmax of logits [vocab] kept to the top-k tokens and the smallest nucleus holding top_p mass."""
+    """Softmax of logits [vocab] kept to the top-k tokens and the smallest nucleus holding top_p mass (at
+    least the most likely token, however small top_p is)."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -153,7 +156,9 @@ def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        drop = before >= top_p
+        drop[..., 0] = False  # a top_p below float32's smallest value rounds to 0, which would drop them all
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum()
     return probs

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from kvos.server.app import create_app
 from kvos.server.main import add_arguments, build_service
@@ -29,6 +30,28 @@ def running_server(
 ) -> Iterator[str]:
     """Yields the base URL (http://127.0.0.1:PORT/v1) of a live server built exactly as ``kvos serve
     --model MODEL ARGV...`` builds it (its defaults and limits, not the tests' own); stops it afterwards."""
+    with running_app(
+        model,
+        *argv,
+        budget=budget,
+        api_keys=api_keys,
+        max_sessions=max_sessions,
+        served_model_name=served_model_name,
+    ) as (url, _):
+        yield url
+
+
+@contextmanager
+def running_app(
+    model: Path | str,
+    *argv: str,
+    budget: int | None = None,
+    api_keys: list[str] | None = None,
+    max_sessions: int | None = None,
+    served_model_name: str = MODEL_NAME,
+) -> Iterator[tuple[str, FastAPI]]:
+    """As :func:`running_server`, yielding the app too (``app.state.service`` is its :class:`ChatService`,
+    for tests that check the sessions' state in-process)."""
     args = [*argv, "--model", str(model), "--served-model-name", served_model_name]
     if budget is not None:
         args += ["--budget", str(budget)]
@@ -51,7 +74,7 @@ def running_server(
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", app
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "session": ("kvos.bench.session", "a chat session growing to 100x its KV budget: tokens, events, RSS"),
     "recall": ("kvos.bench.recall", "planted-fact probe pass rate per memory strategy and budget"),
     "quality": ("kvos.bench.quality", "perplexity, top-1 and KL vs the full cache per compression policy"),
+    "soak": ("kvos.bench.soak", "concurrent chat clients against kvos serve: errors, wedges, budget, RSS"),
 }
 
 

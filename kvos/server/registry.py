@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvos.model.gguf import release_free_heap
 from kvos.server.errors import busy, not_found
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import SpanRenderer, common_prefix
@@ -120,9 +121,13 @@ class SessionRegistry:
                 self._close(key)
 
     def _close(self, key: tuple[str, str]) -> None:
+        """Close a session's branches and hand the heap they freed (saved blocks, history) back to the
+        system: the allocator would otherwise keep it resident, and a long-running server's RSS would stay
+        at its high-water mark after its sessions are gone."""
         entry = self.entries.pop(key)
         for branch in entry.branches:
             self.manager.close(branch.session_id)
+        release_free_heap()
 
     def sessions(self, owner: str) -> list[dict[str, Any]]:
         with self.cond:

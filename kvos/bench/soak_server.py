@@ -1,0 +1,216 @@
+"""The server under soak: a real ``kvos serve`` subprocess on a free loopback port, and a monitor thread
+that samples its ``/metrics`` and its resident set (``VmRSS`` of the server process, from /proc) while the
+load runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+HOST = "127.0.0.1"
+
+
+def serve_flags() -> set[str]:
+    """The option strings ``kvos serve`` accepts in this checkout (``--admin-key`` is newer than the soak)."""
+    from kvos.server.main import add_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return set(parser._option_string_actions)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def rss_bytes(pid: int) -> int:
+    """The current resident set of process ``pid`` (``VmRSS`` in /proc/PID/status), 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class ServerProcess:
+    """``python -m kvos.cli serve --host 127.0.0.1 --port P ARGV...``, started and stopped by its owner;
+    its stderr goes to ``log_path``."""
+
+    def __init__(self, argv: list[str], log_path: Path, start_timeout_s: float = 300.0) -> None:
+        self.argv, self.log_path, self.start_timeout_s = argv, log_path, start_timeout_s
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the server is not started"
+        return self.proc.pid
+
+    def start(self) -> None:
+        """Start the server and wait until ``/health`` answers (a port taken meanwhile: another port)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("wb")
+        for _ in range(3):
+            self.port = free_port()
+            command = [sys.executable, "-m", "kvos.cli", "serve", "--host", HOST, "--port", str(self.port)]
+            self.proc = subprocess.Popen([*command, *self.argv], stdout=self._log, stderr=self._log)
+            if self._wait_healthy():
+                return
+            if "already in use" not in self.log_tail():
+                break
+        self.stop()
+        raise RuntimeError(f"kvos serve did not start; its log ends:\n{self.log_tail()}")
+
+    def _wait_healthy(self) -> bool:
+        """True once ``/health`` answers 200; False when the process exits first or the time runs out."""
+        assert self.proc is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after 30 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class Sample:
+    """One look at the server: RSS, pool bytes and the largest session's active tokens."""
+
+    rss: int
+    pool_bytes: int
+    pool_live_bytes: int
+    max_active_tokens: int
+    sessions: int
+
+
+@dataclass
+class Peaks:
+    """The largest values the monitor saw, and how its scrapes were answered."""
+
+    rss: int = 0
+    pool_bytes: int = 0
+    pool_live_bytes: int = 0
+    max_active_tokens: int = 0
+    samples: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+
+    def add(self, s: Sample) -> None:
+        self.rss = max(self.rss, s.rss)
+        self.pool_bytes = max(self.pool_bytes, s.pool_bytes)
+        self.pool_live_bytes = max(self.pool_live_bytes, s.pool_live_bytes)
+        self.max_active_tokens = max(self.max_active_tokens, s.max_active_tokens)
+        self.samples += 1
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The figures the soak follows from Prometheus text: pool bytes, and active tokens per session."""
+    found: dict[str, Any] = {"pool_bytes": 0, "pool_live_bytes": 0, "active": []}
+    for family in text_string_to_metric_families(text):
+        values = [s.value for s in family.samples]
+        if family.name == "kvos_session_active_tokens":
+            found["active"] = [int(v) for v in values]
+        elif family.name in ("kvos_pool_bytes", "kvos_pool_live_bytes") and values:
+            found[family.name.removeprefix("kvos_")] = int(values[0])
+    return found
+
+
+class Monitor:
+    """Samples ``/metrics`` (with ``headers``: an admin key where the server has one) and the server's RSS
+    every ``interval_s`` on a thread of its own, keeping the peaks; :meth:`sample` takes one look now."""
+
+    def __init__(self, server: ServerProcess, headers: dict[str, str], interval_s: float = 0.25) -> None:
+        self.server, self.interval_s = server, interval_s
+        self.http = httpx.Client(base_url=server.url, headers=headers, timeout=60)
+        self.peaks = Peaks()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="soak-monitor", daemon=True)
+
+    def sample(self) -> Sample | None:
+        """RSS and /metrics now (None when the scrape failed; its status is counted)."""
+        rss = rss_bytes(self.server.pid)
+        try:
+            response = self.http.get("/metrics")
+        except httpx.HTTPError as exc:
+            self.peaks.statuses[type(exc).__name__] += 1
+            return None
+        self.peaks.statuses[str(response.status_code)] += 1
+        if response.status_code != 200:
+            return None
+        found = parse_metrics(response.text)
+        sample = Sample(
+            rss,
+            found["pool_bytes"],
+            found["pool_live_bytes"],
+            max(found["active"], default=0),
+            len(found["active"]),
+        )
+        self.peaks.add(sample)
+        return sample
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> Monitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop sampling (:meth:`sample` still works until :meth:`close`)."""
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def close(self) -> None:
+        self.http.close()

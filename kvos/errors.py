@@ -92,3 +92,9 @@ class SignalError(KvosError, ValueError):
 
 class BudgetError(KvosError):
     """A session cannot fit new tokens in its budget: what remains resident is pinned, sinks or protected."""
+
+
+class SnapshotError(KvosError):
+    """A session snapshot or state file that cannot be used: unreadable, corrupt (checksum), of another
+    format version, or describing a session that does not hold together. The session is then rebuilt from
+    the tokens a client re-sends (re-prefilled), never from the bad file."""

@@ -30,7 +30,14 @@ same directory and then ``os.replace``d::
              mask then the nonzero values (see :mod:`kvos.memory.codec`)
 
 ``_encode`` and ``_decode`` are the codec's entry points (files of the older "raw" codec, all dense, are
-read too).
+read too). The prefix, digest and atomic write are :mod:`kvos.memory.container`'s.
+
+Write-through (``write_through=True``, for a server's ``--state-dir``): every ``put`` writes the block's file
+at once, and RAM keeps a copy while it fits ``ram_bytes`` (leaving RAM then costs no write); a block saved
+is on disk as soon as it is saved. :meth:`adopt` takes over a file an earlier store wrote (after a restart),
+checking its prefix and size now and its digest when it is read. ``release(path)`` is called for each file
+the store no longer needs (deleted, popped, dropped, closed), in place of deleting it, so that a caller can
+keep files an older snapshot still names.
 Metadata is stored as JSON in both tiers, so it comes back as JSON gives it (tuples become lists).
 The store is not thread-safe.
 """
@@ -40,9 +47,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import struct
-import tempfile
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
@@ -53,13 +57,13 @@ from typing import Any, Literal
 import torch
 
 from kvos.errors import BlockDataError, BlockNotFoundError, ConfigError, CorruptBlockError
+from kvos.memory import container
 from kvos.memory.codec import CODEC_NAME, EncodedTensor, encode, from_payload
 from kvos.memory.int64 import as_int64
 
 MAGIC = b"KVOSBLK\x00"
 FORMAT_VERSION = 1
 FILE_SUFFIX = ".kvblk"
-_PREFIX = struct.Struct("<8sHI32s")
 _DROPPED_MEMORY = 4096  # how many dropped keys are remembered for error messages
 _log = logging.getLogger(__name__)
 
@@ -114,47 +118,53 @@ def _decode(payload: memoryview, fields: dict[str, Any]) -> Pair:
     return k, v
 
 
-def _serialize(kv: Pair, meta_json: str) -> list[bytes | memoryview]:
+def _serialize(kv: Pair, meta_json: str) -> list[container.Chunk]:
     """The chunks of a block file, prefix first (see the module docstring)."""
     chunks, fields = _encode(*kv)
     payload_bytes = sum(c.nbytes for c in chunks)
-    header = json.dumps({**fields, "meta": json.loads(meta_json), "payload_bytes": payload_bytes}).encode()
-    digest = hashlib.blake2b(header, digest_size=32)
-    for chunk in chunks:
-        digest.update(chunk)
-    return [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), digest.digest()), header, *chunks]
-
-
-def _write_atomic(path: Path, chunks: list[bytes | memoryview]) -> None:
-    """Write ``chunks`` to a temporary file next to ``path``, then rename it to ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    header = {**fields, "meta": json.loads(meta_json), "payload_bytes": payload_bytes}
+    return container.pack(MAGIC, FORMAT_VERSION, header, list(chunks))
 
 
 def _parse(data: bytes) -> tuple[Pair, str]:
     """``((k, v), meta_json)`` of a block file's bytes (encoded); raises ValueError (or Key/TypeError)."""
-    if len(data) < _PREFIX.size:
-        raise ValueError(f"file is {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, header_len, digest = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise ValueError("bad magic bytes")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"format version {version}, this kvos reads {FORMAT_VERSION}")
-    body = memoryview(data)[_PREFIX.size :]
-    if hashlib.blake2b(body, digest_size=32).digest() != digest:
-        raise ValueError("checksum mismatch (truncated or modified)")
-    header = json.loads(bytes(body[:header_len]))
-    payload = body[header_len:]
+    header, payload = container.unpack(data, MAGIC, FORMAT_VERSION)
     if len(payload) != header["payload_bytes"]:
         raise ValueError("payload length differs from the header")
     return _decode(payload, header), json.dumps(header["meta"])
+
+
+def write_block_file(path: Path, k: torch.Tensor, v: torch.Tensor, meta: Mapping[str, Any] | None) -> int:
+    """Write one block (``k``, ``v`` ``[num_layers, num_tokens, num_kv_heads, head_dim]``, CPU) as a block
+    file at ``path``, atomically; its size in bytes."""
+    kv = encode(_to_cpu(k, "k", copy=False)), encode(_to_cpu(v, "v", copy=False))
+    return container.write_atomic(path, _serialize(kv, _meta_json(meta)))
+
+
+def read_block_file(path: Path) -> StoredBlock:
+    """The block in a block file, digest verified; ValueError (or OSError) when it is missing or corrupt."""
+    try:
+        (k, v), meta_json = _parse(path.read_bytes())
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"malformed block file: {e}") from e
+    return StoredBlock(k.decode(), v.decode(), json.loads(meta_json))
+
+
+def _peek_entry(path: Path) -> _Entry:
+    """An on-disk entry for an existing block file, from its prefix and header only (the digest is checked
+    when the block is read); ValueError/OSError when the file is short, foreign or truncated."""
+    header, payload_bytes = container.peek(path, MAGIC, FORMAT_VERSION)
+    try:
+        if payload_bytes != int(header["payload_bytes"]):
+            raise ValueError(f"payload is {payload_bytes} bytes, the header says {header['payload_bytes']}")
+        raw = sum(
+            int(torch.Size(t["shape"]).numel()) * getattr(torch, str(t["dtype"])).itemsize
+            for t in header["tensors"]
+        )
+        meta_json = json.dumps(header["meta"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"malformed block file header: {e}") from e
+    return _Entry(meta_json, raw, payload_bytes, None, path, path.stat().st_size)
 
 
 def _to_cpu(t: object, name: str, copy: bool = True) -> torch.Tensor:
@@ -181,7 +191,8 @@ class BlockStore:
 
     ``ram_bytes`` counts K and V encoded bytes (dense ``nbytes`` unless sparse is smaller); ``disk_bytes``
     counts file sizes. ``None`` means no cap. ``on_drop(key)`` is called for each key dropped for capacity
-    or found corrupt.
+    or found corrupt. ``write_through``: every block is written to ``disk_dir`` as it is put;
+    ``release(path)`` replaces deleting a file the store no longer needs (see the module docstring).
     """
 
     def __init__(
@@ -190,13 +201,23 @@ class BlockStore:
         disk_dir: str | Path | None = None,
         disk_bytes: int | None = None,
         on_drop: Callable[[Hashable], None] | None = None,
+        *,
+        write_through: bool = False,
+        release: Callable[[Path], None] | None = None,
     ) -> None:
         for name, cap in (("ram_bytes", ram_bytes), ("disk_bytes", disk_bytes)):
             if cap is not None and (not isinstance(cap, int) or cap < 0):
                 raise ConfigError(f"BlockStore {name} must be None or an int >= 0, got {cap!r}")
         if disk_bytes is not None and disk_dir is None:
             raise ConfigError("BlockStore disk_bytes needs a disk_dir; give one or leave disk_bytes None")
+        if write_through and (disk_dir is None or disk_bytes is not None):
+            raise ConfigError(
+                "a write-through BlockStore needs a disk_dir and keeps every block: no disk_bytes"
+            )
         self._ram_cap, self._disk_cap, self._on_drop = ram_bytes, disk_bytes, on_drop
+        self._write_through = write_through
+        self._release = release or (lambda path: path.unlink(missing_ok=True))
+        self._files = 0  # block files this store has named (a part of each new file's name)
         self._dir = Path(disk_dir) if disk_dir is not None else None
         if self._dir is not None:
             self._dir.mkdir(parents=True, exist_ok=True)
@@ -230,8 +251,32 @@ class BlockStore:
         self._counts["puts"] += 1
         self._entries[key] = entry
         self._ram_used += entry.ram_bytes
+        if self._write_through:
+            self._write(key, entry)
         dropped = [] if self._fits_ram(entry.ram_bytes) else self._spill(key)
         self._notify(dropped + self._enforce_caps())
+
+    def adopt(self, key: Hashable, path: Path) -> None:
+        """Take over the block file at ``path`` (in this store's ``disk_dir``, written by an earlier store)
+        as ``key``'s entry, on disk. Its prefix and size are checked now, its digest when it is read (a bad
+        file then raises :class:`CorruptBlockError` and is dropped). Raises :class:`BlockDataError` when the
+        file cannot be taken (it is left where it is)."""
+        if self._dir is None or path.parent.resolve() != self._dir.resolve():
+            raise ConfigError(f"BlockStore.adopt takes files in its disk_dir {self._dir}, not {path}")
+        try:
+            entry = _peek_entry(path)
+        except (OSError, ValueError) as e:
+            raise BlockDataError(f"block file {path} cannot be adopted: {e}") from e
+        if key in self._entries:
+            self._remove(key)
+        self._dropped.pop(key, None)
+        self._entries[key] = entry
+        self._disk_used += entry.file_bytes
+
+    def file_of(self, key: Hashable) -> Path | None:
+        """The file holding ``key``'s block (None when it is only in RAM, or not held)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.path
 
     def get(self, key: Hashable) -> StoredBlock:
         """The block saved under ``key``, from RAM or disk; it becomes the most recently used.
@@ -266,7 +311,7 @@ class BlockStore:
     def where(self, key: Hashable) -> Literal["ram", "disk"] | None:
         """The tier holding ``key``, or None if the store does not hold it (does not touch recency)."""
         entry = self._entries.get(key)
-        return None if entry is None else "disk" if entry.path is not None else "ram"
+        return None if entry is None else "ram" if entry.kv is not None else "disk"
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -293,10 +338,10 @@ class BlockStore:
         ``stored_bytes`` (their encoded bytes, both tiers, file headers excluded), and event counters.
         Reads a snapshot of the entries, so another thread may call it while the store is in use."""
         entries = list(self._entries.values())
-        on_disk = sum(1 for e in entries if e.path is not None)
+        in_ram = sum(1 for e in entries if e.kv is not None)
         return {
-            "entries_ram": len(entries) - on_disk,
-            "entries_disk": on_disk,
+            "entries_ram": in_ram,
+            "entries_disk": len(entries) - in_ram,
             "ram_bytes": self._ram_used,
             "disk_bytes": self._disk_used,
             "raw_bytes": sum(e.raw_bytes for e in entries),
@@ -324,7 +369,7 @@ class BlockStore:
         """Spill LRU RAM entries, then drop LRU disk entries, until both caps hold; the dropped keys."""
         dropped: list[Hashable] = []
         if self._ram_cap is not None and self._ram_used > self._ram_cap:
-            for key in [key for key, e in self._entries.items() if e.path is None]:
+            for key in [key for key, e in self._entries.items() if e.kv is not None]:
                 if self._ram_used <= self._ram_cap:
                     break
                 dropped += self._spill(key)
@@ -336,9 +381,15 @@ class BlockStore:
         return dropped
 
     def _spill(self, key: Hashable) -> list[Hashable]:
-        """Move a RAM entry to disk, or drop it when there is no disk or it cannot fit; the dropped keys."""
+        """Move a RAM entry to disk, or drop it when there is no disk or it cannot fit; the dropped keys.
+        An entry whose file is written already (write-through) only leaves RAM."""
         entry = self._entries[key]
-        assert entry.kv is not None and entry.path is None
+        assert entry.kv is not None
+        if entry.path is not None:
+            self._ram_used -= entry.ram_bytes
+            entry.kv = None
+            self._counts["spills"] += 1
+            return []
         if self._dir is None:
             return self._drop(key, "dropped from RAM with no disk_dir to spill to")
         chunks = _serialize(entry.kv, entry.meta_json)
@@ -347,7 +398,7 @@ class BlockStore:
             return self._drop(key, f"its {size}-byte file is larger than disk_bytes")
         path = self._new_path(key)
         try:
-            _write_atomic(path, chunks)
+            container.write_atomic(path, chunks)
         except OSError as e:
             _log.warning("BlockStore: cannot write %s (%s); dropping block %r", path, e, key)
             return self._drop(key, f"its file could not be written: {e}")
@@ -357,6 +408,19 @@ class BlockStore:
         self._disk_used += size
         self._counts["spills"] += 1
         return []
+
+    def _write(self, key: Hashable, entry: _Entry) -> None:
+        """Write a RAM entry's file now (write-through); a failed write leaves it in RAM only, logged."""
+        assert entry.kv is not None
+        chunks = _serialize(entry.kv, entry.meta_json)
+        path = self._new_path(key)
+        try:
+            size = container.write_atomic(path, chunks)
+        except OSError as e:
+            _log.warning("BlockStore: cannot write %s (%s); block %r is kept in RAM only", path, e, key)
+            return
+        entry.path, entry.file_bytes = path, size
+        self._disk_used += size
 
     def _read(self, key: Hashable, entry: _Entry) -> Pair:
         """Load a disk entry's encoded tensors; on a bad file remove it, notify, raise CorruptBlockError."""
@@ -372,19 +436,21 @@ class BlockStore:
 
     def _to_ram(self, entry: _Entry, kv: Pair) -> None:
         assert entry.path is not None
-        self._unlink(entry)
+        if not self._write_through:
+            self._unlink(entry)
         entry.kv = kv
         self._ram_used += entry.ram_bytes
 
     def _new_path(self, key: Hashable) -> Path:
-        """A fresh file name: store tag, spill number (unique even if two keys share a repr), key hash."""
+        """A fresh file name: store tag, file number (unique even if two keys share a repr), key hash."""
         assert self._dir is not None
         key_hash = hashlib.sha1(repr(key).encode(), usedforsecurity=False).hexdigest()[:20]
-        return self._dir / f"{self._tag}-{self._counts['spills']:08d}-{key_hash}{FILE_SUFFIX}"
+        self._files += 1
+        return self._dir / f"{self._tag}-{self._files:08d}-{key_hash}{FILE_SUFFIX}"
 
     def _unlink(self, entry: _Entry) -> None:
         if entry.path is not None:
-            entry.path.unlink(missing_ok=True)
+            self._release(entry.path)
             self._disk_used -= entry.file_bytes
             entry.path, entry.file_bytes = None, 0
 

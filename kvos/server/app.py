@@ -7,9 +7,10 @@ the event loop only parses, authenticates, routes and streams.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,8 +34,8 @@ def create_app(
     service: ChatService, api_keys: list[str] | None = None, max_body_bytes: int = 4 << 20
 ) -> FastAPI:
     """The app; with ``api_keys`` every /v1 request needs one, and sessions belong to their key."""
-    app = FastAPI(title="kvos", version="0.1.0")
     engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-engine")
+    app = FastAPI(title="kvos", version="0.1.0", lifespan=_lifespan(service, engine))
     registry, latency = make_registry(service)
     keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k for k in (api_keys or [])}
     name = service.config.model_name
@@ -169,6 +170,26 @@ def create_app(
 
     app.state.service, app.state.engine = service, engine
     return app
+
+
+def _lifespan(
+    service: ChatService, engine: ThreadPoolExecutor
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start-up and shutdown: with a state dir, sessions are written every ``--state-interval`` seconds and
+    once more at shutdown (SIGTERM, SIGINT), after the requests in flight have finished."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        autosave = service.autosave(engine)
+        if autosave is not None:
+            autosave.start()
+        try:
+            yield
+        finally:
+            if autosave is not None:
+                await asyncio.to_thread(autosave.stop)
+
+    return lifespan
 
 
 def _install_errors(app: FastAPI, max_body_bytes: int) -> None:

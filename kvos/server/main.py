@@ -12,9 +12,11 @@ from pathlib import Path
 from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
-from kvos.model.tokenizer import load_tokenizer
+from kvos.model.tokenizer import Tokenizer, load_tokenizer
+from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
 from kvos.server.service import ChatService, ServiceConfig
+from kvos.server.state import StateDir
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 
@@ -90,6 +92,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-disk-dir", type=Path, help="spill saved blocks over the RAM cap to this directory"
     )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="keep sessions here across restarts and crashes: saved blocks as they are saved, each "
+        "session's history and resident blocks every --state-interval seconds and at shutdown; a client "
+        "that re-sends its conversation after a restart gets its cache back (needs --backend kv_restore)",
+    )
+    p.add_argument(
+        "--state-interval",
+        type=float,
+        default=60.0,
+        help="seconds between writes of the sessions that changed and are idle, with --state-dir "
+        "(default 60; 0: only at shutdown)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
 
@@ -126,7 +142,10 @@ def build_service(args: argparse.Namespace) -> ChatService:
         store_ram_bytes=args.store_ram_bytes,
         store_disk_dir=args.store_disk_dir,
     )
-    manager = MemoryManager(Engine(model), load_tokenizer(path), config)
+    tokenizer = load_tokenizer(path)
+    state = open_state(args, model, tokenizer, config)
+    factory = state.store_factory if state is not None else None
+    manager = MemoryManager(Engine(model), tokenizer, config, store_factory=factory)
     prepare_kernel()
     name = args.served_model_name or path.name
     return ChatService(
@@ -140,8 +159,26 @@ def build_service(args: argparse.Namespace) -> ChatService:
             max_tokens_limit=args.max_tokens_limit,
             max_branches=args.max_branches,
             keep_thinking=args.keep_thinking,
+            state_interval_s=args.state_interval,
         ),
+        state,
     )
+
+
+def open_state(
+    args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, config: SessionConfig
+) -> StateDir | None:
+    """The state dir of ``--state-dir`` (None without one); a one-line :class:`SystemExit` for flags it
+    cannot work with."""
+    if args.state_dir is None:
+        return None
+    if args.backend != "kv_restore":
+        raise SystemExit("kvos serve: --state-dir keeps saved K/V, so it needs --backend kv_restore")
+    if args.store_disk_dir is not None:
+        raise SystemExit("kvos serve: give --state-dir or --store-disk-dir, not both")
+    if args.state_interval < 0:
+        raise SystemExit(f"kvos serve: --state-interval must be >= 0 seconds, got {args.state_interval}")
+    return StateDir.for_model(args.state_dir, model, tokenizer, config, args.session_ttl)
 
 
 def prepare_kernel() -> None:

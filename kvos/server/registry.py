@@ -16,6 +16,7 @@ from typing import Any
 
 from kvos.model.gguf import release_free_heap
 from kvos.server.errors import busy, not_found
+from kvos.server.state import StateDir
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import SpanRenderer, common_prefix
 from kvos.session.session import Session
@@ -34,6 +35,7 @@ class ServiceConfig:
     cancel_wait_s: float = 30.0  # how long DELETE waits for a cancelled request to let go of its session
     keep_thinking: bool = False
     prefix_min_tokens: int = 64
+    state_interval_s: float = 60.0  # with a state dir: how often changed idle sessions are written (0: never)
 
 
 @dataclass
@@ -64,8 +66,9 @@ class Entry:
 class SessionRegistry:
     """The sessions of every API key, each with its branches."""
 
-    def __init__(self, manager: MemoryManager, config: ServiceConfig) -> None:
-        self.manager, self.config = manager, config
+    def __init__(self, manager: MemoryManager, config: ServiceConfig, state: StateDir | None = None) -> None:
+        """``state``: where sessions are written to survive a restart, and read back from (lazily)."""
+        self.manager, self.config, self.state = manager, config, state
         self.entries: dict[tuple[str, str], Entry] = {}
         self.cond = threading.Condition()
 
@@ -98,20 +101,40 @@ class SessionRegistry:
 
     def _find(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
         if session_id is not None:
-            return self.entries.get((owner, session_id)) or self._create(owner, session_id)
+            found = self.entries.get((owner, session_id)) or self._restore(owner, session_id)
+            return found or self._create(owner, session_id)
         best, best_len = None, self.config.prefix_min_tokens - 1
         for (who, _), entry in self.entries.items():
             if who == owner and probe is not None:
                 shared = max(common_prefix(probe, b.history_ids()) for b in entry.branches)
                 if shared > best_len:
                     best, best_len = entry, shared
+        if best is None and probe is not None and self.state is not None:
+            live = {sid for who, sid in self.entries if who == owner}
+            stored = self.state.match(owner, probe, self.config.prefix_min_tokens, live)
+            best = self._restore(owner, stored) if stored is not None else None
         return best or self._create(owner, uuid.uuid4().hex[:16])
 
     def _create(self, owner: str, session_id: str) -> Entry:
-        session = self.manager.session(f"{owner}/{session_id}")
+        return self._add(owner, session_id, [self.manager.session(f"{owner}/{session_id}")])
+
+    def _add(self, owner: str, session_id: str, branches: list[Session]) -> Entry:
+        session = branches[0]
         renderer = SpanRenderer(session.template, session.tokenizer) if session.template else None
-        entry = Entry(session_id, owner, renderer, [session])
+        entry = Entry(session_id, owner, renderer, branches)
+        now = time.monotonic()  # the branches' order (latest first) is their recency
+        entry.branch_used = {b.session_id: now - i * 1e-3 for i, b in enumerate(branches)}
         self.entries[(owner, session_id)] = entry
+        return entry
+
+    def _restore(self, owner: str, session_id: str) -> Entry | None:
+        """A session of the state dir, back in the registry (swapped out: its K/V come back from disk when
+        a request first uses it); None when the state dir has none."""
+        stored = self.state.load(owner, session_id, self.manager) if self.state is not None else None
+        if stored is None:
+            return None
+        entry = self._add(owner, session_id, stored[0])
+        entry.served = stored[1]
         return entry
 
     def _expire(self) -> None:
@@ -127,7 +150,27 @@ class SessionRegistry:
         entry = self.entries.pop(key)
         for branch in entry.branches:
             self.manager.close(branch.session_id)
+        if self.state is not None:
+            self.state.forget(*key)
         release_free_heap()
+
+    def snapshot_idle(self) -> int:
+        """Write every idle session that changed since its last snapshot to the state dir; how many were
+        written. On the engine thread (so no request is half-way through one); the sessions are held busy
+        meanwhile, so no request starts on one and no expiry closes one."""
+        if self.state is None:
+            return 0
+        with self.cond:
+            idle = [e for e in self.entries.values() if not e.busy and e.served]
+            for entry in idle:
+                entry.busy = True
+        try:
+            return sum(self.state.save(e.owner, e.session_id, e.served, e.branches) for e in idle)
+        finally:
+            with self.cond:
+                for entry in idle:
+                    entry.busy = False
+                self.cond.notify_all()
 
     def sessions(self, owner: str) -> list[dict[str, Any]]:
         with self.cond:

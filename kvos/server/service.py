@@ -7,6 +7,7 @@ Everything that touches a session runs on the engine's single worker thread.
 from __future__ import annotations
 
 from collections.abc import Generator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -14,11 +15,13 @@ from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams, TokenLogprob
 from kvos.errors import KvosError
 from kvos.policy.blocks import BlockKind
+from kvos.server.autosave import Autosave
 from kvos.server.errors import APIError, bad_request, not_found
 from kvos.server.protocol import logit_bias, logprob_count, note_unknown, reject_unsupported, request_grammar
 from kvos.server.registry import Entry, ServiceConfig, SessionRegistry
 from kvos.server.reply import parse_reply
 from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from kvos.server.state import StateDir
 from kvos.server.tools import plan_tools, template_inputs
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span, flatten
@@ -41,10 +44,17 @@ class Outcome:
 class ChatService:
     """Sessions of one model behind the OpenAI API."""
 
-    def __init__(self, manager: MemoryManager, config: ServiceConfig) -> None:
-        self.manager, self.config = manager, config
-        self.registry = SessionRegistry(manager, config)
+    def __init__(self, manager: MemoryManager, config: ServiceConfig, state: StateDir | None = None) -> None:
+        """``state``: the state directory sessions are written to and restored from (``--state-dir``)."""
+        self.manager, self.config, self.state = manager, config, state
+        self.registry = SessionRegistry(manager, config, state)
         self.totals = {"reused_tokens": 0, "decoded_tokens": 0, "requests": 0}
+
+    def autosave(self, engine: Executor) -> Autosave | None:
+        """The periodic and shutdown snapshots of a server with a state dir (None without one)."""
+        if self.state is None:
+            return None
+        return Autosave(self.registry.snapshot_idle, engine, self.config.state_interval_s)
 
     # ---------------------------------------------------------------- turns
     def prepare_chat(self, entry: Entry, req: ChatRequest) -> list[Span]:
@@ -118,9 +128,9 @@ class ChatService:
         hints, prompt = req.hints(), flatten(spans)
         params = self.sampling(req)
         session = self.registry.choose_branch(entry, prompt)
+        counts = dict(session.memory.journal.counts)  # before a swap-in: its recomputes are this request's
         self.registry.make_resident(entry)
         entry.served += 1
-        counts = dict(session.memory.journal.counts)
         synced = session.sync(spans, hints.priority, hints.pinned, hints.task_boundary)
         outcome, finished = Outcome(logprobs=None if params.logprobs is None else []), False
         room = session.reply_room()
@@ -192,6 +202,7 @@ class ChatService:
             "prompt_tokens": prompt,
             "completion_tokens": len(outcome.completion_ids),
             "total_tokens": prompt + len(outcome.completion_ids),
+            "prompt_tokens_details": {"cached_tokens": reused},  # OpenAI's name for prompt tokens not decoded
             "kvos": {
                 "session_id": entry.session_id,
                 "branch": entry.branch_name(session),

@@ -21,15 +21,23 @@ from kvos.policy.budget import select_victims
 from kvos.session.branch import fork
 from kvos.session.config import SessionConfig
 from kvos.session.memory import SessionMemory
-from kvos.session.session import Session
+from kvos.session.session import Session, StoreFactory
 
 
 class MemoryManager:
     """Creates sessions over one engine and arbitrates the pool between them."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: SessionConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        config: SessionConfig | None = None,
+        store_factory: StoreFactory | None = None,
+    ) -> None:
+        """``store_factory``: how a session's block store is built (default: from the session config)."""
         self.engine, self.tokenizer = engine, tokenizer
         self.config = config or SessionConfig()
+        self.store_factory = store_factory
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count(1)
         self._template: ChatTemplate | None = None
@@ -54,7 +62,12 @@ class MemoryManager:
             session_id = f"s{next(self._ids)}"
         if session_id not in self.sessions:
             self.sessions[session_id] = Session(
-                session_id, self.engine, self.tokenizer, config or self.config, relieve=self.relieve
+                session_id,
+                self.engine,
+                self.tokenizer,
+                config or self.config,
+                relieve=self.relieve,
+                store_factory=self.store_factory,
             )
         elif config is not None:
             raise ConfigError(f"session {session_id!r} exists already; its config cannot change")
@@ -66,7 +79,14 @@ class MemoryManager:
         if session_id in self.sessions:
             raise ConfigError(f"session {session_id!r} exists already")
         parent = self.sessions[parent_id]
-        child = Session(session_id, self.engine, self.tokenizer, parent.config, relieve=self.relieve)
+        child = Session(
+            session_id,
+            self.engine,
+            self.tokenizer,
+            parent.config,
+            relieve=self.relieve,
+            store_factory=self.store_factory,
+        )
         try:
             fork(parent, child, length)
         except BaseException:

@@ -8,19 +8,21 @@ recomputing re-prefills the block's tokens (the ``breadcrumb`` backend's recover
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
 
 from kvos.engine.engine import Engine
 from kvos.engine.sequence import Segment, Sequence
-from kvos.errors import ConfigError
-from kvos.memory.store import BlockStore
+from kvos.errors import ConfigError, CorruptBlockError
+from kvos.memory.store import BlockStore, StoredBlock
 from kvos.policy.blocks import BlockState, MemBlock
 
 PositionMode = Literal["compact", "sparse"]
 Backend = Literal["discard", "breadcrumb", "kv_restore"]
 Place = Literal["end", "place"]
+_log = logging.getLogger(__name__)
 
 
 class Pager:
@@ -127,7 +129,12 @@ class Pager:
     def restore(self, block: MemBlock, at: Place = "end") -> None:
         """Splice a saved block back from the store with no forward pass."""
         assert self.store is not None and block.state is BlockState.SAVED
-        saved = self.store.get(block.block_id)
+        try:
+            saved = self.store.get(block.block_id)
+        except CorruptBlockError as e:  # never served: the store dropped it, its tokens are re-prefilled
+            _log.warning("%s: recomputing it from its tokens", e)
+            self.recompute(block)
+            return
         old = saved.meta_int64("positions")
         index, start = self._landing(block, at)
         new = torch.arange(start, start + block.num_tokens)
@@ -178,22 +185,38 @@ class Pager:
         self.evict([self.blocks[bid] for bid, _ in record])
         return record
 
-    def swap_in(self, record: list[tuple[int, list[int]]]) -> None:
+    def swap_in(self, record: list[tuple[int, list[int]]]) -> list[int]:
         """Splice swapped-out blocks back in their cache order at their positions: no forward pass, no
-        rotation, the same cache as before :meth:`swap_out` (a dropped block is recomputed instead)."""
+        rotation, the same cache as before :meth:`swap_out` (a block dropped, or whose file fails its
+        check, is recomputed instead); returns the ids of the blocks recomputed."""
         assert self.store is not None
+        recomputed = []
         for bid, positions in record:
             block = self.blocks[bid]
             pos = torch.tensor(positions, dtype=torch.int64)
-            if block.state is not BlockState.SAVED:
+            saved = self._take(block)
+            if saved is None:
                 self.append(block, start=positions[0])
+                recomputed.append(bid)
                 continue
-            saved = self.store.pop(bid)
             seg = self.engine.splice(
                 self.seq, len(self.seq.segments), block.token_ids, saved.k, saved.v, pos, pos
             )
             self.segments[bid] = seg
             block.state, block.current_start = BlockState.RESIDENT, positions[0]
+        return recomputed
+
+    def _take(self, block: MemBlock) -> StoredBlock | None:
+        """Pop a saved block's K/V from the store; None when it is not saved, or when its file fails its
+        check (logged: the store drops it, so the block is marked discarded and never served)."""
+        assert self.store is not None
+        if block.state is not BlockState.SAVED:
+            return None
+        try:
+            return self.store.pop(block.block_id)
+        except CorruptBlockError as e:
+            _log.warning("%s: recomputing it from its tokens", e)
+            return None
 
     def release(self) -> None:
         """Free every resident block and forget the saved ones."""

@@ -8,7 +8,7 @@ prefilled. Generation captures decode attention, which feeds the attention signa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,11 @@ ROLE_KINDS = {
 }
 
 
+StoreFactory = Callable[[str, Callable[[Hashable], None]], BlockStore]
+"""Builds a session's block store from its id and the store's ``on_drop`` callback (a server's state
+directory gives each session a write-through store of its own)."""
+
+
 @dataclass
 class SyncResult:
     """How much of a prompt the history already held (reused) and how much was decoded."""
@@ -56,6 +61,7 @@ class Session:
         tokenizer: Tokenizer,
         config: SessionConfig,
         relieve: Callable[[SessionMemory], bool] | None = None,
+        store_factory: StoreFactory | None = None,
     ) -> None:
         self.session_id, self.engine, self.tokenizer, self.config = session_id, engine, tokenizer, config
         self.template = ChatTemplate.from_tokenizer(tokenizer) if tokenizer.chat_template else None
@@ -64,9 +70,11 @@ class Session:
         self.rendered = ""
         store = None
         if config.backend == "kv_restore":
-            store = BlockStore(
-                config.store_ram_bytes, config.store_disk_dir, on_drop=lambda key: self.memory.on_drop(key)
-            )
+            on_drop: Callable[[Hashable], None] = lambda key: self.memory.on_drop(key)  # noqa: E731
+            if store_factory is not None:
+                store = store_factory(session_id, on_drop)
+            else:
+                store = BlockStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.blocks)
         answer = None
         if config.recovery_signal == "answer":
@@ -285,7 +293,10 @@ class Session:
     def swap_in(self) -> None:
         """Bring a swapped-out session back exactly as it was: same blocks, order and positions."""
         record, self._swapped = self._swapped, []
-        self.memory.guarded(lambda: self.pager.swap_in(record), set())
+        recomputed: list[int] = self.memory.guarded(lambda: self.pager.swap_in(record), set())
+        for bid in recomputed:  # dropped or unreadable while out: re-prefilled in place
+            block = self.blocks[bid]
+            self.memory.journal.log(self.memory.turn, "recompute", block=bid, tokens=block.num_tokens)
         self.memory.journal.log(self.memory.turn, "swap_in", blocks=len(record))
 
     @property

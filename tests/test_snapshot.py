@@ -1,0 +1,183 @@
+"""Session snapshots: a session saved to disk and restored elsewhere is the same session, bit for bit, and
+keeps decoding identically; corrupt, truncated or other-version files are detected and never served."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvos.engine.engine import Engine
+from kvos.engine.sampling import SamplingParams
+from kvos.errors import SnapshotError
+from kvos.memory import container
+from kvos.memory.store import FILE_SUFFIX, BlockStore
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.blocks import BlockState
+from kvos.policy.budget import Budget
+from kvos.session import fields, snapshot
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+from kvos.session.session import Session
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+FILLER = "the quick brown fox jumps over the lazy dog while it rains "
+
+
+def durable(directory: Path) -> Callable[[str, Callable[[Hashable], None]], BlockStore]:
+    """A store factory: every session's saved blocks written through to ``directory``."""
+    return lambda _, on_drop: BlockStore(disk_dir=directory, on_drop=on_drop, write_through=True)
+
+
+def manager(model_dir: Path, directory: Path, mode: str = "compact") -> MemoryManager:
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=160, policy="watermark"),
+        block_tokens=24,
+        position_mode=mode,  # type: ignore[arg-type]
+        recovery_signal="lexical",
+    )
+    engine = Engine(load_model(model_dir), block_size=8)
+    return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=durable(directory))
+
+
+def conversation(s: Session, turns: int) -> None:
+    s.add_message("system", "You keep notes.")
+    for i in range(turns):
+        s.add_message("user", f"note {i}: crate {i * 37 % 101} holds {i % 9} lanterns; " + FILLER)
+        s.generate(GREEDY)
+
+
+def resident_kv(s: Session) -> list[tuple[int, list[int], torch.Tensor, torch.Tensor]]:
+    out = []
+    for bid in s.pager.order():
+        seg = s.pager.segments[bid]
+        out.append((bid, seg.positions.tolist(), *s.engine.read_kv(seg)))
+    return out
+
+
+def restored(model_dir: Path, source: Path, target: Path, mode: str = "compact") -> Session:
+    """The session saved in ``source``, restored from a copy of it (a restart reads what is on disk)."""
+    shutil.copytree(source, target)
+    (path,) = target.glob(f"*{snapshot.SUFFIX}")
+    s = manager(model_dir, target, mode).session("s")
+    snapshot.restore(snapshot.load(path), s, target)
+    return s
+
+
+@pytest.mark.parametrize("mode", ["compact", "sparse"])
+def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
+    model_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    original = manager(model_dir, tmp_path / "a", mode).session("s")
+    conversation(original, 6)
+    assert original.stats()["blocks"]["saved"] > 0  # evicted blocks are in the store, on disk already
+    snapshot.save(original, tmp_path / "a", "s-1.snap")
+    copy = restored(model_dir, tmp_path / "a", tmp_path / "b", mode)
+
+    assert copy.history_ids() == original.history_ids() and copy.swapped
+    copy.swap_in()
+    ta, tb = fields.TensorTable(), fields.TensorTable()  # every block field, tensors included
+    assert [fields.encode_block(b, ta) for b in original.blocks.values()] == [
+        fields.encode_block(b, tb) for b in copy.blocks.values()
+    ]
+    assert ta.tensors.keys() == tb.tensors.keys()
+    assert all(torch.equal(ta.tensors[name], tb.tensors[name]) for name in ta.tensors)
+    assert [(bid, pos) for bid, pos, *_ in resident_kv(copy)] == [
+        (bid, pos) for bid, pos, *_ in resident_kv(original)
+    ]
+    for (_, _, k1, v1), (_, _, k2, v2) in zip(resident_kv(original), resident_kv(copy), strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for bid, block in original.blocks.items():
+        if block.state is BlockState.SAVED:
+            a, b = original.pager.store.get(bid), copy.pager.store.get(bid)  # type: ignore[union-attr]
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.meta == b.meta
+    assert copy.memory.turn == original.memory.turn and copy.memory.protected == original.memory.protected
+    assert copy.memory.focus.vector is not None and original.memory.focus.vector is not None
+    assert torch.equal(copy.memory.focus.vector, original.memory.focus.vector)
+    for s in (original, copy):
+        s.add_message("user", "which crate holds the lanterns? " + FILLER)
+    assert copy.generate(GREEDY) == original.generate(GREEDY)
+
+
+def test_a_resident_block_with_a_bad_file_is_recomputed_not_served(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    original = manager(model_dir, tmp_path / "a").session("s")
+    conversation(original, 4)
+    snap = snapshot.save(original, tmp_path / "a", "s-1.snap")
+    cache = snap.header["cache"]
+    flipped, truncated = (snap.files[bid] for bid, _ in cache[-2:])
+    path = tmp_path / "a" / flipped
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10  # one bit of the payload: only the digest sees it
+    path.write_bytes(bytes(data))
+    cut = tmp_path / "a" / truncated
+    cut.write_bytes(cut.read_bytes()[:-100])
+    with caplog.at_level(logging.WARNING):
+        copy = restored(model_dir, tmp_path / "a", tmp_path / "b")
+        copy.swap_in()
+    assert copy.stats()["recoveries_recompute"] == 2  # both recomputed from their tokens at swap-in
+    assert "checksum mismatch" in caplog.text and "cannot be restored" in caplog.text
+    assert copy.history_ids() == original.history_ids()
+    assert [bid for bid, *_ in resident_kv(copy)] == [bid for bid, *_ in resident_kv(original)]
+    assert copy.pager.store.stats()["corrupt"] == 1  # type: ignore[union-attr]
+
+
+def test_a_saved_block_with_a_bad_file_becomes_a_breadcrumb(model_dir: Path, tmp_path: Path) -> None:
+    original = manager(model_dir, tmp_path / "a").session("s")
+    conversation(original, 6)
+    snap = snapshot.save(original, tmp_path / "a", "s-1.snap")
+    resident = {bid for bid, _ in snap.header["cache"]}
+    saved = sorted(bid for bid in snap.files if bid not in resident)
+    (tmp_path / "a" / snap.files[saved[0]]).write_bytes(b"KVOSBLK")  # truncated inside its prefix
+    copy = restored(model_dir, tmp_path / "a", tmp_path / "b")
+    assert copy.blocks[saved[0]].state is BlockState.DISCARDED
+    assert all(copy.blocks[bid].state is BlockState.SAVED for bid in saved[1:])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "version"])
+def test_a_damaged_snapshot_is_refused(model_dir: Path, tmp_path: Path, damage: str) -> None:
+    s = manager(model_dir, tmp_path).session("s")
+    conversation(s, 2)
+    snapshot.save(s, tmp_path, "s-1.snap")
+    path = tmp_path / "s-1.snap"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) - 7]
+    else:
+        data[8:10] = (snapshot.VERSION + 1).to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    reason = {"flip": "checksum mismatch", "truncate": "checksum mismatch", "version": "format version 2"}
+    with pytest.raises(SnapshotError, match=reason[damage]):
+        snapshot.load(path)
+
+
+def test_a_snapshot_that_does_not_hold_together_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    s = manager(model_dir, tmp_path / "a").session("s")
+    conversation(s, 2)
+    snap = snapshot.save(s, tmp_path / "a", "s-1.snap")
+    snap.header["blocks"][1]["original_start"] += 1  # a hole in the history
+    (tmp_path / "b").mkdir()
+    fresh = manager(model_dir, tmp_path / "b").session("s")
+    with pytest.raises(SnapshotError, match="does not hold together"):
+        snapshot.restore(snap, fresh, tmp_path / "b")
+    assert not fresh.blocks
+
+
+def test_unchanged_resident_blocks_are_not_written_again(model_dir: Path, tmp_path: Path) -> None:
+    s = manager(model_dir, tmp_path).session("s")
+    conversation(s, 2)
+    first = snapshot.save(s, tmp_path, "s-1.snap")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob(f"*{FILE_SUFFIX}")}
+    second = snapshot.save(s, tmp_path, "s-2.snap")
+    assert second.files == first.files
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob(f"*{FILE_SUFFIX}")} == mtimes
+    header, _ = container.unpack((tmp_path / "s-2.snap").read_bytes(), snapshot.MAGIC, snapshot.VERSION)
+    assert header["memory"]["history_tokens"] == len(s.history_ids())

@@ -260,7 +260,7 @@ class BlockStore:
         """Take over the block file at ``path`` (in this store's ``disk_dir``, written by an earlier store)
         as ``key``'s entry, on disk. Its prefix and size are checked now, its digest when it is read (a bad
         file then raises :class:`CorruptBlockError` and is dropped). Raises :class:`BlockDataError` when the
-        file cannot be taken (it is left where it is)."""
+        file cannot be taken (it is left where it is), :class:`ConfigError` when it is not in ``disk_dir``."""
         if self._dir is None or path.parent.resolve() != self._dir.resolve():
             raise ConfigError(f"BlockStore.adopt takes files in its disk_dir {self._dir}, not {path}")
         try:

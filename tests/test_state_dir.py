@@ -23,7 +23,7 @@ import httpx
 
 from kvos.builtin import MODEL_DIR
 from kvos.model.tokenizer import load_tokenizer
-from kvos.server.state import MANIFEST, read_manifest
+from kvos.server.layout import MANIFEST, read_manifest
 from kvos.session import snapshot
 
 TOKENIZER = load_tokenizer(MODEL_DIR)

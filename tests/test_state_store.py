@@ -22,7 +22,8 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.blocks import BlockKind
 from kvos.policy.budget import Budget
-from kvos.server.state import MANIFEST, StateDir
+from kvos.server.layout import MANIFEST
+from kvos.server.state import StateDir
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span
@@ -109,7 +110,7 @@ def test_after_a_crash_the_last_snapshot_comes_back(model_dir: Path, tmp_path: P
     for i in range(4, 7):  # after the snapshot: evicted blocks are written, then the process dies
         s.add_message("user", f"note {i}: " + FILLER)
         s.generate(GREEDY)
-    branch = state.branch_dir("local/s")
+    branch = state.layout.branch_dir("local/s")
     orphans = {p.name for p in branch.iterdir()}
 
     again = state_dir(tmp_path, model_dir)  # the restarted server
@@ -147,11 +148,12 @@ def test_start_up_sweeps_unfinished_and_expired_sessions(model_dir: Path, tmp_pa
             s.add_message("user", f"{i} " + FILLER)  # evictions write block files at once
         if sid != "unfinished":  # it ended before its first snapshot: block files, no manifest
             state.save("local", sid, 1, [s])
-    old = state.entry_dir("local", "old") / MANIFEST
+    old = state.layout.entry_dir("local", "old") / MANIFEST
     os.utime(old, (time.time() - 7200, time.time() - 7200))
-    assert any(state.branch_dir("local/unfinished").glob(f"*{FILE_SUFFIX}"))
+    assert any(state.layout.branch_dir("local/unfinished").glob(f"*{FILE_SUFFIX}"))
     state_dir(tmp_path, model_dir, ttl=3600.0)
-    assert [d.name for d in state.base.joinpath("local").iterdir()] == [state.entry_dir("local", "kept").name]
+    kept = state.layout.entry_dir("local", "kept")
+    assert list(kept.parent.iterdir()) == [kept]
     state.forget("local", "kept")
     assert not any(state.base.joinpath("local").iterdir())
 
@@ -170,8 +172,13 @@ def test_a_request_without_session_id_finds_its_stored_session(model_dir: Path, 
     ]
     with running_server(model_dir, "--state-dir", str(tmp_path)) as url:  # written at shutdown, read back
         second = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
-    assert second.headers["x-session-id"] == first.headers["x-session-id"]
-    assert second.json()["usage"]["kvos"]["reused_tokens"] == listed["history_tokens"]
+        sid = second.headers["x-session-id"]
+        assert sid == first.headers["x-session-id"]
+        assert second.json()["usage"]["kvos"]["reused_tokens"] == listed["history_tokens"]
+    with running_server(model_dir, "--state-dir", str(tmp_path)) as url:  # deleted before it is loaded
+        assert httpx.delete(f"{url}/sessions/{sid}", timeout=30).status_code == 200
+        assert httpx.delete(f"{url}/sessions/{sid}", timeout=30).status_code == 404
+    assert not any(tmp_path.glob("*/local/*"))
 
 
 def test_state_dir_needs_kv_restore(model_dir: Path, tmp_path: Path) -> None:

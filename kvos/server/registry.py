@@ -203,6 +203,9 @@ class SessionRegistry:
         self.cancel(owner, session_id)
         with self.cond:
             entry = self.entries.get((owner, session_id))
+            if entry is None and self.state is not None and self.state.has(owner, session_id):
+                self.state.forget(owner, session_id)  # stored, not loaded since the restart
+                return
             if entry is None:
                 raise not_found(f"no session {session_id!r}", "session_not_found")
             deadline = time.monotonic() + self.config.cancel_wait_s

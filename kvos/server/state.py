@@ -1,30 +1,20 @@
 """A server's state directory (``kvos serve --state-dir DIR``): sessions that outlive the process.
 
-Layout, under ``DIR/<state key>/`` (the key hashes the model's fingerprint and the session settings, so the
-state of another model or budget sits beside this one and is ignored, with a log line)::
-
-    model.json                         what the key stands for (model, fingerprint, settings)
-    <owner>/<session hash>/manifest    the session: owner, id, branches (latest first), their histories
-    <owner>/<session hash>/<branch>/   a branch: its snapshots (snap-N.snap) and block files (*.kvblk)
-
-Saved blocks are written there as they are saved (each branch's store writes through); a branch's history and
-resident blocks are written by :func:`kvos.session.snapshot.save` when the server snapshots the session
-(every ``--state-interval`` seconds while it is idle and changed, and at shutdown). The manifest is the
-commit point: it is replaced atomically once every branch's snapshot is written, then files no snapshot names
-are deleted. Until then a block file the last snapshot names is kept even when its store lets go of it, so
-after ``kill -9`` the last snapshot and every file it names are on disk.
+Where things go is :mod:`kvos.server.layout`'s. Saved blocks are written as they are saved (each branch's
+store writes through); a branch's history and resident blocks are written by
+:func:`kvos.session.snapshot.save` when the server snapshots the session (every ``--state-interval`` seconds
+while it is idle and changed, and at shutdown). The manifest is the commit point: it is replaced atomically
+once every branch's snapshot is written, then files no snapshot names are deleted. Until then a block file
+the last snapshot names is kept even when its store lets go of it, so after ``kill -9`` the last snapshot
+and every file it names are on disk.
 
 Sessions are loaded lazily, on their first request (by owner and session id, or by the longest shared prefix
-for requests without one); start-up only sweeps the directory (sessions without a manifest: a crash before
-their first snapshot; sessions idle past the TTL).
+for requests without one); start-up only sweeps the directory.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import re
 import shutil
 import threading
 import time
@@ -33,44 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from kvos.errors import SnapshotError
-from kvos.memory import container
 from kvos.memory.store import BlockStore
 from kvos.model.fingerprint import model_fingerprint
 from kvos.model.tokenizer import Tokenizer
 from kvos.model.transformer import Transformer
+from kvos.server.layout import MANIFEST, StateLayout, entry_name, read_manifest, write_manifest
 from kvos.session import snapshot
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import common_prefix
 from kvos.session.session import Session
 
-MAGIC = b"KVOSENT\x00"
-VERSION = 1
-MANIFEST = "manifest"
-_SAFE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _log = logging.getLogger("kvos.server.state")
-
-
-def _hash(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
-
-
-def state_key(model_fingerprint: str, setup: dict[str, Any]) -> str:
-    """The directory name of the state of one model with one set of session settings."""
-    return _hash(json.dumps([model_fingerprint, setup], sort_keys=True))[:16]
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """A session's manifest (owner, session_id, served, generation, branches, histories, saved_at), its
-    digest verified; ValueError or OSError when it cannot be read."""
-    header, _ = container.unpack(path.read_bytes(), MAGIC, VERSION)
-    return header
-
-
-def entry_name(session_name: str) -> tuple[str, str]:
-    """(owner, session id) of a manager session name: ``owner/id``, or ``owner/id#bN`` for a branch."""
-    owner, rest = session_name.split("/", 1)
-    return owner, re.sub(r"#b\d+$", "", rest)
 
 
 class StateDir:
@@ -86,18 +50,15 @@ class StateDir:
     ) -> None:
         """``setup``: the session settings a snapshot is only valid under (budget, block size, ...);
         ``ttl_s``: sessions idle longer are deleted; ``ram_bytes``: each store's RAM cap."""
-        key = state_key(model_fingerprint, setup)
-        self.root, self.base, self.ttl_s, self.ram_bytes = root, root / key, ttl_s, ram_bytes
-        self.base.mkdir(parents=True, exist_ok=True)
-        info = {"fingerprint": model_fingerprint, "setup": setup, "version": VERSION}
-        (self.base / "model.json").write_text(json.dumps(info, indent=1))
+        self.layout = StateLayout(root, model_fingerprint, setup, ttl_s)
+        self.base, self.ram_bytes = self.layout.base, ram_bytes
         self._lock = threading.RLock()
         self._committed: dict[Path, set[str]] = {}  # branch dir -> files its last committed snapshot names
         self._signatures: dict[tuple[str, str], tuple[Any, ...]] = {}
         self._histories: dict[Path, tuple[str, list[list[int]]]] = {}  # manifest -> (id, branch histories)
         self._generation: dict[tuple[str, str], int] = {}
-        self._sweep()
-        self._log_others(key)
+        self.layout.sweep()
+        self.layout.log_others()
 
     @classmethod
     def for_model(
@@ -113,17 +74,9 @@ class StateDir:
         }
         return cls(root, model_fingerprint(model, tokenizer), setup, ttl_s, config.store_ram_bytes)
 
-    # ------------------------------------------------------------------ paths
-    def entry_dir(self, owner: str, session_id: str) -> Path:
-        owner_part = owner if _SAFE.fullmatch(owner) else _hash(owner)
-        return self.base / owner_part / _hash(session_id)
-
-    def branch_dir(self, session_name: str) -> Path:
-        return self.entry_dir(*entry_name(session_name)) / _hash(session_name)
-
     def store_factory(self, session_name: str, on_drop: Callable[[Hashable], None]) -> BlockStore:
         """A branch's block store: writes every saved block to the branch's directory at once."""
-        directory = self.branch_dir(session_name)
+        directory = self.layout.branch_dir(session_name)
         release = lambda path: self._release(directory, path)  # noqa: E731
         return BlockStore(self.ram_bytes, directory, on_drop=on_drop, write_through=True, release=release)
 
@@ -152,12 +105,12 @@ class StateDir:
         return True
 
     def _write(self, owner: str, session_id: str, served: int, branches: list[Session]) -> None:
-        key, entry = (owner, session_id), self.entry_dir(owner, session_id)
+        key, entry = (owner, session_id), self.layout.entry_dir(owner, session_id)
         generation = self._generation.get(key, 0) + 1
         named: dict[Path, set[str]] = {}
         rows = []
         for session in branches:
-            directory = self.branch_dir(session.session_id)
+            directory = self.layout.branch_dir(session.session_id)
             directory.mkdir(parents=True, exist_ok=True)
             name = f"snap-{generation:08d}{snapshot.SUFFIX}"
             snap = snapshot.save(session, directory, name)
@@ -166,7 +119,7 @@ class StateDir:
         histories = [s.history_ids() for s in branches]
         manifest = {"owner": owner, "session_id": session_id, "served": served, "generation": generation}
         manifest.update(branches=rows, histories=histories, saved_at=time.time())
-        container.write_atomic(entry / MANIFEST, container.pack(MAGIC, VERSION, manifest, []))  # commit
+        write_manifest(entry / MANIFEST, manifest)  # the commit point
         self._generation[key] = generation
         self._histories[entry / MANIFEST] = (session_id, histories)
         self._collect(entry, named)
@@ -178,6 +131,8 @@ class StateDir:
             if child.is_dir() and child not in named:
                 shutil.rmtree(child, ignore_errors=True)
                 self._committed.pop(child, None)
+            elif child.is_file() and child.name != MANIFEST:  # a temporary file of an interrupted write
+                child.unlink(missing_ok=True)
         for directory, names in named.items():
             self._committed[directory] = names
             for path in directory.iterdir():
@@ -189,7 +144,7 @@ class StateDir:
         """A stored session's branches (latest first, swapped out: their K/V come back from disk at their
         first use) and its request count; None when there is none, or when it cannot be used (logged; the
         client's conversation is then re-prefilled)."""
-        key, entry = (owner, session_id), self.entry_dir(owner, session_id)
+        key, entry = (owner, session_id), self.layout.entry_dir(owner, session_id)
         with self._lock:
             try:
                 manifest = self._manifest(entry)
@@ -253,7 +208,7 @@ class StateDir:
         path = entry / MANIFEST
         if not path.exists():
             return None
-        if time.time() - path.stat().st_mtime > self.ttl_s:
+        if self.layout.expired(path):
             shutil.rmtree(entry, ignore_errors=True)
             return None
         return read_manifest(path)
@@ -262,7 +217,7 @@ class StateDir:
         """The id of the stored session of ``owner`` (not among ``live``) sharing the longest prefix with
         ``probe``, at least ``min_tokens``; None when none does. Reads each manifest once."""
         best, best_len = None, min_tokens - 1
-        owner_dir = self.entry_dir(owner, "").parent
+        owner_dir = self.layout.owner_dir(owner)
         if not owner_dir.is_dir():
             return None
         with self._lock:
@@ -279,9 +234,13 @@ class StateDir:
                     best, best_len = sid, shared
         return best
 
+    def has(self, owner: str, session_id: str) -> bool:
+        """Whether a session is stored (loaded or not)."""
+        return (self.layout.entry_dir(owner, session_id) / MANIFEST).exists()
+
     def forget(self, owner: str, session_id: str) -> None:
         """Delete a session's state (it was deleted, expired or cannot be used)."""
-        entry = self.entry_dir(owner, session_id)
+        entry = self.layout.entry_dir(owner, session_id)
         with self._lock:
             (entry / MANIFEST).unlink(missing_ok=True)  # first: a crash now leaves a sweepable orphan
             self._histories.pop(entry / MANIFEST, None)
@@ -290,32 +249,6 @@ class StateDir:
             shutil.rmtree(entry, ignore_errors=True)
             self._signatures.pop((owner, session_id), None)
             self._generation.pop((owner, session_id), None)
-
-    # --------------------------------------------------------------- start-up
-    def _sweep(self) -> None:
-        """Delete sessions without a manifest (ended before their first snapshot) or idle past the TTL."""
-        kept = 0
-        for owner_dir in (d for d in self.base.iterdir() if d.is_dir()):
-            for entry in (d for d in owner_dir.iterdir() if d.is_dir()):
-                manifest = entry / MANIFEST
-                if manifest.exists() and time.time() - manifest.stat().st_mtime <= self.ttl_s:
-                    kept += 1
-                else:
-                    shutil.rmtree(entry, ignore_errors=True)
-        _log.info("state dir %s: %d stored sessions (each loaded on its first request)", self.base, kept)
-
-    def _log_others(self, key: str) -> None:
-        for other in sorted(d for d in self.root.iterdir() if d.is_dir() and d.name != key):
-            try:
-                info = json.loads((other / "model.json").read_text())
-            except (OSError, ValueError):
-                info = {}
-            _log.warning(
-                "state dir %s: ignoring %s, the state of another model or settings (%s)",
-                self.root,
-                other.name,
-                info.get("setup", "unknown"),
-            )
 
 
 def _store_files(session: Session) -> set[str]:

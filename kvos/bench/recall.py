@@ -24,6 +24,8 @@ from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.scorer import Scorer, ScoreWeights
 from kvos.server.main import default_model
+from kvos.session.config import SIGNALS, SessionConfig
+from kvos.session.journal import cost_medians
 from kvos.session.manager import MemoryManager
 from kvos.session.strategies import STRATEGIES, strategy
 
@@ -43,9 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--embedder", choices=["hidden", "tokens"], default="hidden")
-    p.add_argument(
-        "--signal", choices=["answer", "lexical", "embedding"], default="answer", help="recovery signal"
-    )
+    p.add_argument("--signal", choices=SIGNALS, default=SessionConfig.recovery_signal, help="recovery signal")
     p.add_argument(
         "--bar",
         action="store_true",
@@ -72,6 +72,7 @@ class Outcome:
     recoveries: int
     seconds: float
     session_tokens: int
+    costs: list[dict[str, float]]  # per user message: recovery_s, restore_s, prefill_s
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,10 +147,11 @@ def _play_one(
     session = manager.session(config=config)
     played = play(session, chat, args.max_tokens)
     stats = session.stats()
+    costs = session.memory.costs.turns
     manager.close(session.session_id)
     recovered = stats["recoveries_restore"] + stats["recoveries_recompute"]
     seconds = time.perf_counter() - started
-    return Outcome(played.recalled, stats["evictions"], recovered, seconds, size)
+    return Outcome(played.recalled, stats["evictions"], recovered, seconds, size, costs)
 
 
 def _result(
@@ -166,6 +168,8 @@ def _result(
         "dtype": args.dtype or "as stored",
         "embedder": args.embedder,
         "signal": args.signal,
+        "recovery_cost": "per user message: recovery signal (finding what to bring back), restores, the "
+        "message's own prefill; medians over every user message of every session",
         "bar": args.bar,
         "weights": args.weights or "default",
         "rows": [_row(name, frac, results) for (name, frac), results in outcomes.items()],
@@ -175,7 +179,8 @@ def _result(
 def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Print the table and draw the plot (next to --json unless --png names it)."""
     columns = ["strategy", "budget_frac", "pass_rate", "ci_low", "ci_high", "mean_evictions"]
-    print_table(result["rows"], [*columns, "mean_recoveries", "mean_seconds", "n"])
+    costs = ["recovery_ms_median", "prefill_ms_median", "recovery_over_prefill"]
+    print_table(result["rows"], [*columns, "mean_recoveries", "mean_seconds", *costs, "n"])
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:
         plot(result["rows"], png)
@@ -206,6 +211,7 @@ def _row(name: str, frac: float, results: list[Outcome]) -> dict[str, Any]:
         "mean_recoveries": sum(r.recoveries for r in results) / n,
         "mean_seconds": round(sum(r.seconds for r in results) / n, 2),
         "mean_session_tokens": sum(r.session_tokens for r in results) / n,
+        **cost_medians([turn for r in results for turn in r.costs]),
         "n": n,
     }
 

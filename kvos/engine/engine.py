@@ -52,6 +52,8 @@ class Engine:
         capture_layers: frozenset[int] = frozenset(),
         captured: dict[int, torch.Tensor] | None = None,
         capture_window: int = 0,
+        query_layers: frozenset[int] = frozenset(),
+        queries: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Append tokens to the last segment of ``seq`` and run them through the model in chunks of
         ``prefill_chunk``.
@@ -60,7 +62,9 @@ class Engine:
         [1, vocab] for the last token ("last"), [n, vocab] ("all"), or final hidden states [n, hidden]
         ("none"). The attention probabilities of ``capture_layers`` are stored into ``captured`` (layer ->
         float32 [num_heads, num_tokens], cache order): for a single token its own; for a prefill the mean
-        over its last ``capture_window`` queries (0: none), taken in the final chunk.
+        over its last ``capture_window`` queries (0: none), taken in the final chunk. The queries of
+        ``query_layers`` are appended to ``queries``: layer -> float32 [n, heads, head_dim], rotated at the
+        tokens' positions.
         """
         ids = list(token_ids)
         if not ids:
@@ -84,6 +88,8 @@ class Engine:
                 capture_layers if final else frozenset(),
                 captured,
                 capture_window,
+                query_layers,
+                queries,
             )
             if logits != "last" or hi == len(ids):
                 outputs.append(out)
@@ -108,6 +114,8 @@ class Engine:
         capture_layers: frozenset[int],
         captured: dict[int, torch.Tensor] | None,
         capture_window: int = 0,
+        query_layers: frozenset[int] = frozenset(),
+        queries: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         fresh = seq.num_tokens == 0 and all(b > a for a, b in pairwise(positions))
         write_slots = seq.extend(ids, positions)
@@ -120,6 +128,8 @@ class Engine:
             capture_layers=capture_layers,
             captured=captured if captured is not None else {},
             capture_window=capture_window,
+            query_layers=query_layers if queries is not None else frozenset(),
+            queries=queries if queries is not None else {},
         )
         try:
             return self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool, logits)

@@ -31,6 +31,8 @@ class AttentionMetadata:
         [num_heads, T]: for a single-token step, its query's probabilities over the T keys (free: the decode
         kernel computes them anyway); for a prefill, the mean over its last ``capture_window`` queries (the
         observation window of SnapKV), computed for those queries only.
+    query_layers: layers whose queries (after RoPE, at ``positions``) are appended to ``queries`` as float32
+        [n, num_heads, head_dim] per layer (the query-aware recovery signal reads them).
     """
 
     positions: torch.Tensor
@@ -41,6 +43,8 @@ class AttentionMetadata:
     capture_layers: frozenset[int] = frozenset()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
     capture_window: int = 32
+    query_layers: frozenset[int] = frozenset()
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property

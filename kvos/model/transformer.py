@@ -134,6 +134,9 @@ class Transformer:
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         if isinstance(meta, HeadAttentionMetadata):
             return head_attention(q, k, v, meta, kv, c.window(index), index)
+        if index in meta.query_layers:
+            seen = meta.queries.get(index)
+            meta.queries[index] = q.float() if seen is None else torch.cat((seen, q.float()))
         kv.write(index, meta.write_slots, k, v)
         if meta.fresh:
             keys, values = k, v

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from kvos.errors import ConfigError
+from kvos.policy.digest import KeyDigest
 
 Keep = Literal["pin", "prefer"]
 KEEP_VALUES: tuple[str, ...] = ("pin", "prefer")
@@ -50,6 +51,7 @@ class MemBlock:
     - ``embedding``: float32 ``[dim]`` vector for coherence and similarity recovery, or ``None``.
     - ``recovered_turn``: the turn it was last recovered in (``None``: never).
     - ``text``: breadcrumb text; ``message_index``: which message of the history it belongs to.
+    - ``digest``: the box of its keys, kept when its K/V leave the pool (:mod:`kvos.policy.digest`).
 
     Identity semantics (``eq=False``): two blocks are the same block only if they are the same object.
     """
@@ -67,6 +69,7 @@ class MemBlock:
     recovered_turn: int | None = None
     text: str = ""
     message_index: int = 0
+    digest: KeyDigest | None = None
 
     def __post_init__(self) -> None:
         try:

@@ -13,7 +13,8 @@ from kvos.policy.scorer import Scorer
 from kvos.session.embedder import EmbedderName
 from kvos.session.pager import Backend, PositionMode
 
-RecoverySignal = Literal["answer", "lexical", "embedding"]
+RecoverySignal = Literal["answer", "lexical", "embedding", "attention", "hybrid"]
+SIGNALS: tuple[str, ...] = ("answer", "lexical", "embedding", "attention", "hybrid")
 
 
 @dataclass
@@ -51,9 +52,12 @@ class SessionConfig:
     embedder: EmbedderName = "hidden"
     recovery_signal: RecoverySignal = "answer"
     recovery_candidates: int = 32
+    recovery_shortlist: int = 4
     recovery_top_k: int = 4
     recovery_min_similarity: float | None = None
     recovery_bar: bool = False
+    key_digest_layers: tuple[int, ...] | None = None
+    query_window: int = 64
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
 
@@ -67,10 +71,12 @@ class SessionConfig:
                 f"max_active_tokens ({self.budget.max_active_tokens}) must hold at least two blocks of "
                 f"block_tokens ({self.block_tokens}): lower block_tokens or raise the budget"
             )
-        if self.recovery_signal not in ("answer", "lexical", "embedding"):
+        if self.recovery_signal not in SIGNALS:
             raise ConfigError(
-                f"recovery_signal must be 'answer', 'lexical' or 'embedding', got {self.recovery_signal!r}"
+                f"recovery_signal must be one of {', '.join(SIGNALS)}, got {self.recovery_signal!r}"
             )
+        if self.query_window < 1:
+            raise ConfigError(f"query_window must be >= 1, got {self.query_window}")
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode
 
     def min_similarity(self) -> float:
@@ -79,7 +85,21 @@ class SessionConfig:
         "lexical"."""
         if self.recovery_min_similarity is not None:
             return self.recovery_min_similarity
-        return {"answer": 0.3, "embedding": 0.2, "lexical": 0.1}[self.recovery_signal]
+        return {"answer": 0.3, "embedding": 0.2, "lexical": 0.1, "attention": 0.0, "hybrid": 0.3}[
+            self.recovery_signal
+        ]
+
+    @property
+    def uses_digests(self) -> bool:
+        """Whether recovery reads key digests and the new message's queries."""
+        return self.recovery_signal in ("attention", "hybrid") and self.backend != "discard"
+
+    def digest_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers of the key digests and tapped queries: ``key_digest_layers``, or every layer."""
+        layers = self.key_digest_layers if self.key_digest_layers is not None else tuple(range(num_layers))
+        if not layers or any(not 0 <= i < num_layers for i in layers):
+            raise ConfigError(f"key_digest_layers must be non-empty, in [0, {num_layers}), got {layers}")
+        return tuple(sorted(set(layers)))
 
     def layers_to_capture(self, num_layers: int) -> frozenset[int]:
         """The configured layers, or {L/2, 3L/4, L-1} by default."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from typing import Any
 
@@ -32,3 +33,44 @@ class Journal:
 
     def count(self, key: str) -> int:
         return self.counts[key]
+
+
+class TurnCosts:
+    """Seconds spent per user message: finding what to bring back (``recovery_s``, the recovery signal),
+    bringing it back (``restore_s``) and prefilling the message itself (``prefill_s``)."""
+
+    KEYS = ("recovery_s", "restore_s", "prefill_s")
+
+    def __init__(self) -> None:
+        self.turns: list[dict[str, float]] = []
+
+    def begin_turn(self, **seconds: float) -> None:
+        self.turns.append(dict.fromkeys(self.KEYS, 0.0))
+        self.add(**seconds)
+
+    def add(self, **seconds: float) -> None:
+        """Add to the current turn's figures (outside a turn: nothing to add to, ignored)."""
+        if self.turns:
+            for key, value in seconds.items():
+                self.turns[-1][key] += value
+
+    @property
+    def restore_s(self) -> float:
+        return self.turns[-1]["restore_s"] if self.turns else 0.0
+
+    def medians_ms(self) -> dict[str, float]:
+        """See :func:`cost_medians`."""
+        return cost_medians(self.turns)
+
+
+def cost_medians(turns: list[dict[str, float]]) -> dict[str, float]:
+    """Per-message medians in ms of :class:`TurnCosts` turns: ``recovery_ms_median``, ``restore_ms_median``,
+    ``prefill_ms_median`` (0 without turns), and ``recovery_over_prefill``, the median over the messages of
+    each message's recovery signal time over its own prefill time."""
+    out = {
+        f"{key[:-2]}_ms_median": round(1000 * statistics.median(t[key] for t in turns), 3) if turns else 0.0
+        for key in TurnCosts.KEYS
+    }
+    ratios = [t["recovery_s"] / t["prefill_s"] for t in turns if t["prefill_s"] > 0]
+    out["recovery_over_prefill"] = round(statistics.median(ratios), 4) if ratios else 0.0
+    return out

@@ -6,6 +6,7 @@ this turn) and the operations that page blocks out and in through the session's 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,13 +16,15 @@ from kvos.errors import BudgetError, PoolOutOfMemoryError
 from kvos.policy.attention import AttentionTracker, block_masses
 from kvos.policy.blocks import BlockState, MemBlock
 from kvos.policy.budget import select_victims
+from kvos.policy.digest import attention_shares
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import LexicalIndex
 from kvos.policy.scorer import ScoreContext
 from kvos.policy.signals import cosine
 from kvos.session.config import SessionConfig
-from kvos.session.journal import Journal
+from kvos.session.journal import Journal, TurnCosts
 from kvos.session.pager import Pager
+from kvos.session.queries import QueryTap
 from kvos.session.relevance import AnswerContrast
 from kvos.session.units import (
     Unit,
@@ -52,6 +55,7 @@ class SessionMemory:
         self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
         self.focus = TaskFocus()
         self.journal = Journal()
+        self.costs = TurnCosts()
         self.protected: set[int] = set()
         self.turn = 0
         self.history_tokens = 0
@@ -165,6 +169,19 @@ class SessionMemory:
             sinks = self.config.sink_count
             resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(sinks)]
             bar = max([bar, *(s for b in resident if (s := similarity(b)) is not None)])
+        self._bring_back(sims, bar, eligible, unit, incoming_locked)
+
+    def _bring_back(
+        self,
+        sims: dict[int, float],
+        bar: float,
+        eligible: Callable[[MemBlock], bool],
+        unit: Unit,
+        incoming_locked: int = 0,
+        before: int | None = None,
+    ) -> None:
+        """Recover the best units of the blocks scoring above ``bar`` (see :meth:`recover_similar`): the
+        best last, at the end of the cache or in front of resident block ``before``."""
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
         groups = unit_groups(self.blocks, ranked, eligible, unit)  # with an exchange, its resident chunks
         for best, group in reversed(self._affordable(groups, incoming_locked)):
@@ -172,8 +189,44 @@ class SessionMemory:
                 block = self.blocks[block_id]
                 if block.resident:  # part of a chosen exchange: kept for the turn
                     self.protected.add(block_id)
-                elif not self.recover(block, similarity=round(sims[best], 4), matched=best):
+                elif not self.recover(block, similarity=round(sims[best], 4), matched=best, before=before):
                     return
+
+    def recover_attending(self, message: list[MemBlock], queries: torch.Tensor) -> None:
+        """The "attention" signal, after the new user message (``message``, resident) was prefilled: bring
+        back the exchanges its queries would attend to most, by their blocks' key digests (saved blocks keep
+        theirs; resident ones are read from the pool), each spliced in front of the message (whose keys then
+        move up: it was computed without them, the reply that follows sees both).
+
+        queries: float32 ``[layers, n, heads, head_dim]`` of the message's last tokens at
+        ``pager.digest_layers``, rotated back to position 0."""
+        if self.config.backend == "discard" or self.config.recovery_top_k == 0 or not message:
+            return
+        mine = {b.block_id for b in message}
+        self.protected |= mine
+        if not any(self._recoverable(b) and b.digest is not None for b in self.blocks.values()):
+            return
+        sims = self._attention_shares(queries, exclude=mine)
+        bar = self.config.min_similarity()
+        unit = exchange_units(self.blocks.values())
+        self._bring_back(sims, bar, self._eligible, unit, before=message[0].block_id)
+
+    def _attention_shares(
+        self, queries: torch.Tensor, exclude: frozenset[int] | set[int] = frozenset()
+    ) -> dict[int, float]:
+        """Block id -> :func:`~kvos.policy.digest.attention_shares` of ``queries`` (float32 ``[layers, n,
+        heads, head_dim]``, rotated back to position 0) for the candidate blocks: recoverable ones with a
+        digest and holdable resident ones (their digest read from the pool), but ``exclude``."""
+        digests = {
+            b.block_id: b.digest if not b.resident else self.pager.digest(b)
+            for b in self.blocks.values()
+            if b.block_id not in exclude and self._eligible(b) and (b.resident or b.digest is not None)
+        }
+        if not digests:
+            return {}
+        lo = torch.stack([d.lo for d in digests.values()])  # type: ignore[union-attr]
+        hi = torch.stack([d.hi for d in digests.values()])  # type: ignore[union-attr]
+        return dict(zip(digests, attention_shares(queries, lo, hi).tolist(), strict=True))
 
     def _eligible(self, block: MemBlock) -> bool:
         """A candidate of the answer signal: recoverable, or resident and holdable."""
@@ -210,28 +263,70 @@ class SessionMemory:
         """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see
         :func:`~kvos.session.units.bounded`) -> :class:`AnswerContrast` score of its whole text against the
         new message's last :meth:`_answer_span` tokens, for the units with a recoverable or holdable chunk,
-        at most ``recovery_candidates`` of them (the lexically closest, then the most recent), or None when
-        the pool cannot hold the scratch passes."""
+        at most ``recovery_candidates`` of them (the lexically closest, then the most recent; with the
+        "hybrid" signal a shortlist: :meth:`_hybrid_scores`), or None when the pool cannot hold the scratch
+        passes."""
         assert self.answer is not None
         texts = unit_texts(self.blocks.values(), unit)
         wanted = {unit(b) for b in self.blocks.values() if self._eligible(b)}
         candidates = {u: texts[u] for u in sorted(wanted)}
         cap = self.config.recovery_candidates
+        if self.config.recovery_signal == "hybrid":
+            return self._hybrid_scores(ids, unit, candidates)
         if len(candidates) > cap:
             index = LexicalIndex(b.token_ids for b in self.blocks.values())
             lexical = {u: index.score(ids, tokens) for u, tokens in candidates.items()}
             kept = sorted(candidates, key=lambda u: (lexical[u], u), reverse=True)[:cap]
             candidates = {u: candidates[u] for u in kept}
-        sinks = self.config.sink_count
-        prefix = [
-            t for b in in_order(self.blocks.values()) if b.resident and b.is_sink(sinks) for t in b.token_ids
-        ]
+        prefix = self._sink_tokens()
         query = ids[-self._answer_span() :]  # a pasted file: its end, where the question is
         try:
             return self.answer.scores(prefix, query, candidates)
         except PoolOutOfMemoryError:
             self.journal.log(self.turn, "answer_signal_skipped", reason="pool_full")
             return None
+
+    def _hybrid_scores(
+        self, ids: list[int], unit: Unit, candidates: dict[int, list[int]]
+    ) -> dict[int, float] | None:
+        """The "hybrid" signal: the null answer's scratch pass (sinks, the new message ``ids``, the
+        generation prompt, the answer) taps its queries; the units its queries would attend to most (by key
+        digests) and the lexically closest form a shortlist, and only those are scored by the answer signal
+        (one forward pass each). unit -> nats, or None when the pool cannot hold the scratch passes."""
+        assert self.answer is not None
+        prefix = self._sink_tokens()
+        query = ids[-self._answer_span() :]
+        tap = QueryTap(self.pager.digest_layers, self.pager.engine.model.rope)
+        try:
+            answer = self.answer.null_answer(self.answer.base(prefix, query), tap)
+            sims = self._attention_shares(tap.take(self.config.query_window))
+            shortlist = self._shortlist(query, sims, unit, set(candidates))
+            chosen = {u: candidates[u] for u in sorted(shortlist)}
+            return self.answer.scores(prefix, query, chosen, answer=answer)
+        except PoolOutOfMemoryError:
+            self.journal.log(self.turn, "answer_signal_skipped", reason="pool_full")
+            return None
+
+    def _sink_tokens(self) -> list[int]:
+        sinks = self.config.sink_count
+        return [
+            t for b in in_order(self.blocks.values()) if b.resident and b.is_sink(sinks) for t in b.token_ids
+        ]
+
+    def _shortlist(self, ids: list[int], shares: dict[int, float], unit: Unit, units: set[int]) -> set[int]:
+        """The ``units`` the "hybrid" signal asks the model about: the ``recovery_shortlist`` best by their
+        blocks' attention ``shares`` and as many best by lexical overlap with the new message ``ids``."""
+        by_attention: dict[int, float] = dict.fromkeys(units, 0.0)
+        for block_id, share in shares.items():
+            key = unit(self.blocks[block_id])
+            if key in units:
+                by_attention[key] = max(by_attention[key], share)
+        index = LexicalIndex(b.token_ids for b in self.blocks.values())
+        texts = unit_texts(self.blocks.values(), unit)
+        by_words = {key: index.score(ids, texts[key]) for key in units}
+        m = self.config.recovery_shortlist
+        best = (sorted(s, key=lambda k: (s[k], k), reverse=True)[:m] for s in (by_attention, by_words))
+        return set().union(*best)
 
     def _answer_span(self) -> int:
         """The most tokens the answer signal reads of one candidate, and of the new message: the budget
@@ -271,18 +366,25 @@ class SessionMemory:
             return True
         return block.state is BlockState.DISCARDED and self.config.backend != "discard"
 
-    def recover(self, block: MemBlock, at: str = "end", **detail: Any) -> bool:
+    def recover(self, block: MemBlock, at: str = "end", before: int | None = None, **detail: Any) -> bool:
         """Page a block back in: splice saved K/V, or recompute from its tokens; protected for this turn.
 
         Best effort under pool pressure: when the pool's cap leaves no room even after paging out other
         sessions' and this session's unprotected blocks, the block stays out (logged) and False is returned.
         """
+        began = time.perf_counter()
+        try:
+            return self._recover(block, at, before, **detail)
+        finally:
+            self.costs.add(restore_s=time.perf_counter() - began)
+
+    def _recover(self, block: MemBlock, at: str, before: int | None, **detail: Any) -> bool:
         self.make_room(block.num_tokens, protected={block.block_id})
         saved = block.state is BlockState.SAVED
         try:
             keep = set(self.protected)  # one recovery never pages out another
             if saved:
-                self.guarded(lambda: self.pager.restore(block, at), keep)  # type: ignore[arg-type]
+                self.guarded(lambda: self.pager.restore(block, at, before), keep)  # type: ignore[arg-type]
             else:
                 self.guarded(lambda: self.pager.recompute(block), keep)
         except PoolOutOfMemoryError:

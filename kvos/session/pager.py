@@ -18,6 +18,7 @@ from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError, CorruptBlockError
 from kvos.memory.store import BlockStore, StoredBlock
 from kvos.policy.blocks import BlockState, MemBlock
+from kvos.policy.digest import KeyDigest, digest_keys
 
 PositionMode = Literal["compact", "sparse"]
 Backend = Literal["discard", "breadcrumb", "kv_restore"]
@@ -47,6 +48,9 @@ class Pager:
         self.blocks = blocks
         self.seq: Sequence = engine.new_sequence()
         self.segments: dict[int, Segment] = {}
+        self.digest_layers: tuple[
+            int, ...
+        ] = ()  # layers of the key digest a saved block keeps (none: no digest)
 
     @property
     def active_tokens(self) -> int:
@@ -72,9 +76,12 @@ class Pager:
         captured: dict[int, torch.Tensor] | None = None,
         capture_layers: frozenset[int] = frozenset(),
         start: int | None = None,
+        tap: frozenset[int] = frozenset(),
+        queries: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Prefill a new block at the end of the cache; returns the last logits [1, vocab] or hidden states.
-        With ``capture_layers``, the attention of the block's last 32 queries goes into ``captured``.
+        With ``capture_layers``, the attention of the block's last 32 queries goes into ``captured``; the
+        queries of layers ``tap`` go into ``queries``.
         All or nothing: if the pool runs out, the block leaves no trace and the error propagates."""
         seg = self.open(block, start)
         first = int(block.current_start or 0)
@@ -82,7 +89,7 @@ class Pager:
         window = 32 if capture_layers else 0
         try:
             return self.engine.extend(
-                self.seq, block.token_ids, positions, logits, capture_layers, captured, window
+                self.seq, block.token_ids, positions, logits, capture_layers, captured, window, tap, queries
             )
         except BaseException:
             del self.segments[block.block_id]
@@ -103,9 +110,13 @@ class Pager:
             if self.backend == "kv_restore":
                 assert self.store is not None
                 k, v = self.engine.read_kv(seg)
+                if self.digest_layers:
+                    block.digest = digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
                 block.state = BlockState.SAVED  # before put: a store over its caps may drop it at once
                 self.store.put(block.block_id, k, v, {"positions": seg.positions.tolist()}, copy=False)
             else:
+                if self.digest_layers and self.backend == "breadcrumb":
+                    block.digest = self.digest(block, seg)
                 block.state = BlockState.DISCARDED
             freed += seg.num_tokens
             self.engine.evict(self.seq, seg)
@@ -126,8 +137,17 @@ class Pager:
             if seg.num_tokens:
                 self.blocks[bid].current_start = int(seg.positions[0])
 
-    def restore(self, block: MemBlock, at: Place = "end") -> None:
-        """Splice a saved block back from the store with no forward pass."""
+    def digest(self, block: MemBlock, seg: Segment | None = None) -> KeyDigest:
+        """The key digest of a resident block (of ``seg``, its segment, once it has left ``segments``),
+        from its keys in the pool (needs ``digest_layers``)."""
+        seg = seg if seg is not None else self.segments[block.block_id]
+        k, _ = self.engine.read_kv(seg)
+        return digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
+
+    def restore(self, block: MemBlock, at: Place = "end", before: int | None = None) -> None:
+        """Splice a saved block back from the store with no forward pass: at the end of the cache, at its
+        logical place, or (``before`` a resident block's id) just in front of that block; in compact mode the
+        blocks after it move up (their keys re-anchored)."""
         assert self.store is not None and block.state is BlockState.SAVED
         try:
             saved = self.store.get(block.block_id)
@@ -136,7 +156,7 @@ class Pager:
             self.recompute(block)
             return
         old = saved.meta_int64("positions")
-        index, start = self._landing(block, at)
+        index, start = self._landing(block, at) if before is None else self._in_front(block, before)
         new = torch.arange(start, start + block.num_tokens)
         seg = self.engine.splice(self.seq, index, block.token_ids, saved.k, saved.v, old, new)
         self.store.delete(block.block_id)
@@ -224,6 +244,14 @@ class Pager:
         self.segments.clear()
         if self.store is not None:
             self.store.close()
+
+    def _in_front(self, block: MemBlock, before: int) -> tuple[int, int]:
+        """(cache index, first position) for a block coming back just in front of resident block ``before``:
+        in compact mode it takes that block's first position (compaction then moves the rest up); in sparse
+        mode its own logical positions."""
+        seg = self.segments[before]
+        index = self.seq.segments.index(seg)
+        return index, block.original_start if self.mode == "sparse" else int(seg.positions[0])
 
     def _landing(self, block: MemBlock, at: Place) -> tuple[int, int]:
         """(cache index, first position) for a block coming back: at the end, or at its logical place."""

@@ -24,6 +24,7 @@ import torch
 
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import Sampler, SamplingParams
+from kvos.session.queries import QueryTap
 
 K = TypeVar("K")
 
@@ -44,35 +45,53 @@ class AnswerContrast:
         self.engine, self.generation_prompt = engine, list(generation_prompt)
         self.eos_ids, self.max_new = frozenset(eos_ids), max_new
 
+    def base(self, prefix: Sequence[int], query: Sequence[int]) -> list[int]:
+        """The context of the null answer: ``prefix``, ``query``, the generation prompt."""
+        return [*prefix, *query, *self.generation_prompt]
+
     def scores(
-        self, prefix: Sequence[int], query: Sequence[int], candidates: Mapping[K, Sequence[int]]
+        self,
+        prefix: Sequence[int],
+        query: Sequence[int],
+        candidates: Mapping[K, Sequence[int]],
+        answer: Sequence[int] | None = None,
     ) -> dict[K, float]:
         """``score(c)`` in nats for every candidate (token ids of a message), keyed as given. ``prefix``:
-        what stays in front of everything (the sinks); ``query``: the new user message's tokens."""
-        base = [*prefix, *query, *self.generation_prompt]
-        answer = self.null_answer(base)
+        what stays in front of everything (the sinks); ``query``: the new user message's tokens;
+        ``answer``: the null answer, if :meth:`null_answer` already gave it."""
+        base = self.base(prefix, query)
+        answer = list(answer) if answer is not None else self.null_answer(base)
         reference = self.log_likelihood(base, answer)
         return {
             key: reference - self.log_likelihood([*prefix, *tokens, *query, *self.generation_prompt], answer)
             for key, tokens in candidates.items()
         }
 
-    def null_answer(self, context: Sequence[int]) -> list[int]:
+    def null_answer(self, context: Sequence[int], tap: QueryTap | None = None) -> list[int]:
         """Greedy continuation of ``context`` (non-empty): at most ``max_new`` tokens, stopping after an
         end-of-turn token, which is kept (its probability is part of the answer's; :func:`kvos.engine.
-        generate.stream` drops it, so this loop is its own)."""
+        generate.stream` drops it, so this loop is its own). With ``tap``, the queries of the context and of
+        the answer's tokens but the last go to it (at positions 0, 1, ...)."""
         pick = Sampler(SamplingParams(max_tokens=self.max_new))  # greedy
         seq = self.engine.new_sequence()
+        layers = tap.wanted if tap is not None else frozenset()
+
+        def run(ids: list[int]) -> torch.Tensor:
+            start = seq.num_tokens
+            positions = torch.arange(start, start + len(ids))
+            queries = tap.chunk(positions) if tap is not None else None
+            return self.engine.extend(seq, ids, positions.tolist(), query_layers=layers, queries=queries)
+
         out: list[int] = []
         try:
             with torch.no_grad():
-                logits = self.engine.extend(seq, list(context))
+                logits = run(list(context))
                 while True:
                     token = pick(logits)
                     out.append(token)
                     if token in self.eos_ids or len(out) == self.max_new:
                         return out
-                    logits = self.engine.decode(seq, token)
+                    logits = run([token])[0]
         finally:
             self.engine.release(seq)
 

@@ -8,6 +8,7 @@ prefilled. Generation captures decode attention, which feeds the attention signa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from kvos.session.embedder import make_embedder
 from kvos.session.memory import SessionMemory
 from kvos.session.pager import Pager
 from kvos.session.prompt import Span, common_prefix, flatten
+from kvos.session.queries import QueryTap
 from kvos.session.relevance import AnswerContrast
 from kvos.session.writer import ReplyWriter
 
@@ -77,9 +79,12 @@ class Session:
                 store = BlockStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.blocks)
         answer = None
-        if config.recovery_signal == "answer":
+        if config.recovery_signal in ("answer", "hybrid"):
             answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
         self.memory = SessionMemory(session_id, config, self.pager, relieve, answer)
+        tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
+        self.pager.digest_layers = tapped
+        self.queries = QueryTap(tapped if config.recovery_signal == "attention" else (), engine.model.rope)
         self.embed = make_embedder(config.embedder, engine)
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
@@ -105,9 +110,12 @@ class Session:
         message = {"role": role, "content": content}
         text = self._render_delta([*self.messages, message], add_generation_prompt=False)
         ids = self.tokenizer.encode(text)
+        kind = kind or ROLE_KINDS[role]
         if role == "user":
-            self._start_turn(ids, task_boundary, locked=len(ids) if keep == "pin" else 0)
-        blocks = self._append(ids, kind or ROLE_KINDS[role], keep, priority, len(self.messages))
+            locked = len(ids) if keep == "pin" else 0
+            blocks = self._user_turn(ids, kind, keep, priority, len(self.messages), task_boundary, locked)
+        else:
+            blocks = self._append(ids, kind, keep, priority, len(self.messages))
         self.messages.append(message)
         self.rendered += text
         return blocks
@@ -136,19 +144,61 @@ class Session:
             )
         return full[len(self.rendered) :]
 
-    def _start_turn(self, ids: list[int], boundary: bool, locked: int = 0) -> None:
-        """A new user message: new turn, similarity recovery before it is decoded (leaving room for the
-        message's ``locked`` pinned tokens), task focus update."""
+    def _user_turn(
+        self,
+        ids: list[int],
+        kind: BlockKind,
+        keep: Keep | None,
+        priority: float,
+        message_index: int,
+        boundary: bool,
+        locked: int = 0,
+    ) -> list[MemBlock]:
+        """A new user message: a new turn, similarity recovery (before the message is prefilled, leaving room
+        for its ``locked`` pinned tokens; with the "attention" signal after, from its queries), task focus
+        update, the message's blocks."""
         self.memory.turn += 1
         self.memory.protected.clear()
         query = self.embed(ids)
-        self.memory.recover_similar(ids, query, locked)
+        costs, tap = self.memory.costs, self.queries
+        costs.begin_turn()
+        began = time.perf_counter()
+        if not tap.wanted:
+            self.memory.recover_similar(ids, query, locked)
+        costs.add(recovery_s=time.perf_counter() - began - costs.restore_s)
         if self.memory.focus.update(query, boundary=boundary):
             self.memory.journal.log(self.memory.turn, "focus", snapped=True)
+        began = time.perf_counter()
+        blocks = self._append(ids, kind, keep, priority, message_index, tap=tap.wanted)
+        costs.add(prefill_s=time.perf_counter() - began)
+        if tap.wanted:
+            began, restored = time.perf_counter(), costs.restore_s
+            self.memory.recover_attending(blocks, tap.take(self.config.query_window))
+            costs.add(recovery_s=time.perf_counter() - began - (costs.restore_s - restored))
+            if costs.restore_s > restored:  # blocks came in front of the message: its logits predate them
+                self._refresh_logits(blocks[-1])
+        return blocks
+
+    def _refresh_logits(self, block: MemBlock) -> None:
+        """Run the last token of ``block`` (the last resident block) again, so the logits the reply starts
+        from see the blocks spliced in front of it."""
+        token, position = block.token_ids[-1], int(block.current_start or 0) + block.num_tokens - 1
+        self.pager.truncate(block, block.num_tokens - 1)
+        self.last_logits = self.memory.guarded(
+            lambda: self.engine.extend(self.pager.seq, [token], [position]), {block.block_id}
+        )
 
     def _append(
-        self, ids: list[int], kind: BlockKind, keep: Keep | None, priority: float, message_index: int
+        self,
+        ids: list[int],
+        kind: BlockKind,
+        keep: Keep | None,
+        priority: float,
+        message_index: int,
+        tap: frozenset[int] = frozenset(),
     ) -> list[MemBlock]:
+        """Prefill ``ids`` as new blocks of at most ``block_tokens``; with ``tap``, their queries at those
+        layers go to :attr:`queries`."""
         made = []
         for lo in range(0, len(ids), self.config.block_tokens):
             chunk = ids[lo : lo + self.config.block_tokens]
@@ -165,7 +215,8 @@ class Session:
             )
             block.embedding = self.embed(chunk)
             final_user_chunk = kind is BlockKind.USER and lo + len(chunk) == len(ids)
-            self._prefill(block, observe=self.config.attention_mode == "snapshot" and final_user_chunk)
+            observe = self.config.attention_mode == "snapshot" and final_user_chunk
+            self._prefill(block, observe, tap)
             self.blocks[block.block_id] = block
             self.memory.history_tokens += len(chunk)
             self.logits_at = self.memory.history_tokens
@@ -173,15 +224,22 @@ class Session:
         self.memory.journal.seen(self.pager.active_tokens)
         return made
 
-    def _prefill(self, block: MemBlock, observe: bool) -> None:
+    def _prefill(self, block: MemBlock, observe: bool, tap: frozenset[int] = frozenset()) -> None:
         """Page as needed, then prefill one new block; with ``observe``, the attention of its last 32
-        queries (the SnapKV observation window) becomes the attention signal."""
+        queries (the SnapKV observation window) becomes the attention signal; with ``tap``, its queries at
+        those layers go to :attr:`queries`."""
         self.memory.make_room(block.num_tokens, protected={block.block_id})
         layers = self.capture if observe else frozenset()
         captured: dict[int, torch.Tensor] = {}
-        self.last_logits = self.memory.guarded(
-            lambda: self.pager.append(block, "last", captured, layers), set()
-        )
+
+        def prefill() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
+            queries = None
+            if tap:
+                start = self.pager.next_position(block)
+                queries = self.queries.chunk(torch.arange(start, start + block.num_tokens))
+            return self.pager.append(block, "last", captured, layers, tap=tap, queries=queries)
+
+        self.last_logits = self.memory.guarded(prefill, set())
         self.memory.observe(captured)
 
     # ------------------------------------------------------- whole-prompt sync
@@ -243,8 +301,10 @@ class Session:
             ids = span.token_ids[lo:]
             keep = "pin" if pinned and span.kind is BlockKind.USER else span.keep
             if span.kind is BlockKind.USER and lo == 0:
-                self._start_turn(ids, task_boundary, locked=len(ids) if keep == "pin" else 0)
-            self._append(ids, span.kind, keep, priority, span.message_index)
+                locked = len(ids) if keep == "pin" else 0
+                self._user_turn(ids, span.kind, keep, priority, span.message_index, task_boundary, locked)
+            else:
+                self._append(ids, span.kind, keep, priority, span.message_index)
         return SyncResult(reused=common, decoded=len(prompt) - common)
 
     def truncate(self, length: int) -> int:

@@ -99,3 +99,5 @@ def test_extreme_temperature_and_top_p_pick_the_argmax(temperature: float, top_p
     logits = torch.tensor([0.5, 3.0, -1.0, 2.5])
     sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=0))
     assert [sampler(logits) for _ in range(5)] == [1] * 5
+    allowed = torch.tensor([True, False, True, False])  # a grammar's mask; the allowed logits all negative
+    assert sampler(logits - 4.0, allowed) == 0

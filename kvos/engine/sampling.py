@@ -102,8 +102,8 @@ class Sampler:
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
         scaled = None if self.params.greedy else logits / self.params.temperature
-        if scaled is None or bool(torch.isposinf(scaled).any() | torch.isnan(scaled).any()):
-            # greedy, or a temperature so small that a logit overflowed: the limit of sampling is argmax
+        if scaled is None or _overflowed(scaled):
+            # greedy, or a temperature so small that the logits overflowed: the limit of sampling is argmax
             token = int(torch.argmax(logits).item())
         else:
             probs = filtered_probs(scaled, self.params.top_k, self.params.top_p)
@@ -129,6 +129,12 @@ class Sampler:
         if self.counts is None:
             self.counts = torch.zeros(vocab)
         self.counts[token] += 1
+
+
+def _overflowed(scaled: torch.Tensor) -> bool:
+    """Logits divided by a tiny temperature that softmax cannot take: a NaN or +inf, or every token at -inf
+    (all the allowed logits were negative)."""
+    return bool(torch.isnan(scaled).any() | torch.isposinf(scaled).any() | ~torch.isfinite(scaled).any())
 
 
 def token_logprob(

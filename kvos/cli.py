@@ -18,6 +18,7 @@ BENCHMARKS = {
     "recall": ("kvos.bench.recall", "planted-fact probe pass rate per memory strategy and budget"),
     "quality": ("kvos.bench.quality", "perplexity, top-1 and KL vs the full cache per compression policy"),
     "soak": ("kvos.bench.soak", "concurrent chat clients against kvos serve: errors, wedges, budget, RSS"),
+    "restart": ("kvos.bench.restart", "kvos serve --state-dir killed, restarted: reuse, first token, disk"),
 }
 
 

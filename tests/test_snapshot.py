@@ -34,12 +34,14 @@ def durable(directory: Path) -> Callable[[str, Callable[[Hashable], None]], Bloc
     return lambda _, on_drop: BlockStore(disk_dir=directory, on_drop=on_drop, write_through=True)
 
 
-def manager(model_dir: Path, directory: Path, mode: str = "compact") -> MemoryManager:
+def manager(
+    model_dir: Path, directory: Path, mode: str = "compact", signal: str = "lexical"
+) -> MemoryManager:
     config = SessionConfig(
         budget=Budget(max_active_tokens=160, policy="watermark"),
         block_tokens=24,
         position_mode=mode,  # type: ignore[arg-type]
-        recovery_signal="lexical",
+        recovery_signal=signal,  # type: ignore[arg-type]
     )
     engine = Engine(load_model(model_dir), block_size=8)
     return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=durable(directory))
@@ -60,24 +62,28 @@ def resident_kv(s: Session) -> list[tuple[int, list[int], torch.Tensor, torch.Te
     return out
 
 
-def restored(model_dir: Path, source: Path, target: Path, mode: str = "compact") -> Session:
+def restored(
+    model_dir: Path, source: Path, target: Path, mode: str = "compact", signal: str = "lexical"
+) -> Session:
     """The session saved in ``source``, restored from a copy of it (a restart reads what is on disk)."""
     shutil.copytree(source, target)
     (path,) = target.glob(f"*{snapshot.SUFFIX}")
-    s = manager(model_dir, target, mode).session("s")
+    s = manager(model_dir, target, mode, signal).session("s")
     snapshot.restore(snapshot.load(path), s, target)
     return s
 
 
-@pytest.mark.parametrize("mode", ["compact", "sparse"])
+@pytest.mark.parametrize(
+    ("mode", "signal"), [("compact", "lexical"), ("sparse", "lexical"), ("compact", "attention")]
+)
 def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
-    model_dir: Path, tmp_path: Path, mode: str
+    model_dir: Path, tmp_path: Path, mode: str, signal: str
 ) -> None:
-    original = manager(model_dir, tmp_path / "a", mode).session("s")
-    conversation(original, 6)
+    original = manager(model_dir, tmp_path / "a", mode, signal).session("s")
+    conversation(original, 5)
     assert original.stats()["blocks"]["saved"] > 0  # evicted blocks are in the store, on disk already
     snapshot.save(original, tmp_path / "a", "s-1.snap")
-    copy = restored(model_dir, tmp_path / "a", tmp_path / "b", mode)
+    copy = restored(model_dir, tmp_path / "a", tmp_path / "b", mode, signal)
 
     assert copy.history_ids() == original.history_ids() and copy.swapped
     copy.swap_in()
@@ -87,6 +93,8 @@ def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
     ]
     assert ta.tensors.keys() == tb.tensors.keys()
     assert all(torch.equal(ta.tensors[name], tb.tensors[name]) for name in ta.tensors)
+    if signal == "attention":  # saved blocks keep their key digests across the restart
+        assert any(name.endswith(".digest.lo") for name in ta.tensors)
     assert [(bid, pos) for bid, pos, *_ in resident_kv(copy)] == [
         (bid, pos) for bid, pos, *_ in resident_kv(original)
     ]
@@ -104,12 +112,26 @@ def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
     assert copy.generate(GREEDY) == original.generate(GREEDY)
 
 
+@pytest.fixture(scope="module")
+def saved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, snapshot.SessionSnapshot]:
+    """One conversation with resident and saved blocks, snapshotted: (its directory, the snapshot). Tests
+    damage copies of it."""
+    directory = tmp_path_factory.mktemp("saved")
+    s = manager(model_dir, directory).session("s")
+    conversation(s, 5)
+    snap = snapshot.save(s, directory, "s-1.snap")
+    assert s.stats()["blocks"]["saved"] > 0 and snap.header["cache"]
+    return directory, snap
+
+
 def test_a_resident_block_with_a_bad_file_is_recomputed_not_served(
-    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    saved: tuple[Path, snapshot.SessionSnapshot],
 ) -> None:
-    original = manager(model_dir, tmp_path / "a").session("s")
-    conversation(original, 4)
-    snap = snapshot.save(original, tmp_path / "a", "s-1.snap")
+    source, snap = saved
+    shutil.copytree(source, tmp_path / "a")
     cache = snap.header["cache"]
     flipped, truncated = (snap.files[bid] for bid, _ in cache[-2:])
     path = tmp_path / "a" / flipped
@@ -123,30 +145,30 @@ def test_a_resident_block_with_a_bad_file_is_recomputed_not_served(
         copy.swap_in()
     assert copy.stats()["recoveries_recompute"] == 2  # both recomputed from their tokens at swap-in
     assert "checksum mismatch" in caplog.text and "cannot be restored" in caplog.text
-    assert copy.history_ids() == original.history_ids()
-    assert [bid for bid, *_ in resident_kv(copy)] == [bid for bid, *_ in resident_kv(original)]
+    assert copy.history_ids() == snap.token_ids()
+    assert [bid for bid, *_ in resident_kv(copy)] == [bid for bid, _ in cache]
     assert copy.pager.store.stats()["corrupt"] == 1  # type: ignore[union-attr]
 
 
-def test_a_saved_block_with_a_bad_file_becomes_a_breadcrumb(model_dir: Path, tmp_path: Path) -> None:
-    original = manager(model_dir, tmp_path / "a").session("s")
-    conversation(original, 6)
-    snap = snapshot.save(original, tmp_path / "a", "s-1.snap")
+def test_a_saved_block_with_a_bad_file_becomes_a_breadcrumb(
+    model_dir: Path, tmp_path: Path, saved: tuple[Path, snapshot.SessionSnapshot]
+) -> None:
+    source, snap = saved
+    shutil.copytree(source, tmp_path / "a")
     resident = {bid for bid, _ in snap.header["cache"]}
-    saved = sorted(bid for bid in snap.files if bid not in resident)
-    (tmp_path / "a" / snap.files[saved[0]]).write_bytes(b"KVOSBLK")  # truncated inside its prefix
+    kept = sorted(bid for bid in snap.files if bid not in resident)
+    (tmp_path / "a" / snap.files[kept[0]]).write_bytes(b"KVOSBLK")  # truncated inside its prefix
     copy = restored(model_dir, tmp_path / "a", tmp_path / "b")
-    assert copy.blocks[saved[0]].state is BlockState.DISCARDED
-    assert all(copy.blocks[bid].state is BlockState.SAVED for bid in saved[1:])
+    assert copy.blocks[kept[0]].state is BlockState.DISCARDED
+    assert all(copy.blocks[bid].state is BlockState.SAVED for bid in kept[1:])
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "version"])
-def test_a_damaged_snapshot_is_refused(model_dir: Path, tmp_path: Path, damage: str) -> None:
-    s = manager(model_dir, tmp_path).session("s")
-    conversation(s, 2)
-    snapshot.save(s, tmp_path, "s-1.snap")
+def test_a_damaged_snapshot_is_refused(
+    tmp_path: Path, damage: str, saved: tuple[Path, snapshot.SessionSnapshot]
+) -> None:
     path = tmp_path / "s-1.snap"
-    data = bytearray(path.read_bytes())
+    data = bytearray((saved[0] / "s-1.snap").read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x01
     elif damage == "truncate":
@@ -159,15 +181,14 @@ def test_a_damaged_snapshot_is_refused(model_dir: Path, tmp_path: Path, damage: 
         snapshot.load(path)
 
 
-def test_a_snapshot_that_does_not_hold_together_is_refused(model_dir: Path, tmp_path: Path) -> None:
-    s = manager(model_dir, tmp_path / "a").session("s")
-    conversation(s, 2)
-    snap = snapshot.save(s, tmp_path / "a", "s-1.snap")
+def test_a_snapshot_that_does_not_hold_together_is_refused(
+    model_dir: Path, tmp_path: Path, saved: tuple[Path, snapshot.SessionSnapshot]
+) -> None:
+    snap = snapshot.load(saved[0] / "s-1.snap")
     snap.header["blocks"][1]["original_start"] += 1  # a hole in the history
-    (tmp_path / "b").mkdir()
-    fresh = manager(model_dir, tmp_path / "b").session("s")
+    fresh = manager(model_dir, tmp_path).session("s")
     with pytest.raises(SnapshotError, match="does not hold together"):
-        snapshot.restore(snap, fresh, tmp_path / "b")
+        snapshot.restore(snap, fresh, tmp_path)
     assert not fresh.blocks
 
 

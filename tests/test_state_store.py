@@ -125,6 +125,30 @@ def test_after_a_crash_the_last_snapshot_comes_back(model_dir: Path, tmp_path: P
     assert synced.decoded == len(s.history_ids()) - len(saved_history)
 
 
+def test_branches_come_back_in_their_order(model_dir: Path, tmp_path: Path) -> None:
+    state = state_dir(tmp_path, model_dir)
+    m = manager(model_dir, state)
+    main = m.session("local/s")
+    for i in range(4):
+        main.add_message("user", f"note {i}: " + FILLER)
+    side = m.fork("local/s", "local/s#b3", main.memory.history_tokens // 2)  # shares resident blocks
+    side.add_message("user", "a side question")
+    assert state.save("local", "s", 3, [side, main])
+
+    again = state_dir(tmp_path, model_dir)
+    loaded = again.load("local", "s", manager(model_dir, again))
+    assert loaded is not None
+    branches, served = loaded
+    assert served == 3 and [b.session_id for b in branches] == ["local/s#b3", "local/s"]
+    for restored, live in zip(branches, (side, main), strict=True):
+        assert restored.history_ids() == live.history_ids()
+        restored.swap_in()  # each branch gets its own copy of what the live ones share
+        for bid in live.pager.order():
+            k, v = live.engine.read_kv(live.pager.segments[bid])
+            k2, v2 = restored.engine.read_kv(restored.pager.segments[bid])
+            assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
 def test_state_of_another_model_is_ignored(
     model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

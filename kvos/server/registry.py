@@ -70,6 +70,7 @@ class SessionRegistry:
         """``state``: where sessions are written to survive a restart, and read back from (lazily)."""
         self.manager, self.config, self.state = manager, config, state
         self.entries: dict[tuple[str, str], Entry] = {}
+        self.saving: set[tuple[str, str]] = set()  # being written to the state dir: not to be expired
         self.cond = threading.Condition()
 
     def acquire(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
@@ -140,7 +141,11 @@ class SessionRegistry:
     def _expire(self) -> None:
         now = time.monotonic()
         for key, entry in list(self.entries.items()):
-            if not entry.busy and now - entry.last_used > self.config.session_ttl_s:
+            if (
+                not entry.busy
+                and key not in self.saving
+                and now - entry.last_used > self.config.session_ttl_s
+            ):
                 self._close(key)
 
     def _close(self, key: tuple[str, str]) -> None:
@@ -156,21 +161,19 @@ class SessionRegistry:
 
     def snapshot_idle(self) -> int:
         """Write every idle session that changed since its last snapshot to the state dir; how many were
-        written. On the engine thread (so no request is half-way through one); the sessions are held busy
-        meanwhile, so no request starts on one and no expiry closes one."""
+        written. On the engine thread: every request does all its work on a session in one job of that
+        thread, so none is half-way through one now (a request that takes a session meanwhile runs after
+        this). Expiry, which runs elsewhere, leaves the sessions being written alone."""
         if self.state is None:
             return 0
         with self.cond:
             idle = [e for e in self.entries.values() if not e.busy and e.served]
-            for entry in idle:
-                entry.busy = True
+            self.saving = {(e.owner, e.session_id) for e in idle}
         try:
             return sum(self.state.save(e.owner, e.session_id, e.served, e.branches) for e in idle)
         finally:
             with self.cond:
-                for entry in idle:
-                    entry.busy = False
-                self.cond.notify_all()
+                self.saving = set()
 
     def sessions(self, owner: str) -> list[dict[str, Any]]:
         with self.cond:

@@ -12,22 +12,35 @@ import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvos.engine.generate import StreamEvent
+from kvos.errors import BudgetError
 from kvos.server.bodies import final_body
 from kvos.server.errors import APIError, bad_request, too_large, unauthorized
 from kvos.server.lifecycle import Cancelled, RequestRecord, drain, sse, watch_disconnect
 from kvos.server.metrics import make_registry
+from kvos.server.pins import budget_error, check_locked
 from kvos.server.schemas import ChatRequest, CompletionRequest
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
 from kvos.session.prompt import Span
+
+# X-Session-Id: what a client may name its session (ids go into logs, metric labels and branch names)
+SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"
+SessionHeader = Annotated[
+    str | None,
+    Header(
+        pattern=SESSION_ID,
+        description="continue this session (1-128 of A-Z a-z 0-9 . _ : @ + = -, starting with a letter or "
+        "digit; created when new); without it the session sharing the longest prefix is continued",
+    ),
+]
 
 
 def create_app(
@@ -95,12 +108,11 @@ def create_app(
         return {"id": session_id, "object": "session", "deleted": True}
 
     async def start(
-        request: Request, req: ChatRequest | CompletionRequest
+        request: Request, req: ChatRequest | CompletionRequest, sid: str | None
     ) -> tuple[Entry, list[Span], ChatRequest | None]:
         who = owner(request)
         if req.model != name:
             raise unknown_model(req.model, name)
-        sid = request.headers.get("x-session-id")
         probe = None if sid else await asyncio.to_thread(service.probe, req)
         entry = await asyncio.to_thread(service.registry.acquire, who, sid, probe)
         chat = req if isinstance(req, ChatRequest) else None
@@ -113,15 +125,18 @@ def create_app(
                 prep = lambda: service.prepare_completion(req)  # noqa: E731
             spans = await loop.run_in_executor(engine, prep)
             service.sampling(req)  # validates max_tokens and sampling before anything changes
+            check_locked(spans, service.manager.config, req.hints().pinned)
         except BaseException:
             service.registry.release(entry, abandoned=True)
             raise
         request.state.entry = entry
         return entry, spans, chat
 
-    async def respond(request: Request, req: ChatRequest | CompletionRequest, kind: str) -> Response:
+    async def respond(
+        request: Request, req: ChatRequest | CompletionRequest, kind: str, sid: str | None
+    ) -> Response:
         began = time.perf_counter()
-        entry, spans, chat = await start(request, req)
+        entry, spans, chat = await start(request, req, sid or None)
         headers = {"X-Session-Id": entry.session_id}
         cancel = entry.cancel
         record = RequestRecord(request, kind, began, entry)
@@ -130,6 +145,8 @@ def create_app(
         def work() -> Outcome:  # on the engine thread; the session is released there, whatever happens
             try:
                 return drain(service.run(entry, spans, req, chat), cancel)
+            except BudgetError as exc:
+                raise budget_error(exc) from exc
             finally:
                 service.registry.release(entry)
                 latency.labels(kind).observe(time.perf_counter() - began)
@@ -139,6 +156,8 @@ def create_app(
             def steps() -> Generator[StreamEvent, None, Outcome]:
                 try:
                     return (yield from service.run(entry, spans, req, chat))
+                except BudgetError as exc:
+                    raise budget_error(exc) from exc
                 finally:
                     service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
@@ -161,12 +180,16 @@ def create_app(
         return JSONResponse(final_body(outcome, kind, name), headers=headers)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request) -> Response:
-        return await respond(request, req, "chat")
+    async def chat_completions(
+        req: ChatRequest, request: Request, x_session_id: SessionHeader = None
+    ) -> Response:
+        return await respond(request, req, "chat", x_session_id)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await respond(request, req, "text")
+    async def completions(
+        req: CompletionRequest, request: Request, x_session_id: SessionHeader = None
+    ) -> Response:
+        return await respond(request, req, "text", x_session_id)
 
     app.state.service, app.state.engine = service, engine
     return app
@@ -213,8 +236,11 @@ def _install_errors(app: FastAPI, max_body_bytes: int) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else "http_error"
-        error = APIError(exc.status_code, str(exc.detail), code)
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            error = bad_request("the request body is not valid JSON (or not UTF-8)", "invalid_json")
+        else:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            error = APIError(exc.status_code, str(exc.detail), code)
         return JSONResponse(error.body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)

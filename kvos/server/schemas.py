@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# what kvos itself passes the chat template (and its own render methods take): not settable by a request
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "self"})
 
 
 class Hints(BaseModel):
@@ -117,6 +120,14 @@ class ChatRequest(SamplingFields):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_template_names(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or {}))
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set: kvos passes them to the template itself")
+        return kwargs
 
 
 class CompletionRequest(SamplingFields):

@@ -49,6 +49,9 @@ def test_recall_bench_contract(model_dir: Path, tmp_path: Path) -> None:
         and rows[("streaming_llm", 0.25)]["mean_recoveries"] == 0
     )
     assert rows[("kvos-kv_restore", 0.25)]["mean_evictions"] > 0
+    costs = rows[("kvos-kv_restore", 0.25)]  # per user message, medians: the signal's and the prefill's
+    assert costs["prefill_ms_median"] > 0 and costs["recovery_ms_median"] > 0
+    assert costs["recovery_over_prefill"] > 0 and costs["restore_ms_median"] >= 0
     assert (tmp_path / "recall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

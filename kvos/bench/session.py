@@ -38,7 +38,7 @@ from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.session.config import SessionConfig
+from kvos.session.config import SIGNALS, SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.session import Session
 
@@ -70,6 +70,9 @@ SUMMARY = (
     "rss_start",
     "rss_end",
     "rss_growth",
+    "seconds",
+    "recovery_ms_median",
+    "prefill_ms_median",
 )
 ROW_COLUMNS = (
     "turn",
@@ -91,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="kv_restore", choices=("kv_restore", "breadcrumb", "discard"))
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--signal", choices=SIGNALS, default=SessionConfig.recovery_signal, help="recovery signal"
+    )
 
 
 def rss_bytes() -> tuple[int, str]:
@@ -160,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         block_tokens=args.block_tokens,
         backend=args.backend,
         embedder="tokens",
+        recovery_signal=args.signal,
     )
     manager = MemoryManager(Engine(load_model(path, dtype=torch.float32)), load_tokenizer(path), config)
     target = args.factor * args.budget
@@ -174,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = grow(session, Conversation(args.seed), target)
     seconds = time.perf_counter() - started
     stats = session.stats()
+    costs = session.memory.costs.medians_ms()
     gc.collect()
     rss_end, _ = rss_bytes()
     malloc_end = malloc_bytes()
@@ -189,6 +197,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend=args.backend,
         position_mode=config.position_mode,
         budget_policy=config.budget.policy,
+        recovery_signal=args.signal,
+        **costs,
         turns=len(rows),
         max_active_tokens_seen=stats["max_active_tokens_seen"],
         active_tokens=stats["active_tokens"],

@@ -156,7 +156,7 @@ class SessionMemory:
             return
         if not any(self._recoverable(b) for b in self.blocks.values()):
             return
-        exchanges = self.config.recovery_signal == "answer"
+        exchanges = self.config.recovery_signal in ("answer", "hybrid")
         eligible = self._eligible if exchanges else self._recoverable
         unit = exchange_units(self.blocks.values()) if exchanges else by_message
         if exchanges:  # each candidate costs a forward pass over it: long messages go chunk by chunk
@@ -249,12 +249,12 @@ class SessionMemory:
         over the session's blocks ("lexical") or the cosine of the embeddings ("embedding"; None without an
         embedding). None: not a candidate."""
         signal = self.config.recovery_signal
-        if signal == "answer" and self.answer is not None:
+        if signal in ("answer", "hybrid") and self.answer is not None:
             scores = self._answer_scores(ids, unit)
             if scores is not None:
                 return lambda b: scores.get(unit(b))
             signal = "lexical"
-        if signal in ("lexical", "answer"):
+        if signal in ("lexical", "answer", "hybrid"):
             index = LexicalIndex(b.token_ids for b in self.blocks.values())
             return lambda b: index.score(ids, b.token_ids)
         return lambda b: None if b.embedding is None else cosine(query, b.embedding)

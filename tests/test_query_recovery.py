@@ -1,0 +1,61 @@
+"""Recovery from the model's own queries: the "attention" signal (key digests of saved blocks against the new
+message's queries, restored in front of the message) and the "hybrid" signal (a digest and lexical shortlist,
+then the answer signal on the shortlist only), on the built-in model; per-message costs are recorded."""
+
+from __future__ import annotations
+
+import pytest
+from test_relevance import buried_fact_session
+
+from kvos.engine.sampling import SamplingParams
+from kvos.policy.blocks import BlockState
+from kvos.session.relevance import AnswerContrast
+
+
+def test_saved_blocks_keep_a_digest_and_restores_land_in_front_of_the_message() -> None:
+    manager, s, _ = buried_fact_session("attention", check=False)
+    config = manager.engine.model.config
+    saved = [b for b in s.blocks.values() if b.state is BlockState.SAVED]
+    assert saved and all(b.digest is not None for b in saved)
+    for b in saved:
+        assert b.digest.lo.shape == (config.num_layers, config.num_kv_heads, config.head_dim)
+        assert (b.digest.lo <= b.digest.hi).all()
+    digest_bytes = sum(b.digest.nbytes for b in saved)
+    saved_bytes = s.pager.store.stats()["raw_bytes"]
+    assert digest_bytes < 0.05 * saved_bytes  # 40-token blocks of a 4-layer float32 model: ~1.3%
+    users_before = len(s.memory.costs.turns)
+    question = s.add_message("user", "What is my job?")
+    restored = [
+        e["block"] for e in s.memory.journal.events if e["turn"] == s.memory.turn and e["event"] == "restore"
+    ]
+    assert restored, "the signal brought nothing back"
+    order = s.pager.order()
+    mine = [b.block_id for b in question]
+    assert order[-len(mine) :] == mine  # the message stays last ...
+    assert set(order[-len(mine) - len(restored) : -len(mine)]) == set(restored)  # ... the restored in front
+    positions = s.pager.seq.positions.tolist()
+    assert positions == list(range(len(positions)))  # compact: the message moved up, no gap, no overlap
+    assert all(b.block_id in s.memory.protected for b in question)
+    assert len(s.memory.costs.turns) == users_before + 1
+    turn = s.memory.costs.turns[-1]
+    assert turn["prefill_s"] > 0 and turn["recovery_s"] > 0 and turn["restore_s"] > 0
+    assert s.generate(SamplingParams(max_tokens=8))[1]  # the refreshed logits start a reply
+    manager.close(s.session_id)
+
+
+def test_hybrid_asks_the_model_only_about_its_shortlist(monkeypatch: pytest.MonkeyPatch) -> None:
+    manager, s, fact = buried_fact_session("hybrid", check=False, recovery_shortlist=1)
+    seen: list[dict] = []
+    original = AnswerContrast.scores
+
+    def spy(self: AnswerContrast, prefix: list[int], query: list[int], candidates: dict, answer=None) -> dict:
+        seen.append(dict(candidates))
+        assert answer is not None  # the null answer came from the tapped scratch pass, not a second one
+        return original(self, prefix, query, candidates, answer)
+
+    monkeypatch.setattr(AnswerContrast, "scores", spy)
+    s.add_message("user", "What is my job?")
+    assert seen and all(1 <= len(c) <= 2 for c in seen)  # one by attention, one by words (maybe the same)
+    assert all(b.resident for b in fact)  # the shortlist held the fact; the model picked it
+    assert "translator" in s.generate(SamplingParams(max_tokens=16))[0]
+    manager.close(s.session_id)

@@ -73,6 +73,7 @@ class Outcome:
     seconds: float
     session_tokens: int
     costs: list[dict[str, float]]  # per user message: recovery_s, restore_s, prefill_s
+    digest_ratio: float  # key digest bytes of the saved blocks over their K/V bytes (at the session's end)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,10 +149,13 @@ def _play_one(
     played = play(session, chat, args.max_tokens)
     stats = session.stats()
     costs = session.memory.costs.turns
+    digests = sum(b.digest.nbytes for b in session.blocks.values() if b.digest is not None and not b.resident)
+    raw = session.pager.store.stats()["raw_bytes"] if session.pager.store is not None else 0
     manager.close(session.session_id)
     recovered = stats["recoveries_restore"] + stats["recoveries_recompute"]
     seconds = time.perf_counter() - started
-    return Outcome(played.recalled, stats["evictions"], recovered, seconds, size, costs)
+    ratio = digests / raw if raw else 0.0
+    return Outcome(played.recalled, stats["evictions"], recovered, seconds, size, costs, ratio)
 
 
 def _result(
@@ -212,6 +216,7 @@ def _row(name: str, frac: float, results: list[Outcome]) -> dict[str, Any]:
         "mean_seconds": round(sum(r.seconds for r in results) / n, 2),
         "mean_session_tokens": sum(r.session_tokens for r in results) / n,
         **cost_medians([turn for r in results for turn in r.costs]),
+        "digest_over_saved": round(sum(r.digest_ratio for r in results) / n, 5),
         "n": n,
     }
 

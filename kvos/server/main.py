@@ -8,6 +8,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvos.engine import fused
 from kvos.engine.engine import Engine
@@ -17,8 +18,12 @@ from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
-from kvos.session.config import SessionConfig
+from kvos.session.config import SIGNALS, SessionConfig
 from kvos.session.manager import MemoryManager
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
 
 BUILTIN = Path(__file__).resolve().parents[1] / "builtin" / "model"
 
@@ -56,11 +61,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
     p.add_argument(
         "--recovery-signal",
-        choices=["answer", "lexical", "embedding"],
-        default="answer",
-        help="how a new user message finds saved blocks (answer: one short forward pass per candidate)",
+        choices=SIGNALS,
+        default=SessionConfig.recovery_signal,
+        help="how a new user message finds saved blocks (answer: one short forward pass per candidate; "
+        "hybrid: the answer signal on a shortlist from key digests and words; attention: key digests "
+        "only, no forward pass; docs/benchmarks.md compares them)",
     )
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        default=[],
+        help="a bearer key that also sees every key's sessions on /v1/sessions and /metrics and may delete "
+        "any of them (repeatable); with keys, /metrics needs one and shows a key only its own sessions",
+    )
     p.add_argument("--max-sessions", type=int, default=8, help="sessions resident at once (others swap out)")
     p.add_argument(
         "--session-ttl", type=float, default=3600.0, help="seconds before an idle session is closed"
@@ -74,6 +88,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens-limit", type=int, default=4096)
     p.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's line and headers may take to arrive (slow clients are answered 408 and "
+        "disconnected)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 << 10,
+        help="longest request line and headers, in bytes (longer: 431, connection closed)",
+    )
+    p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a response may wait for a client that stopped reading before its connection is "
+        "dropped (and its request cancelled)",
+    )
     p.add_argument(
         "--max-prompt-tokens",
         type=int,
@@ -178,7 +212,10 @@ def open_state(
         raise SystemExit("kvos serve: give --state-dir or --store-disk-dir, not both")
     if args.state_interval < 0:
         raise SystemExit(f"kvos serve: --state-interval must be >= 0 seconds, got {args.state_interval}")
-    return StateDir.for_model(args.state_dir, model, tokenizer, config, args.session_ttl)
+    try:
+        return StateDir.for_model(args.state_dir, model, tokenizer, config, args.session_ttl)
+    except OSError as exc:
+        raise SystemExit(f"kvos serve: cannot use --state-dir {args.state_dir}: {exc.strerror}") from None
 
 
 def prepare_kernel() -> None:
@@ -212,22 +249,42 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(args: argparse.Namespace) -> int:
+def make_app(service: ChatService, args: argparse.Namespace) -> FastAPI:
+    """The app over ``service`` with ``kvos serve``'s keys and limits."""
+    from kvos.server.app import create_app
+
+    return create_app(service, args.api_key, args.max_body_bytes, admin_keys=args.admin_key)
+
+
+def uvicorn_config(app: FastAPI, args: argparse.Namespace, log_level: str = "warning") -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: h11 with ``kvos serve``'s connection limits."""
     import uvicorn
 
-    from kvos.server.app import create_app
+    from kvos.server.connection import ConnectionLimits, guarded_protocol
+
+    limits = ConnectionLimits(args.header_timeout, args.max_header_bytes, args.send_timeout)
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_keep_alive=30,
+        http=guarded_protocol(limits),
+        h11_max_incomplete_event_size=args.max_header_bytes + 4,  # ours answers first, with a 431
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
 
     sock = bind(args.host, args.port)  # before loading anything: a busy port fails at once, in one line
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     service = build_service(args)
-    app = create_app(service, args.api_key, args.max_body_bytes)
+    app = make_app(service, args)
     print(
         f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1 "
         f"(budget {service.manager.config.budget.max_active_tokens} tokens per session)",
         file=sys.stderr,
     )
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(app, args)).run(sockets=[sock])
     return 0

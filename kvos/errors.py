@@ -62,6 +62,10 @@ class TokenizerError(KvosError):
     """A tokenizer or chat template that cannot be loaded or rendered."""
 
 
+class UnsafeTemplateError(TokenizerError):
+    """A chat template that reaches for Python internals (refused by the sandbox when it is loaded)."""
+
+
 class BlockNotFoundError(KvosError, KeyError):
     """A key that the block store does not hold: never put, deleted, popped, or dropped."""
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from kvos.server.app import create_app
-from kvos.server.main import add_arguments, build_service
+from kvos.server.main import add_arguments, build_service, make_app, uvicorn_config
 
 MODEL_NAME = "kvos-test"
 
@@ -49,9 +48,12 @@ def running_app(
     api_keys: list[str] | None = None,
     max_sessions: int | None = None,
     served_model_name: str = MODEL_NAME,
+    send_buffer_bytes: int | None = None,
 ) -> Iterator[tuple[str, FastAPI]]:
     """As :func:`running_server`, yielding the app too (``app.state.service`` is its :class:`ChatService`,
-    for tests that check the sessions' state in-process)."""
+    for tests that check the sessions' state in-process). ``send_buffer_bytes``: the kernel send buffer of
+    the server's sockets (SO_SNDBUF, inherited from the listening socket), as on a slow link: on loopback
+    it grows to megabytes, so a client that stops reading would take that long to hold a response up."""
     args = [*argv, "--model", str(model), "--served-model-name", served_model_name]
     if budget is not None:
         args += ["--budget", str(budget)]
@@ -61,11 +63,13 @@ def running_app(
         args += ["--api-key", key]
     options = serve_options(args)
     service = build_service(options)
-    app = create_app(service, options.api_key, options.max_body_bytes)
+    app = make_app(service, options)
     sock = socket.socket()
+    if send_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    server = uvicorn.Server(uvicorn_config(app, options, log_level="error"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -14,7 +14,7 @@ import tokenizers
 from gguf_files import write_file
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
-from kvos.errors import TokenizerError
+from kvos.errors import TokenizerError, UnsafeTemplateError
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.llama2c_tokenizer import Llama2cTokenizer
 from kvos.model.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
@@ -130,12 +130,18 @@ def test_bpe_specials_and_template_from_metadata(tmp_path: Path) -> None:
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_template_reaching_for_python_internals_fails(tmp_path: Path) -> None:
-    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+@pytest.mark.parametrize(
+    "evil",
+    [
+        "{{ messages.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__ }}",
+        "{% set a = '__cla' ~ 'ss__' %}{{ messages|attr(a) }}",  # only a render meets it
+    ],
+)
+def test_template_reaching_for_python_internals_fails_at_load(tmp_path: Path, evil: str) -> None:
     meta = _bpe_metadata(_train_bpe("gpt-2"), "gpt-2", **{"tokenizer.chat_template": evil})
-    template = ChatTemplate.from_tokenizer(load_tokenizer(_gguf(tmp_path / "t.gguf", meta)))
-    with pytest.raises(TokenizerError, match=r"SecurityError.*unsafe"):
-        template.render([{"role": "user", "content": "hi"}])
+    with pytest.raises(UnsafeTemplateError, match=r"t\.gguf: chat template (reaches for|is unsafe)"):
+        load_tokenizer(_gguf(tmp_path / "t.gguf", meta))
 
 
 def test_template_with_syntax_error_fails_at_load(tmp_path: Path) -> None:

@@ -6,6 +6,12 @@ like ``transformers.utils.chat_template_utils`` (``trim_blocks``, ``lstrip_block
 ``tojson`` filter that does not escape HTML, the ``raise_exception`` and ``strftime_now`` globals, a no-op
 ``{% generation %}`` tag) and prepares the inputs the same way, so that the rendered string is identical to
 ``tokenizer.apply_chat_template(..., tokenize=False)``.
+
+A template comes from a model file, so it is not trusted: it renders in jinja2's immutable sandbox, and one
+that reaches for Python internals (``''.__class__.__mro__``, ``cycler.__init__.__globals__``) is refused when
+it is loaded, not at the first request: by its source (an attribute or item named with a leading underscore,
+which the sandbox never serves) and by rendering a few probe conversations (tools, tool calls, reasoning), in
+which any sandbox violation fails the load with :class:`~kvos.errors.UnsafeTemplateError`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvos.errors import TokenizerError
+from kvos.errors import TokenizerError, UnsafeTemplateError
 
 if TYPE_CHECKING:
     from kvos.model.tokenizer import Tokenizer
@@ -102,11 +108,19 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, raising at an unsafe attribute at once (jinja2 gives an undefined that
+    prints as nothing), so a template that reaches for one fails where it does, probes included."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """A sandboxed environment configured like transformers' chat template environment."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -160,6 +174,44 @@ def _prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     return prepared
 
 
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
+_PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": "{}"}}
+# conversations rendered once when a template is loaded, to meet a sandbox violation then, not in a request
+PROBES: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": True},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+            {"role": "user", "content": "Look it up"},
+            {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+            {"role": "tool", "content": "{}", "tool_call_id": "call_0", "name": "probe"},
+        ],
+        "tools": [_PROBE_TOOL],
+        "add_generation_prompt": True,
+    },
+]
+_VETTED: set[str] = set()  # sources that passed the probes (a session builds its template again)
+
+
+def _reaches_for_internals(template: jinja2.nodes.Template) -> str | None:
+    """The first attribute or constant item name with a leading underscore in a parsed template (what the
+    sandbox refuses to serve: ``__class__``, ``__globals__``, ``_private``), with its line; None if none."""
+    for node in template.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.Filter)):
+        name: object = None
+        if isinstance(node, jinja2.nodes.Getattr):
+            name = node.attr
+        elif isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+            name = node.arg.value
+        elif isinstance(node, jinja2.nodes.Filter) and node.name == "attr" and node.args:  # x|attr("_y")
+            first = node.args[0]
+            name = first.value if isinstance(first, jinja2.nodes.Const) else None
+        if isinstance(name, str) and name.startswith("_"):
+            return f"{name!r} at line {node.lineno}"
+    return None
+
+
 class ChatTemplate:
     """A compiled chat template.
 
@@ -173,6 +225,7 @@ class ChatTemplate:
 
     Raises:
         TokenizerError: the template has a Jinja syntax error.
+        UnsafeTemplateError: the template reaches for Python internals (see the module's docstring).
     """
 
     def __init__(
@@ -189,13 +242,37 @@ class ChatTemplate:
         if eos_token is not None:
             named["eos_token"] = eos_token
         self.special_tokens: dict[str, str] = named
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            parsed = env.parse(source)
+            self._template = env.from_string(parsed)
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(
                 f"chat template has a syntax error at line {exc.lineno}: {exc.message}; fix the template "
                 "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
             ) from exc
+        if source not in _VETTED:
+            self._vet(parsed)
+            _VETTED.add(source)
+
+    def _vet(self, parsed: jinja2.nodes.Template) -> None:
+        """Refuse a template that reaches for Python internals: by its source, then by the probes."""
+        unsafe = _reaches_for_internals(parsed)
+        if unsafe is not None:
+            raise UnsafeTemplateError(
+                f"chat template reaches for Python internals ({unsafe}); kvos renders templates in a sandbox "
+                "and refuses this one: fix or replace the model's chat template"
+            )
+        for probe in PROBES:
+            try:
+                self.render(**probe)
+            except TokenizerError as exc:
+                if isinstance(exc.__cause__, jinja2.exceptions.SecurityError):
+                    raise UnsafeTemplateError(
+                        f"chat template is unsafe: it failed to render a probe conversation in the sandbox "
+                        f"({exc.__cause__}); fix or replace the model's chat template"
+                    ) from exc.__cause__
+                # any other failure (raise_exception on a shape it refuses, ...) is the template's own
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate:

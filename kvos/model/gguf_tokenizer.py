@@ -153,7 +153,8 @@ def gguf_tokenizer(metadata: Mapping[str, Any]) -> HFTokenizer:
 
     Raises:
         TokenizerError: no tokenizer in the metadata, an unknown ``tokenizer.ggml.model`` or
-            ``tokenizer.ggml.pre``, malformed merges or scores, or a chat template that does not compile.
+            ``tokenizer.ggml.pre``, malformed merges or scores, or a chat template that does not compile
+            (:class:`~kvos.errors.UnsafeTemplateError` when it reaches for Python internals).
     """
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
@@ -169,7 +170,8 @@ def gguf_tokenizer(metadata: Mapping[str, Any]) -> HFTokenizer:
     tokenizer.add_special_tokens(_special_tokens(tokens, types, byte_level=kind == "gpt2"))
     named = _named_tokens(metadata, tokens)
     template = metadata.get("tokenizer.chat_template")
-    if template is not None:  # compiled in the sandbox now, so a syntax error fails the load
+    if template is not None:  # compiled and vetted in the sandbox now: a syntax error or an unsafe template
+        # fails the load
         ChatTemplate(str(template), named.get("bos_token"), named.get("eos_token"))
     end_ids = [_token_id(metadata, f"{key}_token_id", tokens) for key in ("eos", "eot", "eom")]
     return HFTokenizer(
@@ -197,4 +199,4 @@ def load_gguf_tokenizer(path: str | Path) -> HFTokenizer:
     try:
         return gguf_tokenizer(metadata)
     except TokenizerError as exc:
-        raise TokenizerError(f"{path}: {exc}") from exc
+        raise type(exc)(f"{path}: {exc}") from exc  # the same type (UnsafeTemplateError stays one)

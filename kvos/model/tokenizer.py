@@ -111,6 +111,17 @@ def _chat_templates(config: dict[str, Any], directory: Path) -> dict[str, str]:
     )
 
 
+def _vet_template(source: str, named: dict[str, str], directory: Path) -> None:
+    """Compile a chat template in the sandbox (which renders a few probe conversations): a syntax error or a
+    template that reaches for Python internals fails here, at load, not at the first request."""
+    from kvos.model.chat_template import ChatTemplate
+
+    try:
+        ChatTemplate(source, named.get("bos_token"), named.get("eos_token"), special_tokens=named)
+    except TokenizerError as exc:
+        raise type(exc)(f"{directory}: {exc}") from exc
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer with the model's special tokens and chat template.
 
@@ -169,7 +180,9 @@ class HFTokenizer:
         """Load ``tokenizer.json`` and the special tokens, chat template and EOS ids around it.
 
         Raises:
-            TokenizerError: ``tokenizer.json`` is missing or unreadable, or a config file is malformed.
+            TokenizerError: ``tokenizer.json`` is missing or unreadable, a config file is malformed, or the
+                chat template does not compile (:class:`~kvos.errors.UnsafeTemplateError`: it reaches for
+                Python internals).
         """
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
@@ -196,10 +209,13 @@ class HFTokenizer:
             generation = _read_json(generation_file) or {}
         add_bos = config.get("add_bos_token")
         bos_ids = _id_list(generation.get("bos_token_id"), "bos_token_id", generation_file)
+        templates = _chat_templates(config, directory)
+        for source in templates.values():  # compiled and vetted in the sandbox now: a bad one fails the load
+            _vet_template(source, named, directory)
         return cls(
             tokenizer,
             named_special_tokens=named,
-            chat_templates=_chat_templates(config, directory),
+            chat_templates=templates,
             bos_id=bos_ids[0] if bos_ids else None,
             extra_eos_ids=_id_list(generation.get("eos_token_id"), "eos_token_id", generation_file),
             add_bos_token=add_bos if isinstance(add_bos, bool) else None,

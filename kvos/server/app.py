@@ -8,24 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvos.engine.generate import StreamEvent
 from kvos.errors import BudgetError
+from kvos.server.auth import Identity, Keys
 from kvos.server.bodies import final_body
-from kvos.server.errors import APIError, bad_request, too_large, unauthorized
+from kvos.server.errors import APIError, bad_request, forbidden, too_large, unauthorized
 from kvos.server.lifecycle import Cancelled, RequestRecord, drain, sse, watch_disconnect
-from kvos.server.metrics import make_registry
+from kvos.server.metrics import Metrics
 from kvos.server.pins import budget_error, check_locked
 from kvos.server.schemas import ChatRequest, CompletionRequest
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
@@ -44,18 +43,27 @@ SessionHeader = Annotated[
 
 
 def create_app(
-    service: ChatService, api_keys: list[str] | None = None, max_body_bytes: int = 4 << 20
+    service: ChatService,
+    api_keys: list[str] | None = None,
+    max_body_bytes: int = 4 << 20,
+    admin_keys: list[str] | None = None,
 ) -> FastAPI:
-    """The app; with ``api_keys`` every /v1 request needs one, and sessions belong to their key."""
+    """The app; with ``api_keys`` (or ``admin_keys``) every /v1 request and /metrics scrape needs a key,
+    and sessions belong to their key (:mod:`kvos.server.auth`)."""
     engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-engine")
     app = FastAPI(title="kvos", version="0.1.0", lifespan=_lifespan(service, engine))
-    registry, latency = make_registry(service)
-    keys = {hashlib.sha256(k.encode()).hexdigest()[:16]: k for k in (api_keys or [])}
+    metrics = Metrics(service)
+    latency = metrics.latency
+    keys = Keys(api_keys, admin_keys)
     name = service.config.model_name
 
+    def identity(request: Request) -> Identity:
+        """The request's key (set by the auth middleware before the body is even parsed)."""
+        who: Identity = request.state.identity
+        return who
+
     def owner(request: Request) -> str:
-        """The API key's identity (set by the auth middleware before the body is even parsed)."""
-        return str(request.state.owner)
+        return identity(request).owner
 
     _install_errors(app, max_body_bytes)
 
@@ -73,14 +81,12 @@ def create_app(
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        request.state.owner = "local"
-        if keys and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-            digest = hashlib.sha256(token.encode()).hexdigest()[:16]
-            if not token or keys.get(digest) != token:
-                return JSONResponse(unauthorized().body(), status_code=401)
-            request.state.owner = digest
+        who = keys.identify(request.headers.get("authorization", ""))
+        path = request.url.path
+        if who is None and (path.startswith("/v1") or path == "/metrics"):
+            return JSONResponse(unauthorized().body(), status_code=401)
+        request.state.identity = who
+        request.state.owner = who.owner if who is not None else "-"
         return await call_next(request)
 
     @app.get("/health")
@@ -88,8 +94,10 @@ def create_app(
         return {"status": "ok", "model": name, "sessions": len(service.registry.entries)}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+    async def scrape(request: Request) -> Response:
+        """A key sees its own sessions' series (an admin key, every session's) and the pool-wide ones."""
+        text = metrics.scrape(identity(request).scope())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -98,11 +106,30 @@ def create_app(
 
     @app.get("/v1/sessions")
     async def sessions(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": service.registry.sessions(owner(request))}
+        """The key's sessions; an admin key's listing has every key's, each with its ``owner``."""
+        who = identity(request)
+        if not who.admin:
+            return {"object": "list", "data": service.registry.sessions(who.owner)}
+        with service.registry.cond:
+            owners = sorted({o for o, _ in service.registry.entries})
+        data = [{**s, "owner": o} for o in owners for s in service.registry.sessions(o)]
+        return {"object": "list", "data": data}
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+    async def delete_session(
+        session_id: str,
+        request: Request,
+        session_owner: Annotated[
+            str | None,
+            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
+        ] = None,
+    ) -> dict[str, Any]:
+        """Delete one of the key's sessions; an admin key may name another key's with ``?owner=``."""
         who = owner(request)
+        if session_owner is not None and session_owner != who:
+            if not identity(request).admin:
+                raise forbidden("only an admin key may delete another key's sessions")
+            who = session_owner
         service.registry.cancel(who, session_id)  # now, not queued behind the request it cancels
         await asyncio.get_running_loop().run_in_executor(engine, service.registry.delete, who, session_id)
         return {"id": session_id, "object": "session", "deleted": True}

@@ -31,6 +31,10 @@ def unauthorized(message: str = "missing or invalid API key: send 'Authorization
     return APIError(401, message, "invalid_api_key", kind="authentication_error")
 
 
+def forbidden(message: str) -> APIError:
+    return APIError(403, message, "forbidden", kind="permission_error")
+
+
 def not_found(message: str, code: str) -> APIError:
     return APIError(404, message, code)
 

@@ -1,11 +1,15 @@
-"""Prometheus metrics: per-session memory state, pool state, token reuse, request latency."""
+"""Prometheus metrics: per-session memory state, pool state, token reuse, request latency.
+
+A scrape shows the sessions of one owner (an API key's) or of all (an admin key's, or a server without
+keys); the pool-wide figures (pool bytes, session count, token totals, latency) are the same for everyone.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvos.server.service import ChatService
@@ -25,24 +29,26 @@ SESSION_COUNTERS = {
 
 
 class ServiceCollector(Collector):
-    """Reads the service's state at scrape time."""
+    """Reads the service's state at scrape time: the sessions of ``owner`` (None: every owner's), labelled
+    ``owner/session``, and the pool-wide figures."""
 
-    def __init__(self, service: ChatService) -> None:
-        self.service = service
+    def __init__(self, service: ChatService, owner: str | None = None) -> None:
+        self.service, self.owner = service, owner
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         service = self.service
         with service.registry.cond:
-            stats = [(owner, sid, e.session.stats()) for (owner, sid), e in service.registry.entries.items()]
+            entries = list(service.registry.entries.items())
+        stats = [(who, sid, e.session.stats()) for (who, sid), e in entries if self.owner in (None, who)]
         for key, doc in SESSION_GAUGES.items():
             family = GaugeMetricFamily(f"kvos_session_{key}", doc, labels=["session"])
-            for owner, sid, s in stats:
-                family.add_metric([f"{owner}/{sid}"], s[key])
+            for who, sid, s in stats:
+                family.add_metric([f"{who}/{sid}"], s[key])
             yield family
         for key, doc in SESSION_COUNTERS.items():
             counter = CounterMetricFamily(f"kvos_session_{key}", doc, labels=["session"])
-            for owner, sid, s in stats:
-                counter.add_metric([f"{owner}/{sid}"], s[key])
+            for who, sid, s in stats:
+                counter.add_metric([f"{who}/{sid}"], s[key])
             yield counter
         pool = service.manager.engine.pool
         yield GaugeMetricFamily("kvos_pool_bytes", "bytes of the KV pool", value=pool.nbytes)
@@ -50,21 +56,37 @@ class ServiceCollector(Collector):
             "kvos_pool_live_bytes", "bytes of allocated pool blocks", value=pool.live_bytes
         )
         yield CounterMetricFamily("kvos_pool_resizes", "times the pool grew", value=pool.resizes)
-        yield GaugeMetricFamily("kvos_sessions", "sessions known to the server", value=len(stats))
+        yield GaugeMetricFamily("kvos_sessions", "sessions known to the server", value=len(entries))
         for key in ("reused_tokens", "decoded_tokens", "requests"):
             yield CounterMetricFamily(
                 f"kvos_{key}", f"{key.replace('_', ' ')} over all requests", value=service.totals[key]
             )
 
 
-def make_registry(service: ChatService) -> tuple[CollectorRegistry, Histogram]:
-    registry = CollectorRegistry()
-    registry.register(ServiceCollector(service))
-    latency = Histogram(
-        "kvos_request_seconds",
-        "request latency",
-        ["endpoint"],
-        registry=registry,
-        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-    )
-    return registry, latency
+class Metrics:
+    """The server's metrics: the request latency histogram, and scrapes scoped to an owner."""
+
+    def __init__(self, service: ChatService) -> None:
+        self.service = service
+        self.latency = Histogram(
+            "kvos_request_seconds",
+            "request latency",
+            ["endpoint"],
+            registry=None,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+
+    def scrape(self, owner: str | None) -> str:
+        """The Prometheus text of a scrape that sees the sessions of ``owner`` (None: all)."""
+        return generate_latest(_Scrape(ServiceCollector(self.service, owner), self.latency)).decode()
+
+
+class _Scrape(Collector):
+    """The collectors of one scrape."""
+
+    def __init__(self, *collectors: Collector) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self.collectors:
+            yield from collector.collect()

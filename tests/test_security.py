@@ -221,6 +221,15 @@ def test_oversized_headers_get_431_or_a_closed_connection(limited: tuple[str, in
     assert served(root)
 
 
+def test_unparseable_http_is_a_json_400(limited: tuple[str, int]) -> None:
+    _, port = limited
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        reply, _ = response_of(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http"
+
+
 def test_headers_under_the_limit_are_served(limited: tuple[str, int]) -> None:
     root, _ = limited
     assert httpx.get(f"{root}/health", headers={"X-Big": "a" * (60 << 10)}).status_code == 200

@@ -4,7 +4,7 @@
   byte (or of the connection opening); a client that trickles them (slowloris) is answered 408 and
   disconnected. uvicorn's own ``timeout_keep_alive`` covers only the idle time between requests.
 * ``max_header_bytes``: a request line and headers longer than this are answered 431 and the connection is
-  closed (h11's buffer limit is set to the same size).
+  closed (h11's own limit, set to this size by ``kvos serve``, holds only while they are incomplete).
 * ``send_timeout_s``: a response that cannot be written for this long because the client stopped reading
   (the socket's buffers are full) has its connection dropped, which cancels the request; other requests
   are served all the while.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 import h11
@@ -25,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvos.server.errors import APIError
 
 log = logging.getLogger("kvos.server")
+HEAD_END = re.compile(rb"\n\r?\n")  # where a request's headers end (h11 takes bare LF line ends too)
 LINGER_S = 2.0  # how long a rejected client may still send before the connection is closed
 
 
@@ -50,21 +52,22 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._rejected = False
+        self._head_bytes = 0  # bytes received since the request began, until its headers are in
+        self._head_tail = b""  # the last bytes of those, for a header end split across two reads
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:  # answered and closing: what the client still sends is dropped
             return
         if self.conn.their_state is h11.IDLE:  # (part of) a request line and headers
-            head = self.conn.trailing_data[0] + data
-            end = head.find(b"\r\n\r\n")
-            if (end if end >= 0 else len(head)) > self.limits.max_header_bytes:
+            if self._head_length(data) > self.limits.max_header_bytes:
                 self._reject(431, "Request Header Fields Too Large", "request_headers_too_large")
                 return
             self._arm_head_timer()
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the headers are in: the app has the request
             self._cancel_head_timer()
+            self._head_bytes, self._head_tail = 0, b""
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -89,6 +92,17 @@ class GuardedH11Protocol(H11Protocol):
         self._reject(400, "Bad Request", "invalid_http", f"invalid HTTP request: {msg}")
 
     # ------------------------------------------------------------------ limits
+    def _head_length(self, data: bytes) -> int:
+        """The length of the request line and headers so far, with ``data`` (to their end when it holds
+        it); only ``data`` is searched, so a trickle costs linear time."""
+        window = self._head_tail + data
+        end = HEAD_END.search(window)
+        if end is not None:
+            return self._head_bytes - len(self._head_tail) + end.end()
+        self._head_bytes += len(data)
+        self._head_tail = window[-2:]
+        return self._head_bytes
+
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)

@@ -268,7 +268,7 @@ def uvicorn_config(app: FastAPI, args: argparse.Namespace, log_level: str = "war
         log_level=log_level,
         timeout_keep_alive=30,
         http=guarded_protocol(limits),
-        h11_max_incomplete_event_size=args.max_header_bytes + 4,  # ours answers first, with a 431
+        h11_max_incomplete_event_size=args.max_header_bytes + 4,  # the protocol answers first, with 431
     )
 
 

@@ -163,6 +163,30 @@ def test_a_saved_block_with_a_bad_file_becomes_a_breadcrumb(
     assert all(copy.blocks[bid].state is BlockState.SAVED for bid in kept[1:])
 
 
+def test_a_saved_block_whose_file_fails_its_digest_is_recomputed_when_recovered(
+    model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    saved: tuple[Path, snapshot.SessionSnapshot],
+) -> None:
+    source, snap = saved
+    shutil.copytree(source, tmp_path / "a")
+    resident = {bid for bid, _ in snap.header["cache"]}
+    bid = min(b for b in snap.files if b not in resident)
+    path = tmp_path / "a" / snap.files[bid]
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x08  # the file's size and prefix are right: only reading it finds out
+    path.write_bytes(bytes(data))
+    copy = restored(model_dir, tmp_path / "a", tmp_path / "b")
+    copy.swap_in()
+    block = copy.blocks[bid]
+    assert block.state is BlockState.SAVED
+    with caplog.at_level(logging.WARNING):
+        assert copy.memory.recover(block)
+    assert block.resident and "checksum mismatch" in caplog.text and "recomputing" in caplog.text
+    assert copy.pager.store.stats()["corrupt"] == 1  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "version"])
 def test_a_damaged_snapshot_is_refused(
     tmp_path: Path, damage: str, saved: tuple[Path, snapshot.SessionSnapshot]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
-from kvos.errors import SnapshotError
+from kvos.errors import KvosError, SnapshotError
 from kvos.memory.store import BlockStore
 from kvos.model.fingerprint import model_fingerprint
 from kvos.model.tokenizer import Tokenizer
@@ -98,7 +98,7 @@ class StateDir:
         with self._lock:
             try:
                 self._write(owner, session_id, served, branches)
-            except (OSError, ValueError) as e:
+            except (OSError, KvosError, ValueError) as e:  # a full disk, a saved block gone bad
                 _log.warning("session %s: snapshot not written (%s); the last one stays", session_id, e)
                 return False
             self._signatures[key] = signature
@@ -151,7 +151,7 @@ class StateDir:
                 if manifest is None:
                     return None
                 branches = self._branches(key, entry, manifest, manager)
-            except (SnapshotError, KeyError, TypeError, ValueError) as e:
+            except (OSError, KvosError, KeyError, TypeError, ValueError) as e:
                 _log.warning(
                     "session %s: its saved state cannot be used (%s): re-prefilled from the "
                     "conversation the client sends",

@@ -28,7 +28,7 @@ from kvos.session import snapshot
 
 TOKENIZER = load_tokenizer(MODEL_DIR)
 MODEL = "kvos-test"
-TURNS = 6
+TURNS = 4
 
 
 @dataclass

@@ -5,6 +5,7 @@ then the answer signal on the shortlist only), on the built-in model; per-messag
 from __future__ import annotations
 
 import pytest
+import torch
 from test_relevance import buried_fact_session
 
 from kvos.engine.sampling import SamplingParams
@@ -58,4 +59,34 @@ def test_hybrid_asks_the_model_only_about_its_shortlist(monkeypatch: pytest.Monk
     assert seen and all(1 <= len(c) <= 2 for c in seen)  # one by attention, one by words (maybe the same)
     assert all(b.resident for b in fact)  # the shortlist held the fact; the model picked it
     assert "translator" in s.generate(SamplingParams(max_tokens=16))[0]
+    manager.close(s.session_id)
+
+
+def test_restores_go_in_front_of_the_first_chunk_of_the_message_still_resident() -> None:
+    """Paging may take a long message's first chunks (while its last ones are prefilled, or to make room
+    for a restore): what comes back lands in front of its first chunk still resident (a KeyError before)."""
+    manager, s, _ = buried_fact_session("attention", check=False, recovery_min_similarity=-1.0)
+    blocks = s.add_message("user", "What is my job? Tell me. " * 5)
+    assert len(blocks) >= 2
+    s.memory.evict([blocks[0]], {})
+    config = manager.engine.model.config
+    queries = torch.randn(config.num_layers, 8, config.num_heads, config.head_dim)
+    restores = s.memory.journal.count("restore")
+    s.memory.recover_attending(blocks, queries)
+    assert s.memory.journal.count("restore") > restores
+    order = s.pager.order()
+    tail = [b.block_id for b in blocks[1:]]
+    assert order[-len(tail) :] == tail
+    manager.close(s.session_id)
+
+
+def test_a_message_longer_than_the_budget_does_not_lose_its_anchor() -> None:
+    """The message's first chunks are paged out while its last ones are prefilled (160-token budget, a
+    ~300-token message): restores go in front of its first chunk still resident (a KeyError before)."""
+    manager, s, _ = buried_fact_session("attention", check=False)
+    blocks = s.add_message("user", "Tell me again, what is my job? " * 40)
+    assert not blocks[0].resident and blocks[-1].resident
+    assert s.pager.active_tokens <= 160
+    assert s.pager.order()[-1] == blocks[-1].block_id
+    assert s.generate(SamplingParams(max_tokens=4))[1]
     manager.close(s.session_id)

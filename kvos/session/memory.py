@@ -178,10 +178,10 @@ class SessionMemory:
         eligible: Callable[[MemBlock], bool],
         unit: Unit,
         incoming_locked: int = 0,
-        before: int | None = None,
+        before: list[int] | None = None,
     ) -> None:
         """Recover the best units of the blocks scoring above ``bar`` (see :meth:`recover_similar`): the
-        best last, at the end of the cache or in front of resident block ``before``."""
+        best last, at the end of the cache or in front of the first block of ``before`` still resident."""
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
         groups = unit_groups(self.blocks, ranked, eligible, unit)  # with an exchange, its resident chunks
         for best, group in reversed(self._affordable(groups, incoming_locked)):
@@ -209,7 +209,7 @@ class SessionMemory:
         sims = self._attention_shares(queries, exclude=mine)
         bar = self.config.min_similarity()
         unit = exchange_units(self.blocks.values())
-        self._bring_back(sims, bar, self._eligible, unit, before=message[0].block_id)
+        self._bring_back(sims, bar, self._eligible, unit, before=[b.block_id for b in message])
 
     def _attention_shares(
         self, queries: torch.Tensor, exclude: frozenset[int] | set[int] = frozenset()
@@ -366,7 +366,9 @@ class SessionMemory:
             return True
         return block.state is BlockState.DISCARDED and self.config.backend != "discard"
 
-    def recover(self, block: MemBlock, at: str = "end", before: int | None = None, **detail: Any) -> bool:
+    def recover(
+        self, block: MemBlock, at: str = "end", before: list[int] | None = None, **detail: Any
+    ) -> bool:
         """Page a block back in: splice saved K/V, or recompute from its tokens; protected for this turn.
 
         Best effort under pool pressure: when the pool's cap leaves no room even after paging out other
@@ -378,13 +380,13 @@ class SessionMemory:
         finally:
             self.costs.add(restore_s=time.perf_counter() - began)
 
-    def _recover(self, block: MemBlock, at: str, before: int | None, **detail: Any) -> bool:
+    def _recover(self, block: MemBlock, at: str, before: list[int] | None, **detail: Any) -> bool:
         self.make_room(block.num_tokens, protected={block.block_id})
         saved = block.state is BlockState.SAVED
         try:
             keep = set(self.protected)  # one recovery never pages out another
             if saved:
-                self.guarded(lambda: self.pager.restore(block, at, before), keep)  # type: ignore[arg-type]
+                self.guarded(lambda: self.pager.restore(block, at, self._front(before)), keep)  # type: ignore[arg-type]
             else:
                 self.guarded(lambda: self.pager.recompute(block), keep)
         except PoolOutOfMemoryError:
@@ -396,6 +398,10 @@ class SessionMemory:
         self.journal.log(self.turn, how, block=block.block_id, tokens=block.num_tokens, **detail)
         self.journal.seen(self.pager.active_tokens)
         return True
+
+    def _front(self, before: list[int] | None) -> int | None:
+        """The first block of ``before`` still resident (paging may have taken the others), or None."""
+        return next((i for i in before or () if i in self.pager.segments), None)
 
     def fill_gaps(self, token_ids: list[int]) -> int:
         """Identity gap-fill: walk the history against a re-sent prompt; every saved block whose exact

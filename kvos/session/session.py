@@ -175,8 +175,9 @@ class Session:
             began, restored = time.perf_counter(), costs.restore_s
             self.memory.recover_attending(blocks, tap.take(self.config.query_window))
             costs.add(recovery_s=time.perf_counter() - began - (costs.restore_s - restored))
-            if costs.restore_s > restored:  # blocks came in front of the message: its logits predate them
-                self._refresh_logits(blocks[-1])
+            last = blocks[-1]
+            if costs.restore_s > restored and last.resident and self.pager.order()[-1] == last.block_id:
+                self._refresh_logits(last)  # blocks came in front of the message: its logits predate them
         return blocks
 
     def _refresh_logits(self, block: MemBlock) -> None:

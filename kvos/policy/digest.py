@@ -71,10 +71,11 @@ def upper_bound(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
     heads]``.
     """
     group = queries.shape[2] // lo.shape[2]
-    lo = lo.float().repeat_interleave(group, dim=2)[:, :, None]  # [B, L, 1, H, D]
-    hi = hi.float().repeat_interleave(group, dim=2)[:, :, None]
-    q = queries[None]  # [1, L, n, H, D]
-    return torch.maximum(q * lo, q * hi).sum(-1)
+    lo = lo.float().repeat_interleave(group, dim=2)  # [B, L, H, D]
+    hi = hi.float().repeat_interleave(group, dim=2)
+    # max(q lo, q hi) = q+ hi + q- lo per dimension (lo <= hi): two matrix products, no [B, L, n, H, D]
+    positive, negative = queries.clamp(min=0), queries.clamp(max=0)
+    return torch.einsum("lnhd,blhd->blnh", positive, hi) + torch.einsum("lnhd,blhd->blnh", negative, lo)
 
 
 def attention_shares(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

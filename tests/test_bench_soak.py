@@ -4,15 +4,23 @@ built-in model), and what it found: a server whose sessions are deleted hands th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
+import threading
+import weakref
 from pathlib import Path
 
 import httpx
+from server_harness import serve_options
 
 from kvos.bench import soak
 from kvos.bench.session import WORDS
 from kvos.bench.soak_server import ServerProcess, rss_bytes
+from kvos.builtin import MODEL_DIR
+from kvos.server.lifecycle import drain
+from kvos.server.main import build_service
+from kvos.server.schemas import ChatRequest
 
 TOP_LEVEL = (
     "benchmark",
@@ -88,3 +96,38 @@ def test_deleted_session_hands_its_memory_back(tmp_path: Path) -> None:
     assert saved > 16 << 20
     assert grown - start > saved / 2  # the saved blocks were resident
     assert end - start < saved / 4, f"RSS {start >> 20} -> {grown >> 20} -> {end >> 20} MiB after the delete"
+
+
+def test_deleted_session_is_freed_at_once() -> None:
+    """Deleting a session frees it then, not at the garbage collector's next full pass, which a busy server
+    may not reach for hours (a session's records sit in reference cycles): the collector is off here. Its
+    turns run as the HTTP layer runs them, one of them cancelled half-way as a client going away does."""
+    service = build_service(serve_options(["--model", str(MODEL_DIR), "--budget", "256"]))
+    rng = random.Random(2)
+    messages: list[dict[str, str]] = [{"role": "system", "content": "Keep the notes."}]
+    gc.disable()
+    try:
+        entry = service.registry.acquire("local", "freed", None)
+        for turn in range(4):
+            text = " ".join(rng.choice(WORDS) for _ in range(120))
+            messages.append({"role": "user", "content": text})
+            body = {"model": service.config.model_name, "messages": messages, "max_tokens": 8}
+            req = ChatRequest.model_validate(body)
+            run = service.run(entry, service.prepare_chat(entry, req), req, req)
+            if turn == 2:
+                next(run)
+                next(run)
+                run.close()  # the client went away after two tokens
+                messages.pop()
+            else:
+                messages.append({"role": "assistant", "content": drain(run, threading.Event()).text})
+        service.registry.release(entry)
+        session = weakref.ref(entry.session)
+        evictions = entry.session.stats()["evictions"]
+        del entry, run
+        service.registry.delete("local", "freed")
+        freed = session() is None
+    finally:
+        gc.enable()
+    assert evictions > 0  # the session outgrew its budget: it had saved blocks to free
+    assert freed

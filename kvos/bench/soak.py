@@ -24,10 +24,12 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 from kvos.bench.common import header, print_table, write_json
 from kvos.bench.soak_client import CHAT, ChatClient, LoadPlan, Tally, count_status
@@ -115,7 +117,7 @@ TABLE = (
 )
 
 
-class Admin:
+class Calls:
     """The bench's own requests outside the load: models, session listings, deletes, the wedge check;
     every status they get is counted."""
 
@@ -144,33 +146,54 @@ class Admin:
             client.close()
 
 
+@dataclass
+class Observed:
+    """What one soak saw, for the report."""
+
+    tally: Tally
+    clients: list[ChatClient]
+    duration_s: float
+    listed: list[dict[str, Any]]  # every session after the load (each one's main branch)
+    wedged: list[str]
+    left: int  # sessions still listed after every session was deleted
+    start: Sample | None
+    end: Sample | None
+
+
 def soak(
     server: ServerProcess, args: argparse.Namespace, keys: list[str], admin_key: str | None
 ) -> dict[str, Any]:
     """Warm up, sample the start, run the load under the monitor, check, delete, sample the end."""
-    admin = Admin(server.url, keys)
+    calls = Calls(server.url, keys)
     monitor = Monitor(server, {"Authorization": f"Bearer {admin_key}"} if admin_key else {})
     try:
-        plan = load_plan(args, admin, keys[0], server)
-        warm_up(server.url, keys[0], plan, admin)
-        start = monitor.sample()
-        tally = Tally()
-        began = time.monotonic()
+        plan = load_plan(args, calls, keys[0], server)
+        warm_up(server.url, keys[0], plan, calls)
+        start, tally, began = monitor.sample(), Tally(), time.monotonic()
         with monitor:
             clients = run_clients(server.url, keys, plan, tally, args)
         duration = time.monotonic() - began
-        settle(admin, keys)
-        listed = [s for key in keys for s in admin.sessions(key)]  # before the check forks a branch
-        wedged = wedged_sessions(admin, keys, plan)
+        settle(calls, keys)
+        listed = [s for key in keys for s in calls.sessions(key)]  # before the check forks a branch
+        wedged = wedged_sessions(calls, keys, plan)
         for key in keys:
-            for s in admin.sessions(key):
-                admin.call(key, "DELETE", f"/v1/sessions/{s['id']}")
-        left = sum(len(admin.sessions(key)) for key in keys)
+            for s in calls.sessions(key):
+                calls.call(key, "DELETE", f"/v1/sessions/{s['id']}")
+        left = sum(len(calls.sessions(key)) for key in keys)
         time.sleep(1.0)  # whatever the deletes free is freed on the engine thread
         end = monitor.sample()
     finally:
-        admin.close()
+        calls.close()
         monitor.close()
+    seen = Observed(tally, clients, duration, listed, wedged, left, start, end)
+    return report(args, keys, admin_key is not None, seen, calls, monitor)
+
+
+def report(
+    args: argparse.Namespace, keys: list[str], admin: bool, seen: Observed, calls: Calls, monitor: Monitor
+) -> dict[str, Any]:
+    """The JSON result: the benchmark header, the load, the sessions, the budget, the memory."""
+    tally, listed, peaks = seen.tally, seen.listed, monitor.peaks
     result = header("soak", args.model or "builtin")
     result.update(
         clients=args.clients,
@@ -178,31 +201,30 @@ def soak(
         cancel_fraction=args.cancel_fraction,
         stream_fraction=args.stream_fraction,
         keys=len(keys),
-        admin_key=admin_key is not None,
-        turns_done=tally.requests,
+        admin_key=admin,
         cut_short=tally.requests < args.clients * args.turns,
-        duration_s=round(duration, 1),
-        **load_figures(tally, admin),
-        wedged_sessions=len(wedged),
-        wedged=wedged,
+        duration_s=round(seen.duration_s, 1),
+        **load_figures(tally, calls),
+        wedged_sessions=len(seen.wedged),
+        wedged=seen.wedged,
         sessions_at_end=len(listed),
-        sessions_left_after_delete=left,
-        sessions_per_client=[len(c.session_ids) for c in clients],
+        sessions_left_after_delete=seen.left,
+        sessions_per_client=[len(c.session_ids) for c in seen.clients],
         evictions=sum(s["evictions"] for s in listed),
         max_history_tokens=max((s["history_tokens"] for s in listed), default=0),
         budget=args.budget,
-        max_active_tokens=max(monitor.peaks.max_active_tokens, tally.max_active_tokens, max_seen(listed)),
-        max_active_tokens_metrics=monitor.peaks.max_active_tokens,
+        max_active_tokens=max(peaks.max_active_tokens, tally.max_active_tokens, max_seen(listed)),
+        max_active_tokens_metrics=peaks.max_active_tokens,
         max_active_tokens_usage=tally.max_active_tokens,
         max_active_tokens_seen=max_seen(listed),
-        **memory_figures(start, monitor, end),
+        **memory_figures(seen.start, monitor, seen.end),
     )
     return result
 
 
-def load_plan(args: argparse.Namespace, admin: Admin, key: str, server: ServerProcess) -> LoadPlan:
+def load_plan(args: argparse.Namespace, calls: Calls, key: str, server: ServerProcess) -> LoadPlan:
     """What the clients do: the served model's id (from /v1/models), turns, fractions, the deadline."""
-    models = admin.call(key, "GET", "/v1/models")
+    models = calls.call(key, "GET", "/v1/models")
     if models is None or models.status_code != 200:
         raise RuntimeError(f"kvos serve did not list its model; its log ends:\n{server.log_tail()}")
     return LoadPlan(
@@ -223,14 +245,14 @@ def never_end(model: str | None) -> dict[str, int]:
     return {str(t): -100 for t in load_tokenizer(Path(model) if model else default_model()).eos_ids}
 
 
-def warm_up(url: str, key: str, plan: LoadPlan, admin: Admin) -> None:
+def warm_up(url: str, key: str, plan: LoadPlan, calls: Calls) -> None:
     """A throwaway session that outgrows the budget (streaming and not), deleted again, so that the start
     sample includes the server's first-use memory."""
     client = ChatClient(-1, url, key, "warm-up", plan, Tally(), seed=0)
     for turn in range(4):
         client.turn(stream=bool(turn % 2), cancel=False, words=120)
     client.http.close()
-    admin.call(key, "DELETE", "/v1/sessions/warm-up")
+    calls.call(key, "DELETE", "/v1/sessions/warm-up")
 
 
 def run_clients(
@@ -247,28 +269,33 @@ def run_clients(
     threads = [threading.Thread(target=c.run, name=f"soak-client-{c.index}") for c in clients]
     for t in threads:
         t.start()
+    with tqdm(total=len(clients) * plan.turns, unit="req", desc="soak requests") as bar:
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.5)
+            bar.update(tally.requests - bar.n)
+            bar.set_postfix(cancelled=tally.cancelled, refresh=False)
     for t in threads:
         t.join()
     return clients
 
 
-def settle(admin: Admin, keys: list[str]) -> None:
+def settle(calls: Calls, keys: list[str]) -> None:
     """Wait (up to ``SETTLE_S``) until no session is busy: cancelled requests let go within a decode step
     once the engine thread reaches them."""
     deadline = time.monotonic() + SETTLE_S
-    while any(s["busy"] for key in keys for s in admin.sessions(key)) and time.monotonic() < deadline:
+    while any(s["busy"] for key in keys for s in calls.sessions(key)) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
-def wedged_sessions(admin: Admin, keys: list[str], plan: LoadPlan) -> list[str]:
+def wedged_sessions(calls: Calls, keys: list[str], plan: LoadPlan) -> list[str]:
     """Sessions busy with nothing running (after :func:`settle`), or that answer one more request with 409
     or not at all; as "KEY/SESSION", KEY the key's index."""
     wedged = []
     body = {"model": plan.model, "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 4}
     for index, key in enumerate(keys):
-        for s in admin.sessions(key):
+        for s in calls.sessions(key):
             headers = {"X-Session-Id": s["id"]}
-            r = admin.call(key, "POST", CHAT, json=body, headers=headers, timeout=CHECK_TIMEOUT_S)
+            r = calls.call(key, "POST", CHAT, json=body, headers=headers, timeout=CHECK_TIMEOUT_S)
             if s["busy"] or r is None or r.status_code == 409:
                 wedged.append(f"{index}/{s['id']}")
     return wedged
@@ -279,9 +306,9 @@ def max_seen(listed: list[dict[str, Any]]) -> int:
     return max((int(s["max_active_tokens_seen"]) for s in listed), default=0)
 
 
-def load_figures(tally: Tally, admin: Admin) -> dict[str, Any]:
+def load_figures(tally: Tally, calls: Calls) -> dict[str, Any]:
     """Requests, statuses and latency of the load; errors also count the bench's own calls."""
-    everything = tally.statuses + admin.statuses
+    everything = tally.statuses + calls.statuses
     return {
         "requests": tally.requests,
         "completed": tally.completed,
@@ -291,7 +318,7 @@ def load_figures(tally: Tally, admin: Admin) -> dict[str, Any]:
         "failures": sum(n for s, n in everything.items() if not s.isdigit() and s != "cancelled"),
         "by_status": dict(sorted(tally.statuses.items())),
         "stream_errors": dict(tally.stream_errors),
-        "bench_calls_by_status": dict(sorted(admin.statuses.items())),
+        "bench_calls_by_status": dict(sorted(calls.statuses.items())),
         "latency_p50_s": round_or_none(tally.percentile(0.5)),
         "latency_p95_s": round_or_none(tally.percentile(0.95)),
         "reused_tokens": tally.reused_tokens,

@@ -81,14 +81,6 @@ def count_status(statuses: Counter[str], low: int) -> int:
     return sum(n for s, n in statuses.items() if s.isdigit() and low <= int(s) < low + 100)
 
 
-@dataclass
-class Reply:
-    """What one request left for the conversation: the assistant's text, None when nothing came back."""
-
-    text: str | None
-    cancelled: bool = False
-
-
 class ChatClient:
     """Client ``index``: its own conversation and API key, seeded choices, and its session: ``session`` is
     sent as ``X-Session-Id``; None lets the server route the conversation by its shared prefix."""
@@ -105,13 +97,16 @@ class ChatClient:
         self.session_ids: set[str] = set()
 
     def run(self) -> None:
-        """Up to ``plan.turns`` turns, none started after the deadline."""
+        """Up to ``plan.turns`` turns, none started after the deadline; an answer the client cannot read
+        ends this client (counted as ``client_error:...``)."""
         try:
             for _ in range(self.plan.turns):
                 if time.monotonic() >= self.plan.deadline:
                     break
                 stream = self.rng.random() < self.plan.stream_fraction
                 self.turn(stream, self.rng.random() < self.plan.cancel_fraction, self.message_words())
+        except (ValueError, KeyError, TypeError, IndexError) as exc:  # a body that is not what the API says
+            self.tally.record(f"client_error:{type(exc).__name__}")
         finally:
             self.http.close()
 
@@ -141,15 +136,15 @@ class ChatClient:
             if stream
             else self._plain(body, cancel)
         )
-        if reply.text is None:
+        if reply is None:
             self.messages.pop()
         else:
-            self.messages.append({"role": "assistant", "content": reply.text})
+            self.messages.append({"role": "assistant", "content": reply})
 
     def _headers(self) -> dict[str, str]:
         return {"X-Session-Id": self.session} if self.session else {}
 
-    def _plain(self, body: dict[str, Any], cancel: bool) -> Reply:
+    def _plain(self, body: dict[str, Any], cancel: bool) -> str | None:
         """A non-streaming request; ``cancel``: the client gives up after a short timeout."""
         timeout = self.rng.uniform(0.1, 0.6) if cancel else self.plan.timeout_s
         began = time.monotonic()
@@ -158,25 +153,26 @@ class ChatClient:
         except httpx.TimeoutException:
             if cancel:
                 self.tally.record("cancelled")
-                return Reply(None, cancelled=True)
+                return None
             self.tally.record("timeout")
-            return Reply(None)
+            return None
         except httpx.TransportError as exc:
             self.tally.record(type(exc).__name__)
-            return Reply(None)
+            return None
         self._note_session(r)
         if r.status_code != 200:
             self.tally.record(str(r.status_code))
-            return Reply(None)
+            return None
         data = r.json()
         self.tally.record("200", time.monotonic() - began, data.get("usage"))
-        return Reply(data["choices"][0]["message"]["content"] or "")
+        return str(data["choices"][0]["message"]["content"] or "")
 
-    def _stream(self, body: dict[str, Any], cancel_after: int) -> Reply:
+    def _stream(self, body: dict[str, Any], cancel_after: int) -> str | None:
         """A streaming request; ``cancel_after`` > 0: the client closes the stream after that many chunks
-        of content (a reply that ends first counts as completed)."""
+        of content (a reply that ends first counts as completed; one that stops without ``[DONE]`` is
+        ``incomplete_stream``)."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        began, text, chunks = time.monotonic(), "", 0
+        began, text, chunks, done = time.monotonic(), "", 0, False
         usage: dict[str, Any] | None = None
         try:
             with self.http.stream(
@@ -186,35 +182,40 @@ class ChatClient:
                 if r.status_code != 200:
                     r.read()
                     self.tally.record(str(r.status_code))
-                    return Reply(None)
+                    return None
                 for line in r.iter_lines():
+                    done = done or line == "data: [DONE]"
                     event = parse_event(line)
                     if event is None:
                         continue
                     if "error" in event:
-                        return self._stream_error(event["error"])
+                        self._stream_error(event["error"])
+                        return None
                     usage = event.get("usage") or usage
                     piece = "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
                     text, chunks = text + piece, chunks + bool(piece)
                     if cancel_after and chunks >= cancel_after:
                         self.tally.record("cancelled")
-                        return Reply(text, cancelled=True)  # leaving the block closes the connection
+                        return text  # leaving the block closes the connection
         except httpx.TimeoutException:
             self.tally.record("timeout")
-            return Reply(None)
+            return None
         except httpx.TransportError as exc:
             self.tally.record(type(exc).__name__)
-            return Reply(None)
+            return None
+        if not done:
+            self.tally.record("incomplete_stream")
+            return None
         self.tally.record("200", time.monotonic() - began, usage)
-        return Reply(text)
+        return text
 
-    def _stream_error(self, error: dict[str, Any]) -> Reply:
+    def _stream_error(self, error: dict[str, Any]) -> None:
         """An error event inside a stream that began with 200: counted under the status it stands for."""
         status = ERROR_STATUS.get(str(error.get("type")), 499 if error.get("code") == "cancelled" else 400)
         self.tally.record(str(status))
         with self.tally.lock:
             self.tally.stream_errors[str(error.get("code"))] += 1
-        return Reply(None)
+        return None
 
     def _note_session(self, response: httpx.Response) -> None:
         if sid := response.headers.get("x-session-id"):

@@ -8,6 +8,7 @@ the HTTP layer can answer (or wait) at once; what touches a session's cache (:me
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import uuid
@@ -63,6 +64,15 @@ class Entry:
         return session.session_id.rsplit("#", 1)[1] if "#" in session.session_id else "main"
 
 
+def reclaim_memory() -> None:
+    """Free what closed sessions left in reference cycles (their blocks' records, the requests that ran on
+    them: otherwise kept until the collector's next full pass, which may be hours away) and hand the heap
+    they freed back to the system (which the allocator would otherwise keep resident): after its sessions
+    are deleted a long-running server's RSS goes back down, not to stay at its high-water mark."""
+    gc.collect()
+    release_free_heap()
+
+
 class SessionRegistry:
     """The sessions of every API key, each with its branches."""
 
@@ -76,7 +86,7 @@ class SessionRegistry:
     def acquire(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
         """The session for a request, marked busy: by id, else by the longest shared prefix, else new."""
         with self.cond:
-            self._expire()
+            expired = self._expire()
             entry = self._find(owner, session_id, probe)
             deadline = time.monotonic() + self.config.busy_timeout_s
             while entry.busy:
@@ -87,7 +97,9 @@ class SessionRegistry:
                     raise busy(entry.session_id)
                 self.cond.wait(min(left, 0.1))
             entry.busy = True
-            return entry
+        if expired:
+            reclaim_memory()
+        return entry
 
     def release(self, entry: Entry, abandoned: bool = False) -> None:
         """The request on ``entry`` is over. ``abandoned``: it was rejected before reaching the model, so a
@@ -138,26 +150,25 @@ class SessionRegistry:
         entry.served = stored[1]
         return entry
 
-    def _expire(self) -> None:
+    def _expire(self) -> bool:
+        """Close the sessions idle past their TTL; whether any was."""
         now = time.monotonic()
-        for key, entry in list(self.entries.items()):
-            if (
-                not entry.busy
-                and key not in self.saving
-                and now - entry.last_used > self.config.session_ttl_s
-            ):
-                self._close(key)
+        expired = [
+            key
+            for key, entry in self.entries.items()
+            if not entry.busy and key not in self.saving and now - entry.last_used > self.config.session_ttl_s
+        ]
+        for key in expired:
+            self._close(key)
+        return bool(expired)
 
     def _close(self, key: tuple[str, str]) -> None:
-        """Close a session's branches and hand the heap they freed (saved blocks, history) back to the
-        system: the allocator would otherwise keep it resident, and a long-running server's RSS would stay
-        at its high-water mark after its sessions are gone."""
+        """Close a session's branches (its caller reclaims the memory, outside the lock)."""
         entry = self.entries.pop(key)
         for branch in entry.branches:
             self.manager.close(branch.session_id)
         if self.state is not None:
             self.state.forget(*key)
-        release_free_heap()
 
     def snapshot_idle(self) -> int:
         """Write every idle session that changed since its last snapshot to the state dir; how many were
@@ -219,6 +230,8 @@ class SessionRegistry:
                 self.cond.wait(left)
             if self.entries.get((owner, session_id)) is entry:
                 self._close((owner, session_id))
+            del entry  # nothing here may hold the session while its memory is reclaimed
+        reclaim_memory()
 
     def choose_branch(self, entry: Entry, prompt: list[int]) -> Session:
         """The branch a prompt continues: the one sharing its longest prefix, continued in place when the

@@ -23,16 +23,14 @@ import secrets
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
 from kvos.bench.common import header, print_table, write_json
-from kvos.bench.soak_client import CHAT, ChatClient, LoadPlan, Tally, count_status
+from kvos.bench.soak_client import CHAT, Calls, ChatClient, LoadPlan, Tally, count_status
 from kvos.bench.soak_server import Monitor, Sample, ServerProcess, serve_flags
 from kvos.errors import ConfigError
 
@@ -115,35 +113,6 @@ TABLE = (
     "duration_s",
     "cut_short",
 )
-
-
-class Calls:
-    """The bench's own requests outside the load: models, session listings, deletes, the wedge check;
-    every status they get is counted."""
-
-    def __init__(self, url: str, keys: list[str]) -> None:
-        self.http = {
-            key: httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) for key in keys
-        }
-        self.statuses: Counter[str] = Counter()
-
-    def call(self, key: str, method: str, path: str, **kw: Any) -> httpx.Response | None:
-        """One request; None (counted by the failure's name) when no answer came."""
-        try:
-            r = self.http[key].request(method, path, timeout=kw.pop("timeout", 120.0), **kw)
-        except httpx.HTTPError as exc:
-            self.statuses[type(exc).__name__] += 1
-            return None
-        self.statuses[str(r.status_code)] += 1
-        return r
-
-    def sessions(self, key: str) -> list[dict[str, Any]]:
-        r = self.call(key, "GET", "/v1/sessions")
-        return list(r.json()["data"]) if r is not None and r.status_code == 200 else []
-
-    def close(self) -> None:
-        for client in self.http.values():
-            client.close()
 
 
 @dataclass

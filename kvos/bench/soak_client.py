@@ -1,6 +1,6 @@
-"""One soak client: a chat user with a multi-turn conversation of its own, which it keeps and re-sends whole
-every turn (as chat clients do), streaming or not, sometimes giving up on a request half-way; and the tally
-of what every client got back."""
+"""The soak's clients: a chat user with a multi-turn conversation of its own, which it keeps and re-sends
+whole every turn (as chat clients do), streaming or not, sometimes giving up on a request half-way; the tally
+of what every user got back; and the bench's own calls around the load (listings, deletes, checks)."""
 
 from __future__ import annotations
 
@@ -228,3 +228,32 @@ def parse_event(line: str) -> dict[str, Any] | None:
         return None
     event: dict[str, Any] = json.loads(line[6:])
     return event
+
+
+class Calls:
+    """The bench's own requests outside the load: models, session listings, deletes, the wedge check;
+    every status they get is counted."""
+
+    def __init__(self, url: str, keys: list[str]) -> None:
+        self.http = {
+            key: httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) for key in keys
+        }
+        self.statuses: Counter[str] = Counter()
+
+    def call(self, key: str, method: str, path: str, **kw: Any) -> httpx.Response | None:
+        """One request; None (counted by the failure's name) when no answer came."""
+        try:
+            r = self.http[key].request(method, path, timeout=kw.pop("timeout", 120.0), **kw)
+        except httpx.HTTPError as exc:
+            self.statuses[type(exc).__name__] += 1
+            return None
+        self.statuses[str(r.status_code)] += 1
+        return r
+
+    def sessions(self, key: str) -> list[dict[str, Any]]:
+        r = self.call(key, "GET", "/v1/sessions")
+        return list(r.json()["data"]) if r is not None and r.status_code == 200 else []
+
+    def close(self) -> None:
+        for client in self.http.values():
+            client.close()

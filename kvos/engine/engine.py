@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from itertools import pairwise
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from kvos.engine import fused
 from kvos.engine.sequence import Segment, Sequence
+
+if TYPE_CHECKING:
+    from kvos.engine.scheduler import Scheduler
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.page_table import PageTable
 from kvos.memory.pool import KVLayout, KVPool
-from kvos.model.attention import AttentionMetadata
+from kvos.model.attention import AttentionMetadata, BatchItem
 from kvos.model.rope import Rope
 from kvos.model.transformer import Transformer
 
@@ -39,6 +42,7 @@ class Engine:
         self.model = model
         self.pool = KVPool(layout, growth)
         self.prefill_chunk = prefill_chunk
+        self.scheduler: Scheduler | None = None  # set by a Scheduler's owner: passes then run batched
 
     def new_sequence(self) -> Sequence:
         return Sequence(lambda: PageTable(self.pool.layout.block_size, self.pool))
@@ -117,6 +121,42 @@ class Engine:
         query_layers: frozenset[int] = frozenset(),
         queries: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        item = self._item(seq, ids, positions, logits)
+        item.meta.capture_layers, item.meta.capture_window = capture_layers, capture_window
+        item.meta.captured = captured if captured is not None else {}
+        if queries is not None:
+            item.meta.query_layers, item.meta.queries = query_layers, queries
+        try:
+            if self.scheduler is not None and self.scheduler.holds_turn():
+                return self.scheduler.forward(item)  # batched with the other sessions' passes
+            return self.model.forward_batch([item], self.pool)[0]
+        except BaseException:
+            seq.drop_last(len(ids))
+            raise
+
+    def step(
+        self, work: Seq[tuple[Sequence, Seq[int]]], logits: Literal["last", "all", "none"] = "last"
+    ) -> list[torch.Tensor]:
+        """Extend several sequences in one forward pass, each by its tokens at its next positions (a
+        decode token, a prefill chunk): one output per sequence, as :meth:`extend` would return it. All
+        or nothing: when the pool cannot hold them all or the pass fails, no sequence changes."""
+        items: list[BatchItem] = []
+        try:
+            for seq, ids in work:
+                start = seq.next_position()
+                items.append(self._item(seq, list(ids), list(range(start, start + len(ids))), logits))
+            return self.model.forward_batch(items, self.pool)
+        except BaseException:
+            for (seq, ids), _ in zip(work, items, strict=False):
+                seq.drop_last(len(ids))
+            raise
+
+    def _item(
+        self, seq: Sequence, ids: list[int], positions: list[int], logits: Literal["last", "all", "none"]
+    ) -> BatchItem:
+        """Reserve the pool slots of ``ids`` in ``seq`` and describe their forward pass."""
+        if not ids:
+            raise InvalidPositionError("a forward pass needs at least one token")
         fresh = seq.num_tokens == 0 and all(b > a for a, b in pairwise(positions))
         write_slots = seq.extend(ids, positions)
         meta = AttentionMetadata(
@@ -125,17 +165,8 @@ class Engine:
             read_slots=seq.slots.to(self.model.device),
             key_positions=seq.positions,
             fresh=fresh,
-            capture_layers=capture_layers,
-            captured=captured if captured is not None else {},
-            capture_window=capture_window,
-            query_layers=query_layers if queries is not None else frozenset(),
-            queries=queries if queries is not None else {},
         )
-        try:
-            return self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool, logits)
-        except BaseException:
-            seq.drop_last(len(ids))
-            raise
+        return BatchItem(torch.tensor(ids, dtype=torch.int64), meta, logits)
 
     def release(self, seq: Sequence) -> None:
         """Return every block of ``seq`` to the pool."""

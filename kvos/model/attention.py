@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,49 @@ class AttentionMetadata:
         if self.num_new == 1 and (window is None or int(q.item()) - int(k.min().item()) < window):
             return None
         return visible(q, k, window)
+
+
+Logits = Literal["last", "all", "none"]
+
+
+@dataclass
+class BatchItem:
+    """One sequence's part of a batched forward pass: its new tokens (int64 [n]), their metadata, and what
+    to return for them: float32 logits of the last token [1, vocab], of every token [n, vocab], or the
+    final hidden states [n, hidden] ("none")."""
+
+    token_ids: torch.Tensor
+    meta: AttentionMetadata
+    logits: Logits = "last"
+
+
+@dataclass
+class Batch:
+    """The new tokens of several sequences in one pass, concatenated in item order: row ``i`` of the
+    pass belongs to item ``j`` when ``bounds[j] <= i < bounds[j + 1]``."""
+
+    metas: list[AttentionMetadata]
+    bounds: list[int]  # [0, n_0, n_0 + n_1, ..., sum n]
+    token_ids: torch.Tensor  # int64 [sum n]
+    positions: torch.Tensor  # int64 [sum n]
+    write_slots: torch.Tensor  # int64 [sum n]
+
+    @classmethod
+    def of(cls, items: list[BatchItem]) -> Batch:
+        metas = [item.meta for item in items]
+        bounds = [0]
+        for item in items:
+            bounds.append(bounds[-1] + int(item.token_ids.shape[0]))
+        if len(items) == 1:
+            m = metas[0]
+            return cls(metas, bounds, items[0].token_ids, m.positions, m.write_slots)
+        return cls(
+            metas,
+            bounds,
+            torch.cat([item.token_ids for item in items]),
+            torch.cat([m.positions for m in metas]),
+            torch.cat([m.write_slots for m in metas]),
+        )
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -11,14 +11,16 @@ dominated by per-op overhead on small models, so op count matters as much as FLO
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kvos.errors import ModelLoadError
-from kvos.model.attention import AttentionMetadata, paged_attention
+from kvos.model.attention import AttentionMetadata, Batch, BatchItem, paged_attention
 from kvos.model.config import ModelConfig
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, transposed
@@ -87,8 +89,45 @@ class Transformer:
         """token_ids: int64 [n] -> logits float32 [1, vocab] ("last"), [n, vocab] ("all"),
         or the final hidden states [n, hidden] ("none"). With :class:`HeadAttentionMetadata` every KV head
         reads its own keys from a head pool (``kv`` is then a ``kvos.memory.head_pool.HeadPool``)."""
+        if isinstance(meta, HeadAttentionMetadata):
+            x = self._layers(token_ids, meta.positions, meta, kv)
+            return x if logits == "none" else self.head(x[-1:] if logits == "last" else x)
+        return self.forward_batch([BatchItem(token_ids, meta, logits)], kv)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Seq[BatchItem], kv: KVStore) -> list[torch.Tensor]:
+        """One forward pass over the new tokens of several sequences (prefill chunks and decode tokens
+        mixed): the projections and the MLP run once over all rows [sum n_i, hidden], attention runs per
+        sequence over its own keys. Returns one output per item, as :meth:`forward` would have returned
+        for that item alone."""
+        batch = Batch.of(list(items))
+        x = self._layers(batch.token_ids, batch.positions, batch, kv)
+        spans = list(pairwise(batch.bounds))
+        rows = [
+            (lo, hi) if item.logits == "all" else (hi - 1, hi)
+            for item, (lo, hi) in zip(items, spans, strict=True)
+        ]
+        heads = [i for i, item in enumerate(items) if item.logits != "none"]
+        picked = [x[rows[i][0] : rows[i][1]] for i in heads]
+        head = self.head(picked[0] if len(picked) == 1 else torch.cat(picked)) if picked else x[:0]
+        outputs: list[torch.Tensor] = [x[lo:hi] for lo, hi in spans]  # "none": the hidden states
+        at = 0
+        for i in heads:
+            n = rows[i][1] - rows[i][0]
+            outputs[i] = head[at : at + n]
+            at += n
+        return outputs
+
+    def _layers(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: Batch | HeadAttentionMetadata,
+        kv: KVStore,
+    ) -> torch.Tensor:
+        """token_ids int64 [n], positions int64 [n] -> final hidden states [n, hidden] (normed)."""
         x = embedding(token_ids.to(self.device), self.embed)
-        cos, sin = self.rope.cos_sin(meta.positions, self.dtype, self.device)
+        cos, sin = self.rope.cos_sin(positions, self.dtype, self.device)
         eps = self.config.rms_norm_eps
         for i, layer in enumerate(self.layers):
             out = self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv)
@@ -97,10 +136,7 @@ class Transformer:
             x = addmm(x, out, layer.o)
             gate, up = matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up).chunk(2, dim=-1)
             x = addmm(x, F.silu(gate) * up, layer.down)
-        x = rms_norm(x, self.final_norm, eps)
-        if logits == "none":
-            return x
-        return self.head(x[-1:] if logits == "last" else x)
+        return rms_norm(x, self.final_norm, eps)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> float32 logits [n, vocab]."""
@@ -113,7 +149,7 @@ class Transformer:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: AttentionMetadata | HeadAttentionMetadata,
+        meta: Batch | HeadAttentionMetadata,
         kv: KVStore,
     ) -> torch.Tensor:
         """h: [n, hidden] -> attention output [n, H * D], before the output projection."""
@@ -134,15 +170,32 @@ class Transformer:
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         if isinstance(meta, HeadAttentionMetadata):
             return head_attention(q, k, v, meta, kv, c.window(index), index)
+        kv.write(index, meta.write_slots, k, v)
+        outs = [
+            self._attend(index, q[lo:hi], k[lo:hi], v[lo:hi], m, kv)
+            for m, (lo, hi) in zip(meta.metas, pairwise(meta.bounds), strict=True)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend(
+        self,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVStore,
+    ) -> torch.Tensor:
+        """One sequence's attention: q [n, H, D] and its new k, v [n, Hkv, D] (already written to the
+        pool) -> [n, H * D]."""
         if index in meta.query_layers:
             seen = meta.queries.get(index)
             meta.queries[index] = q.float() if seen is None else torch.cat((seen, q.float()))
-        kv.write(index, meta.write_slots, k, v)
         if meta.fresh:
             keys, values = k, v
         else:
             keys, values = kv.gather(index, meta.read_slots)
-        return paged_attention(q, keys, values, meta, c.window(index), index)
+        return paged_attention(q, keys, values, meta, self.config.window(index), index)
 
 
 def _need(weights: Mapping[str, Weight], name: str) -> Weight:

@@ -103,6 +103,8 @@ def test_deleted_session_is_freed_at_once() -> None:
     may not reach for hours (a session's records sit in reference cycles): the collector is off here. Its
     turns run as the HTTP layer runs them, one of them cancelled half-way as a client going away does."""
     service = build_service(serve_options(["--model", str(MODEL_DIR), "--budget", "256"]))
+    pool = service.manager.engine.pool
+    start_bytes = pool.nbytes
     rng = random.Random(2)
     messages: list[dict[str, str]] = [{"role": "system", "content": "Keep the notes."}]
     gc.disable()
@@ -122,6 +124,7 @@ def test_deleted_session_is_freed_at_once() -> None:
             else:
                 messages.append({"role": "assistant", "content": drain(run, threading.Event()).text})
         service.registry.release(entry)
+        grown_bytes = pool.nbytes
         session = weakref.ref(entry.session)
         evictions = entry.session.stats()["evictions"]
         del entry, run
@@ -131,3 +134,4 @@ def test_deleted_session_is_freed_at_once() -> None:
         gc.enable()
     assert evictions > 0  # the session outgrew its budget: it had saved blocks to free
     assert freed
+    assert grown_bytes > start_bytes and pool.nbytes == start_bytes  # the empty pool went back to its start

@@ -438,3 +438,25 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=25, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_an_empty_pool_shrinks_back_to_its_initial_size() -> None:
+    """Once its last block is freed, a grown pool gives its memory back (new, initial-size tensors) and
+    grows again on demand; while any block is in use, it keeps its size."""
+    pool = KVPool(LAYOUT, _small_policy())
+    initial = pool.num_blocks
+    ids = pool.alloc_n(initial + 5)
+    grown = pool.num_blocks
+    assert grown > initial
+    pool.free_n(ids[1:])
+    assert not pool.shrink() and pool.num_blocks == grown  # one block still live
+    pool.free(ids[0])
+    assert pool.shrink()
+    assert pool.num_blocks == initial and pool.nbytes == initial * BPB
+    assert all(t.shape[0] == initial for t in pool.k + pool.v)
+    assert not pool.shrink()  # already at its initial size
+    again = pool.alloc_n(initial + 1)
+    assert sorted(again)[:initial] == list(range(initial)) and pool.num_blocks > initial
+    k, v = _fill(pool, again, 3)
+    k2, v2 = pool.read_blocks(again)
+    assert torch.equal(k2, k) and torch.equal(v2, v)

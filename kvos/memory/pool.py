@@ -138,6 +138,20 @@ class KVPool:
         if target > self.num_blocks:
             self._resize(target)
 
+    def shrink(self) -> bool:
+        """Give the memory of an empty pool back: when no block is in use and the pool has grown past its
+        initial size, replace every layer tensor by one of the initial size (the next allocations grow it
+        again). True when it shrank. Nothing may hold slots of this pool (none are live by then)."""
+        initial = self.growth.initial_blocks(self.layout.block_size, self.layout.bytes_per_block)
+        if self.allocator.num_used or self.num_blocks <= initial:
+            return False
+        shape = self.layout.block_shape(initial)
+        for slabs in (self.k, self.v):
+            for layer in range(len(slabs)):
+                slabs[layer] = self._zeros(shape)
+        self.allocator = BlockAllocator(initial)
+        return True
+
     def _resize(self, new_num_blocks: int) -> None:
         """Grow every layer tensor to ``new_num_blocks``, one layer at a time, then the allocator."""
         old = self.num_blocks

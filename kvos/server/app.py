@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible endpoints over a :class:`ChatService`.
 
-All model work runs on one engine thread (a single-worker executor, so requests queue in arrival order);
-the event loop only parses, authenticates, routes and streams.
+All model work runs under the :class:`~kvos.engine.scheduler.Scheduler`: up to ``--max-running`` requests
+at once, one at a time between forward passes, their forward passes batched into one per step; the event
+loop only parses, authenticates, routes and streams.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Query, Request
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvos.engine.generate import StreamEvent
+from kvos.engine.scheduler import Scheduler
 from kvos.errors import BudgetError
 from kvos.server.auth import Identity, Keys
 from kvos.server.bodies import final_body
@@ -50,7 +52,7 @@ def create_app(
 ) -> FastAPI:
     """The app; with ``api_keys`` (or ``admin_keys``) every /v1 request and /metrics scrape needs a key,
     and sessions belong to their key (:mod:`kvos.server.auth`)."""
-    engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvos-engine")
+    engine = scheduler(service)
     app = FastAPI(title="kvos", version="0.1.0", lifespan=_lifespan(service, engine))
     metrics = Metrics(service)
     latency = metrics.latency
@@ -130,8 +132,8 @@ def create_app(
             if not identity(request).admin:
                 raise forbidden("only an admin key may delete another key's sessions")
             who = session_owner
-        service.registry.cancel(who, session_id)  # now, not queued behind the request it cancels
-        await asyncio.get_running_loop().run_in_executor(engine, service.registry.delete, who, session_id)
+        if await asyncio.to_thread(service.registry.claim, who, session_id):  # cancels, waits
+            await asyncio.get_running_loop().run_in_executor(engine, service.registry.close, who, session_id)
         return {"id": session_id, "object": "session", "deleted": True}
 
     async def start(
@@ -222,8 +224,17 @@ def create_app(
     return app
 
 
+def scheduler(service: ChatService) -> Scheduler:
+    """The scheduler every request and session operation runs under, its forward passes batched across
+    sessions (``--max-running`` requests at once)."""
+    engine = service.manager.engine
+    sched = Scheduler(engine.model, engine.pool, service.config.max_running, service.config.step_tokens)
+    engine.scheduler = sched
+    return sched
+
+
 def _lifespan(
-    service: ChatService, engine: ThreadPoolExecutor
+    service: ChatService, engine: Executor
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """Start-up and shutdown: with a state dir, sessions are written every ``--state-interval`` seconds and
     once more at shutdown (SIGTERM, SIGINT), after the requests in flight have finished."""

@@ -1,7 +1,7 @@
 """Autosave: snapshot the changed, idle sessions every ``interval`` seconds and once at shutdown.
 
-The writing itself runs on the engine's single worker thread (queued like a request, so it never runs in
-the middle of one); this thread only wakes up and hands it over.
+The writing itself runs under the engine's scheduler like a request (it touches only idle sessions, and no
+other work runs while it does); this thread only wakes up and hands it over.
 """
 
 from __future__ import annotations

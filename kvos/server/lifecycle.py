@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import Request
@@ -94,7 +94,7 @@ async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
 
 
 async def sse(
-    engine: ThreadPoolExecutor,
+    engine: Executor,
     work: Callable[[], Generator[StreamEvent, None, Outcome]],
     cancel: threading.Event,
     req: SamplingFields,

@@ -41,6 +41,14 @@ def default_model() -> Path:
     return ensure_random_model("tiny")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", help="HF model directory, .gguf file or llama2.c .bin (default: the built-in model)"
@@ -76,6 +84,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "any of them (repeatable); with keys, /metrics needs one and shows a key only its own sessions",
     )
     p.add_argument("--max-sessions", type=int, default=8, help="sessions resident at once (others swap out)")
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=8,
+        help="requests running at once, their forward passes batched into one per step (later requests "
+        "wait in arrival order); 1: one request at a time",
+    )
+    p.add_argument(
+        "--step-tokens",
+        type=positive_int,
+        default=2048,
+        help="tokens in one batched forward pass: every running decode, then prefill chunks that fit",
+    )
     p.add_argument(
         "--session-ttl", type=float, default=3600.0, help="seconds before an idle session is closed"
     )
@@ -194,6 +215,8 @@ def build_service(args: argparse.Namespace) -> ChatService:
             max_branches=args.max_branches,
             keep_thinking=args.keep_thinking,
             state_interval_s=args.state_interval,
+            max_running=args.max_running,
+            step_tokens=args.step_tokens,
         ),
         state,
     )

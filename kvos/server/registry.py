@@ -37,6 +37,8 @@ class ServiceConfig:
     keep_thinking: bool = False
     prefix_min_tokens: int = 64
     state_interval_s: float = 60.0  # with a state dir: how often changed idle sessions are written (0: never)
+    max_running: int = 8  # requests running at once, their forward passes batched; later ones wait
+    step_tokens: int = 2048  # tokens per batched forward pass: every decode token, then prefill chunks
 
 
 @dataclass
@@ -87,9 +89,9 @@ class SessionRegistry:
         """The session for a request, marked busy: by id, else by the longest shared prefix, else new."""
         with self.cond:
             expired = self._expire()
-            entry = self._find(owner, session_id, probe)
             deadline = time.monotonic() + self.config.busy_timeout_s
-            while entry.busy:
+            # found again after every wait: a session being deleted is busy until it is gone
+            while (entry := self._find(owner, session_id, probe)).busy:
                 left = deadline - time.monotonic()
                 if entry.cancel.is_set():  # a cancelled request lets go within one decode step
                     left = max(left, self.config.cancel_wait_s)
@@ -172,9 +174,9 @@ class SessionRegistry:
 
     def snapshot_idle(self) -> int:
         """Write every idle session that changed since its last snapshot to the state dir; how many were
-        written. On the engine thread: every request does all its work on a session in one job of that
-        thread, so none is half-way through one now (a request that takes a session meanwhile runs after
-        this). Expiry, which runs elsewhere, leaves the sessions being written alone."""
+        written. Under the scheduler: it holds the turn from start to end (it runs no forward pass), so
+        no request runs meanwhile, and the requests suspended between passes hold busy sessions, which are
+        not written. Expiry, which runs elsewhere, leaves the sessions being written alone."""
         if self.state is None:
             return 0
         with self.cond:
@@ -212,14 +214,17 @@ class SessionRegistry:
             entry.cancel.set()
             return True
 
-    def delete(self, owner: str, session_id: str) -> None:
-        """Delete a session; a request running on it is cancelled first (and waited for)."""
+    def claim(self, owner: str, session_id: str) -> bool:
+        """The first half of a delete, off the engine: cancel a request running on the session, wait for
+        it to let go (up to ``cancel_wait_s``: 409 after that) and mark the session busy, so that no new
+        request takes it before :meth:`close` does. False: the session was only in the state dir, and is
+        forgotten there. A session nobody has is a 404."""
         self.cancel(owner, session_id)
         with self.cond:
             entry = self.entries.get((owner, session_id))
             if entry is None and self.state is not None and self.state.has(owner, session_id):
                 self.state.forget(owner, session_id)  # stored, not loaded since the restart
-                return
+                return False
             if entry is None:
                 raise not_found(f"no session {session_id!r}", "session_not_found")
             deadline = time.monotonic() + self.config.cancel_wait_s
@@ -228,10 +233,25 @@ class SessionRegistry:
                 if left <= 0:
                     raise busy(session_id)
                 self.cond.wait(left)
-            if self.entries.get((owner, session_id)) is entry:
+            entry.busy = True
+            return True
+
+    def close(self, owner: str, session_id: str) -> None:
+        """The second half of a delete, on the engine: close a claimed session's branches, reclaim their
+        memory, and shrink the pool back to its start size when it is empty. Only the key is passed, so
+        that no caller's frame keeps the session alive while its memory is reclaimed."""
+        with self.cond:
+            if (owner, session_id) in self.entries:
                 self._close((owner, session_id))
-            del entry  # nothing here may hold the session while its memory is reclaimed
+            self.cond.notify_all()
+        self.manager.engine.pool.shrink()
         reclaim_memory()
+
+    def delete(self, owner: str, session_id: str) -> None:
+        """Delete a session; a request running on it is cancelled first (and waited for). Not for work
+        under the scheduler (it may wait for another request): the server claims, then closes."""
+        if self.claim(owner, session_id):
+            self.close(owner, session_id)
 
     def choose_branch(self, entry: Entry, prompt: list[int]) -> Session:
         """The branch a prompt continues: the one sharing its longest prefix, continued in place when the

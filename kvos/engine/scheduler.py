@@ -1,0 +1,212 @@
+"""The scheduler: every session's work runs under it, and their forward passes run batched.
+
+Work (a request's turn, a delete, a snapshot) is submitted like to an executor and runs on a worker
+thread of its own, but only one worker runs at a time: the one holding the *turn*. A worker gives the turn
+back when its work ends or when it needs a forward pass (:meth:`Engine.extend` asks the scheduler instead
+of running the model). Once every admitted worker is waiting for a forward pass, the scheduler runs one
+*step*: a single forward pass over the decode tokens of every waiting sequence plus the prefill chunks that
+fit in ``step_tokens`` (continuous batching with chunked prefill), then hands each worker its output and its
+turn back, oldest first.
+
+So the policy code of a session (paging, scoring, sampling) never runs concurrently with another session's
+or with a forward pass, exactly as on a single engine thread, while eight sessions' decode steps share one
+read of the weights. At most ``max_running`` works are admitted at once; the rest wait in arrival order.
+Work that runs under the scheduler must not block on another worker (it would hold the turn while it
+waits): waits for a busy session happen before the work is submitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from kvos.errors import ConfigError
+from kvos.model.attention import BatchItem
+from kvos.model.transformer import KVStore, Transformer
+
+T = TypeVar("T")
+_log = logging.getLogger("kvos.scheduler")
+
+
+class _Worker:
+    """One admitted work's thread: it runs only while the scheduler has handed it the turn."""
+
+    def __init__(self) -> None:
+        self.go = threading.Semaphore(0)
+
+
+@dataclass
+class _Ask:
+    """A worker's forward pass, waiting for the next step."""
+
+    worker: _Worker
+    item: BatchItem
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = int(self.item.token_ids.shape[0])
+
+
+@dataclass
+class StepStats:
+    """What the scheduler has run so far (for /metrics and the benchmarks)."""
+
+    steps: int = 0
+    items: int = 0
+    tokens: int = 0
+    max_items: int = 0
+
+    def add(self, asks: list[_Ask]) -> None:
+        self.steps += 1
+        self.items += len(asks)
+        self.tokens += sum(a.tokens for a in asks)
+        self.max_items = max(self.max_items, len(asks))
+
+
+class Scheduler(Executor):
+    """Runs submitted work one turn at a time and batches its forward passes (see the module docstring)."""
+
+    def __init__(
+        self, model: Transformer, kv: KVStore, max_running: int = 8, step_tokens: int = 2048
+    ) -> None:
+        if max_running < 1 or step_tokens < 1:
+            raise ConfigError("max_running and step_tokens must be at least 1")
+        self.model, self.kv = model, kv
+        self.max_running, self.step_tokens = max_running, step_tokens
+        self.stats = StepStats()
+        self._mu = threading.Lock()
+        self._ready: deque[_Worker] = deque()  # admitted workers waiting for the turn
+        self._asks: list[_Ask] = []  # forward passes waiting for the next step
+        self._back = threading.Semaphore(0)  # the turn came back to the scheduler
+        self._work = threading.Event()  # something to do (a worker is ready, or stop)
+        self._stopping = False
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="kvos-worker")
+        self._thread = threading.Thread(target=self._loop, name="kvos-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ executor
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` under the scheduler once admitted; its future holds the result."""
+        if self._stopping:
+            raise RuntimeError("the scheduler is shut down")
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            worker = self._enter()
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                self._local.worker = None
+                self._back.release()  # the turn goes back for good
+                del worker
+
+        self._pool.submit(run)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+        self._stopping = True
+        self._work.set()
+        if wait:
+            self._thread.join()
+
+    # ------------------------------------------------------------------ workers
+    def holds_turn(self) -> bool:
+        """True on a worker thread of this scheduler (whose forward passes go through :meth:`forward`)."""
+        return getattr(self._local, "worker", None) is not None
+
+    def forward(self, item: BatchItem) -> torch.Tensor:
+        """On a worker: give the turn back, have ``item`` run in the next step, and return its output once
+        the turn comes back (what :meth:`Transformer.forward` would return for it alone)."""
+        worker: _Worker = self._local.worker
+        ask = _Ask(worker, item)
+        with self._mu:
+            self._asks.append(ask)
+        self._back.release()
+        worker.go.acquire()
+        if ask.error is not None:
+            raise ask.error
+        assert ask.result is not None
+        return ask.result
+
+    def _enter(self) -> _Worker:
+        """Join the ready queue and wait for the turn."""
+        worker = _Worker()
+        self._local.worker = worker
+        with self._mu:
+            self._ready.append(worker)
+            self._work.set()
+        worker.go.acquire()
+        return worker
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        """Hand the turn to each ready worker in order; when none is ready, run one step."""
+        while True:
+            with self._mu:
+                worker = self._ready.popleft() if self._ready else None
+                step = self._take_step() if worker is None else []
+                if worker is None and not step:
+                    if self._stopping:
+                        return
+                    self._work.clear()
+            if worker is not None:
+                worker.go.release()
+                self._back.acquire()
+            elif step:
+                self._run(step)
+                with self._mu:
+                    self._ready.extend(a.worker for a in step)
+            else:
+                self._work.wait()
+
+    def _take_step(self) -> list[_Ask]:
+        """The asks of the next step (called under ``_mu``): every decode token, then prefill chunks in
+        arrival order while they fit in ``step_tokens`` (at least one ask per step)."""
+        if not self._asks:
+            return []
+        decodes = [a for a in self._asks if a.tokens == 1]
+        taken, used = decodes, len(decodes)
+        for ask in self._asks:
+            if ask.tokens > 1 and (not taken or used + ask.tokens <= self.step_tokens):
+                taken.append(ask)
+                used += ask.tokens
+        chosen = {id(a) for a in taken}
+        self._asks = [a for a in self._asks if id(a) not in chosen]
+        return taken
+
+    def _run(self, step: list[_Ask]) -> None:
+        """One forward pass over the step's asks; if it fails, each ask runs alone so that only the ones
+        that fail on their own get the error."""
+        self.stats.add(step)
+        try:
+            outputs = self.model.forward_batch([a.item for a in step], self.kv)
+        except BaseException as exc:
+            if len(step) == 1:
+                step[0].error = exc
+                return
+            _log.warning("a batched step failed (%s); running its %d asks one by one", exc, len(step))
+            for ask in step:
+                try:
+                    ask.result = self.model.forward_batch([ask.item], self.kv)[0]
+                except BaseException as one:
+                    ask.error = one
+            return
+        for ask, out in zip(step, outputs, strict=True):
+            ask.result = out

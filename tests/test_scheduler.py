@@ -1,0 +1,208 @@
+"""The scheduler: admitted work runs one turn at a time, forward passes of different sessions run batched,
+results equal running alone, a failing pass fails only its own work; and on the server, concurrent
+sessions get the replies they would get one at a time, and a cancelled stream leaves the batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from hf_models import build
+from server_harness import MODEL_NAME, running_app
+
+from kvos.builtin import MODEL_DIR
+from kvos.engine.engine import Engine
+from kvos.engine.scheduler import Scheduler, _Ask, _Worker
+from kvos.engine.sequence import Sequence
+from kvos.model.loader import load_model
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    return Engine(load_model(build("qwen2", tmp_path_factory.mktemp("qwen2"))), block_size=4)
+
+
+@pytest.fixture
+def scheduler(engine: Engine) -> Iterator[Scheduler]:
+    sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64)
+    engine.scheduler = sched
+    yield sched
+    engine.scheduler = None
+    sched.shutdown()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 97, (n,), generator=g).tolist()
+
+
+def _greedy(engine: Engine, seq: Sequence, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill, then greedy decode: the tokens and the last step's logits."""
+    logits = engine.extend(seq, prompt)[0]
+    out = []
+    for _ in range(steps):
+        out.append(int(torch.argmax(logits)))
+        logits = engine.decode(seq, out[-1])
+    return out, logits
+
+
+def test_concurrent_work_is_batched_and_equals_running_alone(engine: Engine, scheduler: Scheduler) -> None:
+    prompts = [_tokens(n, seed) for seed, n in enumerate((5, 30, 12, 21, 9))]
+    alone = []
+    for prompt in prompts:
+        seq = engine.new_sequence()
+        alone.append(_greedy(engine, seq, prompt, 10))  # not on a worker: runs directly
+        seq.release()
+    seqs = [engine.new_sequence() for _ in prompts]
+    futures = [scheduler.submit(_greedy, engine, s, p, 10) for s, p in zip(seqs, prompts, strict=True)]
+    together = [f.result(timeout=120) for f in futures]
+    for (tokens, logits), (tokens_b, logits_b) in zip(alone, together, strict=True):
+        assert tokens == tokens_b
+        assert (logits - logits_b).abs().max().item() <= TOL
+    assert scheduler.stats.max_items == 3  # max_running works decoding side by side, one pass per step
+    assert scheduler.stats.steps < sum(len(p) // 64 + 1 + 10 for p in prompts)  # fewer passes than alone
+    for seq in seqs:
+        seq.release()
+
+
+def test_never_more_than_max_running(engine: Engine, scheduler: Scheduler) -> None:
+    inside, peak, lock = 0, 0, threading.Lock()
+
+    def work(seed: int) -> None:
+        nonlocal inside, peak
+        with lock:
+            inside += 1
+            peak = max(peak, inside)
+        seq = engine.new_sequence()
+        _greedy(engine, seq, _tokens(4, seed), 3)
+        seq.release()
+        with lock:
+            inside -= 1
+
+    for f in [scheduler.submit(work, seed) for seed in range(8)]:
+        f.result(timeout=120)
+    assert peak == scheduler.max_running
+
+
+def test_prefill_chunks_share_steps_with_decodes_within_step_tokens(
+    engine: Engine, scheduler: Scheduler
+) -> None:
+    """A 200-token prompt is prefilled in chunks (the engine's prefill_chunk lowered to 50) while another
+    work decodes: no step holds more than ``step_tokens`` tokens unless it is a single ask, and the decode
+    runs in the same steps as the chunks."""
+    engine.prefill_chunk = 50
+    sizes: list[int] = []
+    real_run = scheduler._run
+
+    def spy(step: list[_Ask]) -> None:
+        sizes.append(sum(a.tokens for a in step))
+        real_run(step)
+
+    scheduler._run = spy  # type: ignore[method-assign]
+    try:
+        a, b = engine.new_sequence(), engine.new_sequence()
+        fb = scheduler.submit(_greedy, engine, b, _tokens(3, 1), 12)
+        fa = scheduler.submit(_greedy, engine, a, _tokens(200, 2), 2)
+        fa.result(timeout=120), fb.result(timeout=120)
+    finally:
+        engine.prefill_chunk = 1024
+    assert max(sizes) <= scheduler.step_tokens
+    assert 51 in sizes  # a 50-token chunk with one decode token beside it
+    a.release()
+    b.release()
+
+
+def test_a_failing_pass_fails_only_its_own_work(engine: Engine, scheduler: Scheduler) -> None:
+    """A token id past the vocabulary breaks the batched pass of a step; the step is re-run ask by ask,
+    so the other ask gets its right result and only the bad one gets the error."""
+    good_seq, bad_seq, ref = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()
+    good = _Ask(_Worker(), engine._item(good_seq, _tokens(7, 3), list(range(7)), "last"))
+    bad = _Ask(_Worker(), engine._item(bad_seq, [5, 10_000], [0, 1], "last"))
+    scheduler._run([good, bad])
+    assert isinstance(bad.error, IndexError) and bad.result is None
+    assert good.error is None and good.result is not None
+    assert (good.result - engine.extend(ref, _tokens(7, 3))).abs().max().item() <= TOL
+
+
+def test_a_failed_extend_under_the_scheduler_rolls_back(engine: Engine, scheduler: Scheduler) -> None:
+    seq = engine.new_sequence()
+    engine.extend(seq, [1, 2, 3])
+    with pytest.raises(IndexError):
+        scheduler.submit(engine.extend, seq, [5, 10_000]).result(timeout=60)
+    assert seq.token_ids == [1, 2, 3]
+    assert scheduler.submit(lambda: 42).result(timeout=60) == 42  # the scheduler goes on
+    seq.release()
+
+
+# ------------------------------------------------------------------ the server on the scheduler
+QUESTIONS = [
+    "Tell me about the sea.",
+    "What is a block allocator?",
+    "Write a short poem about trees.",
+    "Why is the sky blue?",
+]
+
+
+def _chat(url: str, session: str, question: str) -> str:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{url}/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=120)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def test_server_sessions_at_once_get_the_replies_they_get_alone() -> None:
+    """Four sessions at once on ``kvos serve``'s defaults give the same greedy replies as with
+    ``--max-running 1`` (one request at a time), and their decode steps ran batched."""
+    with running_app(MODEL_DIR, "--max-running", "1") as (url, _):
+        alone = [_chat(url, f"s{i}", q) for i, q in enumerate(QUESTIONS)]
+    with running_app(MODEL_DIR) as (url, app):
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            together = list(pool.map(lambda iq: _chat(url, f"s{iq[0]}", iq[1]), enumerate(QUESTIONS)))
+        stats = app.state.engine.stats
+    assert together == alone
+    assert stats.max_items >= 2
+
+
+def test_server_cancelled_stream_leaves_the_batch(tmp_path: Path) -> None:
+    """A stream whose client goes away stops within a step while another session keeps decoding; the
+    other session's reply is whole and the cancelled one is idle again at once."""
+    with running_app(MODEL_DIR) as (url, app):
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "Describe every wave of the sea."}],
+            "max_tokens": 300,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        other: Future[str]
+        with ThreadPoolExecutor(1) as pool:
+            request = httpx.Request(
+                "POST", f"{url}/chat/completions", json=body, headers={"X-Session-Id": "c"}
+            )
+            response = httpx.Client(timeout=60).send(request, stream=True)
+            lines = response.iter_lines()
+            for _ in range(4):
+                next(lines)
+            other = pool.submit(_chat, url, "other", QUESTIONS[0])
+            time.sleep(0.2)
+            response.close()
+            reply = other.result(timeout=120)
+        assert reply
+        registry = app.state.service.registry
+        deadline = time.monotonic() + 10
+        while any(e.busy for e in registry.entries.values()):
+            assert time.monotonic() < deadline, "a session stayed busy after its stream was cancelled"
+            time.sleep(0.02)

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "quality": ("kvos.bench.quality", "perplexity, top-1 and KL vs the full cache per compression policy"),
     "soak": ("kvos.bench.soak", "concurrent chat clients against kvos serve: errors, wedges, budget, RSS"),
     "restart": ("kvos.bench.restart", "kvos serve --state-dir killed, restarted: reuse, first token, disk"),
+    "serve": ("kvos.bench.serve", "1-16 concurrent chat clients vs kvos serve: tok/s, TTFT, ITL, budget"),
 }
 
 

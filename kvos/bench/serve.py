@@ -1,0 +1,327 @@
+"""``kvos bench serve``: 1, 2, 4, 8, 16 concurrent chat clients against a real ``kvos serve``, per model.
+
+For each model one server is started as a user starts it (``python -m kvos.cli serve`` on a free 127.0.0.1
+port with its defaults, plus ``--budget`` and ``--serve-arg``s when given) and reused for every client count;
+a short warm-up session (deleted again) goes first. For each client count N, N threads each run their own
+multi-turn session (``X-Session-Id``, conversation re-sent whole every turn, every reply streamed and timed
+per token on the client: :mod:`kvos.bench.serve_client`); a monitor samples ``/metrics``; afterwards every
+session is deleted, so the next count starts from an empty server.
+
+Per row (model, label, clients):
+- ``aggregate_tok_s`` = the completion tokens of every completed request of that run (``usage``'s
+  ``completion_tokens``, summed over all clients) / the run's wall time (from starting the client threads to
+  the last one finishing: prefill, queueing and HTTP included, the warm-up not).
+- ``ttft_p50_ms``/``ttft_p95_ms``: time to first token over all completed requests; ``itl_p50_ms``/
+  ``itl_p95_ms``: gaps between consecutive tokens over all tokens of all replies.
+- ``max_active_tokens``: the largest resident token count of any session, from ``/metrics`` samples and the
+  sessions' own maximum (``max_active_tokens_seen`` in ``/v1/sessions``); ``budget``: the server's per-session
+  budget as those sessions report it.
+- ``completion_tokens`` (usage) and ``received_tokens`` (token chunks the clients got) should be equal.
+
+With ``--json PATH`` the result has top-level ``rows``; ``--plot PATH`` draws aggregate tok/s and the
+latencies against the client count. llama.cpp's server is run only where it can serve these clients
+concurrently (:func:`llamacpp_skip_reason` says why not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvos.bench.common import header, print_table, write_json
+from kvos.bench.serve_client import Plan, TimedClient, Timings, percentile_ms
+from kvos.bench.soak import never_end
+from kvos.bench.soak_client import Calls
+from kvos.bench.soak_server import Monitor, ServerProcess
+from kvos.errors import ConfigError
+
+SMOLLM2 = (
+    Path(__file__).resolve().parents[3]
+    / "shared"
+    / "models"
+    / "smollm2-135m-instruct"
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+DEFAULT_MODELS = "builtin,qwen2.5-0.5b-shape,smollm2"
+KEY = "local"  # sent as a bearer key; a server without --api-key ignores it
+COLUMNS = (
+    "model",
+    "label",
+    "clients",
+    "requests",
+    "completion_tokens",
+    "wall_s",
+    "aggregate_tok_s",
+    "ttft_p50_ms",
+    "ttft_p95_ms",
+    "itl_p50_ms",
+    "itl_p95_ms",
+    "max_active_tokens",
+    "budget",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models",
+        default=DEFAULT_MODELS,
+        help="comma-separated: builtin, a random preset (qwen2.5-0.5b-shape, tiny), smollm2 (skipped when "
+        f"{SMOLLM2} is absent) or a model path (default: {DEFAULT_MODELS})",
+    )
+    parser.add_argument("--clients", default="1,2,4,8,16", help="comma-separated concurrent client counts")
+    parser.add_argument("--turns", type=int, default=4, help="turns per client")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
+    parser.add_argument("--budget", type=int, help="kvos serve --budget (default: the server's own)")
+    parser.add_argument("--serve-arg", action="append", default=[], help="one more kvos serve argument")
+    parser.add_argument("--label", default="", help="stored in every row, to compare runs")
+    parser.add_argument("--plot", help="write a PNG of throughput and latency vs clients here")
+    parser.add_argument("--max-seconds", type=float, default=1800.0, help="no turn starts after this")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--log-dir", help="where the servers' logs go (default: a temporary directory)")
+
+
+def client_counts(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; a ConfigError for anything but positive integers."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--clients takes comma-separated integers, got {text!r}") from exc
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"--clients needs counts >= 1, got {text!r}")
+    return counts
+
+
+def resolve_models(text: str) -> list[tuple[str, Path | None]]:
+    """(name, path for ``--model``; None for the built-in model) per name in ``text``; SmolLM2 is dropped
+    with a printed reason when its file is absent."""
+    from kvos.model.random_init import PRESETS, ensure_random_model
+
+    models: list[tuple[str, Path | None]] = []
+    for name in (part.strip() for part in text.split(",") if part.strip()):
+        if name == "builtin":
+            models.append((name, None))
+        elif name == "smollm2":
+            if SMOLLM2.is_file():
+                models.append((name, SMOLLM2))
+            else:
+                print(f"[serve] skipping smollm2: {SMOLLM2} is absent (see README: Run a real model)")
+        elif name in PRESETS:
+            models.append((name, ensure_random_model(name)))  # cached: written once (float32)
+        elif Path(name).exists():
+            models.append((name, Path(name)))
+        else:
+            raise ConfigError(f"--models: {name!r} is neither builtin, smollm2, a preset nor a path")
+    return models
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    counts = client_counts(args.clients)
+    if args.turns < 1 or args.max_tokens < 1:
+        raise ConfigError("need --turns and --max-tokens >= 1")
+    models = resolve_models(args.models)
+    deadline = time.monotonic() + args.max_seconds
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvos-bench-serve-"))
+    rows: list[dict[str, Any]] = []
+    for name, path in models:
+        rows += bench_model(name, path, counts, args, deadline, log_dir)
+    result = header("serve", ",".join(name for name, _ in models))
+    result.update(
+        label=args.label,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        serve_args=args.serve_arg,
+        server_logs=str(log_dir),
+        llamacpp_skipped=llamacpp_skip_reason(),
+        rows=rows,
+    )
+    print_table([readable(row) for row in rows], COLUMNS)
+    print(f"[serve] llama.cpp comparison skipped: {result['llamacpp_skipped']}")
+    write_json(args.json, result)
+    if args.plot:
+        plot_rows(rows, args.plot)
+    return result
+
+
+def readable(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` for the printed table: figures of 100 and more as whole numbers (not 1.471e+04)."""
+    return {k: round(v) if isinstance(v, float) and v >= 100 else v for k, v in row.items()}
+
+
+def server_argv(path: Path | None, args: argparse.Namespace) -> list[str]:
+    """``kvos serve``'s arguments beyond host and port: the model, the budget, the extra arguments."""
+    argv = ["--model", str(path)] if path is not None else []
+    if args.budget:
+        argv += ["--budget", str(args.budget)]
+    return [*argv, *args.serve_arg]
+
+
+def bench_model(
+    name: str,
+    path: Path | None,
+    counts: list[int],
+    args: argparse.Namespace,
+    deadline: float,
+    log_dir: Path,
+) -> list[dict[str, Any]]:
+    """One server for ``name``, one row per client count (none once the deadline has passed)."""
+    rows: list[dict[str, Any]] = []
+    print(f"[serve] starting kvos serve {' '.join(server_argv(path, args)) or '(its defaults)'}")
+    with ServerProcess(server_argv(path, args), log_dir / f"{name.replace('/', '_')}.log") as server:
+        calls = Calls(server.url, [KEY])
+        try:
+            served = served_model(calls, server)
+            eos = never_end(str(path) if path is not None else None)
+            warm = Plan(served, 1, min(args.max_tokens, 8), eos, deadline)
+            run_clients(server, 1, warm, args.seed + 999, calls, "warm-up")
+            for n in counts:
+                if time.monotonic() >= deadline:
+                    print(f"[serve] {name}: --max-seconds reached, {n} clients and more not run")
+                    break
+                plan = Plan(served, args.turns, args.max_tokens, eos, deadline)
+                timings, wall_s, seen = run_clients(server, n, plan, args.seed, calls, f"c{n}")
+                rows.append(make_row(name, args, n, timings, wall_s, seen))
+                print(progress_line(rows[-1]))
+        finally:
+            calls.close()
+    return rows
+
+
+def served_model(calls: Calls, server: ServerProcess) -> str:
+    """The model id the server answers to (``/v1/models``)."""
+    r = calls.call(KEY, "GET", "/v1/models")
+    if r is None or r.status_code != 200:
+        raise RuntimeError(f"kvos serve did not list its model; its log ends:\n{server.log_tail()}")
+    return str(r.json()["data"][0]["id"])
+
+
+def run_clients(
+    server: ServerProcess, n: int, plan: Plan, seed: int, calls: Calls, tag: str
+) -> tuple[Timings, float, dict[str, int]]:
+    """``n`` clients on threads of their own under the monitor; then every session is listed and deleted.
+    Returns the timings, the wall seconds, and what the server saw (max active tokens, budget)."""
+    timings = Timings()
+    clients = [TimedClient(i, server.url, f"serve-{tag}-{i}", plan, timings, seed) for i in range(n)]
+    threads = [threading.Thread(target=c.run, name=f"serve-client-{c.index}") for c in clients]
+    monitor = Monitor(server, {})
+    began = time.perf_counter()
+    with monitor:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    wall_s = time.perf_counter() - began
+    monitor.sample()
+    monitor.close()
+    sessions = calls.sessions(KEY)
+    for s in sessions:
+        calls.call(KEY, "DELETE", f"/v1/sessions/{s['id']}")
+    seen = {
+        "max_active_tokens": max(
+            [monitor.peaks.max_active_tokens, timings.max_active_tokens]
+            + [int(s["max_active_tokens_seen"]) for s in sessions]
+        ),
+        "max_active_tokens_metrics": monitor.peaks.max_active_tokens,
+        "budget": max((int(s["budget"]) for s in sessions), default=0),
+        "sessions": len(sessions),
+    }
+    return timings, wall_s, seen
+
+
+def make_row(
+    name: str, args: argparse.Namespace, clients: int, t: Timings, wall_s: float, seen: dict[str, int]
+) -> dict[str, Any]:
+    """One row of the result (the issue's fields, then what they were computed from)."""
+    return {
+        "model": name,
+        "label": args.label,
+        "clients": clients,
+        "aggregate_tok_s": round(t.completion_tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "ttft_p50_ms": percentile_ms(t.ttft_s, 0.5),
+        "ttft_p95_ms": percentile_ms(t.ttft_s, 0.95),
+        "itl_p50_ms": percentile_ms(t.itl_s, 0.5),
+        "itl_p95_ms": percentile_ms(t.itl_s, 0.95),
+        "max_active_tokens": seen["max_active_tokens"],
+        "budget": seen["budget"],
+        "requests": t.requests,
+        "completed": t.completed,
+        "completion_tokens": t.completion_tokens,
+        "received_tokens": t.received_tokens,
+        "wall_s": round(wall_s, 2),
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "failures": dict(t.failures),
+        "cut_short": t.requests < clients * args.turns,
+        "max_active_tokens_metrics": seen["max_active_tokens_metrics"],
+        "sessions": seen["sessions"],
+    }
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    """One run's figures in a line, printed as soon as the run ends."""
+    return (
+        f"[serve] {row['model']} {row['clients']} clients: {row['aggregate_tok_s']} tok/s, "
+        f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
+        f"{row['completed']}/{row['requests']} requests in {row['wall_s']} s"
+    )
+
+
+def llamacpp_skip_reason() -> str:
+    """Why llama.cpp's server is not part of this run.
+
+    The comparison that means something is llama.cpp serving these clients concurrently (``llama-server
+    --parallel N``, continuous batching). llama-cpp-python's ``python -m llama_cpp.server`` cannot: it has
+    no parallel-slots setting and serves one request at a time behind a lock, and by default a new request
+    interrupts the stream in progress (``interrupt_requests``), which would cut concurrent clients' replies.
+    """
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama-cpp-python is not installed"
+    try:
+        from llama_cpp.server.settings import ModelSettings
+    except ImportError as exc:
+        return (
+            f"llama_cpp is importable but its server is not ({exc}; pip install 'llama-cpp-python[server]')"
+        )
+    if "n_parallel" not in ModelSettings.model_fields:
+        return (
+            "llama-cpp-python's server has no n_parallel: it runs one request at a time behind a lock and a "
+            "new request interrupts the stream in progress, so it cannot serve concurrent clients"
+        )
+    return "llama-cpp-python's server offers n_parallel, but this bench does not drive it yet"
+
+
+def plot_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Two panels against the client count, one line per (model, label): aggregate tok/s; TTFT and ITL
+    p50 (solid) and p95 (dashed) in ms, log scale."""
+    from kvos.bench.plot import png_figure
+
+    out = Path(path)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(f"{row['model']} {row['label']}".strip(), []).append(row)
+    with png_figure(out, nrows=1, ncols=2, figsize=(12, 5)) as (_, (left, right)):
+        for key, group in groups.items():
+            xs = [r["clients"] for r in group]
+            left.plot(xs, [r["aggregate_tok_s"] for r in group], "o-", label=key)
+            for metric, marker in (("ttft", "o"), ("itl", "s")):
+                p50 = right.plot(
+                    xs, [r[f"{metric}_p50_ms"] for r in group], marker + "-", label=f"{key} {metric}"
+                )
+                color = p50[0].get_color()
+                right.plot(xs, [r[f"{metric}_p95_ms"] for r in group], marker + "--", color=color)
+        left.set(xlabel="concurrent clients", ylabel="aggregate decode tok/s (log)", title="throughput")
+        right.set(xlabel="concurrent clients", ylabel="ms (p50 solid, p95 dashed)", title="latency")
+        right.set_yscale("log")
+        left.set_yscale("log")  # the models' throughputs differ by orders of magnitude
+        ticks = sorted({r["clients"] for r in rows})
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    return out

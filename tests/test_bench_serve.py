@@ -1,0 +1,60 @@
+"""``kvos bench serve`` at CI scale: the built-in model behind a real ``kvos serve`` process, 1 and 2 clients
+of 2 turns each, 4 tokens a reply."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvos.bench import serve
+
+ROW_FIELDS = (
+    "model",
+    "label",
+    "clients",
+    "aggregate_tok_s",
+    "ttft_p50_ms",
+    "ttft_p95_ms",
+    "itl_p50_ms",
+    "itl_p95_ms",
+    "max_active_tokens",
+    "budget",
+    "requests",
+    "completion_tokens",
+    "wall_s",
+)
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    """``kvos bench serve ARGV...`` parsed as the CLI parses it."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    serve.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_serve_bench_at_ci_scale(tmp_path: Path) -> None:
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    argv = ["--models", "builtin", "--clients", "1,2", "--turns", "2", "--max-tokens", "4", "--label", "ci"]
+    result = serve.run(serve_args(*argv, "--json", str(out), "--plot", str(png), "--max-seconds", "120"))
+    assert json.loads(out.read_text()) == result
+    assert result["benchmark"] == "serve" and result["model"] == "builtin"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = result["rows"]
+    assert [r["clients"] for r in rows] == [1, 2]
+    for row in rows:
+        assert all(row.get(field) is not None for field in ROW_FIELDS), row
+        assert row["model"] == "builtin" and row["label"] == "ci"
+        n = row["clients"]
+        assert row["requests"] == row["completed"] == 2 * n and not row["failures"]
+        # every reply had max_tokens tokens (EOS banned), and the clients received each of them
+        assert row["completion_tokens"] == row["received_tokens"] == 2 * n * 4
+        assert row["aggregate_tok_s"] * row["wall_s"] == pytest.approx(row["completion_tokens"], rel=0.05)
+        assert row["budget"] == 768  # the built-in model's default: 0.75 x 1024 positions
+        assert 0 < row["max_active_tokens"] <= row["budget"]
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p95_ms"]
+        assert row["wall_s"] > 0 and row["sessions"] == n  # one session per client, deleted after the run

@@ -274,7 +274,13 @@ def test_a_client_that_stops_reading_blocks_nobody_and_is_dropped(limited: tuple
         sock.sendall(head + body)
         other = chat(root, "other", "Hello!")
         assert other.status_code == 200  # served while the first client has read nothing
-        time.sleep(SEND_TIMEOUT_S)  # the stalled answer's buffers fill, then the send timeout runs
+        # The stalled answer runs beside the other (the scheduler batches them): wait until it has ended,
+        # cut off or produced whole; its buffers filled long before, so the send timeout has run (or
+        # was never going to) once it has ended and another SEND_TIMEOUT_S has passed.
+        deadline = time.monotonic() + 60
+        while session(root, "stalled")["busy"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(SEND_TIMEOUT_S + 0.5)
         reply, _ = response_of(sock)
     finally:
         sock.close()

@@ -92,13 +92,10 @@ def test_never_more_than_max_running(engine: Engine, scheduler: Scheduler) -> No
     assert peak == scheduler.max_running
 
 
-def test_prefill_chunks_share_steps_with_decodes_within_step_tokens(
-    engine: Engine, scheduler: Scheduler
-) -> None:
-    """A 200-token prompt is prefilled in chunks (the engine's prefill_chunk lowered to 50) while another
-    work decodes: no step holds more than ``step_tokens`` tokens unless it is a single ask, and the decode
-    runs in the same steps as the chunks."""
-    engine.prefill_chunk = 50
+def test_prefill_chunks_share_steps_with_decodes(engine: Engine, scheduler: Scheduler) -> None:
+    """A 200-token prompt is prefilled in chunks cut to fit a step beside every running decode token
+    (64 - 3 = 61 tokens) while another work decodes: no step holds more than ``step_tokens``, and the
+    decode runs in the same steps as the chunks; the logits equal an unchunked prefill's."""
     sizes: list[int] = []
     real_run = scheduler._run
 
@@ -107,17 +104,18 @@ def test_prefill_chunks_share_steps_with_decodes_within_step_tokens(
         real_run(step)
 
     scheduler._run = spy  # type: ignore[method-assign]
-    try:
-        a, b = engine.new_sequence(), engine.new_sequence()
-        fb = scheduler.submit(_greedy, engine, b, _tokens(3, 1), 12)
-        fa = scheduler.submit(_greedy, engine, a, _tokens(200, 2), 2)
-        fa.result(timeout=120), fb.result(timeout=120)
-    finally:
-        engine.prefill_chunk = 1024
+    a, b, ref = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()
+    fb = scheduler.submit(_greedy, engine, b, _tokens(3, 1), 12)
+    fa = scheduler.submit(_greedy, engine, a, _tokens(200, 2), 2)
+    fb.result(timeout=120)
+    assert scheduler.chunk_tokens == 61
     assert max(sizes) <= scheduler.step_tokens
-    assert 51 in sizes  # a 50-token chunk with one decode token beside it
-    a.release()
-    b.release()
+    assert 62 in sizes  # a 61-token chunk with one decode token beside it
+    tokens, logits = fa.result(timeout=120)
+    tokens_ref, logits_ref = _greedy(engine, ref, _tokens(200, 2), 2)  # one 200-token pass
+    assert tokens == tokens_ref and (logits - logits_ref).abs().max().item() <= TOL
+    for seq in (a, b, ref):
+        seq.release()
 
 
 def test_a_failing_pass_fails_only_its_own_work(engine: Engine, scheduler: Scheduler) -> None:

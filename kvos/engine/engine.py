@@ -60,7 +60,7 @@ class Engine:
         queries: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Append tokens to the last segment of ``seq`` and run them through the model in chunks of
-        ``prefill_chunk``.
+        :meth:`chunk_tokens`.
 
         positions default to consecutive positions after the sequence's last one. Returns float32 logits
         [1, vocab] for the last token ("last"), [n, vocab] ("all"), or final hidden states [n, hidden]
@@ -80,8 +80,9 @@ class Engine:
         if len(pos) != len(ids):
             raise ConfigError(f"{len(ids)} tokens but {len(pos)} positions")
         outputs = []
-        for lo in range(0, len(ids), self.prefill_chunk):
-            hi = min(lo + self.prefill_chunk, len(ids))
+        chunk = self.chunk_tokens()
+        for lo in range(0, len(ids), chunk):
+            hi = min(lo + chunk, len(ids))
             part = "last" if logits == "last" and hi < len(ids) else logits
             final = hi == len(ids)
             out = self._forward(
@@ -98,6 +99,13 @@ class Engine:
             if logits != "last" or hi == len(ids):
                 outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def chunk_tokens(self) -> int:
+        """The most tokens of one forward pass: ``prefill_chunk``, and under a scheduler at most what
+        fits in one of its steps beside every running decode token."""
+        if self.scheduler is not None and self.scheduler.holds_turn():
+            return min(self.prefill_chunk, self.scheduler.chunk_tokens)
+        return self.prefill_chunk
 
     def decode(
         self,

@@ -78,10 +78,15 @@ class Scheduler(Executor):
     def __init__(
         self, model: Transformer, kv: KVStore, max_running: int = 8, step_tokens: int = 2048
     ) -> None:
-        if max_running < 1 or step_tokens < 1:
-            raise ConfigError("max_running and step_tokens must be at least 1")
+        if max_running < 1 or step_tokens <= max_running:
+            raise ConfigError(
+                f"max_running must be at least 1 and step_tokens above it, got {max_running} and "
+                f"{step_tokens}"
+            )
         self.model, self.kv = model, kv
         self.max_running, self.step_tokens = max_running, step_tokens
+        # a prefill chunk always fits in a step beside every running decode token: no chunk starves
+        self.chunk_tokens = step_tokens - max_running
         self.stats = StepStats()
         self._mu = threading.Lock()
         self._ready: deque[_Worker] = deque()  # admitted workers waiting for the turn
@@ -178,15 +183,17 @@ class Scheduler(Executor):
 
     def _take_step(self) -> list[_Ask]:
         """The asks of the next step (called under ``_mu``): every decode token, then prefill chunks in
-        arrival order while they fit in ``step_tokens`` (at least one ask per step)."""
+        arrival order while they fit in ``step_tokens``. The oldest chunk always goes (the engine cuts
+        chunks to ``chunk_tokens``, so it fits), so no prefill waits behind running decodes."""
         if not self._asks:
             return []
-        decodes = [a for a in self._asks if a.tokens == 1]
-        taken, used = decodes, len(decodes)
+        taken = [a for a in self._asks if a.tokens == 1]
+        used, oldest = len(taken), True
         for ask in self._asks:
-            if ask.tokens > 1 and (not taken or used + ask.tokens <= self.step_tokens):
+            if ask.tokens > 1 and (oldest or used + ask.tokens <= self.step_tokens):
                 taken.append(ask)
                 used += ask.tokens
+                oldest = False
         chosen = {id(a) for a in taken}
         self._asks = [a for a in self._asks if id(a) not in chosen]
         return taken

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from kvos.bench import serve
+from kvos.bench.serve_client import decode_rate
 
 ROW_FIELDS = (
     "model",
     "label",
     "clients",
     "aggregate_tok_s",
+    "decode_tok_s",
     "ttft_p50_ms",
     "ttft_p95_ms",
     "itl_p50_ms",
@@ -57,4 +59,13 @@ def test_serve_bench_at_ci_scale(tmp_path: Path) -> None:
         assert 0 < row["max_active_tokens"] <= row["budget"]
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
         assert 0 < row["itl_p50_ms"] <= row["itl_p95_ms"]
+        assert row["decode_tok_s"] > 0
         assert row["wall_s"] > 0 and row["sessions"] == n  # one session per client, deleted after the run
+
+
+def test_decode_rate_counts_overlapping_decode_phases_once() -> None:
+    """Tokens after each reply's first over the union of the decode intervals: [0, 2] and [1, 3] overlap
+    (3 s covered), [5, 6] adds 1 s; 4 + 4 + 2 tokens in 4 s."""
+    assert decode_rate([(1.0, 3.0, 4), (0.0, 2.0, 4), (5.0, 6.0, 2)]) == 2.5
+    assert decode_rate([(0.0, 4.0, 8), (1.0, 2.0, 2)]) == 2.5  # one inside the other
+    assert decode_rate([]) == 0.0

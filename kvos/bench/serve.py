@@ -11,6 +11,9 @@ Per row (model, label, clients):
 - ``aggregate_tok_s`` = the completion tokens of every completed request of that run (``usage``'s
   ``completion_tokens``, summed over all clients) / the run's wall time (from starting the client threads to
   the last one finishing: prefill, queueing and HTTP included, the warm-up not).
+- ``decode_tok_s``: the same tokens less each reply's first, over the time during which at least one reply
+  was decoding (:func:`~kvos.bench.serve_client.decode_rate`): the decode throughput batching is about,
+  without the prompts' prefill time, which grows with the clients whatever the scheduler does.
 - ``ttft_p50_ms``/``ttft_p95_ms``: time to first token over all completed requests; ``itl_p50_ms``/
   ``itl_p95_ms``: gaps between consecutive tokens over all tokens of all replies.
 - ``max_active_tokens``: the largest resident token count of any session, from ``/metrics`` samples and the
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvos.bench.common import header, print_table, write_json
-from kvos.bench.serve_client import Plan, TimedClient, Timings, percentile_ms
+from kvos.bench.serve_client import Plan, TimedClient, Timings, decode_rate, percentile_ms
 from kvos.bench.soak import never_end
 from kvos.bench.soak_client import Calls
 from kvos.bench.soak_server import Monitor, ServerProcess
@@ -56,6 +59,7 @@ COLUMNS = (
     "completion_tokens",
     "wall_s",
     "aggregate_tok_s",
+    "decode_tok_s",
     "ttft_p50_ms",
     "ttft_p95_ms",
     "itl_p50_ms",
@@ -240,6 +244,7 @@ def make_row(
         "label": args.label,
         "clients": clients,
         "aggregate_tok_s": round(t.completion_tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "decode_tok_s": decode_rate(t.decode_spans),
         "ttft_p50_ms": percentile_ms(t.ttft_s, 0.5),
         "ttft_p95_ms": percentile_ms(t.ttft_s, 0.95),
         "itl_p50_ms": percentile_ms(t.itl_s, 0.5),
@@ -307,14 +312,17 @@ def plot_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     with png_figure(out, nrows=1, ncols=2, figsize=(12, 5)) as (_, (left, right)):
         for key, group in groups.items():
             xs = [r["clients"] for r in group]
-            left.plot(xs, [r["aggregate_tok_s"] for r in group], "o-", label=key)
+            line = left.plot(xs, [r["aggregate_tok_s"] for r in group], "o-", label=f"{key} all")
+            decode = [r["decode_tok_s"] for r in group]
+            left.plot(xs, decode, "s--", color=line[0].get_color(), label=f"{key} decode")
             for metric, marker in (("ttft", "o"), ("itl", "s")):
                 p50 = right.plot(
                     xs, [r[f"{metric}_p50_ms"] for r in group], marker + "-", label=f"{key} {metric}"
                 )
                 color = p50[0].get_color()
                 right.plot(xs, [r[f"{metric}_p95_ms"] for r in group], marker + "--", color=color)
-        left.set(xlabel="concurrent clients", ylabel="aggregate decode tok/s (log)", title="throughput")
+        ylabel = "aggregate tok/s (log; dashed: decode phase)"
+        left.set(xlabel="concurrent clients", ylabel=ylabel, title="throughput")
         right.set(xlabel="concurrent clients", ylabel="ms (p50 solid, p95 dashed)", title="latency")
         right.set_yscale("log")
         left.set_yscale("log")  # the models' throughputs differ by orders of magnitude

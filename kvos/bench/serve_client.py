@@ -47,6 +47,8 @@ class Timings:
     received_tokens: int = 0  # token chunks the clients received (completed requests)
     ttft_s: list[float] = field(default_factory=list)  # one per completed request
     itl_s: list[float] = field(default_factory=list)  # one per token after the first
+    # per reply: its first and last token's stamps, and the tokens after its first
+    decode_spans: list[tuple[float, float, int]] = field(default_factory=list)
     max_active_tokens: int = 0  # the largest usage.kvos.active_tokens in any answer
     failures: Counter[str] = field(default_factory=Counter)  # status or error name of failed requests
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -62,6 +64,7 @@ class Timings:
             if reply.stamps:
                 self.ttft_s.append(reply.stamps[0] - reply.sent)
                 self.itl_s.extend(b - a for a, b in zip(reply.stamps, reply.stamps[1:], strict=False))
+                self.decode_spans.append((reply.stamps[0], reply.stamps[-1], len(reply.stamps) - 1))
             self.max_active_tokens = max(self.max_active_tokens, int(extra.get("active_tokens", 0)))
 
     def fail(self, what: str) -> None:
@@ -88,6 +91,20 @@ class RequestFailed(Exception):
 def percentile_ms(seconds: list[float], q: float) -> float | None:
     """The ``q`` quantile (0-1, linear interpolation) of ``seconds`` in milliseconds; None when empty."""
     return round(float(np.quantile(seconds, q)) * 1000, 2) if seconds else None
+
+
+def decode_rate(spans: list[tuple[float, float, int]]) -> float:
+    """Aggregate decode tok/s: the tokens after each reply's first (its decode phase, from its first token
+    to its last), summed over the replies, / the time during which at least one reply was in its decode
+    phase (the union of those intervals). Prefill and queueing before a reply's first token are not in it,
+    other replies' prefill chunks that share steps with its decode are."""
+    tokens = sum(n for _, _, n in spans)
+    covered, end = 0.0, float("-inf")
+    for a, b, _ in sorted(spans):
+        if b > end:
+            covered += b - max(a, end)
+            end = b
+    return round(tokens / covered, 2) if covered > 0 else 0.0
 
 
 class TimedClient:

@@ -74,7 +74,7 @@ def test_dequantize_is_exactly_ggufs(qtype: str, backend: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 37])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 9, 32, 37])
 @pytest.mark.parametrize("cols", [IN, 768])  # 16 groups of 32, and 24 (the kernel's 16-lane tail)
 def test_mm_matches_float32_matmul(qtype: str, n: int, cols: int, backend: str) -> None:
     w, ref = _weight(qtype, cols=cols, seed=n), _reference(qtype, cols=cols, seed=n)

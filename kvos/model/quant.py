@@ -10,7 +10,7 @@ Every kept type is one of two layouts, in groups of 32 consecutive inputs of one
 
 The scales and mins are products of a float16 and at most a 6-bit integer, exact in float32, and so is
 scale * q: the dequantized values are bit-identical to ``gguf.quants.dequantize``. Rows of the same layout
-concatenate (fused q/k/v and gate/up projections). A matmul with a few activation rows (decode) runs from
+concatenate (fused q/k/v and gate/up projections). A matmul with up to ``SMALL_N`` activation rows (decode, batched) runs from
 the packed bytes (:mod:`kvos.model.quant_kernel`); more rows (prefill) dequantize a tile of at most
 ``TILE_FLOATS`` weights at a time and call the float32 matmul, so no float copy of a matrix is ever kept.
 """
@@ -30,7 +30,9 @@ GROUP = 32
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
-SMALL_N = 4  # activation rows up to which the packed-bytes kernel beats dequantize + float32 matmul
+# activation rows up to which the packed-bytes kernel beats dequantize + float32 matmul: a decode step of
+# up to 32 batched sequences (SmolLM2's shapes, 2 cores: 1.1-1.4x at 32 rows, 5-8x at 8; docs/benchmarks.md)
+SMALL_N = 32
 TILE_FLOATS = 1 << 20  # weights dequantized at once on the prefill path (4 MiB of float32)
 
 

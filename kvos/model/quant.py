@@ -10,8 +10,9 @@ Every kept type is one of two layouts, in groups of 32 consecutive inputs of one
 
 The scales and mins are products of a float16 and at most a 6-bit integer, exact in float32, and so is
 scale * q: the dequantized values are bit-identical to ``gguf.quants.dequantize``. Rows of the same layout
-concatenate (fused q/k/v and gate/up projections). A matmul with up to ``SMALL_N`` activation rows (decode, batched) runs from
-the packed bytes (:mod:`kvos.model.quant_kernel`); more rows (prefill) dequantize a tile of at most
+concatenate (fused q/k/v and gate/up projections). A matmul with up to ``SMALL_N`` activation rows (a
+decode step, batched or not) runs from the packed bytes (:mod:`kvos.model.quant_kernel`); more rows
+(prefill) dequantize a tile of at most
 ``TILE_FLOATS`` weights at a time and call the float32 matmul, so no float copy of a matrix is ever kept.
 """
 

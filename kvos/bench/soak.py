@@ -137,7 +137,7 @@ def soak(
     monitor = Monitor(server, {"Authorization": f"Bearer {admin_key}"} if admin_key else {})
     try:
         plan = load_plan(args, calls, keys[0], server)
-        warm_up(server.url, keys[0], plan, calls)
+        warm_up(server.url, keys[0], plan, calls, args.clients)
         start, tally, began = monitor.sample(), Tally(), time.monotonic()
         with monitor:
             clients = run_clients(server.url, keys, plan, tally, args)
@@ -214,14 +214,24 @@ def never_end(model: str | None) -> dict[str, int]:
     return {str(t): -100 for t in load_tokenizer(Path(model) if model else default_model()).eos_ids}
 
 
-def warm_up(url: str, key: str, plan: LoadPlan, calls: Calls) -> None:
-    """A throwaway session that outgrows the budget (streaming and not), deleted again, so that the start
-    sample includes the server's first-use memory."""
-    client = ChatClient(-1, url, key, "warm-up", plan, Tally(), seed=0)
-    for turn in range(4):
-        client.turn(stream=bool(turn % 2), cancel=False, words=120)
-    client.http.close()
-    calls.call(key, "DELETE", "/v1/sessions/warm-up")
+def warm_up(url: str, key: str, plan: LoadPlan, calls: Calls, clients: int) -> None:
+    """As many throwaway sessions as the load has clients, at once, each outgrowing the budget (streaming
+    and not), deleted again: the start sample then includes the server's first-use memory, that of the
+    worker threads that run concurrent requests included (their stacks, thread pools, heap arenas)."""
+    warm = [ChatClient(-1 - i, url, key, f"warm-up-{i}", plan, Tally(), seed=i) for i in range(clients)]
+
+    def turns(client: ChatClient) -> None:
+        for turn in range(4):
+            client.turn(stream=bool(turn % 2), cancel=False, words=120)
+        client.http.close()
+
+    threads = [threading.Thread(target=turns, args=(c,)) for c in warm]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(clients):
+        calls.call(key, "DELETE", f"/v1/sessions/warm-up-{i}")
 
 
 def run_clients(

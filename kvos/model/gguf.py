@@ -274,6 +274,21 @@ def release_free_heap() -> None:
         pass
 
 
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_heap_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``), before threads start: every thread that
+    allocates otherwise gets an arena of its own (up to 8 per core), and memory freed in one stays
+    fragmented there, out of :func:`release_free_heap`'s reach (a server whose requests run on worker
+    threads keeps tens of MB after its sessions are gone). True when set; False where glibc is absent."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
+
+
 class _MadeOnAccess(Mapping[str, Weight]):
     """The weights, each made when the transformer reads it and not kept here: parts it fuses (q/k/v,
     gate/up) are freed as soon as they are fused, so a load never holds two copies of the model."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvos.engine import fused
 from kvos.engine.engine import Engine
+from kvos.model.gguf import limit_heap_arenas
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.model.transformer import Transformer
@@ -302,6 +303,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    limit_heap_arenas(2)  # before any worker thread: freed memory goes back, not into per-thread arenas
     service = build_service(args)
     app = make_app(service, args)
     print(

@@ -12,12 +12,14 @@ import weakref
 from pathlib import Path
 
 import httpx
+import pytest
 from server_harness import serve_options
 
 from kvos.bench import soak
 from kvos.bench.session import WORDS
 from kvos.bench.soak_server import ServerProcess, rss_bytes
 from kvos.builtin import MODEL_DIR
+from kvos.model.gguf import limit_heap_arenas
 from kvos.server.lifecycle import drain
 from kvos.server.main import build_service
 from kvos.server.schemas import ChatRequest
@@ -135,3 +137,13 @@ def test_deleted_session_is_freed_at_once() -> None:
     assert evictions > 0  # the session outgrew its budget: it had saved blocks to free
     assert freed
     assert grown_bytes > start_bytes and pool.nbytes == start_bytes  # the empty pool went back to its start
+
+
+def test_heap_arenas_can_be_capped() -> None:
+    """``kvos serve`` caps glibc's malloc arenas before its worker threads start; mallopt accepts the cap
+    (it returns 0 for a parameter it does not know)."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt(M_ARENA_MAX) is glibc's")
+    assert limit_heap_arenas(2)

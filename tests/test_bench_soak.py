@@ -8,6 +8,7 @@ import gc
 import json
 import random
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -147,3 +148,26 @@ def test_heap_arenas_can_be_capped() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt(M_ARENA_MAX) is glibc's")
     assert limit_heap_arenas(2)
+
+
+def test_expired_sessions_are_freed_on_the_engine_only() -> None:
+    """A request's session lookup (off the engine) takes expired sessions out of the registry and the
+    manager at once (their ids are free again) but frees no pool block there, beside the forward passes;
+    ``close_expired``, which the server runs on the engine, frees them."""
+    service = build_service(serve_options(["--model", str(MODEL_DIR), "--session-ttl", "0.2"]))
+    registry, pool = service.registry, service.manager.engine.pool
+    entry = registry.acquire("local", "old", None)
+    body = {"model": service.config.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
+    req = ChatRequest.model_validate({**body, "max_tokens": 4})
+    drain(service.run(entry, service.prepare_chat(entry, req), req, req), threading.Event())
+    registry.release(entry)
+    used = pool.allocator.num_used
+    assert used > 0
+    time.sleep(0.3)
+    again = registry.acquire("local", "old", None)  # the same id: a new session, the old one expired
+    assert again is not entry and "local/old" in service.manager.sessions
+    assert service.manager.sessions["local/old"] is not entry.session
+    assert pool.allocator.num_used == used  # nothing freed off the engine
+    registry.close_expired()
+    assert pool.allocator.num_used == 0 and not registry.expired
+    registry.release(again)

@@ -144,6 +144,8 @@ def create_app(
             raise unknown_model(req.model, name)
         probe = None if sid else await asyncio.to_thread(service.probe, req)
         entry = await asyncio.to_thread(service.registry.acquire, who, sid, probe)
+        if service.registry.expired:  # expired sessions' blocks are freed on the engine
+            engine.submit(service.registry.close_expired)
         chat = req if isinstance(req, ChatRequest) else None
         try:
             loop = asyncio.get_running_loop()

@@ -83,12 +83,13 @@ class SessionRegistry:
         self.manager, self.config, self.state = manager, config, state
         self.entries: dict[tuple[str, str], Entry] = {}
         self.saving: set[tuple[str, str]] = set()  # being written to the state dir: not to be expired
+        self.expired: list[Session] = []  # branches of expired sessions, to be closed on the engine
         self.cond = threading.Condition()
 
     def acquire(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
         """The session for a request, marked busy: by id, else by the longest shared prefix, else new."""
         with self.cond:
-            expired = self._expire()
+            self._expire()
             deadline = time.monotonic() + self.config.busy_timeout_s
             # found again after every wait: a session being deleted is busy until it is gone
             while (entry := self._find(owner, session_id, probe)).busy:
@@ -99,8 +100,6 @@ class SessionRegistry:
                     raise busy(entry.session_id)
                 self.cond.wait(min(left, 0.1))
             entry.busy = True
-        if expired:
-            reclaim_memory()
         return entry
 
     def release(self, entry: Entry, abandoned: bool = False) -> None:
@@ -153,7 +152,9 @@ class SessionRegistry:
         return entry
 
     def _expire(self) -> bool:
-        """Close the sessions idle past their TTL; whether any was."""
+        """Take the sessions idle past their TTL out of the registry and the manager (no request finds
+        them again, and their ids are free at once); whether any was. Their blocks are freed by
+        :meth:`close_expired`, on the engine: this runs beside the forward passes."""
         now = time.monotonic()
         expired = [
             key
@@ -161,8 +162,21 @@ class SessionRegistry:
             if not entry.busy and key not in self.saving and now - entry.last_used > self.config.session_ttl_s
         ]
         for key in expired:
-            self._close(key)
+            entry = self.entries.pop(key)
+            self.expired.extend(self.manager.detach(b.session_id) for b in entry.branches)
+            if self.state is not None:
+                self.state.forget(*key)
         return bool(expired)
+
+    def close_expired(self) -> None:
+        """On the engine: close the sessions :meth:`acquire` found expired, reclaim their memory, and
+        shrink the pool when it is empty."""
+        with self.cond:
+            doomed, self.expired = self.expired, []
+        while doomed:
+            doomed.pop().close()
+        self.manager.engine.pool.shrink()
+        reclaim_memory()
 
     def _close(self, key: tuple[str, str]) -> None:
         """Close a session's branches (its caller reclaims the memory, outside the lock)."""

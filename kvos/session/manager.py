@@ -103,7 +103,12 @@ class MemoryManager:
 
     def close(self, session_id: str) -> None:
         """End a session: its pool blocks and saved blocks are freed."""
-        self.sessions.pop(session_id).close()
+        self.detach(session_id).close()
+
+    def detach(self, session_id: str) -> Session:
+        """Take a session out of the manager without freeing anything (its caller closes it later, where
+        blocks may be freed): its name is free for a new session at once."""
+        return self.sessions.pop(session_id)
 
     def relieve(self, requester: SessionMemory) -> bool:
         """Page out the lowest-scored evictable block of any other session; False when none is left."""

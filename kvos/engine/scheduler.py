@@ -58,7 +58,7 @@ class _Ask:
 
 @dataclass
 class StepStats:
-    """What the scheduler has run so far (for /metrics and the benchmarks)."""
+    """What the scheduler has run so far (its tests read it: how many asks shared a step)."""
 
     steps: int = 0
     items: int = 0
@@ -109,7 +109,7 @@ class Scheduler(Executor):
         def run() -> None:
             if not future.set_running_or_notify_cancel():
                 return
-            worker = self._enter()
+            self._enter()
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
@@ -119,7 +119,6 @@ class Scheduler(Executor):
             finally:
                 self._local.worker = None
                 self._back.release()  # the turn goes back for good
-                del worker
 
         self._pool.submit(run)
         return future
@@ -150,7 +149,7 @@ class Scheduler(Executor):
         assert ask.result is not None
         return ask.result
 
-    def _enter(self) -> _Worker:
+    def _enter(self) -> None:
         """Join the ready queue and wait for the turn."""
         worker = _Worker()
         self._local.worker = worker
@@ -158,7 +157,6 @@ class Scheduler(Executor):
             self._ready.append(worker)
             self._work.set()
         worker.go.acquire()
-        return worker
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:

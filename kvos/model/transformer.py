@@ -102,20 +102,13 @@ class Transformer:
         for that item alone."""
         batch = Batch.of(list(items))
         x = self._layers(batch.token_ids, batch.positions, batch, kv)
-        spans = list(pairwise(batch.bounds))
-        rows = [
-            (lo, hi) if item.logits == "all" else (hi - 1, hi)
-            for item, (lo, hi) in zip(items, spans, strict=True)
-        ]
+        outputs = [x[lo:hi] for lo, hi in pairwise(batch.bounds)]  # "none": the hidden states
         heads = [i for i, item in enumerate(items) if item.logits != "none"]
-        picked = [x[rows[i][0] : rows[i][1]] for i in heads]
-        head = self.head(picked[0] if len(picked) == 1 else torch.cat(picked)) if picked else x[:0]
-        outputs: list[torch.Tensor] = [x[lo:hi] for lo, hi in spans]  # "none": the hidden states
-        at = 0
-        for i in heads:
-            n = rows[i][1] - rows[i][0]
-            outputs[i] = head[at : at + n]
-            at += n
+        rows = [outputs[i] if items[i].logits == "all" else outputs[i][-1:] for i in heads]
+        if rows:
+            logits = self.head(rows[0] if len(rows) == 1 else torch.cat(rows))
+            for i, part in zip(heads, logits.split([int(r.shape[0]) for r in rows]), strict=True):
+                outputs[i] = part
         return outputs
 
     def _layers(

@@ -13,6 +13,12 @@ or with a forward pass, exactly as on a single engine thread, while eight sessio
 read of the weights. At most ``max_running`` works are admitted at once; the rest wait in arrival order.
 Work that runs under the scheduler must not block on another worker (it would hold the turn while it
 waits): waits for a busy session happen before the work is submitted.
+
+**Admission by the pool's capacity.** Work submitted with :meth:`admit` reserves a number of pool pages
+(its session's peak, as the server estimates it) for as long as it runs. With a ``capacity_pages`` (the
+pool's cap), such work is started only while the reservations of everything running plus its own fit in
+the cap, in arrival order: a request the pool cannot hold waits instead of running into the cap. One work
+always runs when nothing else holds a reservation, so a reservation above the cap still makes progress.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class StepStats:
     items: int = 0
     tokens: int = 0
     max_items: int = 0
+    max_reserved_pages: int = 0  # the most pool pages reserved by running work at once
+    waited_for_pages: int = 0  # works that waited for pool pages at admission
 
     def add(self, asks: list[_Ask]) -> None:
         self.steps += 1
@@ -76,15 +84,27 @@ class Scheduler(Executor):
     """Runs submitted work one turn at a time and batches its forward passes (see the module docstring)."""
 
     def __init__(
-        self, model: Transformer, kv: KVStore, max_running: int = 8, step_tokens: int = 2048
+        self,
+        model: Transformer,
+        kv: KVStore,
+        max_running: int = 8,
+        step_tokens: int = 2048,
+        capacity_pages: int | None = None,
     ) -> None:
+        """``capacity_pages``: the pool's cap in pages, which :meth:`admit` keeps reservations within
+        (None: no cap, reservations are only counted)."""
         if max_running < 1 or step_tokens <= max_running:
             raise ConfigError(
                 f"max_running must be at least 1 and step_tokens above it, got {max_running} and "
                 f"{step_tokens}"
             )
+        if capacity_pages is not None and capacity_pages < 1:
+            raise ConfigError(f"capacity_pages must be at least 1 or None, got {capacity_pages}")
         self.model, self.kv = model, kv
         self.max_running, self.step_tokens = max_running, step_tokens
+        self.capacity_pages = capacity_pages
+        self.reserved_pages = 0  # pages reserved by admitted work that has not ended
+        self._waiting: deque[tuple[int, Callable[[], None], Future[Any]]] = deque()  # waiting for pages
         # a prefill chunk always fits in a step beside every running decode token: no chunk starves
         self.chunk_tokens = step_tokens - max_running
         self.stats = StepStats()
@@ -93,7 +113,8 @@ class Scheduler(Executor):
         self._asks: list[_Ask] = []  # forward passes waiting for the next step
         self._back = threading.Semaphore(0)  # the turn came back to the scheduler
         self._work = threading.Event()  # something to do (a worker is ready, or stop)
-        self._stopping = False
+        self._stopping = False  # the loop ends once no work is left
+        self._closed = False  # no new work is taken
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="kvos-worker")
         self._thread = threading.Thread(target=self._loop, name="kvos-scheduler", daemon=True)
@@ -102,28 +123,70 @@ class Scheduler(Executor):
     # ------------------------------------------------------------------ executor
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` under the scheduler once admitted; its future holds the result."""
-        if self._stopping:
+        return self.admit(0, fn, *args, **kwargs)
+
+    def admit(self, pages: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Like :meth:`submit`, for work that may hold up to ``pages`` pool pages while it runs: it starts
+        once the reservations of the running work and its own fit in ``capacity_pages`` (in arrival order
+        among such work), and gives its pages back when it ends."""
+        if self._closed:
             raise RuntimeError("the scheduler is shut down")
+        if pages < 0:
+            raise ConfigError(f"a work reserves a non-negative number of pages, got {pages}")
         future: Future[T] = Future()
 
         def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            self._enter()
             try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                if not future.set_running_or_notify_cancel():
+                    return
+                self._enter()
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                finally:
+                    self._local.worker = None
+                    self._back.release()  # the turn goes back for good
             finally:
-                self._local.worker = None
-                self._back.release()  # the turn goes back for good
+                if pages:
+                    self._unreserve(pages)
 
-        self._pool.submit(run)
+        if pages == 0:
+            self._pool.submit(run)
+            return future
+        with self._mu:
+            self._waiting.append((pages, run, future))
+            if len(self._waiting) > 1 or not self._fits(pages):
+                self.stats.waited_for_pages += 1
+            self._start_fitting()
         return future
 
+    def _fits(self, pages: int) -> bool:
+        """Whether ``pages`` more fit beside the reservations now (under ``_mu``)."""
+        cap = self.capacity_pages
+        return cap is None or self.reserved_pages == 0 or self.reserved_pages + pages <= cap
+
+    def _start_fitting(self) -> None:
+        """Start waiting work from the front while it fits (under ``_mu``): none overtakes an earlier one."""
+        while self._waiting and self._fits(self._waiting[0][0]) and not self._closed:
+            pages, run, _ = self._waiting.popleft()
+            self.reserved_pages += pages
+            self.stats.max_reserved_pages = max(self.stats.max_reserved_pages, self.reserved_pages)
+            self._pool.submit(run)
+
+    def _unreserve(self, pages: int) -> None:
+        with self._mu:
+            self.reserved_pages -= pages
+            self._start_fitting()
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._mu:  # work still waiting for pages never starts
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+        for _, _, future in waiting:
+            future.cancel()
         self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
         self._stopping = True
         self._work.set()

@@ -104,6 +104,11 @@ class Sequence:
         return self._num_tokens
 
     @property
+    def num_pages(self) -> int:
+        """Pool blocks held by the segments' page tables (a block shared with another sequence counts)."""
+        return sum(seg.page_table.num_blocks for seg in self.segments)
+
+    @property
     def token_ids(self) -> list[int]:
         """Every resident token id in cache order."""
         return [t for seg in self.segments for t in seg.token_ids]

@@ -21,10 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvos.engine.generate import StreamEvent
 from kvos.engine.scheduler import Scheduler
-from kvos.errors import BudgetError
+from kvos.errors import BudgetError, PoolOutOfMemoryError
 from kvos.server.auth import Identity, Keys
 from kvos.server.bodies import final_body
-from kvos.server.errors import APIError, bad_request, forbidden, too_large, unauthorized
+from kvos.server.errors import APIError, bad_request, forbidden, memory_full, too_large, unauthorized
 from kvos.server.lifecycle import Cancelled, RequestRecord, drain, sse, watch_disconnect
 from kvos.server.metrics import Metrics
 from kvos.server.pins import budget_error, check_locked
@@ -169,7 +169,7 @@ def create_app(
         began = time.perf_counter()
         entry, spans, chat = await start(request, req, sid or None)
         headers = {"X-Session-Id": entry.session_id}
-        cancel = entry.cancel
+        cancel, pages = entry.cancel, service.request_pages()  # its reservation of pool pages
         record = RequestRecord(request, kind, began, entry)
         record.streaming = req.stream
 
@@ -178,6 +178,8 @@ def create_app(
                 return drain(service.run(entry, spans, req, chat), cancel)
             except BudgetError as exc:
                 raise budget_error(exc) from exc
+            except PoolOutOfMemoryError as exc:
+                raise memory_full(str(exc)) from exc
             finally:
                 service.registry.release(entry)
                 latency.labels(kind).observe(time.perf_counter() - began)
@@ -189,14 +191,15 @@ def create_app(
                     return (yield from service.run(entry, spans, req, chat))
                 except BudgetError as exc:
                     raise budget_error(exc) from exc
+                except PoolOutOfMemoryError as exc:
+                    raise memory_full(str(exc)) from exc
                 finally:
                     service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
 
-            body = sse(engine, steps, cancel, req, kind, name, record)
+            body = sse(lambda produce: engine.admit(pages, produce), steps, cancel, req, kind, name, record)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(engine, work)
+        future = asyncio.wrap_future(engine.admit(pages, work))
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
         try:
             outcome = await future
@@ -230,7 +233,8 @@ def scheduler(service: ChatService) -> Scheduler:
     """The scheduler every request and session operation runs under, its forward passes batched across
     sessions (``--max-running`` requests at once)."""
     engine = service.manager.engine
-    sched = Scheduler(engine.model, engine.pool, service.config.max_running, service.config.step_tokens)
+    cap = engine.pool.growth.max_blocks(engine.pool.layout.bytes_per_block)
+    sched = Scheduler(engine.model, engine.pool, service.config.max_running, service.config.step_tokens, cap)
     engine.scheduler = sched
     return sched
 

@@ -50,3 +50,9 @@ def busy(session_id: str) -> APIError:
 
 def too_large(message: str) -> APIError:
     return APIError(413, message, "request_too_large")
+
+
+def memory_full(message: str) -> APIError:
+    """The KV pool's cap (``--kv-memory``) left no room for this request even after paging out every idle
+    session: the server is overloaded, the client may retry."""
+    return APIError(503, message, "kv_memory_full", kind="server_error")

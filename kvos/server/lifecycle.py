@@ -15,7 +15,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator
-from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import Request
@@ -94,7 +93,7 @@ async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
 
 
 async def sse(
-    engine: Executor,
+    start: Callable[[Callable[[], None]], object],
     work: Callable[[], Generator[StreamEvent, None, Outcome]],
     cancel: threading.Event,
     req: SamplingFields,
@@ -137,7 +136,7 @@ async def sse(
 
     cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     hold = ToolCallHold(isinstance(req, ChatRequest) and bool(plan_tools(req).offered))
-    loop.run_in_executor(engine, produce)
+    start(produce)
     try:
         if kind == "chat":
             yield chunk(kind, cid, model, {"role": "assistant", "content": ""}, None)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvos.engine import fused
 from kvos.engine.engine import Engine
+from kvos.memory.growth import GrowthPolicy
 from kvos.model.gguf import limit_heap_arenas
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
@@ -47,6 +48,23 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size in bytes, ``2147483648``, ``512M``, ``1.5GiB`` or ``2GB`` (binary units:
+    K, M, G, T with or without ``i``/``B``), at least 1."""
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    number, unit = (t[:-1], t[-1]) if t and t[-1] in UNITS else (t, "")
+    try:
+        value = int(float(number) * UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2G or 512MiB)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return value
 
 
@@ -97,6 +115,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=2048,
         help="tokens in one batched forward pass: every running decode, then prefill chunks that fit",
+    )
+    p.add_argument(
+        "--kv-memory",
+        type=byte_size,
+        help="cap on the KV pool shared by every session, e.g. 2G or 512MiB (default: no cap; the pool "
+        "grows on demand). Each request reserves its session's estimated peak; a request that does not "
+        "fit waits, and idle sessions swap out to their stores (exactly restored on their next request)",
     )
     p.add_argument(
         "--session-ttl", type=float, default=3600.0, help="seconds before an idle session is closed"
@@ -201,7 +226,9 @@ def build_service(args: argparse.Namespace) -> ChatService:
     tokenizer = load_tokenizer(path)
     state = open_state(args, model, tokenizer, config)
     factory = state.store_factory if state is not None else None
-    manager = MemoryManager(Engine(model), tokenizer, config, store_factory=factory)
+    engine = Engine(model, growth=GrowthPolicy(max_bytes=args.kv_memory))
+    check_kv_memory(engine, config, args.kv_memory)
+    manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
     prepare_kernel()
     name = args.served_model_name or path.name
     return ChatService(
@@ -221,6 +248,21 @@ def build_service(args: argparse.Namespace) -> ChatService:
         ),
         state,
     )
+
+
+def check_kv_memory(engine: Engine, config: SessionConfig, cap: int | None) -> None:
+    """A one-line :class:`SystemExit` when ``--kv-memory`` cannot hold one request of a session at its
+    budget (every request would fail)."""
+    if cap is None:
+        return
+    layout = engine.pool.layout
+    need = config.peak_pages(layout.block_size) * layout.bytes_per_block
+    if cap < need:
+        raise SystemExit(
+            f"kvos serve: --kv-memory {cap} bytes cannot hold one request at this budget "
+            f"({config.budget.max_active_tokens} tokens reserve {need} bytes of KV); raise --kv-memory "
+            f"or lower --budget"
+        )
 
 
 def open_state(

@@ -295,9 +295,13 @@ class SessionRegistry:
         return chosen
 
     def make_resident(self, entry: Entry) -> None:
-        """Keep at most ``max_sessions`` sessions (branches count one each) in the pool, this request's
-        branch included: swap out the least recently used idle ones (their blocks go to their stores), then
-        swap this one in if it was out."""
+        """Make room in the pool for this request, then swap its branch in if it was out. Idle sessions (no
+        request running on them) are swapped out, least recently used first (their blocks go to their
+        stores and come back exactly on their next request): while more than ``max_sessions`` sessions
+        (branches count one each) would be resident, and, under a pool cap, while the idle ones hold more
+        pages than the running requests' reservations leave free (the scheduler admitted this request
+        only with its own pages reserved)."""
+        running = self.manager.running
         with self.cond:
             others = [
                 (e, b)
@@ -309,8 +313,29 @@ class SessionRegistry:
                 ((e, b) for e, b in others if not e.busy or e is entry),
                 key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
             )
+            parked = sorted(  # resident, nothing running on them: their pages count against the idle room
+                ((e, b) for e, b in others if b.session_id not in running),
+                key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
+            )
         for _, other in idle[: max(0, len(others) + 1 - self.config.max_sessions)]:
             if other.pager.store is not None:
                 other.swap_out()
+        self._within_cap([b for _, b in parked if not b.swapped])
         if entry.session.swapped:
             entry.session.swap_in()
+
+    def _within_cap(self, parked: list[Session]) -> None:
+        """Under a pool cap, swap out ``parked`` sessions (oldest first) until their pages fit in what the
+        running requests' reservations leave of the cap."""
+        sched = self.manager.engine.scheduler
+        if sched is None or sched.capacity_pages is None:
+            return
+        room = max(0, sched.capacity_pages - sched.reserved_pages)
+        held = sum(b.pager.seq.num_pages for b in parked)
+        for other in parked:
+            if held <= room:
+                return
+            if other.pager.store is not None:
+                held -= other.pager.seq.num_pages
+                other.swap_out()
+                other.memory.journal.log(other.memory.turn, "preempt", pages_free=room - held)

@@ -1,7 +1,7 @@
 """The chat service behind the HTTP layer: a request's turn on its session (prompt, sampling, reply,
 canonical echo, usage). Which session and branch a request gets is the :class:`SessionRegistry`'s.
 
-Everything that touches a session runs on the engine's single worker thread.
+Everything that touches a session runs under the scheduler, one turn at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kvos.server.state import StateDir
 from kvos.server.tools import plan_tools, template_inputs
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span, flatten
+from kvos.session.session import Session
 
 
 @dataclass
@@ -49,6 +50,10 @@ class ChatService:
         self.manager, self.config, self.state = manager, config, state
         self.registry = SessionRegistry(manager, config, state)
         self.totals = {"reused_tokens": 0, "decoded_tokens": 0, "requests": 0}
+
+    def request_pages(self) -> int:
+        """The pool pages the scheduler reserves for one request (:meth:`SessionConfig.peak_pages`)."""
+        return self.manager.config.peak_pages(self.manager.engine.pool.layout.block_size)
 
     def autosave(self, engine: Executor) -> Autosave | None:
         """The periodic and shutdown snapshots of a server with a state dir (None without one)."""
@@ -125,9 +130,25 @@ class ChatService:
 
         Closing the generator early (the client went away, ``entry.cancel``) rolls the branch back to the
         prompt: the partial reply is dropped from the cache, the prompt stays (a retry reuses all of it)."""
-        hints, prompt = req.hints(), flatten(spans)
         params = self.sampling(req)
-        session = self.registry.choose_branch(entry, prompt)
+        session = self.registry.choose_branch(entry, flatten(spans))
+        self.manager.running.add(session.session_id)  # other sessions' pressure leaves it alone
+        try:
+            return (yield from self._turn(entry, session, spans, req, chat, params))
+        finally:
+            self.manager.running.discard(session.session_id)
+
+    def _turn(
+        self,
+        entry: Entry,
+        session: Session,
+        spans: list[Span],
+        req: SamplingFields,
+        chat: ChatRequest | None,
+        params: SamplingParams,
+    ) -> Generator[StreamEvent, None, Outcome]:
+        """:meth:`run` on the branch it chose."""
+        hints, prompt = req.hints(), flatten(spans)
         counts = dict(session.memory.journal.counts)  # before a swap-in: its recomputes are this request's
         self.registry.make_resident(entry)
         entry.served += 1

@@ -89,6 +89,16 @@ class SessionConfig:
             self.recovery_signal
         ]
 
+    def peak_pages(self, page_tokens: int) -> int:
+        """An estimate of the most pool pages (of ``page_tokens`` tokens) one request on a session of this
+        config holds at once, what the server reserves for it at admission: the budget's pages twice
+        (every block starts a page of its own, so blocks of about a page or more waste at most as much
+        again), once more for the "answer" signal's scratch sequences (a candidate with the new message,
+        scored one at a time), and two pages for the partly filled ends."""
+        budget = -(-self.budget.max_active_tokens // page_tokens)
+        scratch = budget if self.recovery_signal in ("answer", "hybrid") else 0
+        return 2 * budget + scratch + 2
+
     @property
     def uses_digests(self) -> bool:
         """Whether recovery reads key digests and the new message's queries."""

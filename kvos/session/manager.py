@@ -39,6 +39,9 @@ class MemoryManager:
         self.config = config or SessionConfig()
         self.store_factory = store_factory
         self.sessions: dict[str, Session] = {}
+        # sessions with a request in flight (its forward passes may wait in a batched step): never paged
+        # out by another session's pressure
+        self.running: set[str] = set()
         self._ids = itertools.count(1)
         self._template: ChatTemplate | None = None
 
@@ -111,10 +114,11 @@ class MemoryManager:
         return self.sessions.pop(session_id)
 
     def relieve(self, requester: SessionMemory) -> bool:
-        """Page out the lowest-scored evictable block of any other session; False when none is left."""
+        """Page out the lowest-scored evictable block of any other session with no request running on it;
+        False when none is left."""
         best: tuple[float, SessionMemory, MemBlock] | None = None
         for other in (s.memory for s in self.sessions.values()):
-            if other is requester:
+            if other is requester or other.session_id in self.running:
                 continue
             resident, scores = other.resident_scores()
             victims = select_victims(

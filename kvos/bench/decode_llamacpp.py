@@ -12,6 +12,7 @@ quantizes activations to 8 bits), so a divergence late in the run is expected, n
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from kvos.bench.common import median
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
+from kvos.model.gguf import release_free_heap
 from kvos.model.loader import load_model
 
 COLUMNS = (
@@ -43,8 +45,13 @@ COLUMNS = (
 SEED = 1234
 
 
-def rss_mb() -> float:
-    """This process's resident set size in MiB (Linux /proc; 0.0 where that is absent)."""
+def rss_mb(settle: bool = False) -> float:
+    """This process's resident set size in MiB (Linux /proc; 0.0 where that is absent). ``settle``: collect
+    garbage and hand the heap's free pages back first, so that a growth measured from here is not offset by
+    what earlier work freed (a GGUF load trims the heap: without this the growth can come out negative)."""
+    if settle:
+        gc.collect()
+        release_free_heap()
     status = Path("/proc/self/status")
     if not status.exists():
         return 0.0
@@ -70,7 +77,7 @@ def bench_llamacpp(
     torch.set_num_threads(threads)
     engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
     prompt = _prompt(engine.model.config.vocab_size, prompt_tokens)
-    before = rss_mb()
+    before = rss_mb(settle=True)
     llm = Llama(
         model_path=str(path),
         n_ctx=prompt_tokens + new_tokens + 8,
@@ -95,7 +102,7 @@ def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine,
     """kvos's engine on the file (default load: quantized kept) after a warm-up run, and the RSS growth."""
     from kvos.bench.decode import _run_kvos
 
-    before = rss_mb()
+    before = rss_mb(settle=True)
     engine = Engine(load_model(path))
     with torch.inference_mode():
         _run_kvos(engine, _prompt(engine.model.config.vocab_size, prompt_tokens), new_tokens, [])

@@ -204,7 +204,7 @@ def served_model(calls: Calls, server: ServerProcess) -> str:
 
 def run_clients(
     server: ServerProcess, n: int, plan: Plan, seed: int, calls: Calls, tag: str
-) -> tuple[Timings, float, dict[str, int]]:
+) -> tuple[Timings, float, dict[str, Any]]:
     """``n`` clients on threads of their own under the monitor; then every session is listed and deleted.
     Returns the timings, the wall seconds, and what the server saw (max active tokens, budget)."""
     timings = Timings()
@@ -231,12 +231,14 @@ def run_clients(
         "max_active_tokens_metrics": monitor.peaks.max_active_tokens,
         "budget": max((int(s["budget"]) for s in sessions), default=0),
         "sessions": len(sessions),
+        "pool_bytes_peak": monitor.peaks.pool_bytes,
+        "rss_peak_mb": round(monitor.peaks.rss / (1 << 20), 1),
     }
     return timings, wall_s, seen
 
 
 def make_row(
-    name: str, args: argparse.Namespace, clients: int, t: Timings, wall_s: float, seen: dict[str, int]
+    name: str, args: argparse.Namespace, clients: int, t: Timings, wall_s: float, seen: dict[str, Any]
 ) -> dict[str, Any]:
     """One row of the result (the issue's fields, then what they were computed from)."""
     return {
@@ -262,6 +264,8 @@ def make_row(
         "cut_short": t.requests < clients * args.turns,
         "max_active_tokens_metrics": seen["max_active_tokens_metrics"],
         "sessions": seen["sessions"],
+        "pool_bytes_peak": seen["pool_bytes_peak"],
+        "rss_peak_mb": seen["rss_peak_mb"],
     }
 
 

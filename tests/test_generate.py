@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvos.cli import main
 from kvos.engine.engine import Engine
-from kvos.engine.generate import TextAssembler, generate, stream
+from kvos.engine.generate import StreamEvent, TextAssembler, TokenPicker, decode_loop, generate, stream
 from kvos.engine.sampling import Sampler, SamplingParams, filtered_probs
 from kvos.errors import ConfigError
 from kvos.model.loader import load_model
@@ -174,3 +175,71 @@ def test_cli_generate_stories(shared_dir: Path, capsys: pytest.CaptureFixture[st
     )
     out = capsys.readouterr().out
     assert out.startswith("Once upon a time, there was a little")
+
+
+# ------------------------------------------------------------------ the one decode loop
+def _onehot(token: int, vocab: int = 10) -> torch.Tensor:
+    logits = torch.full((vocab,), -10.0)
+    logits[token] = 10.0
+    return logits
+
+
+def _picker(max_tokens: int) -> TokenPicker:
+    return TokenPicker(SamplingParams(max_tokens=max_tokens, ignore_eos=True), None)
+
+
+def test_decode_loop_feeds_every_token_but_the_last_unless_asked() -> None:
+    """Tokens 3, 4, 5, ...: each is fed after its event; the ending one only with ``feed_last``."""
+    for feed_last, fed_expected in ((False, [3, 4]), (True, [3, 4, 5])):
+        fed: list[int] = []
+
+        def feed(token: int, fed: list[int] = fed) -> torch.Tensor:
+            fed.append(token)
+            return _onehot(token + 1)
+
+        events = list(decode_loop(_onehot(3), feed, _picker(3), None, 3, feed_last=feed_last))
+        assert [e.token_id for e in events] == [3, 4, 5]
+        assert [e.finish_reason for e in events] == [None, None, "length"]
+        assert fed == fed_expected
+
+
+def test_decode_loop_consumer_that_stops_leaves_its_token_unfed() -> None:
+    fed: list[int] = []
+    loop = decode_loop(_onehot(3), lambda t: fed.append(t) or _onehot(t + 1), _picker(9), None, 9)
+    assert next(loop).token_id == 3
+    assert next(loop).token_id == 4
+    loop.close()
+    assert fed == [3]
+
+
+def test_decode_loop_serves_generate_replies_and_the_null_answer(
+    engine: Engine, tokenizer: HFTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvos generate``'s stream, a session's reply and the answer signal's null answer all run it."""
+    import kvos.engine.generate as gen
+    import kvos.session.relevance as rel
+    import kvos.session.writer as wri
+    from kvos.builtin import MODEL_DIR
+    from kvos.session.manager import MemoryManager
+    from kvos.session.relevance import AnswerContrast
+
+    calls: list[str] = []
+    real = gen.decode_loop
+
+    def counted(*args: Any, **kwargs: Any) -> Iterator[StreamEvent]:
+        calls.append("loop")
+        return real(*args, **kwargs)
+
+    for module in (gen, rel, wri):
+        monkeypatch.setattr(module, "decode_loop", counted)
+    seq = engine.new_sequence()
+    list(stream(engine, seq, tokenizer.encode("Once upon"), SamplingParams(max_tokens=3), tokenizer))
+    seq.release()
+    assert calls == ["loop"]
+    AnswerContrast(engine, [], tokenizer.eos_ids, max_new=3).null_answer(tokenizer.encode("Hello"))
+    assert calls == ["loop", "loop"]
+    session = MemoryManager.from_path(MODEL_DIR).session("s")
+    session.add_message("user", "Hello there.")
+    events = list(session.stream(SamplingParams(max_tokens=3)))
+    assert calls[2:] == ["loop"] and events[-1].finish_reason is not None
+    session.close()

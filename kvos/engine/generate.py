@@ -3,7 +3,7 @@ grammar, and stream text deltas with the sampled tokens' log-probabilities when 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal
@@ -14,6 +14,7 @@ from kvos.engine.constraint import Constraint
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from kvos.engine.sequence import Sequence
+from kvos.errors import ConfigError
 from kvos.model.tokenizer import Tokenizer
 from kvos.model.vocab import speller
 
@@ -38,11 +39,17 @@ class TokenPicker:
     of the pick under the model (raw logits: before bias, penalties, grammar and temperature), and whether
     the grammar is complete. End-of-sequence tokens come back as ``None``."""
 
-    def __init__(self, params: SamplingParams, tokenizer: Tokenizer) -> None:
+    def __init__(self, params: SamplingParams, tokenizer: Tokenizer | None) -> None:
+        """``tokenizer`` may be None only when nothing needs it: ``ignore_eos``, no grammar, no logprobs."""
+        needs = not params.ignore_eos or params.grammar is not None or params.logprobs is not None
+        if tokenizer is None and needs:
+            raise ConfigError("end-of-sequence tokens, a grammar and logprobs need the tokenizer")
         self.params, self.sampler = params, Sampler(params)
-        self.eos = set() if params.ignore_eos else set(tokenizer.eos_ids)
-        self.constraint = Constraint(params.grammar, tokenizer) if params.grammar is not None else None
-        self.spell = speller(tokenizer) if params.logprobs is not None else None
+        self.eos = set() if tokenizer is None or params.ignore_eos else set(tokenizer.eos_ids)
+        self.constraint = (
+            Constraint(params.grammar, tokenizer) if tokenizer and params.grammar is not None else None
+        )
+        self.spell = speller(tokenizer) if tokenizer and params.logprobs is not None else None
 
     def pick(self, logits: torch.Tensor) -> tuple[int | None, TokenLogprob | None]:
         """logits: float [vocab] (or [1, vocab]) -> (token id or None for EOS, its log-probability)."""
@@ -137,26 +144,49 @@ def stream(
     """
     picker = TokenPicker(params, tokenizer)
     assembler = TextAssembler(tokenizer, list(seq.token_ids) + list(prompt_ids), params.stop)
-    generated: list[int] = []
     if params.max_tokens == 0:
         yield StreamEvent("", None, "length")
         return
     logits = engine.extend(seq, prompt_ids)[0]
+    feed = lambda token: engine.decode(seq, token)  # noqa: E731
+    yield from decode_loop(logits, feed, picker, assembler, params.max_tokens)
+
+
+def decode_loop(
+    logits: torch.Tensor,
+    feed: Callable[[int], torch.Tensor],
+    picker: TokenPicker,
+    assembler: TextAssembler | None,
+    max_tokens: int,
+    feed_last: bool = False,
+) -> Iterator[StreamEvent]:
+    """The decode loop of every generation: a session's reply (the server, the demo), :func:`stream`
+    (``kvos generate``) and the answer signal's null answer.
+
+    Picks a token from ``logits`` (float [vocab] or [1, vocab]), yields its event, then feeds it
+    (``feed(token)`` returns the next logits) unless the event ended the reply; with ``feed_last`` the
+    ending token is fed too, so the cache holds the whole reply. A consumer that stops at an event leaves
+    that event's token unfed. ``assembler`` None: no text (events carry tokens only)."""
+    generated: list[int] = []
+    if max_tokens == 0:
+        yield StreamEvent("", None, "length")
+        return
     while True:
         token, logprob = picker.pick(logits)
         if token is None:
-            yield StreamEvent(assembler.flush(), None, "stop")
+            yield StreamEvent(assembler.flush() if assembler is not None else "", None, "stop")
             return
         generated.append(token)
-        event = next_event(assembler, generated, picker, params.max_tokens, logprob)
+        event = next_event(assembler, generated, picker, max_tokens, logprob)
         yield event
+        if event.finish_reason is None or feed_last:
+            logits = feed(token)
         if event.finish_reason is not None:
             return
-        logits = engine.decode(seq, token)
 
 
 def next_event(
-    assembler: TextAssembler,
+    assembler: TextAssembler | None,
     generated: list[int],
     picker: TokenPicker,
     max_tokens: int,
@@ -165,13 +195,14 @@ def next_event(
     """The event for the token just appended to ``generated``: its text, and the finish reason if it ends
     the reply (a stop string, a complete grammar, or ``max_tokens``)."""
     token = generated[-1]
-    delta, hit = assembler.update(generated)
+    delta, hit = assembler.update(generated) if assembler is not None else ("", False)
+    rest = assembler.flush if assembler is not None else str
     if hit:
         return StreamEvent(delta, token, "stop", logprob)
     if picker.complete:
-        return StreamEvent(delta + assembler.flush(), token, "stop", logprob)
+        return StreamEvent(delta + rest(), token, "stop", logprob)
     if len(generated) >= max_tokens:
-        return StreamEvent(delta + assembler.flush(), token, "length", logprob)
+        return StreamEvent(delta + rest(), token, "length", logprob)
     return StreamEvent(delta, token, None, logprob)
 
 

@@ -23,7 +23,8 @@ from typing import TypeVar
 import torch
 
 from kvos.engine.engine import Engine
-from kvos.engine.sampling import Sampler, SamplingParams
+from kvos.engine.generate import TokenPicker, decode_loop
+from kvos.engine.sampling import SamplingParams
 from kvos.session.queries import QueryTap
 
 K = TypeVar("K")
@@ -69,10 +70,10 @@ class AnswerContrast:
 
     def null_answer(self, context: Sequence[int], tap: QueryTap | None = None) -> list[int]:
         """Greedy continuation of ``context`` (non-empty): at most ``max_new`` tokens, stopping after an
-        end-of-turn token, which is kept (its probability is part of the answer's; :func:`kvos.engine.
-        generate.stream` drops it, so this loop is its own). With ``tap``, the queries of the context and of
-        the answer's tokens but the last go to it (at positions 0, 1, ...)."""
-        pick = Sampler(SamplingParams(max_tokens=self.max_new))  # greedy
+        end-of-turn token, which is kept (its probability is part of the answer's; a reply drops it). With
+        ``tap``, the queries of the context and of the answer's tokens but the last go to it (at positions
+        0, 1, ...)."""
+        picker = TokenPicker(SamplingParams(max_tokens=self.max_new, ignore_eos=True), None)  # greedy
         seq = self.engine.new_sequence()
         layers = tap.wanted if tap is not None else frozenset()
 
@@ -85,13 +86,13 @@ class AnswerContrast:
         out: list[int] = []
         try:
             with torch.no_grad():
-                logits = run(list(context))
-                while True:
-                    token = pick(logits)
-                    out.append(token)
-                    if token in self.eos_ids or len(out) == self.max_new:
-                        return out
-                    logits = run([token])[0]
+                first = run(list(context))
+                for event in decode_loop(first, lambda t: run([t])[0], picker, None, self.max_new):
+                    assert event.token_id is not None  # no end-of-sequence token ends it (ignore_eos)
+                    out.append(event.token_id)
+                    if event.token_id in self.eos_ids:
+                        break
+                return out
         finally:
             self.engine.release(seq)
 

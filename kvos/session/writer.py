@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvos.engine.generate import StreamEvent, TextAssembler, TokenPicker, next_event
+from kvos.engine.generate import StreamEvent, TextAssembler, TokenPicker, decode_loop
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
 from kvos.policy.blocks import BlockKind, MemBlock
@@ -27,27 +27,21 @@ class ReplyWriter:
     def write(
         self, params: SamplingParams, block: MemBlock | None, anchor: list[int]
     ) -> Generator[StreamEvent, None, str]:
-        """The decode loop: sample, feed, stream text; returns the reply text (cut before a stop string)."""
+        """Sample, stream and feed the reply (:func:`decode_loop`, every token fed, the last included);
+        returns the reply text (cut before a stop string)."""
         if self.s.last_logits is None:
             raise ConfigError("nothing to continue from: the session has no prompt yet")
         self.block = block
-        if params.max_tokens == 0:
-            yield StreamEvent("", None, "length")
-            return ""
         picker = TokenPicker(params, self.s.tokenizer)
         assembler = TextAssembler(self.s.tokenizer, anchor, params.stop)
-        generated: list[int] = []
-        while True:
-            token, logprob = picker.pick(self.s.last_logits)
-            if token is None:
-                yield StreamEvent(assembler.flush(), None, "stop")
-                return assembler.text
-            generated.append(token)
-            block = self.block = self.feed(token, block)
-            event = next_event(assembler, generated, picker, params.max_tokens, logprob)
-            yield event
-            if event.finish_reason is not None:
-                return assembler.text
+
+        def feed(token: int) -> torch.Tensor:
+            self.block = self.feed(token, self.block)
+            assert self.s.last_logits is not None
+            return self.s.last_logits
+
+        yield from decode_loop(self.s.last_logits, feed, picker, assembler, params.max_tokens, feed_last=True)
+        return assembler.text
 
     def feed(self, token: int, block: MemBlock | None) -> MemBlock:
         """Append one generated token to the reply (opening a new block at block_tokens), decode it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -95,7 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def server_environment(argv: Sequence[str]) -> None:
+    """For ``kvos serve``, before torch loads (this module does not import it; setting these later has no
+    effect): turn off MKL's fast memory manager, which keeps matrix-multiply buffers per thread and never
+    hands them back. A server's worker threads each grow their own set; measured in-process under the soak's
+    load, 25 MB held after the warm-up and 1-2 MB more per 200 requests, none of it freed when the sessions
+    go (docs/reliability.md). A value the user set is kept."""
+    if list(argv)[:1] == ["serve"]:
+        os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    server_environment(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

@@ -14,7 +14,7 @@ BENCHMARKS = {
     "decode": ("kvos.bench.decode", "decode tokens/s of kvos vs transformers' generate"),
     "kernels": ("kvos.bench.kernels", "quantized-weight matmul kernels vs float32 on SmolLM2's shapes"),
     "growth": ("kvos.bench.growth", "pool bytes vs live bytes as one sequence grows"),
-    "restore": ("kvos.bench.restore", "restoring a saved K/V block vs re-prefilling it vs a plain copy"),
+    "restore": ("kvos.bench.restore", "restoring a saved chunk's K/V vs re-prefilling it vs a plain copy"),
     "session": ("kvos.bench.session", "a chat session growing to 100x its KV budget: tokens, events, RSS"),
     "recall": ("kvos.bench.recall", "planted-fact probe pass rate per memory strategy and budget"),
     "quality": ("kvos.bench.quality", "perplexity, top-1 and KL vs the full cache per compression policy"),

@@ -1,7 +1,7 @@
 """``kvos demo``: the planted-fact session run inside a KV budget well below its size.
 
 A fact is planted at turn 1, twelve filler turns follow, and turn 14 asks for the fact. With the budget at a
-fraction of the session's tokens, the fact's block is paged out along the way; whether the answer is right
+fraction of the session's tokens, the fact's chunk is paged out along the way; whether the answer is right
 depends on the memory policy bringing it back.
 """
 

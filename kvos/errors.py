@@ -66,32 +66,32 @@ class UnsafeTemplateError(TokenizerError):
     """A chat template that reaches for Python internals (refused by the sandbox when it is loaded)."""
 
 
-class BlockNotFoundError(KvosError, KeyError):
-    """A key that the block store does not hold: never put, deleted, popped, or dropped."""
+class ChunkNotFoundError(KvosError, KeyError):
+    """A key that the chunk store does not hold: never put, deleted, popped, or dropped."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else super().__str__()
 
 
-class CorruptBlockError(KvosError):
-    """A block file on disk that fails its checksum or cannot be parsed; the store removed the entry."""
+class CorruptChunkError(KvosError):
+    """A chunk file on disk that fails its checksum or cannot be parsed; the store removed the entry."""
 
     def __init__(self, key: object, path: object, reason: str) -> None:
         self.key = key
         self.path = path
         super().__init__(
-            f"block {key!r}: file {path} is corrupt ({reason}); the entry was removed from the store, "
-            "recover the block another way (re-prefill its tokens)"
+            f"chunk {key!r}: file {path} is corrupt ({reason}); the entry was removed from the store, "
+            "recover the chunk another way (re-prefill its tokens)"
         )
 
 
-class BlockDataError(KvosError, ValueError):
-    """K/V tensors or metadata that the block store cannot hold (not a tensor, meta not JSON-able)."""
+class ChunkDataError(KvosError, ValueError):
+    """K/V tensors or metadata that the chunk store cannot hold (not a tensor, meta not JSON-able)."""
 
 
 class SignalError(KvosError, ValueError):
-    """A signal value a memory policy cannot use: a negative or non-finite attention mass, block boundaries
-    that do not tile the cache, embeddings of mismatched shapes or zero norm, a block without a score."""
+    """A signal value a memory policy cannot use: a negative or non-finite attention mass, chunk boundaries
+    that do not tile the cache, embeddings of mismatched shapes or zero norm, a chunk without a score."""
 
 
 class BudgetError(KvosError):

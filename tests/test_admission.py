@@ -1,4 +1,4 @@
-"""Admission by the pool's capacity: the scheduler starts page-reserving work only while every running
+"""Admission by the pool's capacity: the scheduler starts block-reserving work only while every running
 work's reservation fits in the cap (in arrival order); on ``kvos serve --kv-memory`` idle sessions are
 swapped out to make room (preemption) and their next request continues exactly as on an uncapped server;
 another session's pressure never pages out a session with a request running."""
@@ -34,7 +34,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 
 @pytest.fixture
 def capped(engine: Engine) -> Iterator[Scheduler]:
-    sched = Scheduler(engine.model, engine.pool, max_running=4, step_tokens=64, capacity_pages=10)
+    sched = Scheduler(engine.model, engine.pool, max_running=4, step_tokens=64, capacity_blocks=10)
     engine.scheduler = sched
     yield sched
     engine.scheduler = None
@@ -73,16 +73,16 @@ def _until(engine: Engine, gate: threading.Event) -> bool:
 def test_reservations_never_pass_the_cap_and_start_in_arrival_order(
     engine: Engine, capped: Scheduler
 ) -> None:
-    """Works reserving 4 of 10 pages: two run at once (8), never three (12), though ``max_running`` is 4;
+    """Works reserving 4 of 10 blocks: two run at once (8), never three (12), though ``max_running`` is 4;
     all give the tokens they give alone."""
     log: list[tuple[str, int]] = []
     lock = threading.Lock()
     alone = [_decode(engine, seed, [], lock) for seed in range(6)]  # not on a worker: runs directly
     futures = [capped.admit(4, _decode, engine, seed, log, lock) for seed in range(6)]
     assert [f.result(timeout=120) for f in futures] == alone
-    assert capped.stats.max_reserved_pages == 8
-    assert capped.stats.waited_for_pages >= 4
-    assert capped.reserved_pages == 0
+    assert capped.stats.max_reserved_blocks == 8
+    assert capped.stats.waited_for_blocks >= 4
+    assert capped.reserved_blocks == 0
     running, peak = 0, 0
     for kind, _ in log:
         running += 1 if kind == "start" else -1
@@ -91,19 +91,19 @@ def test_reservations_never_pass_the_cap_and_start_in_arrival_order(
 
 
 def test_a_later_smaller_work_does_not_overtake_a_waiting_one(engine: Engine, capped: Scheduler) -> None:
-    """6 of 10 pages held: a work needing 6 waits, and one needing 4 (which would fit) waits behind it
-    rather than starve it; both start once the pages come back."""
+    """6 of 10 blocks held: a work needing 6 waits, and one needing 4 (which would fit) waits behind it
+    rather than starve it; both start once the blocks come back."""
     gate = threading.Event()
     hold = capped.admit(6, _until, engine, gate)
     first = capped.admit(6, lambda: "first")
     second = capped.admit(4, lambda: "second")
     assert not gate.wait(0.5)
     assert not first.done() and not second.done()
-    assert capped.reserved_pages == 6
+    assert capped.reserved_blocks == 6
     gate.set()
     assert hold.result(timeout=30)
     assert first.result(timeout=30) == "first" and second.result(timeout=30) == "second"
-    assert capped.reserved_pages == 0
+    assert capped.reserved_blocks == 0
 
 
 def test_a_reservation_above_the_cap_runs_alone(engine: Engine, capped: Scheduler) -> None:
@@ -113,13 +113,13 @@ def test_a_reservation_above_the_cap_runs_alone(engine: Engine, capped: Schedule
     small = capped.admit(1, _decode, engine, 2, log, lock)
     assert big.result(timeout=120) and small.result(timeout=120)
     assert log == [("start", 1), ("end", 1), ("start", 2), ("end", 2)]
-    assert capped.stats.max_reserved_pages == 25
+    assert capped.stats.max_reserved_blocks == 25
 
 
-def test_unreserved_work_does_not_wait_for_pages(engine: Engine, capped: Scheduler) -> None:
-    """A delete or a snapshot (``submit``: no pages) starts while page-reserving work waits for room."""
+def test_unreserved_work_does_not_wait_for_blocks(engine: Engine, capped: Scheduler) -> None:
+    """A delete or a snapshot (``submit``: no blocks) starts while block-reserving work waits for room."""
     gate = threading.Event()
-    hold = capped.admit(10, _until, engine, gate)  # holds every page until the gate opens
+    hold = capped.admit(10, _until, engine, gate)  # holds every block until the gate opens
     waiting = capped.admit(1, lambda: "ran")
     free = capped.submit(lambda: "free")
     assert free.result(timeout=30) == "free"
@@ -128,8 +128,8 @@ def test_unreserved_work_does_not_wait_for_pages(engine: Engine, capped: Schedul
     assert hold.result(timeout=30) and waiting.result(timeout=30) == "ran"
 
 
-def test_shutdown_cancels_work_waiting_for_pages(engine: Engine) -> None:
-    sched = Scheduler(engine.model, engine.pool, max_running=2, step_tokens=64, capacity_pages=4)
+def test_shutdown_cancels_work_waiting_for_blocks(engine: Engine) -> None:
+    sched = Scheduler(engine.model, engine.pool, max_running=2, step_tokens=64, capacity_blocks=4)
     gate = threading.Event()
     hold = sched.admit(4, _until, engine, gate)
     waiting = sched.admit(4, lambda: "never")
@@ -142,13 +142,13 @@ def test_shutdown_cancels_work_waiting_for_pages(engine: Engine) -> None:
 
 
 def test_bad_capacities_are_config_errors(engine: Engine) -> None:
-    with pytest.raises(ConfigError, match="capacity_pages"):
-        Scheduler(engine.model, engine.pool, capacity_pages=0)
+    with pytest.raises(ConfigError, match="capacity_blocks"):
+        Scheduler(engine.model, engine.pool, capacity_blocks=0)
 
 
 # ------------------------------------------------------------------ pressure and running sessions
 def test_pressure_never_pages_out_a_session_with_a_request_running() -> None:
-    config = SessionConfig(budget=Budget(max_active_tokens=128), block_tokens=16)
+    config = SessionConfig(budget=Budget(max_active_tokens=128), chunk_tokens=16)
     manager = MemoryManager.from_path(MODEL_DIR, config)
     a, b = manager.session("a"), manager.session("b")
     for s in (a, b):
@@ -177,7 +177,7 @@ def test_kv_memory_sizes_parse() -> None:
 
 def test_kv_memory_below_one_request_is_refused_at_start(engine: Engine) -> None:
     config = SessionConfig(budget=Budget(max_active_tokens=512))
-    need = config.peak_pages(engine.pool.layout.block_size) * engine.pool.layout.bytes_per_block
+    need = config.peak_blocks(engine.pool.layout.block_size) * engine.pool.layout.bytes_per_block
     check_kv_memory(engine, config, need)
     with pytest.raises(SystemExit, match="cannot hold one request"):
         check_kv_memory(engine, config, need - 1)
@@ -217,9 +217,9 @@ def test_server_under_a_cap_preempts_idle_sessions_and_continues_exactly() -> No
     with running_app(MODEL_DIR, "--max-running", "1") as (url, app):
         alone = [_conversation(url, f"s{i}", q) for i, q in enumerate(QUESTIONS)]
         service = app.state.service
-        pages = service.request_pages()
-        page_bytes = service.manager.engine.pool.layout.bytes_per_block
-    cap = 2 * pages * page_bytes
+        blocks = service.request_blocks()
+        block_bytes = service.manager.engine.pool.layout.bytes_per_block
+    cap = 2 * blocks * block_bytes
     with running_app(MODEL_DIR, "--kv-memory", str(cap)) as (url, app):
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:
             together = list(pool.map(lambda iq: _conversation(url, f"s{iq[0]}", iq[1]), enumerate(QUESTIONS)))
@@ -231,9 +231,9 @@ def test_server_under_a_cap_preempts_idle_sessions_and_continues_exactly() -> No
             for e in entry.session.memory.journal.events
         ]
     assert together == alone
-    assert sched.capacity_pages == 2 * pages
-    assert sched.stats.max_reserved_pages == 2 * pages  # two at once, never more
-    assert sched.stats.waited_for_pages >= 1
+    assert sched.capacity_blocks == 2 * blocks
+    assert sched.stats.max_reserved_blocks == 2 * blocks  # two at once, never more
+    assert sched.stats.waited_for_blocks >= 1
     assert pool_bytes <= cap
     assert "preempt" in events and "swap_in" in events
 

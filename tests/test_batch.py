@@ -1,4 +1,4 @@
-"""Batched forward passes: several sequences of different lengths in one pass (prefill chunks and decode
+"""Batched forward passes: several sequences of different lengths in one pass (prefill slices and decode
 tokens mixed) give the logits each would get alone, on tiny random models of every architecture."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_batched_steps_equal_unbatched(model_path: Path) -> None:
     """Three sequences: a batched prefill of lengths 5, 17 and 9, then mixed steps (decode tokens next to
-    prefill chunks, one sequence sitting a step out), compared step by step with the same sequences run
+    prefill slices, one sequence sitting a step out), compared step by step with the same sequences run
     one at a time in their own engine."""
     model = load_model(model_path)
     alone, together = Engine(model, block_size=4), Engine(model, block_size=4)

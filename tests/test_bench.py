@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,7 @@ def test_decode(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_growth(model_dir: Path, tmp_path: Path) -> None:
-    result = run_bench(tmp_path, "growth", "--model", str(model_dir), "--max-tokens", "1024", "--chunk", "64")
+    result = run_bench(tmp_path, "growth", "--model", str(model_dir), "--max-tokens", "1024", "--slice", "64")
     for field in (*CONTRACT, *GROWTH_TOP):
         assert field in result
     assert result["benchmark"] == "growth"
@@ -77,3 +79,17 @@ def test_growth(model_dir: Path, tmp_path: Path) -> None:
     assert result["max_pool_over_live_after_256"] <= 2
     assert result["static_over_pool"] == pytest.approx(rows[-1]["static_bytes"] / rows[-1]["pool_bytes"])
     assert 0 <= result["copy_ms_total"] <= result["prefill_ms_total"]
+
+
+@pytest.mark.parametrize(
+    ("module", "flags", "dest"),
+    [
+        ("session", ("--chunk-tokens", "--block-tokens"), "chunk_tokens"),
+        ("growth", ("--slice", "--chunk"), "slice"),
+    ],
+)
+def test_renamed_flags_keep_their_older_names(module: str, flags: tuple[str, str], dest: str) -> None:
+    """``--block-tokens`` (bench session) and ``--chunk`` (bench growth) still work, as their new names."""
+    parser = argparse.ArgumentParser()
+    importlib.import_module(f"kvos.bench.{module}").add_arguments(parser)
+    assert [getattr(parser.parse_args([flag, "32"]), dest) for flag in flags] == [32, 32]

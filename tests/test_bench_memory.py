@@ -12,7 +12,7 @@ from kvos.cli import main
 
 CONTRACT = ("benchmark", "model", "device", "torch")
 RESTORE_ROW = (
-    "block_tokens",
+    "chunk_tokens",
     "save_ms",
     "load_ms",
     "reprefill_ms",
@@ -52,14 +52,14 @@ def test_restore(model_dir: Path, tmp_path: Path) -> None:
         assert field in result
     assert (result["benchmark"], result["model"]) == ("restore", str(model_dir))
     rows = result["rows"]
-    assert [r["block_tokens"] for r in rows] == [8, 16]
+    assert [r["chunk_tokens"] for r in rows] == [8, 16]
     c = json.loads((model_dir / "config.json").read_text())
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4  # K and V, float32
     for row in rows:
         for field in RESTORE_ROW:
             assert field in row
-        assert row["kv_bytes"] == row["block_tokens"] * per_token
+        assert row["kv_bytes"] == row["chunk_tokens"] * per_token
         for field in ("save_ms", "load_ms", "reprefill_ms", "copy_ms", "load_same_pos_ms"):
             assert row[field] > 0
         assert row["speedup"] == pytest.approx(row["reprefill_ms"] / row["load_ms"])
@@ -87,7 +87,7 @@ def test_session(model_dir: Path, tmp_path: Path) -> None:
     assert result["history_tokens"] >= factor * budget
     assert result["recoveries"] == result["recoveries_restore"] + result["recoveries_recompute"]
     assert result["evictions"] > 0
-    # kv_restore keeps every evicted block: the cache covers the whole history, in RAM
+    # kv_restore keeps every evicted chunk: the cache covers the whole history, in RAM
     assert result["cached_tokens"] == result["history_tokens"]
     saved_tokens = result["history_tokens"] - result["active_tokens"]
     assert result["saved_bytes"] == saved_tokens * result["bytes_per_token"]

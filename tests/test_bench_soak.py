@@ -71,7 +71,7 @@ def test_soak_at_ci_scale(tmp_path: Path) -> None:
 
 
 def test_deleted_session_hands_its_memory_back(tmp_path: Path) -> None:
-    """A session whose saved blocks fill tens of MiB of host RAM: deleting it gives the server's RSS back
+    """A session whose saved chunks fill tens of MiB of host RAM: deleting it gives the server's RSS back
     (before the fix the freed heap stayed resident: RSS stayed at the session's high-water mark)."""
     key = "soak-test-key"
     with ServerProcess(["--budget", "256", "--api-key", key], tmp_path / "serve.log") as server:
@@ -97,7 +97,7 @@ def test_deleted_session_hands_its_memory_back(tmp_path: Path) -> None:
         end = rss_bytes(server.pid)
         http.close()
     assert saved > 16 << 20
-    assert grown - start > saved / 2  # the saved blocks were resident
+    assert grown - start > saved / 2  # the saved chunks were resident
     assert end - start < saved / 4, f"RSS {start >> 20} -> {grown >> 20} -> {end >> 20} MiB after the delete"
 
 
@@ -135,7 +135,7 @@ def test_deleted_session_is_freed_at_once() -> None:
         freed = session() is None
     finally:
         gc.enable()
-    assert evictions > 0  # the session outgrew its budget: it had saved blocks to free
+    assert evictions > 0  # the session outgrew its budget: it had saved chunks to free
     assert freed
     assert grown_bytes > start_bytes and pool.nbytes == start_bytes  # the empty pool went back to its start
 

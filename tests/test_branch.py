@@ -10,8 +10,8 @@ import torch
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
-from kvos.policy.blocks import BlockKind, BlockState
 from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkKind, ChunkState
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span
@@ -23,7 +23,7 @@ TOL = 1e-5
 def manager(model_dir: Path) -> MemoryManager:
     config = SessionConfig(
         budget=Budget(max_active_tokens=160, policy="hard"),
-        block_tokens=24,
+        chunk_tokens=24,
         embedder="tokens",
         recovery_signal="lexical",
     )
@@ -35,7 +35,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def spans(*parts: list[int]) -> list[Span]:
-    return [Span(list(p), BlockKind.DOCUMENT, message_index=i) for i, p in enumerate(parts)]
+    return [Span(list(p), ChunkKind.DOCUMENT, message_index=i) for i, p in enumerate(parts)]
 
 
 def logits_of(manager: MemoryManager, name: str, *parts: list[int]) -> torch.Tensor:
@@ -45,12 +45,12 @@ def logits_of(manager: MemoryManager, name: str, *parts: list[int]) -> torch.Ten
     return session.last_logits.clone()
 
 
-def test_fork_shares_blocks_and_continues_exactly(manager: MemoryManager) -> None:
+def test_fork_shares_chunks_and_continues_exactly(manager: MemoryManager) -> None:
     head, tail, other = tokens(1, 100), tokens(2, 20), tokens(3, 20)
     parent = manager.session("main")
     parent.sync(spans(head[:60], head[60:]))
     used = manager.engine.pool.allocator.num_used
-    child = manager.fork("main", "branch", 50)  # inside the first block, not at a pool-block boundary
+    child = manager.fork("main", "branch", 50)  # inside the first chunk, not at a pool-block boundary
     assert child.memory.history_tokens == 50 and child.history_ids() == head[:50]
     # 50 tokens = 6 full pool blocks shared by reference + one partly filled block copied
     assert manager.engine.pool.allocator.num_used == used + 1
@@ -87,16 +87,16 @@ def test_eviction_in_a_branch_leaves_the_parent_intact(manager: MemoryManager) -
     torch.testing.assert_close(parent.last_logits, logits_of(manager, "fresh", head, extra), rtol=0, atol=TOL)
 
 
-def test_fork_copies_saved_blocks_and_frees_on_close(manager: MemoryManager) -> None:
+def test_fork_copies_saved_chunks_and_frees_on_close(manager: MemoryManager) -> None:
     parent = manager.session("main")
     parent.sync(spans(*(tokens(10 + i, 40) for i in range(6))))  # 240 tokens > 160: some are saved
-    saved = [b for b in parent.blocks.values() if b.state is BlockState.SAVED]
+    saved = [c for c in parent.chunks.values() if c.state is ChunkState.SAVED]
     assert saved
     child = manager.fork("main", "branch", parent.memory.history_tokens)
     assert child.history_ids() == parent.history_ids()
-    for block in saved:
-        assert child.blocks[block.block_id].state is BlockState.SAVED
-        assert child.pager.store is not None and block.block_id in child.pager.store
+    for chunk in saved:
+        assert child.chunks[chunk.chunk_id].state is ChunkState.SAVED
+        assert child.pager.store is not None and chunk.chunk_id in child.pager.store
     manager.close("main")
     manager.close("branch")
     assert manager.engine.pool.allocator.num_used == 0

@@ -1,5 +1,5 @@
-"""The sparse block codec: exact round trips, the smaller form chosen, exact byte counts, and its use by
-BlockStore in RAM and on disk (checksummed)."""
+"""The chunk store's sparse codec: exact round trips, the smaller form chosen, exact byte counts, and its use
+by ChunkStore in RAM and on disk (checksummed)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvos.errors import CorruptBlockError
+from kvos.errors import CorruptChunkError
 from kvos.memory.codec import encode, from_payload, sparse_nbytes
-from kvos.memory.store import FILE_SUFFIX, BlockStore
+from kvos.memory.store import FILE_SUFFIX, ChunkStore
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPE = (2, 16, 2, 8)  # [num_layers, n, num_kv_heads, head_dim]: 512 elements
@@ -40,7 +40,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def through_payload(x: torch.Tensor) -> torch.Tensor:
     enc = encode(x)
-    payload = memoryview(b"".join(bytes(c) for c in enc.chunks()))
+    payload = memoryview(b"".join(bytes(c) for c in enc.buffers()))
     back, end = from_payload(enc.spec(), payload, 0)
     assert end == len(payload) == enc.nbytes
     return back.decode()
@@ -75,7 +75,7 @@ def test_dense_is_kept_unless_sparse_is_strictly_smaller(dtype: torch.dtype) -> 
     assert encode(torch.zeros(0, 3, dtype=dtype)).nbytes == 0
 
 
-def test_half_zero_float32_block_is_one_32nd_plus_one_half_of_dense() -> None:
+def test_half_zero_float32_tensor_is_one_32nd_plus_one_half_of_dense() -> None:
     x = with_zeros(0.5, torch.float32)  # 512 elements, 256 zeros
     enc = encode(x)
     assert enc.sparse and enc.raw_bytes == 2048
@@ -85,7 +85,7 @@ def test_half_zero_float32_block_is_one_32nd_plus_one_half_of_dense() -> None:
 def test_store_counts_encoded_bytes_in_ram_and_reports_raw_and_stored(tmp_path: Path) -> None:
     k, v = with_zeros(0.5, torch.float32, 1), with_zeros(0.5, torch.float32, 2)
     dense_k, dense_v = with_zeros(0.0, torch.float32, 3), with_zeros(0.0, torch.float32, 4)
-    store = BlockStore(disk_dir=tmp_path)
+    store = ChunkStore(disk_dir=tmp_path)
     store.put("sparse", k, v)
     assert store.ram_bytes_used == 2 * 1088
     store.put("dense", dense_k, dense_v)
@@ -100,7 +100,7 @@ def test_sparse_entry_spilled_to_disk_loads_back_exact_and_is_checksummed(tmp_pa
     k, v = with_zeros(0.9, torch.bfloat16, 5), with_zeros(0.3, torch.bfloat16, 6)
     k.view(-1)[7] = -0.0
     dropped: list[object] = []
-    store = BlockStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
     store.put("b", k, v, {"start": 3})
     (name,) = [p for p in tmp_path.iterdir() if p.name.endswith(FILE_SUFFIX)]
     stored = encode(k).nbytes + encode(v).nbytes
@@ -112,7 +112,7 @@ def test_sparse_entry_spilled_to_disk_loads_back_exact_and_is_checksummed(tmp_pa
     data = bytearray(name.read_bytes())
     data[-3] ^= 0x01  # one bit of V's values
     name.write_bytes(bytes(data))
-    with pytest.raises(CorruptBlockError):
+    with pytest.raises(CorruptChunkError):
         store.get("b")
     assert dropped == ["b"] and "b" not in store and not name.exists()
 
@@ -120,7 +120,7 @@ def test_sparse_entry_spilled_to_disk_loads_back_exact_and_is_checksummed(tmp_pa
 def test_disk_entry_loaded_into_ram_keeps_its_encoded_size(tmp_path: Path) -> None:
     k, v = with_zeros(0.9, torch.float16, 7), with_zeros(0.9, torch.float16, 8)
     size = encode(k).nbytes + encode(v).nbytes
-    store = BlockStore(ram_bytes=size, disk_dir=tmp_path)
+    store = ChunkStore(ram_bytes=size, disk_dir=tmp_path)
     store.put("a", k, v)
     store.put("b", k.clone(), v.clone())  # spills a
     assert store.where("a") == "disk" and store.ram_bytes_used == size

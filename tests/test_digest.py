@@ -1,5 +1,5 @@
 """Key digests: the stored box bounds every key's logit for any query (Quest's bound, kept through RoPE and
-float16 storage), the attention shares find a planted block, and the query tap hands back queries rotated
+float16 storage), the attention shares find a planted chunk, and the query tap hands back queries rotated
 back to position 0."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_the_bound_is_never_below_any_keys_logit(dtype: torch.dtype) -> None:
         assert (logits.amax(-1) <= bound + 1e-4 * bound.abs().clamp(min=1)).all()
 
 
-def test_a_one_token_block_is_bounded_exactly() -> None:
+def test_a_one_token_chunk_is_bounded_exactly() -> None:
     """A box around one key is that key (to float16 rounding): the bound is its logit."""
     rope = Rope(64, 10000.0)
     keys, positions, content = rotated_keys(1, 1, 1, 64, rope, 3)
@@ -54,8 +54,8 @@ def test_a_one_token_block_is_bounded_exactly() -> None:
     assert torch.allclose(bound, logits, rtol=2e-3, atol=2e-2)
 
 
-def test_content_is_the_same_wherever_a_block_sits() -> None:
-    """The digest does not depend on where the block sat: the same keys rotated at other positions give
+def test_content_is_the_same_wherever_a_chunk_sits() -> None:
+    """The digest does not depend on where the chunk sat: the same keys rotated at other positions give
     the same box (to float16 rounding)."""
     rope = Rope(32, 10000.0)
     keys, positions, content = rotated_keys(16, 2, 2, 32, rope, 7)
@@ -70,17 +70,17 @@ def test_content_is_the_same_wherever_a_block_sits() -> None:
         assert torch.allclose(box.hi.float(), content.amax(1), rtol=2e-3, atol=1e-3)
 
 
-def test_the_shares_find_a_planted_block() -> None:
-    """Twenty blocks of unrelated keys and one that holds a key along the query's direction: the planted
-    block gets the largest share, with a clear margin."""
+def test_the_shares_find_a_planted_chunk() -> None:
+    """Twenty chunks of unrelated keys and one that holds a key along the query's direction: the planted
+    chunk gets the largest share, with a clear margin."""
     g = torch.Generator().manual_seed(0)
     dim, heads = 32, 2
     query = torch.randn(1, 3, heads, dim, generator=g)
-    blocks = [torch.randn(1, 12, 1, dim, generator=g) for _ in range(20)]
+    chunks = [torch.randn(1, 12, 1, dim, generator=g) for _ in range(20)]
     planted = 13
-    blocks[planted][0, 5, 0] = 3 * query[0, 1, 0] / query[0, 1, 0].norm() * dim**0.5
-    lo = torch.stack([b.amin(1) for b in blocks])  # [B, 1, 1, D]
-    hi = torch.stack([b.amax(1) for b in blocks])
+    chunks[planted][0, 5, 0] = 3 * query[0, 1, 0] / query[0, 1, 0].norm() * dim**0.5
+    lo = torch.stack([c.amin(1) for c in chunks])  # [B, 1, 1, D]
+    hi = torch.stack([c.amax(1) for c in chunks])
     shares = attention_shares(query, lo, hi)
     assert int(shares.argmax()) == planted
     assert shares[planted] > 2 * shares[torch.arange(20) != planted].max()

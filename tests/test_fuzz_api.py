@@ -363,7 +363,7 @@ def test_body_that_is_not_utf8_is_invalid_json(served: tuple[str, FastAPI]) -> N
 
 
 def test_pins_past_the_budget_are_a_400_that_leaves_the_session_alone(served: tuple[str, FastAPI]) -> None:
-    """Pinned messages hold blocks that are never paged out; more of them than the budget took the session
+    """Pinned messages hold chunks that are never paged out; more of them than the budget took the session
     half-way through the prompt and then failed (BudgetError: a 500, the session half-updated)."""
     root, app = served
     service: ChatService = app.state.service

@@ -1,4 +1,4 @@
-"""The attention signal: per-block masses from attention probabilities, and the tracker's three modes."""
+"""The attention signal: per-chunk masses from attention probabilities, and the tracker's three modes."""
 
 from __future__ import annotations
 
@@ -10,36 +10,36 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvos.errors import ConfigError, SignalError
-from kvos.policy import AttentionTracker, block_masses
+from kvos.policy import AttentionTracker, chunk_masses
 
-# ---- block_masses ----
+# ---- chunk_masses ----
 
 
-def test_block_masses_hand_computed() -> None:
+def test_chunk_masses_hand_computed() -> None:
     probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]])
     # head 0: [0.1, 0.5, 0.4]; head 1: [0.4, 0.5, 0.1]; mean over heads
-    torch.testing.assert_close(block_masses(probs, [0, 1, 3, 4]), torch.tensor([0.25, 0.5, 0.25]))
-    # an empty block gets 0; one block gets everything
-    torch.testing.assert_close(block_masses(probs, [0, 2, 2, 4]), torch.tensor([0.5, 0.0, 0.5]))
-    torch.testing.assert_close(block_masses(probs, torch.tensor([0, 4])), torch.tensor([1.0]))
+    torch.testing.assert_close(chunk_masses(probs, [0, 1, 3, 4]), torch.tensor([0.25, 0.5, 0.25]))
+    # an empty chunk gets 0; one chunk gets everything
+    torch.testing.assert_close(chunk_masses(probs, [0, 2, 2, 4]), torch.tensor([0.5, 0.0, 0.5]))
+    torch.testing.assert_close(chunk_masses(probs, torch.tensor([0, 4])), torch.tensor([1.0]))
 
 
-def test_block_masses_low_precision_input_gives_float32() -> None:
+def test_chunk_masses_low_precision_input_gives_float32() -> None:
     probs = torch.full((2, 8), 0.125, dtype=torch.bfloat16)
-    out = block_masses(probs, [0, 2, 8])
+    out = chunk_masses(probs, [0, 2, 8])
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.tensor([0.25, 0.75]))
 
 
 @pytest.mark.parametrize("boundaries", [[1, 4], [0, 3], [0, 3, 2, 4], [], [[0, 4]]])
-def test_block_masses_rejects_bad_boundaries(boundaries: list[int]) -> None:
+def test_chunk_masses_rejects_bad_boundaries(boundaries: list[int]) -> None:
     with pytest.raises(SignalError):
-        block_masses(torch.full((1, 4), 0.25), boundaries)
+        chunk_masses(torch.full((1, 4), 0.25), boundaries)
 
 
-def test_block_masses_rejects_bad_probs_shape() -> None:
+def test_chunk_masses_rejects_bad_probs_shape() -> None:
     with pytest.raises(SignalError):
-        block_masses(torch.full((4,), 0.25), [0, 4])
+        chunk_masses(torch.full((4,), 0.25), [0, 4])
 
 
 @settings(max_examples=60, deadline=None)
@@ -49,8 +49,8 @@ def test_block_masses_rejects_bad_probs_shape() -> None:
     seed=st.integers(0, 2**31 - 1),
     scale=st.floats(0.1, 1.0),
 )
-def test_block_masses_property(heads: int, sizes: list[int], seed: int, scale: float) -> None:
-    """Masses sum to the total mass averaged over heads, and each equals the per-block slice sum."""
+def test_chunk_masses_property(heads: int, sizes: list[int], seed: int, scale: float) -> None:
+    """Masses sum to the total mass averaged over heads, and each equals the per-chunk slice sum."""
     t = sum(sizes)
     if t == 0:
         sizes, t = [*sizes, 1], t + 1
@@ -59,7 +59,7 @@ def test_block_masses_property(heads: int, sizes: list[int], seed: int, scale: f
     boundaries = [0]
     for n in sizes:
         boundaries.append(boundaries[-1] + n)
-    masses = block_masses(probs, boundaries)
+    masses = chunk_masses(probs, boundaries)
     assert masses.shape == (len(sizes),)
     assert float(masses.sum()) == pytest.approx(float(probs.sum()) / heads, abs=1e-5)
     for i, (lo, hi) in enumerate(itertools.pairwise(boundaries)):
@@ -82,7 +82,7 @@ def test_ewma_exact_weights() -> None:
         tracker.observe({1: m})
     expected = (0.4 + 0.95 * 0.2 + 0.95**2 * 0.1) / (1 + 0.95 + 0.95**2)
     assert tracker.raw(1) == pytest.approx(expected, abs=1e-12)
-    assert tracker.value(1) == pytest.approx(1.0)  # the only (so the most attended) block
+    assert tracker.value(1) == pytest.approx(1.0)  # the only (so the most attended) chunk
 
 
 def test_ewma_window_truncation_at_64() -> None:
@@ -104,7 +104,7 @@ def test_ewma_rescaled_by_max_and_partial_steps() -> None:
     tracker = AttentionTracker()
     tracker.observe({1: 0.2, 2: 0.4, 3: 0.0})
     assert (tracker.value(1), tracker.value(2), tracker.value(3)) == (0.5, 1.0, 0.0)
-    tracker.observe({1: 0.6})  # only block 1 observed at this step; block 2 keeps its one observation
+    tracker.observe({1: 0.6})  # only chunk 1 observed at this step; chunk 2 keeps its one observation
     r1 = (0.6 + 0.95 * 0.2) / 1.95
     assert tracker.raw(1) == pytest.approx(r1)
     assert tracker.value(1) == pytest.approx(1.0)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvos.errors import ConfigError, SignalError
-from kvos.policy import BlockKind, BlockState, Budget, MemBlock, ScoreContext, Scorer, select_victims
+from kvos.policy import Budget, Chunk, ChunkKind, ChunkState, ScoreContext, Scorer, select_victims
 
 
 def test_budget_watermark_and_hard() -> None:
@@ -38,19 +38,19 @@ def test_budget_validation(kw: dict[str, object]) -> None:
         Budget(**kw)  # type: ignore[arg-type]
 
 
-def mk(block_id: int, start: int, n: int, **kw: object) -> MemBlock:
-    return MemBlock(block_id, BlockKind.DOCUMENT, 0, [0] * n, start, **kw)  # type: ignore[arg-type]
+def mk(chunk_id: int, start: int, n: int, **kw: object) -> Chunk:
+    return Chunk(chunk_id, ChunkKind.DOCUMENT, 0, [0] * n, start, **kw)  # type: ignore[arg-type]
 
 
 def test_select_victims_exact_order() -> None:
-    blocks = [
+    chunks = [
         mk(0, 0, 10),  # sink
         mk(1, 10, 10),
         mk(2, 20, 10, keep="pin"),
         mk(3, 30, 10),  # scores 1.0
         mk(4, 40, 10),  # protected
         mk(5, 50, 10),
-        mk(6, 60, 10, state=BlockState.SAVED),
+        mk(6, 60, 10, state=ChunkState.SAVED),
         mk(7, 70, 10),
         mk(8, 80, 10),
     ]
@@ -58,8 +58,8 @@ def test_select_victims_exact_order() -> None:
     active = 80  # resident tokens
 
     def ids(target: int) -> list[int]:
-        victims = select_victims(blocks, scores, active, target, protected={4})
-        return [b.block_id for b in victims]
+        victims = select_victims(chunks, scores, active, target, protected={4})
+        return [c.chunk_id for c in victims]
 
     assert ids(80) == [] and ids(100) == []
     assert ids(79) == [5]
@@ -74,69 +74,69 @@ def test_select_victims_exact_order() -> None:
 
 
 def test_select_victims_sink_count_and_missing_score() -> None:
-    blocks = [mk(0, 0, 2), mk(1, 2, 2), mk(2, 4, 2)]
+    chunks = [mk(0, 0, 2), mk(1, 2, 2), mk(2, 4, 2)]
     scores = {0: 0.1, 1: 0.1, 2: 0.1}
-    assert [b.block_id for b in select_victims(blocks, scores, 6, 0, sink_count=4)] == [2]
-    assert [b.block_id for b in select_victims(blocks, scores, 6, 0, sink_count=0)] == [0, 1, 2]
+    assert [c.chunk_id for c in select_victims(chunks, scores, 6, 0, sink_count=4)] == [2]
+    assert [c.chunk_id for c in select_victims(chunks, scores, 6, 0, sink_count=0)] == [0, 1, 2]
     with pytest.raises(SignalError):
-        select_victims(blocks, {0: 0.1}, 6, 0)
+        select_victims(chunks, {0: 0.1}, 6, 0)
 
 
-def test_off_topic_block_evicted_first_with_scorer() -> None:
+def test_off_topic_chunk_evicted_first_with_scorer() -> None:
     x = torch.tensor([1.0, 0.0])
-    user = MemBlock(1, BlockKind.USER, 1, [0] * 20, 900, embedding=x)
-    doc_on = MemBlock(2, BlockKind.DOCUMENT, 0, [0] * 128, 100, embedding=x)
-    doc_off = MemBlock(3, BlockKind.DOCUMENT, 0, [0] * 128, 228, embedding=-x)
-    blocks = [doc_on, doc_off, user]
-    scores = Scorer().scores(blocks, ScoreContext(turn=1, total_tokens=920, focus=x))
-    victims = select_victims(blocks, scores, 276, 200)
+    user = Chunk(1, ChunkKind.USER, 1, [0] * 20, 900, embedding=x)
+    doc_on = Chunk(2, ChunkKind.DOCUMENT, 0, [0] * 128, 100, embedding=x)
+    doc_off = Chunk(3, ChunkKind.DOCUMENT, 0, [0] * 128, 228, embedding=-x)
+    chunks = [doc_on, doc_off, user]
+    scores = Scorer().scores(chunks, ScoreContext(turn=1, total_tokens=920, focus=x))
+    victims = select_victims(chunks, scores, 276, 200)
     assert victims == [doc_off]
 
 
-Case = tuple[list[MemBlock], dict[int, float], set[int], int, int, int]
+Case = tuple[list[Chunk], dict[int, float], set[int], int, int, int]
 
 
 @st.composite
-def block_sets(draw: st.DrawFn) -> Case:
-    """Random blocks (states, keeps, tied scores, some >= 1), protected ids, active tokens, target, sinks."""
+def chunk_sets(draw: st.DrawFn) -> Case:
+    """Random chunks (states, keeps, tied scores, some >= 1), protected ids, active tokens, target, sinks."""
     n = draw(st.integers(0, 12))
-    blocks, scores, start = [], {}, draw(st.integers(0, 6))
+    chunks, scores, start = [], {}, draw(st.integers(0, 6))
     for i in range(n):
         size = draw(st.integers(1, 40))
-        state = draw(st.sampled_from(list(BlockState)))
+        state = draw(st.sampled_from(list(ChunkState)))
         keep = draw(st.sampled_from([None, None, "pin", "prefer"]))
-        blocks.append(mk(i, start, size, state=state, keep=keep))
+        chunks.append(mk(i, start, size, state=state, keep=keep))
         scores[i] = draw(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.99, 1.0, 1.5]))
         start += size
     protected = set(draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=4)))
-    active = sum(b.num_tokens for b in blocks if b.resident)
+    active = sum(c.num_tokens for c in chunks if c.resident)
     target = draw(st.integers(0, active + 5))
     sink_count = draw(st.sampled_from([0, 4, 8]))
-    return draw(st.permutations(blocks)), scores, protected, active, target, sink_count
+    return draw(st.permutations(chunks)), scores, protected, active, target, sink_count
 
 
 @settings(max_examples=300, deadline=None)
-@given(block_sets())
+@given(chunk_sets())
 def test_select_victims_property(case: Case) -> None:
     """The victims are exactly the shortest lowest-scored evictable prefix reaching the target (or all)."""
-    blocks, scores, protected, active, target, sink_count = case
-    victims = select_victims(blocks, scores, active, target, protected, sink_count)
-    for v in victims:  # never a sink, pin, score >= 1, protected or non-resident block
+    chunks, scores, protected, active, target, sink_count = case
+    victims = select_victims(chunks, scores, active, target, protected, sink_count)
+    for v in victims:  # never a sink, pin, score >= 1, protected or non-resident chunk
         assert v.resident and not v.pinned and not v.is_sink(sink_count)
-        assert scores[v.block_id] < 1.0 and v.block_id not in protected
+        assert scores[v.chunk_id] < 1.0 and v.chunk_id not in protected
     allowed = sorted(
         (
-            b
-            for b in blocks
-            if b.resident
-            and not b.pinned
-            and b.original_start >= sink_count
-            and scores[b.block_id] < 1.0
-            and b.block_id not in protected
+            c
+            for c in chunks
+            if c.resident
+            and not c.pinned
+            and c.original_start >= sink_count
+            and scores[c.chunk_id] < 1.0
+            and c.chunk_id not in protected
         ),
-        key=lambda b: (scores[b.block_id], b.original_start),
+        key=lambda c: (scores[c.chunk_id], c.original_start),
     )
     k = 0
-    while k < len(allowed) and active - sum(b.num_tokens for b in allowed[:k]) > target:
+    while k < len(allowed) and active - sum(c.num_tokens for c in allowed[:k]) > target:
         k += 1
     assert victims == allowed[:k]

@@ -1,4 +1,4 @@
-"""LexicalIndex: IDF from the session's blocks, score = share of the query's IDF mass in a block."""
+"""LexicalIndex: IDF from the session's chunks, score = share of the query's IDF mass in a chunk."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Recovery from the model's own queries: the "attention" signal (key digests of saved blocks against the new
+"""Recovery from the model's own queries: the "attention" signal (key digests of saved chunks against the new
 message's queries, restored in front of the message) and the "hybrid" signal (a digest and lexical shortlist,
 then the answer signal on the shortlist only), on the built-in model; per-message costs are recorded."""
 
@@ -9,34 +9,34 @@ import torch
 from test_relevance import buried_fact_session
 
 from kvos.engine.sampling import SamplingParams
-from kvos.policy.blocks import BlockState
+from kvos.policy.chunks import ChunkState
 from kvos.session.relevance import AnswerContrast
 
 
-def test_saved_blocks_keep_a_digest_and_restores_land_in_front_of_the_message() -> None:
+def test_saved_chunks_keep_a_digest_and_restores_land_in_front_of_the_message() -> None:
     manager, s, _ = buried_fact_session("attention", check=False)
     config = manager.engine.model.config
-    saved = [b for b in s.blocks.values() if b.state is BlockState.SAVED]
-    assert saved and all(b.digest is not None for b in saved)
-    for b in saved:
-        assert b.digest.lo.shape == (config.num_layers, config.num_kv_heads, config.head_dim)
-        assert (b.digest.lo <= b.digest.hi).all()
-    digest_bytes = sum(b.digest.nbytes for b in saved)
+    saved = [c for c in s.chunks.values() if c.state is ChunkState.SAVED]
+    assert saved and all(c.digest is not None for c in saved)
+    for c in saved:
+        assert c.digest.lo.shape == (config.num_layers, config.num_kv_heads, config.head_dim)
+        assert (c.digest.lo <= c.digest.hi).all()
+    digest_bytes = sum(c.digest.nbytes for c in saved)
     saved_bytes = s.pager.store.stats()["raw_bytes"]
-    assert digest_bytes < 0.05 * saved_bytes  # 40-token blocks of a 4-layer float32 model: ~1.3%
+    assert digest_bytes < 0.05 * saved_bytes  # 40-token chunks of a 4-layer float32 model: ~1.3%
     users_before = len(s.memory.costs.turns)
     question = s.add_message("user", "What is my job?")
     restored = [
-        e["block"] for e in s.memory.journal.events if e["turn"] == s.memory.turn and e["event"] == "restore"
+        e["chunk"] for e in s.memory.journal.events if e["turn"] == s.memory.turn and e["event"] == "restore"
     ]
     assert restored, "the signal brought nothing back"
     order = s.pager.order()
-    mine = [b.block_id for b in question]
+    mine = [c.chunk_id for c in question]
     assert order[-len(mine) :] == mine  # the message stays last ...
     assert set(order[-len(mine) - len(restored) : -len(mine)]) == set(restored)  # ... the restored in front
     positions = s.pager.seq.positions.tolist()
     assert positions == list(range(len(positions)))  # compact: the message moved up, no gap, no overlap
-    assert all(b.block_id in s.memory.protected for b in question)
+    assert all(c.chunk_id in s.memory.protected for c in question)
     assert len(s.memory.costs.turns) == users_before + 1
     turn = s.memory.costs.turns[-1]
     assert turn["prefill_s"] > 0 and turn["recovery_s"] > 0 and turn["restore_s"] > 0
@@ -57,7 +57,7 @@ def test_hybrid_asks_the_model_only_about_its_shortlist(monkeypatch: pytest.Monk
     monkeypatch.setattr(AnswerContrast, "scores", spy)
     s.add_message("user", "What is my job?")
     assert seen and all(1 <= len(c) <= 2 for c in seen)  # one by attention, one by words (maybe the same)
-    assert all(b.resident for b in fact)  # the shortlist held the fact; the model picked it
+    assert all(c.resident for c in fact)  # the shortlist held the fact; the model picked it
     assert "translator" in s.generate(SamplingParams(max_tokens=16))[0]
     manager.close(s.session_id)
 
@@ -66,16 +66,16 @@ def test_restores_go_in_front_of_the_first_chunk_of_the_message_still_resident()
     """Paging may take a long message's first chunks (while its last ones are prefilled, or to make room
     for a restore): what comes back lands in front of its first chunk still resident (a KeyError before)."""
     manager, s, _ = buried_fact_session("attention", check=False, recovery_min_similarity=-1.0)
-    blocks = s.add_message("user", "What is my job? Tell me. " * 5)
-    assert len(blocks) >= 2
-    s.memory.evict([blocks[0]], {})
+    chunks = s.add_message("user", "What is my job? Tell me. " * 5)
+    assert len(chunks) >= 2
+    s.memory.evict([chunks[0]], {})
     config = manager.engine.model.config
     queries = torch.randn(config.num_layers, 8, config.num_heads, config.head_dim)
     restores = s.memory.journal.count("restore")
-    s.memory.recover_attending(blocks, queries)
+    s.memory.recover_attending(chunks, queries)
     assert s.memory.journal.count("restore") > restores
     order = s.pager.order()
-    tail = [b.block_id for b in blocks[1:]]
+    tail = [c.chunk_id for c in chunks[1:]]
     assert order[-len(tail) :] == tail
     manager.close(s.session_id)
 
@@ -84,9 +84,9 @@ def test_a_message_longer_than_the_budget_does_not_lose_its_anchor() -> None:
     """The message's first chunks are paged out while its last ones are prefilled (160-token budget, a
     ~300-token message): restores go in front of its first chunk still resident (a KeyError before)."""
     manager, s, _ = buried_fact_session("attention", check=False)
-    blocks = s.add_message("user", "Tell me again, what is my job? " * 40)
-    assert not blocks[0].resident and blocks[-1].resident
+    chunks = s.add_message("user", "Tell me again, what is my job? " * 40)
+    assert not chunks[0].resident and chunks[-1].resident
     assert s.pager.active_tokens <= 160
-    assert s.pager.order()[-1] == blocks[-1].block_id
+    assert s.pager.order()[-1] == chunks[-1].chunk_id
     assert s.generate(SamplingParams(max_tokens=4))[1]
     manager.close(s.session_id)

@@ -50,7 +50,7 @@ def test_playback_renders_with_the_models_template(gguf: Path, tokenizer: Tokeni
     [chat] = heldout_sessions(1, fillers=1)
     manager = MemoryManager(Engine(load_model(gguf, dtype="float32")), tokenizer)
     config = strategy("full", Budget(max_active_tokens=100_000), 64)
-    config.embedder = "tokens"  # no extra forward pass per block
+    config.embedder = "tokens"  # no extra forward pass per chunk
     session = manager.session(config=config)
     played = play(session, chat, max_tokens=4)
     asked = chat.messages[: chat.probes[0].message_index + 1]

@@ -16,8 +16,8 @@ from kvos.engine.sampling import SamplingParams
 from kvos.errors import PoolOutOfMemoryError
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
-from kvos.policy.blocks import BlockState
 from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkState
 from kvos.policy.lexical import LexicalIndex
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
@@ -67,12 +67,12 @@ def buried_fact_session(
     signal: str, fillers: int = 8, check: bool = True, **cfg: object
 ) -> tuple[MemoryManager, Session, list]:
     """The built-in model; a fact the question shares no content word with, then ``fillers`` exchanges
-    (8 page it out under the 160-token budget; after 7 it is still resident, the least recent block;
+    (8 page it out under the 160-token budget; after 7 it is still resident, the least recent chunk;
     ``check``: assert so, for signals that bring back nothing on the filler questions)."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
     config = SessionConfig(
-        budget=Budget(max_active_tokens=160, policy="hard"), block_tokens=40, recovery_signal=signal, **cfg
+        budget=Budget(max_active_tokens=160, policy="hard"), chunk_tokens=40, recovery_signal=signal, **cfg
     )  # type: ignore[arg-type]
     s = manager.session(config=config)
     s.add_message("system", "You are a helpful assistant.")
@@ -81,8 +81,8 @@ def buried_fact_session(
     for a, b in ((3, 4), (12, 9), (7, 7), (20, 5), (6, 16), (8, 2), (11, 13), (4, 19))[:fillers]:
         s.add_message("user", f"What is {a} plus {b}?")
         s.add_message("assistant", f"{a} plus {b} is {a + b}.")
-    expected = BlockState.SAVED if fillers == 8 else BlockState.RESIDENT
-    assert not check or all(block.state is expected for block in fact)
+    expected = ChunkState.SAVED if fillers == 8 else ChunkState.RESIDENT
+    assert not check or all(chunk.state is expected for chunk in fact)
     return manager, s, fact
 
 
@@ -92,21 +92,21 @@ def test_answer_signal_recovers_a_fact_without_shared_words(signal: str) -> None
     s.add_message("user", "What is my job?")
     reply = s.generate(SamplingParams(max_tokens=16))[0]
     if signal == "answer":  # the fact and its acknowledgement (one exchange) are back
-        ack = [b for b in s.blocks.values() if b.message_index == fact[0].message_index + 1]
-        assert ack and all(block.resident for block in fact + ack) and "translator" in reply
+        ack = [c for c in s.chunks.values() if c.message_index == fact[0].message_index + 1]
+        assert ack and all(chunk.resident for chunk in fact + ack) and "translator" in reply
     else:  # the lexical signal finds no rare word in common: the fact stays out and the model cannot answer
-        assert not any(block.resident for block in fact) and "translator" not in reply
+        assert not any(chunk.resident for chunk in fact) and "translator" not in reply
     manager.close(s.session_id)
 
 
 @pytest.mark.parametrize("signal", ["answer", "lexical"])
 def test_answer_signal_keeps_a_resident_fact_the_question_needs(signal: str) -> None:
-    """Making room for the question pages out the least recent block, the fact; the answer signal
+    """Making room for the question pages out the least recent chunk, the fact; the answer signal
     protects the exchange the answer needs for the turn, the lexical one cannot see it."""
     manager, s, fact = buried_fact_session(signal, fillers=7)
     s.add_message("user", "What is my job?")
-    state = BlockState.RESIDENT if signal == "answer" else BlockState.SAVED
-    assert all(block.state is state for block in fact)
+    state = ChunkState.RESIDENT if signal == "answer" else ChunkState.SAVED
+    assert all(chunk.state is state for chunk in fact)
     manager.close(s.session_id)
 
 
@@ -118,11 +118,11 @@ def test_candidates_are_capped_lexically_and_pool_pressure_falls_back(
     original = AnswerContrast.scores
 
     def spy(self: AnswerContrast, prefix: list[int], query: list[int], candidates: dict) -> dict:
-        index = LexicalIndex(b.token_ids for b in s.blocks.values())
+        index = LexicalIndex(c.token_ids for c in s.chunks.values())
         exchanges: dict[int, list[int]] = {}  # user message index -> its text and its reply's
-        for b in sorted(s.blocks.values(), key=lambda b: b.original_start):
-            if b.message_index > 0:  # message 0 is the system prompt (the sink)
-                exchanges.setdefault(b.message_index - (b.message_index + 1) % 2, []).extend(b.token_ids)
+        for c in sorted(s.chunks.values(), key=lambda c: c.original_start):
+            if c.message_index > 0:  # message 0 is the system prompt (the sink)
+                exchanges.setdefault(c.message_index - (c.message_index + 1) % 2, []).extend(c.token_ids)
         assert len(exchanges) > 1 and s.messages[max(exchanges)]["role"] == "user"
         closest = max(exchanges, key=lambda m: (index.score(query, exchanges[m]), m))
         assert candidates[closest] == exchanges[closest]  # scored on the whole exchange
@@ -152,7 +152,7 @@ def test_an_exchange_too_large_comes_back_as_its_whole_message() -> None:
     code's last character."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
-    config = SessionConfig(budget=Budget(max_active_tokens=64, policy="hard"), block_tokens=16)
+    config = SessionConfig(budget=Budget(max_active_tokens=64, policy="hard"), chunk_tokens=16)
     s = manager.session(config=config)
     s.add_message("system", "You are a helpful assistant.")
     fact = s.add_message("user", "Note this down: my access code is V1-BP4.")
@@ -160,19 +160,19 @@ def test_an_exchange_too_large_comes_back_as_its_whole_message() -> None:
     for a, b in ((3, 4), (12, 9)):
         s.add_message("user", f"What is {a} plus {b}?")
         s.add_message("assistant", f"{a} plus {b} is {a + b}.")
-    assert len(fact) == len(ack) == 2 and all(b.state is BlockState.SAVED for b in fact + ack)
+    assert len(fact) == len(ack) == 2 and all(c.state is ChunkState.SAVED for c in fact + ack)
     s.add_message("user", "What was my code?")
-    assert [b.state for b in fact + ack] == [BlockState.RESIDENT] * 2 + [BlockState.SAVED] * 2
+    assert [c.state for c in fact + ack] == [ChunkState.RESIDENT] * 2 + [ChunkState.SAVED] * 2
     assert "V1-BP4" in s.generate(SamplingParams(max_tokens=16))[0]
     manager.close(s.session_id)
 
 
 def test_answer_signal_reads_bounded_spans_of_long_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     """An agent's long system prompt and a long user message: every candidate the answer signal scores, and
-    the query, are at most min(budget, 4 blocks) tokens (one pass over a 30,000-token message took 190 s)."""
+    the query, are at most min(budget, 4 chunks) tokens (one pass over a 30,000-token message took 190 s)."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
-    config = SessionConfig(budget=Budget(max_active_tokens=256), block_tokens=32)
+    config = SessionConfig(budget=Budget(max_active_tokens=256), chunk_tokens=32)
     s = manager.session(config=config)
     seen: list[tuple[list[int], dict]] = []
     original = AnswerContrast.scores

@@ -92,10 +92,10 @@ def test_never_more_than_max_running(engine: Engine, scheduler: Scheduler) -> No
     assert peak == scheduler.max_running
 
 
-def test_prefill_chunks_share_steps_with_decodes(engine: Engine, scheduler: Scheduler) -> None:
-    """A 200-token prompt is prefilled in chunks cut to fit a step beside every running decode token
+def test_prefill_slices_share_steps_with_decodes(engine: Engine, scheduler: Scheduler) -> None:
+    """A 200-token prompt is prefilled in slices cut to fit a step beside every running decode token
     (64 - 3 = 61 tokens) while another work decodes: no step holds more than ``step_tokens``, and the
-    decode runs in the same steps as the chunks; the logits equal an unchunked prefill's."""
+    decode runs in the same steps as the slices; the logits equal an unsliced prefill's."""
     sizes: list[int] = []
     real_run = scheduler._run
 
@@ -108,9 +108,9 @@ def test_prefill_chunks_share_steps_with_decodes(engine: Engine, scheduler: Sche
     fb = scheduler.submit(_greedy, engine, b, _tokens(3, 1), 12)
     fa = scheduler.submit(_greedy, engine, a, _tokens(200, 2), 2)
     fb.result(timeout=120)
-    assert scheduler.chunk_tokens == 61
+    assert scheduler.slice_tokens == 61
     assert max(sizes) <= scheduler.step_tokens
-    assert 62 in sizes  # a 61-token chunk with one decode token beside it
+    assert 62 in sizes  # a 61-token slice with one decode token beside it
     tokens, logits = fa.result(timeout=120)
     tokens_ref, logits_ref = _greedy(engine, ref, _tokens(200, 2), 2)  # one 200-token pass
     assert tokens == tokens_ref and (logits - logits_ref).abs().max().item() <= TOL

@@ -380,13 +380,13 @@ def test_concurrent_sessions_are_served(base: str) -> None:
     assert len(results) == 4
 
 
-def test_harness_hints_reach_the_blocks(model_dir: Path) -> None:
-    """kvos.pinned / evoke_pinned pin the new user message, priority scales its blocks, per-message keep
+def test_harness_hints_reach_the_chunks(model_dir: Path) -> None:
+    """kvos.pinned / evoke_pinned pin the new user message, priority scales its chunks, per-message keep
     marks that message, task_boundary snaps the focus."""
     from kvos.engine.engine import Engine
     from kvos.model.loader import load_model
-    from kvos.policy.blocks import BlockKind
     from kvos.policy.budget import Budget
+    from kvos.policy.chunks import ChunkKind
     from kvos.server.schemas import ChatRequest
     from kvos.server.service import ChatService, ServiceConfig
     from kvos.session.config import SessionConfig
@@ -407,20 +407,20 @@ def test_harness_hints_reach_the_blocks(model_dir: Path) -> None:
             service.registry.release(entry)
         return entry.session
 
-    def user_blocks(session: Any) -> list[Any]:
-        return [b for b in session.blocks.values() if b.kind is BlockKind.USER]
+    def user_chunks(session: Any) -> list[Any]:
+        return [c for c in session.chunks.values() if c.kind is ChunkKind.USER]
 
     s = turn(
         "a", {"messages": [{"role": "user", "content": "remember"}], "kvos": {"pinned": True, "priority": 3}}
     )
-    assert all(b.keep == "pin" and b.priority == 3 for b in user_blocks(s))
+    assert all(c.keep == "pin" and c.priority == 3 for c in user_chunks(s))
     s = turn(
         "b",
         {"messages": [{"role": "user", "content": "remember"}], "evoke_pinned": True, "evoke_priority": 0.5},
     )
-    assert all(b.keep == "pin" and b.priority == 0.5 for b in user_blocks(s))
+    assert all(c.keep == "pin" and c.priority == 0.5 for c in user_chunks(s))
     s = turn("c", {"messages": [{"role": "user", "content": "prefer me", "keep": "prefer"}]})
-    assert all(b.keep == "prefer" for b in user_blocks(s))
+    assert all(c.keep == "prefer" for c in user_chunks(s))
     s = turn("d", {"messages": [{"role": "user", "content": "topic one"}]})
     snaps = s.memory.journal.count("focus")
     msgs = [
@@ -433,7 +433,7 @@ def test_harness_hints_reach_the_blocks(model_dir: Path) -> None:
 
 
 def test_listing_and_metrics_while_a_session_runs(model_dir: Path) -> None:
-    """Stats are read from the event loop while the engine thread adds and evicts blocks."""
+    """Stats are read from the event loop while the engine thread adds and evicts chunks."""
     with running_server(model_dir, budget=256) as url:
         body = {
             "model": MODEL_NAME,

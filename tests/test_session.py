@@ -15,8 +15,8 @@ from kvos.errors import ConfigError
 from kvos.memory.growth import GrowthPolicy
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
-from kvos.policy.blocks import BlockKind, BlockState
 from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkKind, ChunkState
 from kvos.policy.lexical import LexicalIndex
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
@@ -33,7 +33,7 @@ def engine(model_dir: Path) -> Engine:
 
 def manager(engine: Engine, model_dir: Path, **cfg: object) -> MemoryManager:
     budget = cfg.pop("budget", Budget(max_active_tokens=200, policy="hard"))
-    config = SessionConfig(budget=budget, block_tokens=24, embedder="tokens", **cfg)  # type: ignore[arg-type]
+    config = SessionConfig(budget=budget, chunk_tokens=24, embedder="tokens", **cfg)  # type: ignore[arg-type]
     return MemoryManager(engine, load_tokenizer(model_dir), config)
 
 
@@ -94,18 +94,18 @@ def run_session(s: Session, msgs: list, mode: str, backend: str) -> None:
             s.add_message(role, text, keep=keep)  # type: ignore[arg-type]
         stats = s.stats()
         assert stats["max_active_tokens_seen"] <= 160
-        assert stats["active_tokens"] == sum(b.num_tokens for b in s.blocks.values() if b.resident)
-        assert stats["history_tokens"] == sum(b.num_tokens for b in s.blocks.values())
+        assert stats["active_tokens"] == sum(c.num_tokens for c in s.chunks.values() if c.resident)
+        assert stats["history_tokens"] == sum(c.num_tokens for c in s.chunks.values())
         if mode == "compact":
             assert torch.equal(s.pager.seq.positions, torch.arange(s.pager.active_tokens))
-        for b in s.blocks.values():
-            assert b.resident or not b.pinned
-            assert b.resident or not b.is_sink(4)
+        for c in s.chunks.values():
+            assert c.resident or not c.pinned
+            assert c.resident or not c.is_sink(4)
             if backend == "kv_restore":
-                assert b.state is not BlockState.DISCARDED
+                assert c.state is not ChunkState.DISCARDED
 
 
-PINNED_CASES = [  # found by hypothesis: recovered (protected) blocks + a pinned message overran a hard budget
+PINNED_CASES = [  # found by hypothesis: recovered (protected) chunks + a pinned message overran a hard budget
     ("embedding", [("user", 84, None), ("user", 68, None), ("user", 1, None), ("user", 30, "pin")]),
     (
         "lexical",
@@ -123,7 +123,7 @@ PINNED_CASES = [  # found by hypothesis: recovered (protected) blocks + a pinned
 
 @pytest.mark.parametrize(("signal", "msgs"), PINNED_CASES)
 def test_pinned_messages_fit_after_recovery(engine: Engine, model_dir: Path, signal: str, msgs: list) -> None:
-    """Similarity recovery leaves room for a pinned user message, and a recovered block's protection
+    """Similarity recovery leaves room for a pinned user message, and a recovered chunk's protection
     yields to a pinned message arriving later in the turn."""
     budget = Budget(max_active_tokens=160, policy="hard")
     m = manager(engine, model_dir, budget=budget, recovery_signal=signal)
@@ -131,12 +131,12 @@ def test_pinned_messages_fit_after_recovery(engine: Engine, model_dir: Path, sig
     try:
         run_session(s, msgs, "compact", "kv_restore")
         assert s.stats()["recoveries_restore"] > 0
-        assert all(b.resident for b in s.blocks.values() if b.pinned)
+        assert all(c.resident for c in s.chunks.values() if c.pinned)
     finally:
         m.close(s.session_id)
 
 
-def test_pinned_and_sink_blocks_stay(engine: Engine, model_dir: Path) -> None:
+def test_pinned_and_sink_chunks_stay(engine: Engine, model_dir: Path) -> None:
     m = manager(engine, model_dir)
     s = m.session()
     sink = s.add_message("system", "be brief")[0]
@@ -144,13 +144,13 @@ def test_pinned_and_sink_blocks_stay(engine: Engine, model_dir: Path) -> None:
     for i in range(20):
         s.add_message("user", f"{i} " + FILLER)
     assert s.stats()["evictions"] > 10
-    assert sink.resident and all(b.resident for b in pinned)
+    assert sink.resident and all(c.resident for c in pinned)
     assert sink.current_start == 0
     m.close(s.session_id)
 
 
 @pytest.mark.parametrize("signal", ["lexical", "embedding"])
-def test_similarity_recovery_restores_the_relevant_block(
+def test_similarity_recovery_restores_the_relevant_chunk(
     engine: Engine, model_dir: Path, signal: str
 ) -> None:
     m = manager(engine, model_dir, recovery_signal=signal)
@@ -159,15 +159,15 @@ def test_similarity_recovery_restores_the_relevant_block(
     fact = s.add_message("user", "zebra quartz 4242 zebra quartz")
     for i in range(12):
         s.add_message("user", f"{i} " + FILLER)
-    assert fact[0].state is BlockState.SAVED
+    assert fact[0].state is ChunkState.SAVED
     s.add_message("user", "zebra quartz ?")
     assert fact[0].resident
     restores = [e for e in s.memory.journal.events if e["event"] == "restore"]
-    assert {b.block_id for b in fact} <= {e["block"] for e in restores}
+    assert {c.chunk_id for c in fact} <= {e["chunk"] for e in restores}
     last = [e for e in restores if e["turn"] == s.memory.turn]
     assert [e["similarity"] for e in last] == sorted(e["similarity"] for e in last)  # best last
     assert fact[0].recovered_turn == s.memory.turn
-    # the recovered block is protected for the rest of its turn, even under heavy pressure
+    # the recovered chunk is protected for the rest of its turn, even under heavy pressure
     s.generate(SamplingParams(max_tokens=150, ignore_eos=True))
     assert fact[0].resident
     s.add_message("user", "next turn " + FILLER * 3)
@@ -175,11 +175,11 @@ def test_similarity_recovery_restores_the_relevant_block(
 
 
 def bury(s: Session, text: str) -> list:
-    """Add ``text`` as a user message, then 12 filler messages that page it out; returns its blocks."""
+    """Add ``text`` as a user message, then 12 filler messages that page it out; returns its chunks."""
     fact = s.add_message("user", text)
     for i in range(12):
         s.add_message("user", f"{i} my " + FILLER)
-    assert all(b.state is BlockState.SAVED for b in fact)
+    assert all(c.state is ChunkState.SAVED for c in fact)
     return fact
 
 
@@ -188,16 +188,16 @@ def restores_this_turn(s: Session) -> list[dict]:
 
 
 def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_dir: Path) -> None:
-    """The lexical signal ranks by the query's rare tokens: the block sharing them comes back, not the
-    (more recent, equally long) blocks that share only the chat template and common words with it."""
+    """The lexical signal ranks by the query's rare tokens: the chunk sharing them comes back, not the
+    (more recent, equally long) chunks that share only the chat template and common words with it."""
     m = manager(engine, model_dir, recovery_signal="lexical", recovery_top_k=1)
     s = m.session()
     s.add_message("system", "hi")
     fact = bury(s, "my walrus is named quince")
-    before = [b.token_ids for b in s.blocks.values()]
-    query = [t for b in s.add_message("user", "my walrus?") for t in b.token_ids]
+    before = [c.token_ids for c in s.chunks.values()]
+    query = [t for c in s.add_message("user", "my walrus?") for t in c.token_ids]
     events = restores_this_turn(s)
-    assert [e["block"] for e in events] == [b.block_id for b in fact]  # the whole message
+    assert [e["chunk"] for e in events] == [c.chunk_id for c in fact]  # the whole message
     expected = LexicalIndex(before).score(query, fact[0].token_ids)  # the lexical signal, not the embedding
     assert events[0]["similarity"] == round(expected, 4)
     m.close(s.session_id)
@@ -205,16 +205,16 @@ def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_d
 
 @pytest.mark.parametrize("bar", [False, True])
 def test_recovery_bar(engine: Engine, model_dir: Path, bar: bool) -> None:
-    """With the bar, a saved block comes back only when it beats every resident block (not part of the new
-    message); without it (the default), the best saved blocks come back regardless."""
+    """With the bar, a saved chunk comes back only when it beats every resident chunk (not part of the new
+    message); without it (the default), the best saved chunks come back regardless."""
     m = manager(engine, model_dir, recovery_signal="lexical", recovery_top_k=1, recovery_bar=bar)
     s = m.session()
     s.add_message("system", "hi")
     s.add_message("user", "my walrus?", keep="pin")  # stays resident and matches the last query fully
     fact = bury(s, "my walrus is named quince")
     s.add_message("user", "my walrus?")
-    restored = [e["block"] for e in restores_this_turn(s)]
-    assert restored == ([] if bar else [b.block_id for b in fact])
+    restored = [e["chunk"] for e in restores_this_turn(s)]
+    assert restored == ([] if bar else [c.chunk_id for c in fact])
     m.close(s.session_id)
 
 
@@ -225,12 +225,12 @@ def test_recovery_brings_back_a_whole_message(engine: Engine, model_dir: Path) -
     s = m.session()
     s.add_message("system", "hi")
     fact = bury(s, "my walrus is named " + "quince " * 10)
-    assert len(fact) >= 2 and all("walrus" not in b.text for b in fact[1:])
+    assert len(fact) >= 2 and all("walrus" not in c.text for c in fact[1:])
     s.add_message("user", "my walrus?")
-    restored = [e["block"] for e in restores_this_turn(s)]
-    assert restored == [b.block_id for b in fact]
+    restored = [e["chunk"] for e in restores_this_turn(s)]
+    assert restored == [c.chunk_id for c in fact]
     order = s.pager.order()
-    assert order[order.index(fact[0].block_id) : order.index(fact[0].block_id) + len(fact)] == restored
+    assert order[order.index(fact[0].chunk_id) : order.index(fact[0].chunk_id) + len(fact)] == restored
     m.close(s.session_id)
 
 
@@ -253,7 +253,7 @@ def test_breadcrumb_recovers_by_recompute(engine: Engine, model_dir: Path) -> No
     fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]
     for i in range(12):
         s.add_message("user", f"{i} " + FILLER)
-    assert fact.state is BlockState.DISCARDED and fact.embedding is not None and "4242" in fact.text
+    assert fact.state is ChunkState.DISCARDED and fact.embedding is not None and "4242" in fact.text
     s.add_message("user", "zebra quartz ?")
     assert fact.resident and s.stats()["recoveries_recompute"] >= 1 and s.stats()["recoveries_restore"] == 0
     m.close(s.session_id)
@@ -290,13 +290,13 @@ def test_gap_fill_restores_at_place(engine: Engine, model_dir: Path) -> None:
     s = m.session()
     for i in range(6):
         s.add_message("user", f"{i} " + FILLER)
-    history = [t for b in sorted(s.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]
-    victims = [s.blocks[2], s.blocks[5]]
+    history = [t for c in sorted(s.chunks.values(), key=lambda c: c.original_start) for t in c.token_ids]
+    victims = [s.chunks[2], s.chunks[5]]
     s.memory.evict(victims, {})
-    assert all(b.state is BlockState.SAVED for b in victims)
+    assert all(c.state is ChunkState.SAVED for c in victims)
     assert s.memory.fill_gaps(history) == 2
     order = s.pager.order()
-    assert order == sorted(order, key=lambda i: s.blocks[i].original_start)
+    assert order == sorted(order, key=lambda i: s.chunks[i].original_start)
     assert s.pager.seq.token_ids == history
     assert torch.equal(s.pager.seq.positions, torch.arange(len(history)))
     m.close(s.session_id)
@@ -321,7 +321,7 @@ def test_pool_pressure_evicts_from_other_sessions(model_dir: Path) -> None:
     assert a.stats()["active_tokens"] < before
     assert any(e["event"] == "pressure" and e["by"] == "b" for e in a.memory.journal.events)
     assert engine.pool.nbytes <= probe.pool.layout.bytes_per_block * 40
-    for i in range(8):  # alone at the cap, a session pages out its own blocks instead of failing
+    for i in range(8):  # alone at the cap, a session pages out its own chunks instead of failing
         b.add_message("user", f"b{i + 8} " + FILLER)
     assert any(e["event"] == "pool_full" for e in b.memory.journal.events)
 
@@ -335,22 +335,22 @@ def test_store_drop_keeps_breadcrumb_and_recomputes(engine: Engine, model_dir: P
     fact = s.add_message("user", "zebra quartz 4242 zebra quartz")[0]
     for i in range(12):
         s.add_message("user", f"{i} " + FILLER)
-    assert fact.state is BlockState.DISCARDED and any(e["event"] == "drop" for e in s.memory.journal.events)
+    assert fact.state is ChunkState.DISCARDED and any(e["event"] == "drop" for e in s.memory.journal.events)
     s.add_message("user", "zebra quartz ?")
     assert fact.resident and s.stats()["recoveries_recompute"] >= 1
     m.close(s.session_id)
 
 
-def test_reply_blocks_are_assistant_and_history_renders(engine: Engine, model_dir: Path) -> None:
+def test_reply_chunks_are_assistant_and_history_renders(engine: Engine, model_dir: Path) -> None:
     m = manager(engine, model_dir, budget=Budget(max_active_tokens=4000))
     s = m.session()
     s.add_message("user", "hello")
     text, ids, reason = s.generate(SamplingParams(max_tokens=60, ignore_eos=True))
     assert reason == "length" and len(ids) == 60
-    reply = [b for b in s.blocks.values() if b.kind is BlockKind.ASSISTANT]
-    assert sum(b.num_tokens for b in reply) == 60 + len(s.tokenizer.encode("<|im_start|>assistant\n"))
-    assert all(b.num_tokens <= 24 for b in reply)
-    history = [t for b in sorted(s.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]
+    reply = [c for c in s.chunks.values() if c.kind is ChunkKind.ASSISTANT]
+    assert sum(c.num_tokens for c in reply) == 60 + len(s.tokenizer.encode("<|im_start|>assistant\n"))
+    assert all(c.num_tokens <= 24 for c in reply)
+    history = [t for c in sorted(s.chunks.values(), key=lambda c: c.original_start) for t in c.token_ids]
     assert s.pager.seq.token_ids == history
     assert history[-60:] == ids
     assert s.messages[-1] == {"role": "assistant", "content": text}
@@ -358,8 +358,8 @@ def test_reply_blocks_are_assistant_and_history_renders(engine: Engine, model_di
 
 
 def test_config_validation(engine: Engine, model_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="two blocks"):
-        SessionConfig(budget=Budget(max_active_tokens=100), block_tokens=64)
+    with pytest.raises(ConfigError, match="two chunks"):
+        SessionConfig(budget=Budget(max_active_tokens=100), chunk_tokens=64)
     with pytest.raises(ConfigError, match="position mode"):
         manager(engine, model_dir, position_mode="bogus").session()
     with pytest.raises(ConfigError, match="role"):
@@ -369,7 +369,7 @@ def test_config_validation(engine: Engine, model_dir: Path) -> None:
 @pytest.mark.parametrize("mode", ["ewma", "cumulative", "snapshot"])
 def test_attention_signal_is_fed(engine: Engine, model_dir: Path, mode: str) -> None:
     """Decode steps (ewma, cumulative) or the prompt's observation window (snapshot) reach the tracker:
-    every resident block gets an attention value, and snapshot mode ignores decode steps."""
+    every resident chunk gets an attention value, and snapshot mode ignores decode steps."""
     m = manager(engine, model_dir, budget=Budget(max_active_tokens=4000), attention_mode=mode)
     s = m.session()
     s.add_message("system", "sys " + FILLER)

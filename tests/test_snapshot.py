@@ -15,11 +15,11 @@ from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import SnapshotError
 from kvos.memory import container
-from kvos.memory.store import FILE_SUFFIX, BlockStore
+from kvos.memory.store import FILE_SUFFIX, ChunkStore
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
-from kvos.policy.blocks import BlockState
 from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkState
 from kvos.session import fields, snapshot
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
@@ -29,9 +29,9 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 FILLER = "the quick brown fox jumps over the lazy dog while it rains "
 
 
-def durable(directory: Path) -> Callable[[str, Callable[[Hashable], None]], BlockStore]:
-    """A store factory: every session's saved blocks written through to ``directory``."""
-    return lambda _, on_drop: BlockStore(disk_dir=directory, on_drop=on_drop, write_through=True)
+def durable(directory: Path) -> Callable[[str, Callable[[Hashable], None]], ChunkStore]:
+    """A store factory: every session's saved chunks written through to ``directory``."""
+    return lambda _, on_drop: ChunkStore(disk_dir=directory, on_drop=on_drop, write_through=True)
 
 
 def manager(
@@ -39,7 +39,7 @@ def manager(
 ) -> MemoryManager:
     config = SessionConfig(
         budget=Budget(max_active_tokens=160, policy="watermark"),
-        block_tokens=24,
+        chunk_tokens=24,
         position_mode=mode,  # type: ignore[arg-type]
         recovery_signal=signal,  # type: ignore[arg-type]
     )
@@ -56,9 +56,9 @@ def conversation(s: Session, turns: int) -> None:
 
 def resident_kv(s: Session) -> list[tuple[int, list[int], torch.Tensor, torch.Tensor]]:
     out = []
-    for bid in s.pager.order():
-        seg = s.pager.segments[bid]
-        out.append((bid, seg.positions.tolist(), *s.engine.read_kv(seg)))
+    for cid in s.pager.order():
+        seg = s.pager.segments[cid]
+        out.append((cid, seg.positions.tolist(), *s.engine.read_kv(seg)))
     return out
 
 
@@ -81,28 +81,28 @@ def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
 ) -> None:
     original = manager(model_dir, tmp_path / "a", mode, signal).session("s")
     conversation(original, 5)
-    assert original.stats()["blocks"]["saved"] > 0  # evicted blocks are in the store, on disk already
+    assert original.stats()["chunks"]["saved"] > 0  # evicted chunks are in the store, on disk already
     snapshot.save(original, tmp_path / "a", "s-1.snap")
     copy = restored(model_dir, tmp_path / "a", tmp_path / "b", mode, signal)
 
     assert copy.history_ids() == original.history_ids() and copy.swapped
     copy.swap_in()
-    ta, tb = fields.TensorTable(), fields.TensorTable()  # every block field, tensors included
-    assert [fields.encode_block(b, ta) for b in original.blocks.values()] == [
-        fields.encode_block(b, tb) for b in copy.blocks.values()
+    ta, tb = fields.TensorTable(), fields.TensorTable()  # every chunk field, tensors included
+    assert [fields.encode_chunk(c, ta) for c in original.chunks.values()] == [
+        fields.encode_chunk(c, tb) for c in copy.chunks.values()
     ]
     assert ta.tensors.keys() == tb.tensors.keys()
     assert all(torch.equal(ta.tensors[name], tb.tensors[name]) for name in ta.tensors)
-    if signal == "attention":  # saved blocks keep their key digests across the restart
+    if signal == "attention":  # saved chunks keep their key digests across the restart
         assert any(name.endswith(".digest.lo") for name in ta.tensors)
-    assert [(bid, pos) for bid, pos, *_ in resident_kv(copy)] == [
-        (bid, pos) for bid, pos, *_ in resident_kv(original)
+    assert [(cid, pos) for cid, pos, *_ in resident_kv(copy)] == [
+        (cid, pos) for cid, pos, *_ in resident_kv(original)
     ]
     for (_, _, k1, v1), (_, _, k2, v2) in zip(resident_kv(original), resident_kv(copy), strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    for bid, block in original.blocks.items():
-        if block.state is BlockState.SAVED:
-            a, b = original.pager.store.get(bid), copy.pager.store.get(bid)  # type: ignore[union-attr]
+    for cid, chunk in original.chunks.items():
+        if chunk.state is ChunkState.SAVED:
+            a, b = original.pager.store.get(cid), copy.pager.store.get(cid)  # type: ignore[union-attr]
             assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.meta == b.meta
     assert copy.memory.turn == original.memory.turn and copy.memory.protected == original.memory.protected
     assert copy.memory.focus.vector is not None and original.memory.focus.vector is not None
@@ -114,17 +114,17 @@ def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
 
 @pytest.fixture(scope="module")
 def saved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, snapshot.SessionSnapshot]:
-    """One conversation with resident and saved blocks, snapshotted: (its directory, the snapshot). Tests
+    """One conversation with resident and saved chunks, snapshotted: (its directory, the snapshot). Tests
     damage copies of it."""
     directory = tmp_path_factory.mktemp("saved")
     s = manager(model_dir, directory).session("s")
     conversation(s, 5)
     snap = snapshot.save(s, directory, "s-1.snap")
-    assert s.stats()["blocks"]["saved"] > 0 and snap.header["cache"]
+    assert s.stats()["chunks"]["saved"] > 0 and snap.header["cache"]
     return directory, snap
 
 
-def test_a_resident_block_with_a_bad_file_is_recomputed_not_served(
+def test_a_resident_chunk_with_a_bad_file_is_recomputed_not_served(
     model_dir: Path,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -133,7 +133,7 @@ def test_a_resident_block_with_a_bad_file_is_recomputed_not_served(
     source, snap = saved
     shutil.copytree(source, tmp_path / "a")
     cache = snap.header["cache"]
-    flipped, truncated = (snap.files[bid] for bid, _ in cache[-2:])
+    flipped, truncated = (snap.files[cid] for cid, _ in cache[-2:])
     path = tmp_path / "a" / flipped
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x10  # one bit of the payload: only the digest sees it
@@ -146,24 +146,24 @@ def test_a_resident_block_with_a_bad_file_is_recomputed_not_served(
     assert copy.stats()["recoveries_recompute"] == 2  # both recomputed from their tokens at swap-in
     assert "checksum mismatch" in caplog.text and "cannot be restored" in caplog.text
     assert copy.history_ids() == snap.token_ids()
-    assert [bid for bid, *_ in resident_kv(copy)] == [bid for bid, _ in cache]
+    assert [cid for cid, *_ in resident_kv(copy)] == [cid for cid, _ in cache]
     assert copy.pager.store.stats()["corrupt"] == 1  # type: ignore[union-attr]
 
 
-def test_a_saved_block_with_a_bad_file_becomes_a_breadcrumb(
+def test_a_saved_chunk_with_a_bad_file_becomes_a_breadcrumb(
     model_dir: Path, tmp_path: Path, saved: tuple[Path, snapshot.SessionSnapshot]
 ) -> None:
     source, snap = saved
     shutil.copytree(source, tmp_path / "a")
-    resident = {bid for bid, _ in snap.header["cache"]}
-    kept = sorted(bid for bid in snap.files if bid not in resident)
+    resident = {cid for cid, _ in snap.header["cache"]}
+    kept = sorted(cid for cid in snap.files if cid not in resident)
     (tmp_path / "a" / snap.files[kept[0]]).write_bytes(b"KVOSBLK")  # truncated inside its prefix
     copy = restored(model_dir, tmp_path / "a", tmp_path / "b")
-    assert copy.blocks[kept[0]].state is BlockState.DISCARDED
-    assert all(copy.blocks[bid].state is BlockState.SAVED for bid in kept[1:])
+    assert copy.chunks[kept[0]].state is ChunkState.DISCARDED
+    assert all(copy.chunks[cid].state is ChunkState.SAVED for cid in kept[1:])
 
 
-def test_a_saved_block_whose_file_fails_its_digest_is_recomputed_when_recovered(
+def test_a_saved_chunk_whose_file_fails_its_digest_is_recomputed_when_recovered(
     model_dir: Path,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -171,23 +171,23 @@ def test_a_saved_block_whose_file_fails_its_digest_is_recomputed_when_recovered(
 ) -> None:
     source, snap = saved
     shutil.copytree(source, tmp_path / "a")
-    resident = {bid for bid, _ in snap.header["cache"]}
-    bid = min(b for b in snap.files if b not in resident)
-    path = tmp_path / "a" / snap.files[bid]
+    resident = {cid for cid, _ in snap.header["cache"]}
+    cid = min(c for c in snap.files if c not in resident)
+    path = tmp_path / "a" / snap.files[cid]
     data = bytearray(path.read_bytes())
     data[-2] ^= 0x08  # the file's size and prefix are right: only reading it finds out
     path.write_bytes(bytes(data))
     copy = restored(model_dir, tmp_path / "a", tmp_path / "b")
     copy.swap_in()
-    block = copy.blocks[bid]
-    assert block.state is BlockState.SAVED
+    chunk = copy.chunks[cid]
+    assert chunk.state is ChunkState.SAVED
     with caplog.at_level(logging.WARNING):
-        assert copy.memory.recover(block)
-    assert block.resident and "checksum mismatch" in caplog.text and "recomputing" in caplog.text
+        assert copy.memory.recover(chunk)
+    assert chunk.resident and "checksum mismatch" in caplog.text and "recomputing" in caplog.text
     assert copy.pager.store.stats()["corrupt"] == 1  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "version"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "version", "older"])
 def test_a_damaged_snapshot_is_refused(
     tmp_path: Path, damage: str, saved: tuple[Path, snapshot.SessionSnapshot]
 ) -> None:
@@ -197,10 +197,15 @@ def test_a_damaged_snapshot_is_refused(
         data[len(data) // 2] ^= 0x01
     elif damage == "truncate":
         data = data[: len(data) - 7]
-    else:
-        data[8:10] = (snapshot.VERSION + 1).to_bytes(2, "little")
+    else:  # a later version, or version 1, written before chunks were named so (its header has "blocks")
+        data[8:10] = (snapshot.VERSION + 1 if damage == "version" else 1).to_bytes(2, "little")
     path.write_bytes(bytes(data))
-    reason = {"flip": "checksum mismatch", "truncate": "checksum mismatch", "version": "format version 2"}
+    reason = {
+        "flip": "checksum mismatch",
+        "truncate": "checksum mismatch",
+        "version": f"format version {snapshot.VERSION + 1}",
+        "older": "format version 1",
+    }
     with pytest.raises(SnapshotError, match=reason[damage]):
         snapshot.load(path)
 
@@ -209,14 +214,14 @@ def test_a_snapshot_that_does_not_hold_together_is_refused(
     model_dir: Path, tmp_path: Path, saved: tuple[Path, snapshot.SessionSnapshot]
 ) -> None:
     snap = snapshot.load(saved[0] / "s-1.snap")
-    snap.header["blocks"][1]["original_start"] += 1  # a hole in the history
+    snap.header["chunks"][1]["original_start"] += 1  # a hole in the history
     fresh = manager(model_dir, tmp_path).session("s")
     with pytest.raises(SnapshotError, match="does not hold together"):
         snapshot.restore(snap, fresh, tmp_path)
-    assert not fresh.blocks
+    assert not fresh.chunks
 
 
-def test_unchanged_resident_blocks_are_not_written_again(model_dir: Path, tmp_path: Path) -> None:
+def test_unchanged_resident_chunks_are_not_written_again(model_dir: Path, tmp_path: Path) -> None:
     s = manager(model_dir, tmp_path).session("s")
     conversation(s, 2)
     first = snapshot.save(s, tmp_path, "s-1.snap")

@@ -1,5 +1,5 @@
 """Magnitude-threshold sparsification: tau_h as specified, sinks untouched, exactly |x| < tau zeroed,
-K-only, the schedule, presets, and the stored-bytes saving it buys in the block store."""
+K-only, the schedule, presets, and the stored-bytes saving it buys in the chunk store."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from kvos.errors import ConfigError
 from kvos.memory.codec import encode
 from kvos.memory.pool import KVLayout, KVPool
-from kvos.memory.store import BlockStore
+from kvos.memory.store import ChunkStore
 from kvos.model.rope import Rope
 from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier, pair_moduli, sparsify_, thresholds
 
@@ -205,18 +205,18 @@ def test_presets_and_validation() -> None:
             MagnitudeSparsifier(**bad)
 
 
-def test_sparsified_blocks_take_fewer_stored_bytes() -> None:
+def test_sparsified_chunks_take_fewer_stored_bytes() -> None:
     t = 192
     pool, slots, positions = filled_pool(t)
     MagnitudeSparsifier.preset("sweet").apply(pool, slots, positions)
-    store = BlockStore()
+    store = ChunkStore()
     for i in range(t // BLOCK):
         part = slots[i * BLOCK : (i + 1) * BLOCK]
         pairs = [pool.gather(layer, part) for layer in range(LAYERS)]
         store.put(i, torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]))
     stats = store.stats()
     assert stats["raw_bytes"] == t * pool.layout.bytes_per_token
-    blocks = [store.get(i) for i in range(t // BLOCK)]
-    assert stats["stored_bytes"] == sum(encode(b.k).nbytes + encode(b.v).nbytes for b in blocks)
-    assert not encode(blocks[0].k).sparse and encode(blocks[-1].k).sparse  # sinks dense, the rest packed
+    chunks = [store.get(i) for i in range(t // BLOCK)]
+    assert stats["stored_bytes"] == sum(encode(c.k).nbytes + encode(c.v).nbytes for c in chunks)
+    assert not encode(chunks[0].k).sparse and encode(chunks[-1].k).sparse  # sinks dense, the rest packed
     assert stats["stored_bytes"] < 0.8 * stats["raw_bytes"]

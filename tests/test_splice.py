@@ -1,4 +1,4 @@
-"""Recompute-free K/V movement: spliced-back blocks give the logits of a run that never evicted them."""
+"""Recompute-free K/V movement: spliced-back segments give the logits of a run that never evicted them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import kvos.engine.engine as engine_module
 from kvos.engine import fused
 from kvos.engine.engine import Engine, contiguous_runs
 from kvos.engine.sequence import Segment, Sequence
-from kvos.memory.store import BlockStore
+from kvos.memory.store import ChunkStore
 from kvos.model.loader import load_model
 from kvos.model.rope import Rope
 
@@ -61,7 +61,7 @@ def test_sparse_restore_at_original_positions(model_dir: Path, tmp_path: Path) -
 
     seq = engine.new_sequence()
     segs = fill(engine, seq, LENGTHS)
-    store = BlockStore(ram_bytes=1, disk_dir=tmp_path)  # every block spills to disk and comes back from it
+    store = ChunkStore(ram_bytes=1, disk_dir=tmp_path)  # every segment's K/V spill to disk and come back
     saved = {}
     for i in (2, 3):
         k, v = engine.read_kv(segs[i])
@@ -71,15 +71,15 @@ def test_sparse_restore_at_original_positions(model_dir: Path, tmp_path: Path) -
     assert seq.num_tokens == sum(LENGTHS) - LENGTHS[2] - LENGTHS[3]
     assert store.where(2) == "disk"
     for i in (2, 3):
-        block = store.get(i)
+        stored = store.get(i)
         ids, pos = saved[i]
-        engine.splice(seq, i, ids, block.k, block.v, pos, pos)
+        engine.splice(seq, i, ids, stored.k, stored.v, pos, pos)
     assert torch.equal(seq.positions, ref.positions[: sum(LENGTHS)])
     assert_close(decode_logits(engine, seq, 8), expected)
 
 
 def test_compact_mode_matches_freshly_rotated_cache(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Evict a middle block and close the gap: the later blocks' keys are re-anchored. The reference cache
+    """Evict a middle segment and close the gap: the later segments' keys are re-anchored. The reference cache
     holds the same pre-RoPE keys rotated at the compacted positions by the forward pass's own RoPE path."""
     model = load_model(model_dir)
     engine = Engine(model, block_size=4)
@@ -140,7 +140,7 @@ def test_compact_mode_one_layer_equals_prefill_of_compacted_sequence(tmp_path: P
 
 
 def test_restore_at_new_position_then_move_back_is_exact(model_dir: Path) -> None:
-    """Splicing a saved block at other positions and moving it back leaves the cache as it was."""
+    """Splicing a saved segment at other positions and moving it back leaves the cache as it was."""
     engine = Engine(load_model(model_dir), block_size=4)
     ref = engine.new_sequence()
     fill(engine, ref, LENGTHS)
@@ -188,7 +188,7 @@ def require_kernel() -> None:
         )
 
 
-def saved_block(model_dir: Path) -> tuple[Engine, torch.Tensor, torch.Tensor, torch.Tensor]:
+def saved_segment(model_dir: Path) -> tuple[Engine, torch.Tensor, torch.Tensor, torch.Tensor]:
     """An engine (block size 4) and the K, V and positions of a 13-token segment read out of it."""
     engine = Engine(load_model(model_dir), block_size=4)
     (seg,) = fill(engine, engine.new_sequence(), [13])
@@ -210,7 +210,7 @@ def fragment(engine: Engine) -> Sequence:
 def splice_with(
     engine: Engine, k: torch.Tensor, v: torch.Tensor, old: torch.Tensor, new: torch.Tensor, fragmented: bool
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Splice the saved block into a fresh sequence (into a fragmented pool if asked); K, V read back and
+    """Splice the saved segment into a fresh sequence (into a fragmented pool if asked); K, V read back and
     the number of slot runs it landed in. Frees everything it allocated."""
     seq = engine.new_sequence()
     keep = fragment(engine) if fragmented else None
@@ -229,7 +229,7 @@ def test_direct_pool_writes_equal_indexed_writes(
 ) -> None:
     """A splice into at most MAX_RUNS slot runs writes (and rotates) straight into pool views; the pool
     then holds bit-for-bit what the indexed path (one rotation, index_copy per layer) writes."""
-    engine, k, v, old = saved_block(model_dir)
+    engine, k, v, old = saved_segment(model_dir)
     monkeypatch.setattr(fused, "usable", lambda *a: False)  # the eager paths
     monkeypatch.setattr(engine_module, "MAX_RUNS", 4)
     k_direct, v_direct, runs = splice_with(engine, k, v, old, old + 40, fragmented)
@@ -262,7 +262,7 @@ def test_fused_restore_kernel_equals_the_eager_path(
     """The compiled re-anchoring write (float32 CPU) leaves the pool as the eager path does, scattered
     slots included: V bit-exact, K equal to float32 rounding (the same two products and one sum)."""
     require_kernel()
-    engine, k, v, old = saved_block(model_dir)
+    engine, k, v, old = saved_segment(model_dir)
     monkeypatch.setattr(fused, "usable", lambda *a: True)
     k_fused, v_fused, runs = splice_with(engine, k, v, old, old + shift, fragmented)
     assert (runs > 1) == fragmented

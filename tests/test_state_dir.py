@@ -1,7 +1,7 @@
-"""``kvos serve --state-dir``: real server processes on the built-in model (budget 256, so blocks are evicted
+"""``kvos serve --state-dir``: real server processes on the built-in model (budget 256, so chunks are evicted
 and saved, as in a long session), killed with SIGKILL or stopped with SIGTERM and started again on the same
 directory. A client that re-sends its conversation gets the cache back from disk: the reused tokens are what
-the snapshot and its block files cover, and the next reply is the one a server that never stopped gives.
+the snapshot and its chunk files cover, and the next reply is the one a server that never stopped gives.
 A damaged file is detected and recomputed, never served."""
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ def stored(state: Path, sid: str) -> tuple[dict[str, Any], snapshot.SessionSnaps
 
 
 def covered(snap: snapshot.SessionSnapshot) -> int:
-    """Tokens of the blocks whose K/V the snapshot keeps in a block file (resident or saved)."""
+    """Tokens of the chunks whose K/V the snapshot keeps in a chunk file (resident or saved)."""
     files = snap.files
-    return sum(len(b["token_ids"]) for b in snap.header["blocks"] if b["block_id"] in files)
+    return sum(len(c["token_ids"]) for c in snap.header["chunks"] if c["chunk_id"] in files)
 
 
 def kvos_usage(body: dict[str, Any]) -> dict[str, Any]:
@@ -141,11 +141,11 @@ def kvos_usage(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def damage(directory: Path, snap: snapshot.SessionSnapshot) -> tuple[str, str]:
-    """Flip one payload byte of the last resident block's file and truncate the first saved block's file;
+    """Flip one payload byte of the last resident chunk's file and truncate the first saved chunk's file;
     returns the two file names."""
-    resident = {bid for bid, _ in snap.header["cache"]}
+    resident = {cid for cid, _ in snap.header["cache"]}
     flipped = snap.files[snap.header["cache"][-1][0]]
-    truncated = snap.files[min(bid for bid in snap.files if bid not in resident)]
+    truncated = snap.files[min(cid for cid in snap.files if cid not in resident)]
     data = bytearray((directory / flipped).read_bytes())
     data[-3] ^= 0x01
     (directory / flipped).write_bytes(bytes(data))
@@ -160,7 +160,7 @@ def test_sessions_survive_kill_and_shutdown(tmp_path: Path) -> None:
         for turn in range(TURNS):
             talk.turn(a, "s", turn)
         live = a.session("s")
-        assert live["evictions"] > 0 and live["blocks"]["saved"] > 0
+        assert live["evictions"] > 0 and live["chunks"]["saved"] > 0
         deadline = time.monotonic() + 60
         while not any(state.glob(f"*/local/*/{MANIFEST}")) or (
             stored(state, "s")[1].history_tokens != live["history_tokens"]
@@ -199,7 +199,7 @@ def test_sessions_survive_kill_and_shutdown(tmp_path: Path) -> None:
         bodies = {sid: d.ask(sid, [*talk.messages, user(TURNS + 2)]) for sid in ("ref", "s")}
     used = {sid: kvos_usage(body) for sid, body in bodies.items()}
     assert used["ref"]["reused_tokens"] == used["s"]["reused_tokens"] == history  # the whole cache
-    assert used["s"]["recoveries"] == used["ref"]["recoveries"] + 1  # the flipped block, recomputed
+    assert used["s"]["recoveries"] == used["ref"]["recoveries"] + 1  # the flipped chunk, recomputed
     log = d.log.read_text()
     assert "checksum mismatch" in log and flipped in log and truncated in log
     replies = {sid: body["choices"][0]["message"]["content"] for sid, body in bodies.items()}

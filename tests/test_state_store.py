@@ -1,4 +1,4 @@
-"""The pieces under ``--state-dir``, in process: the write-through block store, the state directory (what a
+"""The pieces under ``--state-dir``, in process: the write-through chunk store, the state directory (what a
 crash leaves, other models' state, the start-up sweep) and prefix routing to a stored session."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from server_harness import MODEL_NAME, running_server
 from kvos.builtin import MODEL_DIR
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
-from kvos.errors import BlockDataError, ConfigError, CorruptBlockError
-from kvos.memory.store import FILE_SUFFIX, BlockStore, read_block_file
+from kvos.errors import ChunkDataError, ConfigError, CorruptChunkError
+from kvos.memory.store import FILE_SUFFIX, ChunkStore, read_chunk_file
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
-from kvos.policy.blocks import BlockKind
 from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkKind
 from kvos.server.layout import MANIFEST
 from kvos.server.state import StateDir
 from kvos.session.config import SessionConfig
@@ -32,19 +32,19 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 FILLER = "the quick brown fox jumps over the lazy dog while it rains "
 
 
-def block(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, 5, 2, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)
 
 
 def test_write_through_store_writes_at_put_and_releases_files(tmp_path: Path) -> None:
     released: list[Path] = []
-    store = BlockStore(0, tmp_path, write_through=True, release=released.append)  # nothing stays in RAM
-    k, v = block(1)
+    store = ChunkStore(0, tmp_path, write_through=True, release=released.append)  # nothing stays in RAM
+    k, v = chunk(1)
     store.put("a", k, v, {"positions": [0, 1, 2, 3, 4]})
     path = store.file_of("a")
     assert path is not None and store.where("a") == "disk"
-    on_disk = read_block_file(path)
+    on_disk = read_chunk_file(path)
     assert (
         torch.equal(on_disk.k, k)
         and torch.equal(on_disk.v, v)
@@ -55,15 +55,15 @@ def test_write_through_store_writes_at_put_and_releases_files(tmp_path: Path) ->
     store.delete("a")
     assert released == [path] and path.exists()  # the caller decides what happens to a released file
 
-    ram = BlockStore(None, tmp_path / "ram", write_through=True)
-    ram.put("b", *block(2))
+    ram = ChunkStore(None, tmp_path / "ram", write_through=True)
+    ram.put("b", *chunk(2))
     assert ram.where("b") == "ram" and ram.file_of("b") is not None  # in RAM and on disk at once
 
 
 def test_adopted_files_are_checked(tmp_path: Path) -> None:
-    writer = BlockStore(None, tmp_path, write_through=True, release=lambda _: None)
+    writer = ChunkStore(None, tmp_path, write_through=True, release=lambda _: None)
     for i in range(3):
-        writer.put(i, *block(i), {"positions": list(range(5))})
+        writer.put(i, *chunk(i), {"positions": list(range(5))})
     paths = [writer.file_of(i) for i in range(3)]
     assert all(p is not None for p in paths)
     good, flipped, cut = (p for p in paths if p is not None)
@@ -73,21 +73,21 @@ def test_adopted_files_are_checked(tmp_path: Path) -> None:
     cut.write_bytes(cut.read_bytes()[:-10])
 
     dropped: list[object] = []
-    reader = BlockStore(None, tmp_path, on_drop=dropped.append, write_through=True)
+    reader = ChunkStore(None, tmp_path, on_drop=dropped.append, write_through=True)
     reader.adopt("good", good)
-    assert torch.equal(reader.get("good").k, block(0)[0])
+    assert torch.equal(reader.get("good").k, chunk(0)[0])
     reader.adopt("flipped", flipped)  # its prefix and size are right: the digest is checked when read
-    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+    with pytest.raises(CorruptChunkError, match="checksum mismatch"):
         reader.get("flipped")
     assert dropped == ["flipped"] and "flipped" not in reader
-    with pytest.raises(BlockDataError, match="payload is"):
+    with pytest.raises(ChunkDataError, match="payload is"):
         reader.adopt("cut", cut)
     with pytest.raises(ConfigError, match="files in its disk_dir"):
-        BlockStore(None, tmp_path / "other", write_through=True).adopt("good", good)
+        ChunkStore(None, tmp_path / "other", write_through=True).adopt("good", good)
 
 
 def manager(model_dir: Path, state: StateDir | None = None) -> MemoryManager:
-    config = SessionConfig(budget=Budget(160), block_tokens=24, recovery_signal="lexical")
+    config = SessionConfig(budget=Budget(160), chunk_tokens=24, recovery_signal="lexical")
     factory = state.store_factory if state is not None else None
     engine = Engine(load_model(model_dir), block_size=8)
     return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=factory)
@@ -107,7 +107,7 @@ def test_after_a_crash_the_last_snapshot_comes_back(model_dir: Path, tmp_path: P
         s.generate(GREEDY)
     assert state.save("local", "s", 4, [s]) and not state.save("local", "s", 4, [s])  # unchanged: skipped
     saved_history = s.history_ids()
-    for i in range(4, 7):  # after the snapshot: evicted blocks are written, then the process dies
+    for i in range(4, 7):  # after the snapshot: evicted chunks are written, then the process dies
         s.add_message("user", f"note {i}: " + FILLER)
         s.generate(GREEDY)
     branch = state.layout.branch_dir("local/s")
@@ -120,7 +120,7 @@ def test_after_a_crash_the_last_snapshot_comes_back(model_dir: Path, tmp_path: P
     assert served == 4 and restored.history_ids() == saved_history and restored.swapped
     assert orphans - {p.name for p in branch.iterdir()}  # files written after the snapshot: deleted
     restored.swap_in()
-    synced = restored.sync([Span(s.history_ids(), BlockKind.DOCUMENT)])
+    synced = restored.sync([Span(s.history_ids(), ChunkKind.DOCUMENT)])
     assert synced.reused == len(saved_history)  # the rest is prefilled again
     assert synced.decoded == len(s.history_ids()) - len(saved_history)
 
@@ -131,7 +131,7 @@ def test_branches_come_back_in_their_order(model_dir: Path, tmp_path: Path) -> N
     main = m.session("local/s")
     for i in range(4):
         main.add_message("user", f"note {i}: " + FILLER)
-    side = m.fork("local/s", "local/s#b3", main.memory.history_tokens // 2)  # shares resident blocks
+    side = m.fork("local/s", "local/s#b3", main.memory.history_tokens // 2)  # shares resident chunks
     side.add_message("user", "a side question")
     assert state.save("local", "s", 3, [side, main])
 
@@ -143,9 +143,9 @@ def test_branches_come_back_in_their_order(model_dir: Path, tmp_path: Path) -> N
     for restored, live in zip(branches, (side, main), strict=True):
         assert restored.history_ids() == live.history_ids()
         restored.swap_in()  # each branch gets its own copy of what the live ones share
-        for bid in live.pager.order():
-            k, v = live.engine.read_kv(live.pager.segments[bid])
-            k2, v2 = restored.engine.read_kv(restored.pager.segments[bid])
+        for cid in live.pager.order():
+            k, v = live.engine.read_kv(live.pager.segments[cid])
+            k2, v2 = restored.engine.read_kv(restored.pager.segments[cid])
             assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
@@ -169,8 +169,8 @@ def test_start_up_sweeps_unfinished_and_expired_sessions(model_dir: Path, tmp_pa
     for sid in ("kept", "old", "unfinished"):
         s = m.session(f"local/{sid}")
         for i in range(3):
-            s.add_message("user", f"{i} " + FILLER)  # evictions write block files at once
-        if sid != "unfinished":  # it ended before its first snapshot: block files, no manifest
+            s.add_message("user", f"{i} " + FILLER)  # evictions write chunk files at once
+        if sid != "unfinished":  # it ended before its first snapshot: chunk files, no manifest
             state.save("local", sid, 1, [s])
     old = state.layout.entry_dir("local", "old") / MANIFEST
     os.utime(old, (time.time() - 7200, time.time() - 7200))

@@ -1,4 +1,4 @@
-"""BlockStore: bit-exact round trips, LRU tiers under caps, spill files, drops, corruption, stateful model."""
+"""ChunkStore: bit-exact round trips, LRU tiers under caps, spill files, drops, corruption, stateful model."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvos.errors import BlockDataError, BlockNotFoundError, ConfigError, CorruptBlockError, KvosError
-from kvos.memory.store import FILE_SUFFIX, BlockStore
+from kvos.errors import ChunkDataError, ChunkNotFoundError, ConfigError, CorruptChunkError, KvosError
+from kvos.memory.store import FILE_SUFFIX, ChunkStore
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-BLOCK = 64  # payload bytes of block(): k and v each [1, 2, 2, 2] float32 = 32 bytes
+CHUNK = 64  # payload bytes of chunk(): k and v each [1, 2, 2, 2] float32 = 32 bytes
 
 
-def block(
+def chunk(
     seed: int, shape: tuple[int, ...] = (1, 2, 2, 2), dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` of ``shape`` ``[num_layers, num_tokens, num_kv_heads, head_dim]``, distinct per seed."""
@@ -43,7 +43,7 @@ def files(d: Path) -> list[str]:
     return sorted(os.listdir(d))
 
 
-def tiers(store: BlockStore, keys: Sequence[Hashable]) -> str:
+def tiers(store: ChunkStore, keys: Sequence[Hashable]) -> str:
     """One letter per key: r(am), d(isk) or -(absent)."""
     return "".join({"ram": "r", "disk": "d", None: "-"}[store.where(key)] for key in keys)
 
@@ -53,9 +53,9 @@ def tiers(store: BlockStore, keys: Sequence[Hashable]) -> str:
 def test_round_trip_is_bit_exact_in_ram_and_on_disk(
     tmp_path: Path, dtype: torch.dtype, ram_bytes: int | None
 ) -> None:
-    k, v = block(1, (2, 5, 3, 4), dtype)
+    k, v = chunk(1, (2, 5, 3, 4), dtype)
     k[0, 0, 0, :3] = torch.tensor([float("nan"), float("-inf"), -0.0])
-    store = BlockStore(ram_bytes=ram_bytes, disk_dir=tmp_path)
+    store = ChunkStore(ram_bytes=ram_bytes, disk_dir=tmp_path)
     store.put("b", k, v, {"tokens": [1, 2, 3], "start": 7})
     assert store.where("b") == ("disk" if ram_bytes == 0 else "ram")
     got = store.get("b")
@@ -64,9 +64,9 @@ def test_round_trip_is_bit_exact_in_ram_and_on_disk(
 
 
 def test_put_copies_so_the_caller_may_reuse_its_tensors(tmp_path: Path) -> None:
-    k, v = block(2, (2, 4, 2, 3))
+    k, v = chunk(2, (2, 4, 2, 3))
     k_t = k.transpose(1, 2)  # non-contiguous input
-    store = BlockStore()
+    store = ChunkStore()
     store.put(0, k_t, v)
     expected = k_t.clone()
     k.zero_()
@@ -75,16 +75,16 @@ def test_put_copies_so_the_caller_may_reuse_its_tensors(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an accelerator")
 def test_put_from_an_accelerator_returns_cpu_tensors(tmp_path: Path) -> None:
-    k, v = block(3, (2, 4, 2, 8), torch.bfloat16)
-    store = BlockStore(ram_bytes=0, disk_dir=tmp_path)
+    k, v = chunk(3, (2, 4, 2, 8), torch.bfloat16)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path)
     store.put("g", k.to("cuda"), v.to("cuda"))
     got = store.get("g")
     assert same_bits(got.k, k) and same_bits(got.v, v)
 
 
 def test_put_without_copy_keeps_contiguous_cpu_tensors_and_copies_the_rest() -> None:
-    store = BlockStore()
-    k, v = block(5)
+    store = ChunkStore()
+    k, v = chunk(5)
     store.put("own", k, v, copy=False)
     got = store.get("own")
     assert got.k.data_ptr() == k.data_ptr() and got.v.data_ptr() == v.data_ptr()
@@ -95,8 +95,8 @@ def test_put_without_copy_keeps_contiguous_cpu_tensors_and_copies_the_rest() -> 
 
 
 def test_tensors_that_require_grad_are_stored_detached() -> None:
-    k, v = block(4)
-    store = BlockStore()
+    k, v = chunk(4)
+    store = ChunkStore()
     store.put(0, k.requires_grad_(), v)
     got = store.get(0)
     assert not got.k.requires_grad and same_bits(got.k, k.detach())
@@ -105,119 +105,119 @@ def test_tensors_that_require_grad_are_stored_detached() -> None:
 def test_meta_round_trips_through_json_alike_in_both_tiers(tmp_path: Path) -> None:
     meta = {"ids": (1, 2), "pos": [3, 4], "text": "héllo", "nested": {"a": None, "b": 1.5}}
     expected = {"ids": [1, 2], "pos": [3, 4], "text": "héllo", "nested": {"a": None, "b": 1.5}}
-    store = BlockStore(ram_bytes=BLOCK, disk_dir=tmp_path)
-    store.put("x", *block(1), meta)
+    store = ChunkStore(ram_bytes=CHUNK, disk_dir=tmp_path)
+    store.put("x", *chunk(1), meta)
     assert store.get("x").meta == expected
-    store.put("y", *block(2))  # spills x
+    store.put("y", *chunk(2))  # spills x
     assert store.where("x") == "disk"
     assert store.get("x").meta == expected
     assert store.get("y").meta == {}
-    with pytest.raises(BlockDataError, match="JSON"):
-        store.put("z", *block(3), {"bad": object()})
+    with pytest.raises(ChunkDataError, match="JSON"):
+        store.put("z", *chunk(3), {"bad": object()})
     assert "z" not in store
     positions = store.get("x").meta_int64("pos")
     assert positions.dtype == torch.int64 and positions.tolist() == [3, 4]
-    store.put("w", *block(4), {"pos": []})
+    store.put("w", *chunk(4), {"pos": []})
     assert store.get("w").meta_int64("pos").shape == (0,)
 
 
 def test_lru_order_under_a_ram_cap_and_disk_loads_come_back_to_ram(tmp_path: Path) -> None:
-    store = BlockStore(ram_bytes=3 * BLOCK, disk_dir=tmp_path)
+    store = ChunkStore(ram_bytes=3 * CHUNK, disk_dir=tmp_path)
     for i, key in enumerate("abc"):
-        store.put(key, *block(i))
+        store.put(key, *chunk(i))
     assert tiers(store, "abc") == "rrr"
     store.get("a")  # recency now b, c, a
-    store.put("d", *block(3))
+    store.put("d", *chunk(3))
     assert tiers(store, "abcd") == "rdrr"
-    store.put("e", *block(4))
+    store.put("e", *chunk(4))
     assert tiers(store, "abcde") == "rddrr"
     assert store.keys() == ["b", "c", "a", "d", "e"]
     got = store.get("b")  # back into RAM as most recent; a (least recent in RAM) spills
-    assert same_bits(got.k, block(1)[0]) and same_bits(got.v, block(1)[1])
+    assert same_bits(got.k, chunk(1)[0]) and same_bits(got.v, chunk(1)[1])
     assert tiers(store, "abcde") == "drdrr"
     assert store.keys() == ["c", "a", "d", "e", "b"]
-    assert store.ram_bytes_used == 3 * BLOCK
+    assert store.ram_bytes_used == 3 * CHUNK
     s = store.stats()
     assert (s["entries_ram"], s["entries_disk"], s["spills"], s["disk_loads"], s["drops"]) == (3, 2, 3, 1, 0)
     assert (s["puts"], s["gets"]) == (5, 2)
 
 
-def test_spill_writes_one_file_per_block_and_counters_equal_the_sums(tmp_path: Path) -> None:
-    store = BlockStore(ram_bytes=2 * BLOCK, disk_dir=tmp_path)
+def test_spill_writes_one_file_per_chunk_and_counters_equal_the_sums(tmp_path: Path) -> None:
+    store = ChunkStore(ram_bytes=2 * CHUNK, disk_dir=tmp_path)
     for i in range(5):
-        store.put(("s", i), *block(i))
+        store.put(("s", i), *chunk(i))
     names = files(tmp_path)
     assert len(names) == 3 and all(n.endswith(FILE_SUFFIX) for n in names)
     assert [store.where(("s", i)) for i in range(5)] == ["disk"] * 3 + ["ram"] * 2
-    assert store.ram_bytes_used == 2 * BLOCK
+    assert store.ram_bytes_used == 2 * CHUNK
     assert store.disk_bytes_used == sum((tmp_path / n).stat().st_size for n in names)
     s = store.stats()
     assert (s["ram_bytes"], s["disk_bytes"]) == (store.ram_bytes_used, store.disk_bytes_used)
     for i in range(5):
-        assert same_bits(store.get(("s", i)).v, block(i)[1])
+        assert same_bits(store.get(("s", i)).v, chunk(i)[1])
 
 
 def test_without_disk_the_lru_entry_is_dropped_and_reported(tmp_path: Path) -> None:
     dropped: list[Hashable] = []
-    store = BlockStore(ram_bytes=2 * BLOCK, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=2 * CHUNK, on_drop=dropped.append)
     for i in range(3):
-        store.put(i, *block(i))
+        store.put(i, *chunk(i))
     assert dropped == [0] and store.keys() == [1, 2] and store.stats()["drops"] == 1
-    with pytest.raises(BlockNotFoundError, match=r"no block 0 .*dropped") as info:
+    with pytest.raises(ChunkNotFoundError, match=r"no chunk 0 .*dropped") as info:
         store.get(0)
     assert isinstance(info.value, KeyError) and isinstance(info.value, KvosError)
-    with pytest.raises(BlockNotFoundError, match="never put"):
+    with pytest.raises(ChunkNotFoundError, match="never put"):
         store.get(99)
-    store.put(0, *block(0))  # a dropped key can be put again
+    store.put(0, *chunk(0))  # a dropped key can be put again
     assert dropped == [0, 1]
 
 
 def test_an_entry_larger_than_ram_goes_straight_to_disk_or_is_dropped(tmp_path: Path) -> None:
-    big = block(7, (2, 4, 2, 2))  # 128 bytes
-    store = BlockStore(ram_bytes=BLOCK, disk_dir=tmp_path)
-    store.put("small", *block(1))
+    big = chunk(7, (2, 4, 2, 2))  # 128 bytes
+    store = ChunkStore(ram_bytes=CHUNK, disk_dir=tmp_path)
+    store.put("small", *chunk(1))
     store.put("big", *big)
     assert tiers(store, ["small", "big"]) == "rd"  # the small one was not spilled for it
     assert same_bits(store.get("big").k, big[0])
     assert store.where("big") == "disk"  # too large for RAM, so it stays on disk
     dropped: list[Hashable] = []
-    no_disk = BlockStore(ram_bytes=BLOCK, on_drop=dropped.append)
+    no_disk = ChunkStore(ram_bytes=CHUNK, on_drop=dropped.append)
     no_disk.put("big", *big)
     assert dropped == ["big"] and len(no_disk) == 0
 
 
 def test_disk_cap_drops_the_lru_disk_entry_and_deletes_its_file(tmp_path: Path) -> None:
     dropped: list[Hashable] = []
-    probe = BlockStore(ram_bytes=0, disk_dir=tmp_path / "probe")
-    probe.put("a", *block(0), {"n": 0})
+    probe = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "probe")
+    probe.put("a", *chunk(0), {"n": 0})
     file_size = probe.disk_bytes_used
-    store = BlockStore(ram_bytes=0, disk_dir=tmp_path / "d", disk_bytes=2 * file_size, on_drop=dropped.append)
-    store.put("a", *block(0), {"n": 0})
-    store.put("b", *block(1), {"n": 1})
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "d", disk_bytes=2 * file_size, on_drop=dropped.append)
+    store.put("a", *chunk(0), {"n": 0})
+    store.put("b", *chunk(1), {"n": 1})
     store.get("a")  # a stays on disk (ram_bytes=0) but is now more recent than b
     before = set(files(tmp_path / "d"))
-    store.put("c", *block(2), {"n": 2})
+    store.put("c", *chunk(2), {"n": 2})
     assert dropped == ["b"] and store.keys() == ["a", "c"]
     assert len(files(tmp_path / "d")) == 2 and len(before - set(files(tmp_path / "d"))) == 1
     assert store.disk_bytes_used == 2 * file_size
-    tiny = BlockStore(ram_bytes=0, disk_dir=tmp_path / "t", disk_bytes=10, on_drop=dropped.append)
-    tiny.put("x", *block(3))
+    tiny = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "t", disk_bytes=10, on_drop=dropped.append)
+    tiny.put("x", *chunk(3))
     assert dropped[-1] == "x" and files(tmp_path / "t") == []
 
 
-def put_on_disk(store: BlockStore, d: Path, key: str, seed: int) -> Path:
+def put_on_disk(store: ChunkStore, d: Path, key: str, seed: int) -> Path:
     before = set(files(d))
-    store.put(key, *block(seed))
+    store.put(key, *chunk(seed))
     (new,) = set(files(d)) - before
     return d / new
 
 
 @pytest.mark.parametrize("damage", ["flip_payload_byte", "truncate", "flip_magic", "delete"])
-def test_a_damaged_file_raises_corrupt_block_error_and_the_entry_is_removed(
+def test_a_damaged_file_raises_corrupt_chunk_error_and_the_entry_is_removed(
     tmp_path: Path, damage: str
 ) -> None:
     dropped: list[Hashable] = []
-    store = BlockStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
     path = put_on_disk(store, tmp_path, "bad", 1)
     put_on_disk(store, tmp_path, "good", 2)
     data = bytearray(path.read_bytes())
@@ -230,14 +230,14 @@ def test_a_damaged_file_raises_corrupt_block_error_and_the_entry_is_removed(
     path.write_bytes(bytes(data))
     if damage == "delete":
         path.unlink()
-    with pytest.raises(CorruptBlockError, match=path.name) as info:
+    with pytest.raises(CorruptChunkError, match=path.name) as info:
         store.get("bad")
     assert info.value.key == "bad" and info.value.path == path
     assert "bad" not in store and not path.exists() and dropped == ["bad"]
     assert store.stats()["corrupt"] == 1 and store.stats()["drops"] == 0
-    with pytest.raises(BlockNotFoundError, match="corrupt"):
+    with pytest.raises(ChunkNotFoundError, match="corrupt"):
         store.get("bad")
-    assert same_bits(store.get("good").k, block(2)[0])
+    assert same_bits(store.get("good").k, chunk(2)[0])
     assert store.disk_bytes_used == sum((tmp_path / n).stat().st_size for n in files(tmp_path))
 
 
@@ -245,33 +245,33 @@ def test_writes_leave_no_temporary_files_even_when_a_rename_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dropped: list[Hashable] = []
-    store = BlockStore(ram_bytes=BLOCK, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=CHUNK, disk_dir=tmp_path, on_drop=dropped.append)
     for i in range(6):
-        store.put(i, *block(i))
+        store.put(i, *chunk(i))
     assert len(files(tmp_path)) == 5 and all(n.endswith(FILE_SUFFIX) for n in files(tmp_path))
 
     def fail(src: str, dst: str) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
-    store.put(6, *block(6))  # spilling 5 fails: it is dropped, the put itself succeeds
+    store.put(6, *chunk(6))  # spilling 5 fails: it is dropped, the put itself succeeds
     assert dropped == [5] and len(files(tmp_path)) == 5 and store.where(6) == "ram"
 
 
 def test_delete_pop_replace_and_close_remove_files(tmp_path: Path) -> None:
     dropped: list[Hashable] = []
-    store = BlockStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
     for i in range(4):
-        store.put(i, *block(i))
+        store.put(i, *chunk(i))
     store.delete(0)
     assert len(files(tmp_path)) == 3 and 0 not in store
     popped = store.pop(1)
-    assert same_bits(popped.k, block(1)[0]) and 1 not in store and len(files(tmp_path)) == 2
-    store.put(2, *block(9))  # replace: the old file goes, no on_drop
-    assert len(files(tmp_path)) == 2 and same_bits(store.get(2).k, block(9)[0])
-    with pytest.raises(BlockNotFoundError):
+    assert same_bits(popped.k, chunk(1)[0]) and 1 not in store and len(files(tmp_path)) == 2
+    store.put(2, *chunk(9))  # replace: the old file goes, no on_drop
+    assert len(files(tmp_path)) == 2 and same_bits(store.get(2).k, chunk(9)[0])
+    with pytest.raises(ChunkNotFoundError):
         store.delete(0)
-    with pytest.raises(BlockNotFoundError):
+    with pytest.raises(ChunkNotFoundError):
         store.pop(0)
     store.close()
     assert files(tmp_path) == [] and len(store) == 0 and store.disk_bytes_used == 0 and dropped == []
@@ -279,21 +279,21 @@ def test_delete_pop_replace_and_close_remove_files(tmp_path: Path) -> None:
 
 
 def test_two_stores_can_share_a_directory(tmp_path: Path) -> None:
-    a, b = BlockStore(ram_bytes=0, disk_dir=tmp_path), BlockStore(ram_bytes=0, disk_dir=tmp_path)
-    a.put(0, *block(1))
-    b.put(0, *block(2))
+    a, b = ChunkStore(ram_bytes=0, disk_dir=tmp_path), ChunkStore(ram_bytes=0, disk_dir=tmp_path)
+    a.put(0, *chunk(1))
+    b.put(0, *chunk(2))
     assert len(files(tmp_path)) == 2
     a.close()
-    assert len(files(tmp_path)) == 1 and same_bits(b.get(0).k, block(2)[0])
+    assert len(files(tmp_path)) == 1 and same_bits(b.get(0).k, chunk(2)[0])
 
 
 def test_bad_configuration_and_inputs_raise_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="ram_bytes"):
-        BlockStore(ram_bytes=-1)
+        ChunkStore(ram_bytes=-1)
     with pytest.raises(ConfigError, match="disk_dir"):
-        BlockStore(disk_bytes=100)
-    with pytest.raises(BlockDataError, match=r"torch\.Tensor"):
-        BlockStore().put(0, [1.0], torch.zeros(1))  # type: ignore[arg-type]
+        ChunkStore(disk_bytes=100)
+    with pytest.raises(ChunkDataError, match=r"torch\.Tensor"):
+        ChunkStore().put(0, [1.0], torch.zeros(1))  # type: ignore[arg-type]
 
 
 KEYS = st.sampled_from([0, 1, 2, "a", ("s", 3)])
@@ -310,7 +310,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.dropped: list[Hashable] = []
         self.seen = self.puts = 0
         self.ram_cap: int | None = None
-        self.store = BlockStore()
+        self.store = ChunkStore()
 
     @initialize(
         ram=st.one_of(st.none(), st.integers(0, 200)),
@@ -319,7 +319,7 @@ class StoreMachine(RuleBasedStateMachine):
     )
     def setup(self, ram: int | None, use_disk: bool, disk: int | None) -> None:
         self.ram_cap = ram
-        self.store = BlockStore(
+        self.store = ChunkStore(
             ram_bytes=ram,
             disk_dir=self.dir if use_disk else None,
             disk_bytes=disk if use_disk else None,
@@ -346,7 +346,7 @@ class StoreMachine(RuleBasedStateMachine):
     def put(self, key: Hashable, tokens: int, layers: int, dtype: torch.dtype) -> None:
         self.puts += 1
         seed = self.puts
-        k, v = block(seed, (layers, tokens, 1, 2), dtype)
+        k, v = chunk(seed, (layers, tokens, 1, 2), dtype)
         meta = {"seed": seed, "key": repr(key)}
         self.store.put(key, k, v, meta)
         self.model[key] = (k, v, meta)
@@ -356,7 +356,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(key=KEYS)
     def get(self, key: Hashable) -> None:
         if key not in self.model:
-            with pytest.raises(BlockNotFoundError):
+            with pytest.raises(ChunkNotFoundError):
                 self.store.get(key)
             return
         got = self.store.get(key)
@@ -368,7 +368,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(key=KEYS, pop=st.booleans())
     def remove(self, key: Hashable, pop: bool) -> None:
         if key not in self.model:
-            with pytest.raises(BlockNotFoundError):
+            with pytest.raises(ChunkNotFoundError):
                 self.store.pop(key) if pop else self.store.delete(key)
             return
         if pop:

@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
-from kvos.policy.blocks import BlockKind, MemBlock
+from kvos.policy.chunks import Chunk, ChunkKind
 from kvos.session.units import bounded, by_message, exchange_units, unit_groups, unit_texts
 
 # (message index, kind, tokens): system; user in two chunks; its reply; a document; its reply in two chunks;
 # an assistant message after an assistant message; a tool message with no reply
 LAYOUT = [
-    (0, BlockKind.SYSTEM, [1]),
-    (1, BlockKind.USER, [2, 3]),
-    (1, BlockKind.USER, [4]),
-    (2, BlockKind.ASSISTANT, [5]),
-    (3, BlockKind.DOCUMENT, [6]),
-    (4, BlockKind.ASSISTANT, [7]),
-    (4, BlockKind.ASSISTANT, [8]),
-    (5, BlockKind.ASSISTANT, [9]),
-    (6, BlockKind.TOOL, [10]),
+    (0, ChunkKind.SYSTEM, [1]),
+    (1, ChunkKind.USER, [2, 3]),
+    (1, ChunkKind.USER, [4]),
+    (2, ChunkKind.ASSISTANT, [5]),
+    (3, ChunkKind.DOCUMENT, [6]),
+    (4, ChunkKind.ASSISTANT, [7]),
+    (4, ChunkKind.ASSISTANT, [8]),
+    (5, ChunkKind.ASSISTANT, [9]),
+    (6, ChunkKind.TOOL, [10]),
 ]
 
 
-def blocks() -> dict[int, MemBlock]:
+def chunks() -> dict[int, Chunk]:
     out, start = {}, 0
-    for block_id, (message, kind, tokens) in reversed(list(enumerate(LAYOUT))):  # registry out of order
-        start = sum(len(t) for _, _, t in LAYOUT[:block_id])
-        out[block_id] = MemBlock(
-            block_id=block_id,
+    for chunk_id, (message, kind, tokens) in reversed(list(enumerate(LAYOUT))):  # registry out of order
+        start = sum(len(t) for _, _, t in LAYOUT[:chunk_id])
+        out[chunk_id] = Chunk(
+            chunk_id=chunk_id,
             kind=kind,
             turn=0,
             token_ids=tokens,
@@ -36,23 +36,23 @@ def blocks() -> dict[int, MemBlock]:
 
 
 def test_exchange_keys_and_texts() -> None:
-    b = blocks()
-    unit = exchange_units(b.values())
-    assert [unit(b[i]) for i in range(len(LAYOUT))] == [0, 1, 1, 1, 3, 3, 3, 5, 6]
-    assert unit_texts(b.values(), unit) == {0: [1], 1: [2, 3, 4, 5], 3: [6, 7, 8], 5: [9], 6: [10]}
-    assert unit_texts(b.values(), by_message)[1] == [2, 3, 4]
+    c = chunks()
+    unit = exchange_units(c.values())
+    assert [unit(c[i]) for i in range(len(LAYOUT))] == [0, 1, 1, 1, 3, 3, 3, 5, 6]
+    assert unit_texts(c.values(), unit) == {0: [1], 1: [2, 3, 4, 5], 3: [6, 7, 8], 5: [9], 6: [10]}
+    assert unit_texts(c.values(), by_message)[1] == [2, 3, 4]
 
 
 def test_groups_follow_the_ranking_once_per_unit_with_eligible_members_in_order() -> None:
-    b = blocks()
+    c = chunks()
     eligible = {1, 3, 4, 6, 7}.__contains__
     ranked = [6, 3, 4, 1, 7]
-    assert unit_groups(b, ranked, lambda m: eligible(m.block_id), exchange_units(b.values())) == [
+    assert unit_groups(c, ranked, lambda m: eligible(m.chunk_id), exchange_units(c.values())) == [
         (6, [4, 6]),
         (3, [1, 3]),
         (7, [7]),
     ]
-    assert unit_groups(b, ranked, lambda m: eligible(m.block_id), by_message) == [
+    assert unit_groups(c, ranked, lambda m: eligible(m.chunk_id), by_message) == [
         (6, [6]),
         (3, [3]),
         (4, [4]),
@@ -62,11 +62,11 @@ def test_groups_follow_the_ranking_once_per_unit_with_eligible_members_in_order(
 
 
 def test_bounded_units_fall_apart_into_chunks() -> None:
-    b = blocks()
-    unit = bounded(exchange_units(b.values()), b.values(), 3)
+    c = chunks()
+    unit = bounded(exchange_units(c.values()), c.values(), 3)
     # the user exchange (message 1 with its reply: 4 tokens) and the document's (3 tokens)
-    assert [unit(b[i]) for i in (1, 2, 3)] == [-2, -3, -4]  # over 3 tokens: each chunk on its own
-    assert [unit(b[i]) for i in (4, 5, 6)] == [3, 3, 3]  # exactly 3: one unit
-    assert unit(b[0]) == 0 and unit(b[8]) == 6
-    texts = unit_texts(b.values(), unit)
+    assert [unit(c[i]) for i in (1, 2, 3)] == [-2, -3, -4]  # over 3 tokens: each chunk on its own
+    assert [unit(c[i]) for i in (4, 5, 6)] == [3, 3, 3]  # exactly 3: one unit
+    assert unit(c[0]) == 0 and unit(c[8]) == 6
+    texts = unit_texts(c.values(), unit)
     assert texts[-2] == [2, 3] and texts[3] == [6, 7, 8]

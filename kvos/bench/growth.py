@@ -1,8 +1,8 @@
 """KV pool growth: bytes held vs bytes used as one sequence grows, and the time spent copying on resize.
 
-One sequence is prefilled with seeded random tokens, ``chunk`` at a time, from 0 to ``max_tokens`` tokens in
+One sequence is prefilled with seeded random tokens, ``slice`` at a time, from 0 to ``max_tokens`` tokens in
 one Engine whose pool starts at the default GrowthPolicy (256 tokens, doubling below 4096 tokens, then
-``step_bytes`` per step, never more than doubling). After each chunk a row records the bytes the tokens
+``step_bytes`` per step, never more than doubling). After each slice a row records the bytes the tokens
 hold (live_bytes), the bytes of the blocks allocated to them (block_bytes), the pool's bytes (pool_bytes)
 and what a pool reserved for the whole context up front would hold (static_bytes). The growth copies
 happen inside the timed extend() calls, so copy_pct is their share of the prefill time.
@@ -40,7 +40,14 @@ SUMMARY = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"HF model directory (default: the random {DEFAULT_MODEL!r} preset)")
     parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument(
+        "--slice",
+        "--chunk",  # its older name
+        dest="slice",
+        type=int,
+        default=256,
+        help="tokens prefilled per row (--chunk: the same, its older name)",
+    )
     parser.add_argument(
         "--step-bytes",
         type=int,
@@ -50,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.max_tokens < 1 or args.chunk < 1 or args.step_bytes < 1:
-        raise ConfigError("need --max-tokens >= 1, --chunk >= 1 and --step-bytes >= 1")
+    if args.max_tokens < 1 or args.slice < 1 or args.step_bytes < 1:
+        raise ConfigError("need --max-tokens >= 1, --slice >= 1 and --step-bytes >= 1")
     if args.model:
         name, path = str(args.model), Path(args.model)
     else:
@@ -75,8 +82,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     prefill_seconds = 0.0
     with torch.inference_mode():
-        for lo in range(0, args.max_tokens, args.chunk):
-            hi = min(lo + args.chunk, args.max_tokens)
+        for lo in range(0, args.max_tokens, args.slice):
+            hi = min(lo + args.slice, args.max_tokens)
             start = time.perf_counter()
             engine.extend(seq, ids[lo:hi])
             prefill_seconds += time.perf_counter() - start
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = header("growth", name)
     result.update(
         max_tokens=args.max_tokens,
-        chunk=args.chunk,
+        slice=args.slice,
         step_bytes=args.step_bytes,
         block_size=pool.layout.block_size,
         bytes_per_token=per_token,

@@ -12,7 +12,7 @@ every policy is acting), top-1 agreement and KL(full || policy) per position, me
   ``random-zero-pair`` (the ablation: as many zeros per layer, KV head and K/V as ``elastic-sweet`` /
   ``elastic-sweet-pair`` made, at random non-sink places, same schedule) run on the kvos engine;
   ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes of the final cached K/V, cut into pool
-  blocks as the block store saves them.
+  blocks, each encoded as the chunk store encodes what it saves.
 - ``uniform``, ``entropy``, ``entropy_matched``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the
   ``random`` control) keep ``budget_tokens`` per KV head in the per-head cache
   (:mod:`kvos.engine.head_cache`, driven by :mod:`kvos.policy.budgeted`); their ``stored_bytes_ratio``

@@ -144,8 +144,8 @@ def teacher_forced(
 
 
 def codec_bytes(pool: KVPool, slots: torch.Tensor) -> tuple[int, int]:
-    """(stored, raw) bytes of the K/V at ``slots`` (int64 ``[T]``, cache order) as the block store would
-    keep them: cut into runs of ``block_size`` tokens, each run's K and V (``[num_layers, n, Hkv, D]``)
+    """(stored, raw) bytes of the K/V at ``slots`` (int64 ``[T]``, cache order) as the chunk store would
+    encode them: cut into runs of ``block_size`` tokens, each run's K and V (``[num_layers, n, Hkv, D]``)
     encoded by :func:`kvos.memory.codec.encode`, dense or sparse, whichever is smaller."""
     stored = raw = 0
     size = pool.layout.block_size

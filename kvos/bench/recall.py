@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bar",
         action="store_true",
-        help="recover only saved blocks more similar to the new message than every resident block",
+        help="recover only saved chunks more similar to the new message than every resident chunk",
     )
     p.add_argument("--seed", type=int, default=HELDOUT_SEED)
     p.add_argument("--min-distance", type=int, default=0, help="fewest turns between plant and probe")
@@ -73,7 +73,7 @@ class Outcome:
     seconds: float
     session_tokens: int
     costs: list[dict[str, float]]  # per user message: recovery_s, restore_s, prefill_s
-    digest_ratio: float  # key digest bytes of the saved blocks over their K/V bytes (at the session's end)
+    digest_ratio: float  # key digest bytes of the saved chunks over their K/V bytes (at the session's end)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,8 +137,8 @@ def _play_one(
 ) -> Outcome:
     """Play ``chat`` with strategy ``name`` at ``frac`` of its ``size`` tokens (the full cache at 10x)."""
     tokens = 10 * size if name == "full" else max(64, int(size * frac))
-    block = max(8, min(128, tokens // 4))
-    config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), block)
+    chunk_tokens = max(8, min(128, tokens // 4))
+    config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), chunk_tokens)
     config.embedder = args.embedder
     config.recovery_signal = args.signal
     config.recovery_bar = args.bar
@@ -149,7 +149,7 @@ def _play_one(
     played = play(session, chat, args.max_tokens)
     stats = session.stats()
     costs = session.memory.costs.turns
-    digests = sum(b.digest.nbytes for b in session.blocks.values() if b.digest is not None and not b.resident)
+    digests = sum(c.digest.nbytes for c in session.chunks.values() if c.digest is not None and not c.resident)
     raw = session.pager.store.stats()["raw_bytes"] if session.pager.store is not None else 0
     manager.close(session.session_id)
     recovered = stats["recoveries_restore"] + stats["recoveries_recompute"]

@@ -1,7 +1,7 @@
 """``kvos bench restart``: what a session gets back after ``kill -9`` and a restart with ``--state-dir``.
 
 A real ``kvos serve --state-dir`` process holds one conversation of about ``--tokens`` tokens (turns of notes
-and short replies, so the session outgrows its budget and saves blocks); once its periodic snapshot covers
+and short replies, so the session outgrows its budget and saves chunks); once its periodic snapshot covers
 the whole conversation, the process is killed with SIGKILL. Then, ``--repeats`` times and alternating, a
 restarted server (a fresh copy of the state dir) and a cold server (no state) each answer the next turn, the
 whole conversation re-sent, streamed: time to first token, reused tokens (the same turn on the server that
@@ -223,7 +223,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         **header("restart", args.model or "kvos builtin"),
         "budget": stats["budget"],
         "history_tokens": history,
-        "saved_blocks": stats["blocks"]["saved"],
+        "saved_chunks": stats["chunks"]["saved"],
         "prompt_tokens": prompt,
         "reused_tokens": reused,
         "reuse": round(reused / prompt, 4),

@@ -1,13 +1,13 @@
-"""Restoring a saved block's K/V vs recomputing it, and vs a plain copy of the same bytes.
+"""Restoring a saved chunk's K/V vs recomputing it, and vs a plain copy of the same bytes.
 
-For each block size, one sequence holds ``context`` tokens of seeded random context, then the block's
-``block_tokens`` tokens as a segment of their own. One warm-up round, then ``repeats`` rounds; each round
+For each chunk size, one sequence holds ``context`` tokens of seeded random context, then the chunk's
+``chunk_tokens`` tokens as a segment of their own. One warm-up round, then ``repeats`` rounds; each round
 times, in turn:
 
-- save: ``engine.read_kv(seg)`` + ``BlockStore.put(..., copy=False)`` (host-RAM store, no cap; the
+- save: ``engine.read_kv(seg)`` + ``ChunkStore.put(..., copy=False)`` (host-RAM store, no cap; the
   pager saves the same way); then the segment is evicted (not timed);
-- load: ``store.get`` + ``engine.splice`` of the saved block back at the segment's place in cache order, its
-  keys re-anchored to new positions, shifted by +block_tokens (as a compact-mode restore at the end moves
+- load: ``store.get`` + ``engine.splice`` of the saved chunk back at the segment's place in cache order, its
+  keys re-anchored to new positions, shifted by +chunk_tokens (as a compact-mode restore at the end moves
   them); checked, then evicted (not timed);
 - load_same_pos: the same splice with unchanged positions (a sparse-mode restore at its place);
 - reprefill: ``engine.extend`` of the same tokens at the same positions (the recompute alternative, final
@@ -15,7 +15,7 @@ times, in turn:
 - copy: ``dst.copy_(src)`` of preallocated tensors shaped like the saved K and V.
 
 Every timed operation but the re-prefill starts with cold caches (:class:`CacheFlush`), as a restore of a
-block saved long ago does: otherwise a load right after its save reads K/V still in cache while the copy's
+chunk saved long ago does: otherwise a load right after its save reads K/V still in cache while the copy's
 source is not. The table shows medians. ``speedup = reprefill_ms / load_ms`` and
 ``load_vs_copy = load_ms / copy_ms`` (and the same for load_same_pos). Every restore is checked before its
 time is kept: V read back with ``read_kv`` equals the saved V exactly, and K is within 1e-4 of
@@ -35,7 +35,7 @@ from kvos.bench.common import CacheFlush, header, median, print_table, timed, wr
 from kvos.engine.engine import Engine
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError
-from kvos.memory.store import BlockStore
+from kvos.memory.store import ChunkStore
 from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 
@@ -44,7 +44,7 @@ DEFAULT_SIZES = "20,40,160,640,1280"
 SEED = 2024
 K_TOLERANCE = 1e-4
 COLUMNS = (
-    "block_tokens",
+    "chunk_tokens",
     "save_ms",
     "load_ms",
     "reprefill_ms",
@@ -62,10 +62,10 @@ TIMED = ("save", "load", "load_same_pos", "reprefill", "copy")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"HF model directory (default: the random {DEFAULT_MODEL!r} preset)")
     parser.add_argument(
-        "--sizes", default=DEFAULT_SIZES, help=f"block sizes in tokens, comma-separated ({DEFAULT_SIZES})"
+        "--sizes", default=DEFAULT_SIZES, help=f"chunk sizes in tokens, comma-separated ({DEFAULT_SIZES})"
     )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--context", type=int, default=256, help="tokens of context before the block")
+    parser.add_argument("--context", type=int, default=256, help="tokens of context before the chunk")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
@@ -107,8 +107,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         rows = []
         for size in sizes:
-            block = torch.randint(0, vocab, (size,), generator=g).tolist()
-            rows.append(bench_size(engine, context, block, args.repeats))
+            chunk = torch.randint(0, vocab, (size,), generator=g).tolist()
+            rows.append(bench_size(engine, context, chunk, args.repeats))
     result = header("restore", name)
     result.update(context=args.context, repeats=args.repeats, rows=rows)
     print_table(rows, COLUMNS)
@@ -117,38 +117,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Round:
-    """The state one block size's rounds share: the sequence, its block segment and the store."""
+    """The state one chunk size's rounds share: the sequence, its chunk segment and the store."""
 
-    def __init__(self, engine: Engine, context: list[int], block: list[int]) -> None:
-        self.engine, self.block = engine, block
+    def __init__(self, engine: Engine, context: list[int], chunk: list[int]) -> None:
+        self.engine, self.chunk = engine, chunk
         self.seq: Sequence = engine.new_sequence()
         engine.extend(self.seq, context, logits="none")
         self.seg: Segment = self.seq.open_segment()
-        engine.extend(self.seq, block, logits="none")
+        engine.extend(self.seq, chunk, logits="none")
         self.index = len(self.seq.segments) - 1
         self.old = self.seg.positions.clone()
-        self.shifted = self.old + len(block)
-        self.store = BlockStore()
+        self.shifted = self.old + len(chunk)
+        self.store = ChunkStore()
 
     def save(self) -> None:
         k, v = self.engine.read_kv(self.seg)
-        self.store.put("block", k, v, {"positions": self.seg.positions.tolist()}, copy=False)
+        self.store.put("chunk", k, v, {"positions": self.seg.positions.tolist()}, copy=False)
 
     def evict(self) -> None:
         self.engine.evict(self.seq, self.seg)
 
     def load(self, positions: torch.Tensor) -> None:
-        saved = self.store.get("block")
+        saved = self.store.get("chunk")
         old = saved.meta_int64("positions")
-        self.seg = self.engine.splice(self.seq, self.index, self.block, saved.k, saved.v, old, positions)
+        self.seg = self.engine.splice(self.seq, self.index, self.chunk, saved.k, saved.v, old, positions)
 
     def reprefill(self) -> None:
-        self.seg = self.seq.open_segment()  # the block is the last segment: its index stays the same
-        self.engine.extend(self.seq, self.block, self.old.tolist(), logits="none")
+        self.seg = self.seq.open_segment()  # the chunk is the last segment: its index stays the same
+        self.engine.extend(self.seq, self.chunk, self.old.tolist(), logits="none")
 
     def check(self, positions: torch.Tensor) -> None:
         """Raise unless the restored segment holds the saved K/V, keys re-anchored to ``positions``."""
-        saved = self.store.get("block")
+        saved = self.store.get("chunk")
         k, v = self.engine.read_kv(self.seg)
         v_diff = float((v - saved.v).abs().max())
         rope = self.engine.model.rope
@@ -156,7 +156,7 @@ class _Round:
         k_diff = float((k - expected).abs().max())
         if v_diff != 0.0 or k_diff > K_TOLERANCE or not torch.equal(self.seg.positions, positions):
             raise RuntimeError(
-                f"restore of {len(self.block)} tokens is wrong: max |dV| = {v_diff} (must be 0), "
+                f"restore of {len(self.chunk)} tokens is wrong: max |dV| = {v_diff} (must be 0), "
                 f"max |dK| = {k_diff} (must be <= {K_TOLERANCE})"
             )
 
@@ -165,9 +165,9 @@ class _Round:
         self.store.close()
 
 
-def bench_size(engine: Engine, context: list[int], block: list[int], repeats: int) -> dict[str, Any]:
+def bench_size(engine: Engine, context: list[int], chunk: list[int], repeats: int) -> dict[str, Any]:
     """One row: medians over ``repeats`` rounds, after one warm-up round."""
-    state = _Round(engine, context, block)
+    state = _Round(engine, context, chunk)
     flush = CacheFlush()
     src = [torch.randn_like(t) for t in engine.read_kv(state.seg)]
     dst = [torch.empty_like(t) for t in src]
@@ -198,7 +198,7 @@ def bench_size(engine: Engine, context: list[int], block: list[int], repeats: in
         state.release()
     ms = {name: median(values) * 1000 for name, values in times.items()}
     return {
-        "block_tokens": len(block),
+        "chunk_tokens": len(chunk),
         "save_ms": ms["save"],
         "load_ms": ms["load"],
         "reprefill_ms": ms["reprefill"],

@@ -97,7 +97,7 @@ def decode_rate(spans: list[tuple[float, float, int]]) -> float:
     """Aggregate decode tok/s: the tokens after each reply's first (its decode phase, from its first token
     to its last), summed over the replies, / the time during which at least one reply was in its decode
     phase (the union of those intervals). Prefill and queueing before a reply's first token are not in it,
-    other replies' prefill chunks that share steps with its decode are."""
+    other replies' prefill slices that share steps with its decode are."""
     tokens = sum(n for _, _, n in spans)
     covered, end = 0.0, float("-inf")
     for a, b, _ in sorted(spans):

@@ -1,6 +1,6 @@
 """A synthetic chat session that grows to ``factor`` times its KV budget through a MemoryManager.
 
-One session, ``SessionConfig(budget=Budget(max_active_tokens=budget), block_tokens, backend,
+One session, ``SessionConfig(budget=Budget(max_active_tokens=budget), chunk_tokens, backend,
 embedder="tokens")`` on the default compact position mode: a short system message, then turns of a user
 message (seeded synthetic text of 5-50 words; some plant a fact, later ones ask about a planted fact, which
 gives similarity recovery something to find) and a short greedy reply (2-8 tokens, EOS ignored), until the
@@ -90,7 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"HF model directory (default: the random {DEFAULT_MODEL!r} preset)")
     parser.add_argument("--budget", type=int, default=512, help="max_active_tokens of the session")
     parser.add_argument("--factor", type=int, default=100, help="grow the history to factor x budget tokens")
-    parser.add_argument("--block-tokens", type=int, default=64, help="largest block a message is cut into")
+    parser.add_argument(
+        "--chunk-tokens",
+        "--block-tokens",  # its name before chunks were called chunks
+        dest="chunk_tokens",
+        type=int,
+        default=64,
+        help="largest chunk a message is cut into (--block-tokens: the same, its older name)",
+    )
     parser.add_argument("--backend", default="kv_restore", choices=("kv_restore", "breadcrumb", "discard"))
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
@@ -163,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name, path = DEFAULT_MODEL, ensure_random_model(DEFAULT_MODEL)
     config = SessionConfig(
         budget=Budget(max_active_tokens=args.budget),
-        block_tokens=args.block_tokens,
+        chunk_tokens=args.chunk_tokens,
         backend=args.backend,
         embedder="tokens",
         recovery_signal=args.signal,
@@ -193,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(
         budget=args.budget,
         factor=args.factor,
-        block_tokens=args.block_tokens,
+        chunk_tokens=args.chunk_tokens,
         backend=args.backend,
         position_mode=config.position_mode,
         budget_policy=config.budget.policy,

@@ -22,7 +22,7 @@ from kvos.model.rope import Rope
 from kvos.model.transformer import Transformer
 
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_PREFILL_CHUNK = 1024
+DEFAULT_PREFILL_SLICE = 1024
 
 
 class Engine:
@@ -33,15 +33,15 @@ class Engine:
         model: Transformer,
         block_size: int = DEFAULT_BLOCK_SIZE,
         growth: GrowthPolicy | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_slice: int = DEFAULT_PREFILL_SLICE,
     ) -> None:
-        if prefill_chunk <= 0:
-            raise ConfigError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        if prefill_slice <= 0:
+            raise ConfigError(f"prefill_slice must be positive, got {prefill_slice}")
         c = model.config
         layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype, model.device)
         self.model = model
         self.pool = KVPool(layout, growth)
-        self.prefill_chunk = prefill_chunk
+        self.prefill_slice = prefill_slice
         self.scheduler: Scheduler | None = None  # set by a Scheduler's owner: passes then run batched
 
     def new_sequence(self) -> Sequence:
@@ -59,14 +59,14 @@ class Engine:
         query_layers: frozenset[int] = frozenset(),
         queries: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Append tokens to the last segment of ``seq`` and run them through the model in chunks of
-        :meth:`chunk_tokens`.
+        """Append tokens to the last segment of ``seq`` and run them through the model in slices of
+        :meth:`slice_tokens` tokens.
 
         positions default to consecutive positions after the sequence's last one. Returns float32 logits
         [1, vocab] for the last token ("last"), [n, vocab] ("all"), or final hidden states [n, hidden]
         ("none"). The attention probabilities of ``capture_layers`` are stored into ``captured`` (layer ->
         float32 [num_heads, num_tokens], cache order): for a single token its own; for a prefill the mean
-        over its last ``capture_window`` queries (0: none), taken in the final chunk. The queries of
+        over its last ``capture_window`` queries (0: none), taken in the final slice. The queries of
         ``query_layers`` are appended to ``queries``: layer -> float32 [n, heads, head_dim], rotated at the
         tokens' positions.
         """
@@ -80,9 +80,9 @@ class Engine:
         if len(pos) != len(ids):
             raise ConfigError(f"{len(ids)} tokens but {len(pos)} positions")
         outputs = []
-        chunk = self.chunk_tokens()
-        for lo in range(0, len(ids), chunk):
-            hi = min(lo + chunk, len(ids))
+        size = self.slice_tokens()
+        for lo in range(0, len(ids), size):
+            hi = min(lo + size, len(ids))
             part = "last" if logits == "last" and hi < len(ids) else logits
             final = hi == len(ids)
             out = self._forward(
@@ -100,12 +100,12 @@ class Engine:
                 outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def chunk_tokens(self) -> int:
-        """The most tokens of one forward pass: ``prefill_chunk``, and under a scheduler at most what
+    def slice_tokens(self) -> int:
+        """The most tokens of one forward pass: ``prefill_slice``, and under a scheduler at most what
         fits in one of its steps beside every running decode token."""
         if self.scheduler is not None and self.scheduler.holds_turn():
-            return min(self.prefill_chunk, self.scheduler.chunk_tokens)
-        return self.prefill_chunk
+            return min(self.prefill_slice, self.scheduler.slice_tokens)
+        return self.prefill_slice
 
     def decode(
         self,
@@ -146,7 +146,7 @@ class Engine:
         self, work: Seq[tuple[Sequence, Seq[int]]], logits: Literal["last", "all", "none"] = "last"
     ) -> list[torch.Tensor]:
         """Extend several sequences in one forward pass, each by its tokens at its next positions (a
-        decode token, a prefill chunk): one output per sequence, as :meth:`extend` would return it. All
+        decode token, a prefill slice): one output per sequence, as :meth:`extend` would return it. All
         or nothing: when the pool cannot hold them all or the pass fails, no sequence changes."""
         items: list[BatchItem] = []
         try:

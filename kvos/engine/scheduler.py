@@ -4,9 +4,10 @@ Work (a request's turn, a delete, a snapshot) is submitted like to an executor a
 thread of its own, but only one worker runs at a time: the one holding the *turn*. A worker gives the turn
 back when its work ends or when it needs a forward pass (:meth:`Engine.extend` asks the scheduler instead
 of running the model). Once every admitted worker is waiting for a forward pass, the scheduler runs one
-*step*: a single forward pass over the decode tokens of every waiting sequence plus the prefill chunks that
-fit in ``step_tokens`` (continuous batching with chunked prefill), then hands each worker its output and its
-turn back, oldest first.
+*step*: a single forward pass over the decode tokens of every waiting sequence plus the prefill slices that
+fit in ``step_tokens`` (continuous batching with chunked prefill: a prefill *slice* is what is usually
+called a prefill chunk; here a chunk is a piece of a session's history), then hands each worker its output
+and its turn back, oldest first.
 
 So the policy code of a session (paging, scoring, sampling) never runs concurrently with another session's
 or with a forward pass, exactly as on a single engine thread, while eight sessions' decode steps share one
@@ -14,8 +15,8 @@ read of the weights. At most ``max_running`` works are admitted at once; the res
 Work that runs under the scheduler must not block on another worker (it would hold the turn while it
 waits): waits for a busy session happen before the work is submitted.
 
-**Admission by the pool's capacity.** Work submitted with :meth:`admit` reserves a number of pool pages
-(its session's peak, as the server estimates it) for as long as it runs. With a ``capacity_pages`` (the
+**Admission by the pool's capacity.** Work submitted with :meth:`admit` reserves a number of pool blocks
+(its session's peak, as the server estimates it) for as long as it runs. With a ``capacity_blocks`` (the
 pool's cap), such work is started only while the reservations of everything running plus its own fit in
 the cap, in arrival order: a request the pool cannot hold waits instead of running into the cap. One work
 always runs when nothing else holds a reservation, so a reservation above the cap still makes progress.
@@ -70,8 +71,8 @@ class StepStats:
     items: int = 0
     tokens: int = 0
     max_items: int = 0
-    max_reserved_pages: int = 0  # the most pool pages reserved by running work at once
-    waited_for_pages: int = 0  # works that waited for pool pages at admission
+    max_reserved_blocks: int = 0  # the most pool blocks reserved by running work at once
+    waited_for_blocks: int = 0  # works that waited for pool blocks at admission
 
     def add(self, asks: list[_Ask]) -> None:
         self.steps += 1
@@ -89,24 +90,24 @@ class Scheduler(Executor):
         kv: KVStore,
         max_running: int = 8,
         step_tokens: int = 2048,
-        capacity_pages: int | None = None,
+        capacity_blocks: int | None = None,
     ) -> None:
-        """``capacity_pages``: the pool's cap in pages, which :meth:`admit` keeps reservations within
+        """``capacity_blocks``: the pool's cap in blocks, which :meth:`admit` keeps reservations within
         (None: no cap, reservations are only counted)."""
         if max_running < 1 or step_tokens <= max_running:
             raise ConfigError(
                 f"max_running must be at least 1 and step_tokens above it, got {max_running} and "
                 f"{step_tokens}"
             )
-        if capacity_pages is not None and capacity_pages < 1:
-            raise ConfigError(f"capacity_pages must be at least 1 or None, got {capacity_pages}")
+        if capacity_blocks is not None and capacity_blocks < 1:
+            raise ConfigError(f"capacity_blocks must be at least 1 or None, got {capacity_blocks}")
         self.model, self.kv = model, kv
         self.max_running, self.step_tokens = max_running, step_tokens
-        self.capacity_pages = capacity_pages
-        self.reserved_pages = 0  # pages reserved by admitted work that has not ended
-        self._waiting: deque[tuple[int, Callable[[], None], Future[Any]]] = deque()  # waiting for pages
-        # a prefill chunk always fits in a step beside every running decode token: no chunk starves
-        self.chunk_tokens = step_tokens - max_running
+        self.capacity_blocks = capacity_blocks
+        self.reserved_blocks = 0  # blocks reserved by admitted work that has not ended
+        self._waiting: deque[tuple[int, Callable[[], None], Future[Any]]] = deque()  # waiting for blocks
+        # a prefill slice always fits in a step beside every running decode token: no slice starves
+        self.slice_tokens = step_tokens - max_running
         self.stats = StepStats()
         self._mu = threading.Lock()
         self._ready: deque[_Worker] = deque()  # admitted workers waiting for the turn
@@ -125,14 +126,14 @@ class Scheduler(Executor):
         """Run ``fn(*args, **kwargs)`` under the scheduler once admitted; its future holds the result."""
         return self.admit(0, fn, *args, **kwargs)
 
-    def admit(self, pages: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        """Like :meth:`submit`, for work that may hold up to ``pages`` pool pages while it runs: it starts
-        once the reservations of the running work and its own fit in ``capacity_pages`` (in arrival order
-        among such work), and gives its pages back when it ends."""
+    def admit(self, blocks: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Like :meth:`submit`, for work that may hold up to ``blocks`` pool blocks while it runs: it starts
+        once the reservations of the running work and its own fit in ``capacity_blocks`` (in arrival order
+        among such work), and gives its blocks back when it ends."""
         if self._closed:
             raise RuntimeError("the scheduler is shut down")
-        if pages < 0:
-            raise ConfigError(f"a work reserves a non-negative number of pages, got {pages}")
+        if blocks < 0:
+            raise ConfigError(f"a work reserves a non-negative number of blocks, got {blocks}")
         future: Future[T] = Future()
 
         def run() -> None:
@@ -150,39 +151,39 @@ class Scheduler(Executor):
                     self._local.worker = None
                     self._back.release()  # the turn goes back for good
             finally:
-                if pages:
-                    self._unreserve(pages)
+                if blocks:
+                    self._unreserve(blocks)
 
-        if pages == 0:
+        if blocks == 0:
             self._pool.submit(run)
             return future
         with self._mu:
-            self._waiting.append((pages, run, future))
-            if len(self._waiting) > 1 or not self._fits(pages):
-                self.stats.waited_for_pages += 1
+            self._waiting.append((blocks, run, future))
+            if len(self._waiting) > 1 or not self._fits(blocks):
+                self.stats.waited_for_blocks += 1
             self._start_fitting()
         return future
 
-    def _fits(self, pages: int) -> bool:
-        """Whether ``pages`` more fit beside the reservations now (under ``_mu``)."""
-        cap = self.capacity_pages
-        return cap is None or self.reserved_pages == 0 or self.reserved_pages + pages <= cap
+    def _fits(self, blocks: int) -> bool:
+        """Whether ``blocks`` more fit beside the reservations now (under ``_mu``)."""
+        cap = self.capacity_blocks
+        return cap is None or self.reserved_blocks == 0 or self.reserved_blocks + blocks <= cap
 
     def _start_fitting(self) -> None:
         """Start waiting work from the front while it fits (under ``_mu``): none overtakes an earlier one."""
         while self._waiting and self._fits(self._waiting[0][0]) and not self._closed:
-            pages, run, _ = self._waiting.popleft()
-            self.reserved_pages += pages
-            self.stats.max_reserved_pages = max(self.stats.max_reserved_pages, self.reserved_pages)
+            blocks, run, _ = self._waiting.popleft()
+            self.reserved_blocks += blocks
+            self.stats.max_reserved_blocks = max(self.stats.max_reserved_blocks, self.reserved_blocks)
             self._pool.submit(run)
 
-    def _unreserve(self, pages: int) -> None:
+    def _unreserve(self, blocks: int) -> None:
         with self._mu:
-            self.reserved_pages -= pages
+            self.reserved_blocks -= blocks
             self._start_fitting()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._mu:  # work still waiting for pages never starts
+        with self._mu:  # work still waiting for blocks never starts
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
         for _, _, future in waiting:
@@ -243,9 +244,9 @@ class Scheduler(Executor):
                 self._work.wait()
 
     def _take_step(self) -> list[_Ask]:
-        """The asks of the next step (called under ``_mu``): every decode token, then prefill chunks in
-        arrival order while they fit in ``step_tokens``. The oldest chunk always goes (the engine cuts
-        chunks to ``chunk_tokens``, so it fits), so no prefill waits behind running decodes."""
+        """The asks of the next step (called under ``_mu``): every decode token, then prefill slices in
+        arrival order while they fit in ``step_tokens``. The oldest slice always goes (the engine cuts
+        slices to ``slice_tokens``, so it fits), so no prefill waits behind running decodes."""
         if not self._asks:
             return []
         taken = [a for a in self._asks if a.tokens == 1]

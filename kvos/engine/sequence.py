@@ -104,7 +104,7 @@ class Sequence:
         return self._num_tokens
 
     @property
-    def num_pages(self) -> int:
+    def num_blocks(self) -> int:
         """Pool blocks held by the segments' page tables (a block shared with another sequence counts)."""
         return sum(seg.page_table.num_blocks for seg in self.segments)
 

@@ -1,7 +1,7 @@
 """Block allocator: hands out integer block ids from a FIFO free queue, with reference counts.
 
 Plain Python bookkeeping, no torch: the allocator owns no bytes, only the ids of the blocks of a
-:class:`~kvos.memory.pool.KVPool` (or of any other block store).
+:class:`~kvos.memory.pool.KVPool` (or of any other pool of blocks).
 
 Order is part of the contract. The free queue starts as ``0, 1, 2, ...``; ``alloc`` takes from the
 front and a block whose last reference is freed goes to the back (like vLLM's free block queue), so

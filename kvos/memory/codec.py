@@ -1,4 +1,4 @@
-"""The block codec: a saved tensor stored dense or sparse, whichever takes fewer bytes.
+"""The chunk store's codec: a saved tensor stored dense or sparse, whichever takes fewer bytes.
 
 Sparse form: a packed bitmask with one bit per element (``numpy.packbits``, big-endian bit order within a
 byte, C order over the tensor) that is set where the element is nonzero, then the nonzero elements in
@@ -10,7 +10,7 @@ strictly smaller (so a tensor with no zeros, or an empty one, stays dense).
 other, and decoding is bit-exact for every element, -0.0, NaN payloads and infinities included.
 Magnitude sparsification (:mod:`kvos.policy.sparsify`) writes +0.0, so its zeros are the ones that pack.
 
-The codec is torch + numpy only; :mod:`kvos.memory.store` puts its payload into block files.
+The codec is torch + numpy only; :mod:`kvos.memory.store` puts its payload into chunk files.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class EncodedTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this form: the payload it contributes to a block file, and what it holds in RAM."""
+        """Bytes of this form: the payload it contributes to a chunk file, and what it holds in RAM."""
         mask_bytes = 0 if self.mask is None else int(self.mask.nbytes)
         return mask_bytes + self.values.numel() * self.dtype.itemsize
 
@@ -85,7 +85,7 @@ class EncodedTensor:
             "nnz": int(self.values.numel()),
         }
 
-    def chunks(self) -> list[memoryview]:
+    def buffers(self) -> list[memoryview]:
         """Payload bytes: the mask (sparse only), then the values, C-contiguous, native byte order."""
         values = self.values.contiguous().reshape(-1).view(torch.uint8).numpy().data
         return [values] if self.mask is None else [self.mask.data, values]

@@ -1,6 +1,6 @@
 """A checksummed file: a fixed prefix, a JSON header and a binary payload, written atomically.
 
-The block store's ``.kvblk`` files and a session's snapshot share this layout (each with its own magic
+The chunk store's ``.kvchunk`` files and a session's snapshot share this layout (each with its own magic
 bytes and format version)::
 
     prefix   struct "<8sHI32s": magic (8 bytes), format version (u16), header length (u32),
@@ -25,15 +25,15 @@ from typing import Any
 
 PREFIX = struct.Struct("<8sHI32s")
 
-Chunk = bytes | memoryview
+Buffer = bytes | memoryview
 
 
-def pack(magic: bytes, version: int, header: dict[str, Any], payload: list[Chunk]) -> list[Chunk]:
-    """The chunks of a file holding ``header`` (JSON-serialisable) and ``payload``, prefix first."""
+def pack(magic: bytes, version: int, header: dict[str, Any], payload: list[Buffer]) -> list[Buffer]:
+    """The buffers of a file holding ``header`` (JSON-serialisable) and ``payload``, prefix first."""
     head = json.dumps(header).encode()
     digest = hashlib.blake2b(head, digest_size=32)
-    for chunk in payload:
-        digest.update(chunk)
+    for buffer in payload:
+        digest.update(buffer)
     return [PREFIX.pack(magic, version, len(head), digest.digest()), head, *payload]
 
 
@@ -80,14 +80,14 @@ def _header(raw: bytes) -> dict[str, Any]:
     return header
 
 
-def write_atomic(path: Path, chunks: list[Chunk]) -> int:
-    """Write ``chunks`` to a temporary file next to ``path``, then rename it to ``path``; returns the size."""
+def write_atomic(path: Path, buffers: list[Buffer]) -> int:
+    """Write ``buffers`` to a temporary file next to ``path``, then rename it to ``path``; the size."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     size = 0
     try:
         with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                size += f.write(chunk)
+            for buffer in buffers:
+                size += f.write(buffer)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,12 +1,12 @@
-"""BlockStore: saved K/V of evicted blocks, in a host-RAM LRU that spills to disk.
+"""ChunkStore: saved K/V of evicted chunks, in a host-RAM LRU that spills to disk.
 
-When the memory manager evicts a block (a run of tokens) it puts the block's K and V here, each of shape
+When the memory manager evicts a chunk (a run of tokens) it puts the chunk's K and V here, each of shape
 ``[num_layers, num_tokens, num_kv_heads, head_dim]`` in the model's dtype, and later gets them back to
 splice in without a forward pass. Tensors are copied to CPU on ``put`` and come back bit-identical.
 
 Encoding. Each of K and V is kept, in RAM and on disk alike, in the smaller of two forms
 (:mod:`kvos.memory.codec`): dense, or sparse (a packed bitmask of nonzero elements plus those elements),
-so a block zeroed by magnitude sparsification costs fewer bytes. ``ram_bytes`` and the RAM cap count the
+so a chunk zeroed by magnitude sparsification costs fewer bytes. ``ram_bytes`` and the RAM cap count the
 encoded bytes; ``stats()`` gives ``raw_bytes`` (dense bytes of every entry) and ``stored_bytes`` (their
 encoded payload bytes, both tiers, without file headers), the stored bytes before and after compression.
 
@@ -18,7 +18,7 @@ a disk entry loads it back into RAM (deleting its file), which may spill others;
 stays on disk. ``on_drop(key)`` is called once for each key that becomes unavailable without being
 deleted, popped, replaced or closed: a capacity drop, or a disk file found corrupt.
 
-Disk format, one file per block, ``<store tag>-<spill number>-<sha1 of repr(key)>.kvblk`` in ``disk_dir``
+Disk format, one file per chunk, ``<store tag>-<spill number>-<sha1 of repr(key)>.kvchunk`` in ``disk_dir``
 (keys stay in memory; several stores may share a directory), written under a temporary name in the
 same directory and then ``os.replace``d::
 
@@ -32,8 +32,8 @@ same directory and then ``os.replace``d::
 ``_encode`` and ``_decode`` are the codec's entry points (files of the older "raw" codec, all dense, are
 read too). The prefix, digest and atomic write are :mod:`kvos.memory.container`'s.
 
-Write-through (``write_through=True``, for a server's ``--state-dir``): every ``put`` writes the block's file
-at once, and RAM keeps a copy while it fits ``ram_bytes`` (leaving RAM then costs no write); a block saved
+Write-through (``write_through=True``, for a server's ``--state-dir``): every ``put`` writes the chunk's file
+at once, and RAM keeps a copy while it fits ``ram_bytes`` (leaving RAM then costs no write); a chunk saved
 is on disk as soon as it is saved. :meth:`adopt` takes over a file an earlier store wrote (after a restart),
 checking its prefix and size now and its digest when it is read. ``release(path)`` is called for each file
 the store no longer needs (deleted, popped, dropped, closed), in place of deleting it, so that a caller can
@@ -56,21 +56,21 @@ from typing import Any, Literal
 
 import torch
 
-from kvos.errors import BlockDataError, BlockNotFoundError, ConfigError, CorruptBlockError
+from kvos.errors import ChunkDataError, ChunkNotFoundError, ConfigError, CorruptChunkError
 from kvos.memory import container
 from kvos.memory.codec import CODEC_NAME, EncodedTensor, encode, from_payload
 from kvos.memory.int64 import as_int64
 
 MAGIC = b"KVOSBLK\x00"
 FORMAT_VERSION = 1
-FILE_SUFFIX = ".kvblk"
+FILE_SUFFIX = ".kvchunk"
 _DROPPED_MEMORY = 4096  # how many dropped keys are remembered for error messages
 _log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StoredBlock:
-    """A block as put: ``k`` and ``v`` on CPU, original dtype and shape (read-only: clone to modify)."""
+class StoredChunk:
+    """A chunk as put: ``k`` and ``v`` on CPU, original dtype and shape (read-only: clone to modify)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -100,8 +100,8 @@ class _Entry:
 
 
 def _encode(k: EncodedTensor, v: EncodedTensor) -> tuple[list[memoryview], dict[str, Any]]:
-    """Payload chunks and header fields of a block's encoded K and V."""
-    return [*k.chunks(), *v.chunks()], {"codec": CODEC_NAME, "tensors": [k.spec(), v.spec()]}
+    """Payload buffers and header fields of a chunk's encoded K and V."""
+    return [*k.buffers(), *v.buffers()], {"codec": CODEC_NAME, "tensors": [k.spec(), v.spec()]}
 
 
 def _decode(payload: memoryview, fields: dict[str, Any]) -> Pair:
@@ -110,7 +110,7 @@ def _decode(payload: memoryview, fields: dict[str, Any]) -> Pair:
         raise ValueError(f"unknown codec {fields['codec']!r}")
     specs = fields["tensors"]
     if not isinstance(specs, list) or len(specs) != 2:
-        raise ValueError("a block holds exactly two tensors, K and V")
+        raise ValueError("a chunk holds exactly two tensors, K and V")
     k, offset = from_payload(specs[0], payload, 0)
     v, offset = from_payload(specs[1], payload, offset)
     if offset != len(payload):
@@ -118,41 +118,41 @@ def _decode(payload: memoryview, fields: dict[str, Any]) -> Pair:
     return k, v
 
 
-def _serialize(kv: Pair, meta_json: str) -> list[container.Chunk]:
-    """The chunks of a block file, prefix first (see the module docstring)."""
-    chunks, fields = _encode(*kv)
-    payload_bytes = sum(c.nbytes for c in chunks)
+def _serialize(kv: Pair, meta_json: str) -> list[container.Buffer]:
+    """The buffers of a chunk file, prefix first (see the module docstring)."""
+    buffers, fields = _encode(*kv)
+    payload_bytes = sum(b.nbytes for b in buffers)
     header = {**fields, "meta": json.loads(meta_json), "payload_bytes": payload_bytes}
-    return container.pack(MAGIC, FORMAT_VERSION, header, list(chunks))
+    return container.pack(MAGIC, FORMAT_VERSION, header, list(buffers))
 
 
 def _parse(data: bytes) -> tuple[Pair, str]:
-    """``((k, v), meta_json)`` of a block file's bytes (encoded); raises ValueError (or Key/TypeError)."""
+    """``((k, v), meta_json)`` of a chunk file's bytes (encoded); raises ValueError (or Key/TypeError)."""
     header, payload = container.unpack(data, MAGIC, FORMAT_VERSION)
     if len(payload) != header["payload_bytes"]:
         raise ValueError("payload length differs from the header")
     return _decode(payload, header), json.dumps(header["meta"])
 
 
-def write_block_file(path: Path, k: torch.Tensor, v: torch.Tensor, meta: Mapping[str, Any] | None) -> int:
-    """Write one block (``k``, ``v`` ``[num_layers, num_tokens, num_kv_heads, head_dim]``, CPU) as a block
+def write_chunk_file(path: Path, k: torch.Tensor, v: torch.Tensor, meta: Mapping[str, Any] | None) -> int:
+    """Write one chunk (``k``, ``v`` ``[num_layers, num_tokens, num_kv_heads, head_dim]``, CPU) as a chunk
     file at ``path``, atomically; its size in bytes."""
     kv = encode(_to_cpu(k, "k", copy=False)), encode(_to_cpu(v, "v", copy=False))
     return container.write_atomic(path, _serialize(kv, _meta_json(meta)))
 
 
-def read_block_file(path: Path) -> StoredBlock:
-    """The block in a block file, digest verified; ValueError (or OSError) when it is missing or corrupt."""
+def read_chunk_file(path: Path) -> StoredChunk:
+    """The chunk in a chunk file, digest verified; ValueError (or OSError) when it is missing or corrupt."""
     try:
         (k, v), meta_json = _parse(path.read_bytes())
     except (KeyError, TypeError, RuntimeError) as e:
-        raise ValueError(f"malformed block file: {e}") from e
-    return StoredBlock(k.decode(), v.decode(), json.loads(meta_json))
+        raise ValueError(f"malformed chunk file: {e}") from e
+    return StoredChunk(k.decode(), v.decode(), json.loads(meta_json))
 
 
 def _peek_entry(path: Path) -> _Entry:
-    """An on-disk entry for an existing block file, from its prefix and header only (the digest is checked
-    when the block is read); ValueError/OSError when the file is short, foreign or truncated."""
+    """An on-disk entry for an existing chunk file, from its prefix and header only (the digest is checked
+    when the chunk is read); ValueError/OSError when the file is short, foreign or truncated."""
     header, payload_bytes = container.peek(path, MAGIC, FORMAT_VERSION)
     try:
         if payload_bytes != int(header["payload_bytes"]):
@@ -163,7 +163,7 @@ def _peek_entry(path: Path) -> _Entry:
         )
         meta_json = json.dumps(header["meta"])
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"malformed block file header: {e}") from e
+        raise ValueError(f"malformed chunk file header: {e}") from e
     return _Entry(meta_json, raw, payload_bytes, None, path, path.stat().st_size)
 
 
@@ -171,7 +171,7 @@ def _to_cpu(t: object, name: str, copy: bool = True) -> torch.Tensor:
     """A fresh contiguous CPU copy of ``t`` (any device, dtype and shape); without ``copy``, ``t`` itself
     (detached) when it is already contiguous on the CPU."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-        raise BlockDataError(f"{name} must be a dense torch.Tensor, got {type(t).__name__}")
+        raise ChunkDataError(f"{name} must be a dense torch.Tensor, got {type(t).__name__}")
     if not copy and t.device.type == "cpu" and t.is_contiguous():
         return t.detach()
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
@@ -183,15 +183,15 @@ def _meta_json(meta: Mapping[str, Any] | None) -> str:
     try:
         return json.dumps(dict(meta or {}))
     except (TypeError, ValueError) as e:
-        raise BlockDataError(f"block meta must be JSON-serialisable: {e}") from e
+        raise ChunkDataError(f"chunk meta must be JSON-serialisable: {e}") from e
 
 
-class BlockStore:
-    """Saved K/V blocks by key: a host-RAM LRU capped at ``ram_bytes``, spilling to ``disk_dir``.
+class ChunkStore:
+    """Saved K/V chunks by key: a host-RAM LRU capped at ``ram_bytes``, spilling to ``disk_dir``.
 
     ``ram_bytes`` counts K and V encoded bytes (dense ``nbytes`` unless sparse is smaller); ``disk_bytes``
     counts file sizes. ``None`` means no cap. ``on_drop(key)`` is called for each key dropped for capacity
-    or found corrupt. ``write_through``: every block is written to ``disk_dir`` as it is put;
+    or found corrupt. ``write_through``: every chunk is written to ``disk_dir`` as it is put;
     ``release(path)`` replaces deleting a file the store no longer needs (see the module docstring).
     """
 
@@ -207,17 +207,17 @@ class BlockStore:
     ) -> None:
         for name, cap in (("ram_bytes", ram_bytes), ("disk_bytes", disk_bytes)):
             if cap is not None and (not isinstance(cap, int) or cap < 0):
-                raise ConfigError(f"BlockStore {name} must be None or an int >= 0, got {cap!r}")
+                raise ConfigError(f"ChunkStore {name} must be None or an int >= 0, got {cap!r}")
         if disk_bytes is not None and disk_dir is None:
-            raise ConfigError("BlockStore disk_bytes needs a disk_dir; give one or leave disk_bytes None")
+            raise ConfigError("ChunkStore disk_bytes needs a disk_dir; give one or leave disk_bytes None")
         if write_through and (disk_dir is None or disk_bytes is not None):
             raise ConfigError(
-                "a write-through BlockStore needs a disk_dir and keeps every block: no disk_bytes"
+                "a write-through ChunkStore needs a disk_dir and keeps every chunk: no disk_bytes"
             )
         self._ram_cap, self._disk_cap, self._on_drop = ram_bytes, disk_bytes, on_drop
         self._write_through = write_through
         self._release = release or (lambda path: path.unlink(missing_ok=True))
-        self._files = 0  # block files this store has named (a part of each new file's name)
+        self._files = 0  # chunk files this store has named (a part of each new file's name)
         self._dir = Path(disk_dir) if disk_dir is not None else None
         if self._dir is not None:
             self._dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +240,7 @@ class BlockStore:
 
         Copies to CPU, so the caller may free or reuse the originals at once. ``copy=False`` hands them
         over instead: contiguous CPU tensors are kept as they are (no second allocation and copy of a
-        block just read out of the pool), and the caller must not modify them afterwards. Replaces an
+        chunk just read out of the pool), and the caller must not modify them afterwards. Replaces an
         existing ``key``.
         """
         kv = encode(_to_cpu(k, "k", copy)), encode(_to_cpu(v, "v", copy))
@@ -257,16 +257,16 @@ class BlockStore:
         self._notify(dropped + self._enforce_caps())
 
     def adopt(self, key: Hashable, path: Path) -> None:
-        """Take over the block file at ``path`` (in this store's ``disk_dir``, written by an earlier store)
+        """Take over the chunk file at ``path`` (in this store's ``disk_dir``, written by an earlier store)
         as ``key``'s entry, on disk. Its prefix and size are checked now, its digest when it is read (a bad
-        file then raises :class:`CorruptBlockError` and is dropped). Raises :class:`BlockDataError` when the
+        file then raises :class:`CorruptChunkError` and is dropped). Raises :class:`ChunkDataError` when the
         file cannot be taken (it is left where it is), :class:`ConfigError` when it is not in ``disk_dir``."""
         if self._dir is None or path.parent.resolve() != self._dir.resolve():
-            raise ConfigError(f"BlockStore.adopt takes files in its disk_dir {self._dir}, not {path}")
+            raise ConfigError(f"ChunkStore.adopt takes files in its disk_dir {self._dir}, not {path}")
         try:
             entry = _peek_entry(path)
         except (OSError, ValueError) as e:
-            raise BlockDataError(f"block file {path} cannot be adopted: {e}") from e
+            raise ChunkDataError(f"chunk file {path} cannot be adopted: {e}") from e
         if key in self._entries:
             self._remove(key)
         self._dropped.pop(key, None)
@@ -274,14 +274,14 @@ class BlockStore:
         self._disk_used += entry.file_bytes
 
     def file_of(self, key: Hashable) -> Path | None:
-        """The file holding ``key``'s block (None when it is only in RAM, or not held)."""
+        """The file holding ``key``'s chunk (None when it is only in RAM, or not held)."""
         entry = self._entries.get(key)
         return None if entry is None else entry.path
 
-    def get(self, key: Hashable) -> StoredBlock:
-        """The block saved under ``key``, from RAM or disk; it becomes the most recently used.
+    def get(self, key: Hashable) -> StoredChunk:
+        """The chunk saved under ``key``, from RAM or disk; it becomes the most recently used.
 
-        Raises :class:`BlockNotFoundError` for unknown or dropped keys and :class:`CorruptBlockError` when
+        Raises :class:`ChunkNotFoundError` for unknown or dropped keys and :class:`CorruptChunkError` when
         its file fails verification (the entry is then removed and ``on_drop`` called).
         """
         entry = self._lookup(key)
@@ -293,18 +293,18 @@ class BlockStore:
                 self._to_ram(entry, kv)
         self._counts["gets"] += 1
         self._notify(self._enforce_caps())
-        return StoredBlock(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
+        return StoredChunk(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
 
-    def pop(self, key: Hashable) -> StoredBlock:
+    def pop(self, key: Hashable) -> StoredChunk:
         """:meth:`get` then :meth:`delete`, without moving a disk entry through RAM."""
         entry = self._lookup(key)
         kv = entry.kv if entry.kv is not None else self._read(key, entry)
         self._remove(key)
         self._counts["gets"] += 1
-        return StoredBlock(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
+        return StoredChunk(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
 
     def delete(self, key: Hashable) -> None:
-        """Remove ``key`` and its file; raises :class:`BlockNotFoundError` if absent."""
+        """Remove ``key`` and its file; raises :class:`ChunkNotFoundError` if absent."""
         self._lookup(key)
         self._remove(key)
 
@@ -330,7 +330,7 @@ class BlockStore:
 
     @property
     def disk_bytes_used(self) -> int:
-        """Total size of this store's block files."""
+        """Total size of this store's chunk files."""
         return self._disk_used
 
     def stats(self) -> dict[str, int]:
@@ -362,7 +362,7 @@ class BlockStore:
         entry = self._entries.get(key)
         if entry is None:
             why = self._dropped.get(key, "never put, or deleted")
-            raise BlockNotFoundError(f"no block {key!r} in the store ({why})")
+            raise ChunkNotFoundError(f"no chunk {key!r} in the store ({why})")
         return entry
 
     def _enforce_caps(self) -> list[Hashable]:
@@ -392,15 +392,15 @@ class BlockStore:
             return []
         if self._dir is None:
             return self._drop(key, "dropped from RAM with no disk_dir to spill to")
-        chunks = _serialize(entry.kv, entry.meta_json)
-        size = sum(len(memoryview(c)) for c in chunks)
+        buffers = _serialize(entry.kv, entry.meta_json)
+        size = sum(len(memoryview(b)) for b in buffers)
         if self._disk_cap is not None and size > self._disk_cap:
             return self._drop(key, f"its {size}-byte file is larger than disk_bytes")
         path = self._new_path(key)
         try:
-            container.write_atomic(path, chunks)
+            container.write_atomic(path, buffers)
         except OSError as e:
-            _log.warning("BlockStore: cannot write %s (%s); dropping block %r", path, e, key)
+            _log.warning("ChunkStore: cannot write %s (%s); dropping chunk %r", path, e, key)
             return self._drop(key, f"its file could not be written: {e}")
         self._ram_used -= entry.ram_bytes
         entry.kv = None
@@ -412,18 +412,18 @@ class BlockStore:
     def _write(self, key: Hashable, entry: _Entry) -> None:
         """Write a RAM entry's file now (write-through); a failed write leaves it in RAM only, logged."""
         assert entry.kv is not None
-        chunks = _serialize(entry.kv, entry.meta_json)
+        buffers = _serialize(entry.kv, entry.meta_json)
         path = self._new_path(key)
         try:
-            size = container.write_atomic(path, chunks)
+            size = container.write_atomic(path, buffers)
         except OSError as e:
-            _log.warning("BlockStore: cannot write %s (%s); block %r is kept in RAM only", path, e, key)
+            _log.warning("ChunkStore: cannot write %s (%s); chunk %r is kept in RAM only", path, e, key)
             return
         entry.path, entry.file_bytes = path, size
         self._disk_used += size
 
     def _read(self, key: Hashable, entry: _Entry) -> Pair:
-        """Load a disk entry's encoded tensors; on a bad file remove it, notify, raise CorruptBlockError."""
+        """Load a disk entry's encoded tensors; on a bad file remove it, notify, raise CorruptChunkError."""
         assert entry.path is not None
         self._counts["disk_loads"] += 1
         try:
@@ -431,7 +431,7 @@ class BlockStore:
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             path = entry.path
             self._notify(self._drop(key, f"its file {path} was corrupt", counter="corrupt"))
-            raise CorruptBlockError(key, path, str(e)) from e
+            raise CorruptChunkError(key, path, str(e)) from e
         return kv
 
     def _to_ram(self, entry: _Entry, kv: Pair) -> None:

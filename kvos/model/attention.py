@@ -3,7 +3,7 @@
 The model never sees blocks or page tables. The engine turns a sequence's page table into an
 :class:`AttentionMetadata` (flat slot ids and positions as tensors) and passes it in explicitly.
 Masks are derived from positions, not from slot order, so sparse positions (gaps after eviction)
-and re-anchored blocks need no special casing.
+and re-anchored segments need no special casing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rotary position embedding (half-rotation convention, as Hugging Face Llama/Qwen/Mistral).
 
 Keys are stored after RoPE. Because rotations compose, R(p + d) = R(d) R(p), a stored key can be moved to
-another position by rotating it by the delta alone: :meth:`Rope.shift` is how kvos re-anchors saved blocks.
+another position by rotating it by the delta alone: :meth:`Rope.shift` is how kvos re-anchors saved chunks.
 """
 
 from __future__ import annotations

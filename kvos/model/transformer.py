@@ -96,7 +96,7 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_batch(self, items: Seq[BatchItem], kv: KVStore) -> list[torch.Tensor]:
-        """One forward pass over the new tokens of several sequences (prefill chunks and decode tokens
+        """One forward pass over the new tokens of several sequences (prefill slices and decode tokens
         mixed): the projections and the MLP run once over all rows [sum n_i, hidden], attention runs per
         sequence over its own keys. Returns one output per item, as :meth:`forward` would have returned
         for that item alone."""

@@ -1,8 +1,8 @@
-"""The attention signal: how much attention the model puts on each resident block.
+"""The attention signal: how much attention the model puts on each resident chunk.
 
-:func:`block_masses` turns one query's attention probabilities over the cache into per-block masses;
+:func:`chunk_masses` turns one query's attention probabilities over the cache into per-chunk masses;
 :class:`AttentionTracker` aggregates those masses over decode steps (EWMA, cumulative H2O-like, or a
-SnapKV-like snapshot) and hands the scorer a value in [0, 1] per block.
+SnapKV-like snapshot) and hands the scorer a value in [0, 1] per chunk.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ TrackerMode = Literal["ewma", "cumulative", "snapshot"]
 TRACKER_MODES: tuple[str, ...] = ("ewma", "cumulative", "snapshot")
 
 
-def block_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """Per-block attention mass of one query, averaged over heads.
+def chunk_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Per-chunk attention mass of one query, averaged over heads.
 
     ``probs``: float ``[heads, T]``, one query's attention over the ``T`` cached keys of one layer, in cache
-    order. ``boundaries``: cumulative token offsets ``[0, b1, ..., T]`` of the resident blocks in cache order
-    (non-decreasing). Returns float32 ``[num_blocks]`` on ``probs``' device: block ``i`` gets
+    order. ``boundaries``: cumulative token offsets ``[0, b1, ..., T]`` of the resident chunks in cache order
+    (non-decreasing). Returns float32 ``[num_chunks]`` on ``probs``' device: chunk ``i`` gets
     ``mean_h sum(probs[h, b_i:b_{i+1}])``. One cumsum and two gathers, no Python loop over tokens.
     """
     if probs.dim() != 2:
@@ -37,24 +37,24 @@ def block_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) 
         raise SignalError(f"boundaries must be [0, ..., {t}] (T = probs.shape[1]), got {b.tolist()}")
     if bool((b[1:] < b[:-1]).any()):
         raise SignalError(f"boundaries must be non-decreasing, got {b.tolist()}")
-    per_token = probs.float().mean(dim=0)  # mean over heads commutes with the per-block sum
+    per_token = probs.float().mean(dim=0)  # mean over heads commutes with the per-chunk sum
     cs = torch.cat([per_token.new_zeros(1), per_token.cumsum(0)])
     return (cs[b[1:]] - cs[b[:-1]]).clamp_min(0.0)
 
 
 @dataclass
 class AttentionTracker:
-    """Aggregates per-block attention masses over decode steps.
+    """Aggregates per-chunk attention masses over decode steps.
 
-    - ``ewma`` (default): weighted mean of the block's last ``window`` observations, the newest with weight 1,
+    - ``ewma`` (default): weighted mean of the chunk's last ``window`` observations, the newest with weight 1,
       the one before ``decay``, then ``decay**2`` ..., normalised by the sum of the weights used.
-    - ``cumulative`` (H2O-like): the running sum of the block's masses.
-    - ``snapshot`` (SnapKV-like): the block's latest observation replaces the previous ones; use it for an
+    - ``cumulative`` (H2O-like): the running sum of the chunk's masses.
+    - ``snapshot`` (SnapKV-like): the chunk's latest observation replaces the previous ones; use it for an
       observation-window snapshot taken at prefill.
 
-    A block gets an observation only at the steps whose ``masses`` contain it (pass every resident block,
-    zeros included). :meth:`value` rescales: it divides the block's aggregate by the largest aggregate over
-    the tracked blocks, so the most-attended block scores 1.0 and every value lies in [0, 1] (all 0.0 when
+    A chunk gets an observation only at the steps whose ``masses`` contain it (pass every resident chunk,
+    zeros included). :meth:`value` rescales: it divides the chunk's aggregate by the largest aggregate over
+    the tracked chunks, so the most-attended chunk scores 1.0 and every value lies in [0, 1] (all 0.0 when
     every aggregate is 0). For ``cumulative`` this is the normalisation by the running max; for ``ewma`` and
     ``snapshot`` it makes masses comparable with the scorer's other signals. :meth:`raw` gives the aggregate.
     """
@@ -75,23 +75,23 @@ class AttentionTracker:
             raise ConfigError(f"AttentionTracker.decay must be in (0, 1], got {self.decay}")
 
     def observe(self, masses: Mapping[int, float]) -> None:
-        """Record one decode step: ``block_id -> mass`` (averaged over captured layers and heads)."""
-        for block_id, mass in masses.items():
+        """Record one decode step: ``chunk_id -> mass`` (averaged over captured layers and heads)."""
+        for chunk_id, mass in masses.items():
             m = float(mass)
             if not (math.isfinite(m) and m >= 0.0):
-                raise SignalError(f"attention mass of block {block_id} must be finite and >= 0, got {m}")
+                raise SignalError(f"attention mass of chunk {chunk_id} must be finite and >= 0, got {m}")
             if self.mode == "cumulative":
-                self._cumulative[block_id] = self._cumulative.get(block_id, 0.0) + m
+                self._cumulative[chunk_id] = self._cumulative.get(chunk_id, 0.0) + m
             else:
                 maxlen = self.window if self.mode == "ewma" else 1
-                self._history.setdefault(block_id, deque(maxlen=maxlen)).append(m)
+                self._history.setdefault(chunk_id, deque(maxlen=maxlen)).append(m)
         self._normalised = None
 
-    def raw(self, block_id: int) -> float | None:
-        """The block's aggregate before rescaling (ewma mean, running sum, latest mass); ``None``: unseen."""
+    def raw(self, chunk_id: int) -> float | None:
+        """The chunk's aggregate before rescaling (ewma mean, running sum, latest mass); ``None``: unseen."""
         if self.mode == "cumulative":
-            return self._cumulative.get(block_id)
-        history = self._history.get(block_id)
+            return self._cumulative.get(chunk_id)
+        history = self._history.get(chunk_id)
         if history is None:
             return None
         num = den = 0.0
@@ -102,29 +102,29 @@ class AttentionTracker:
             weight *= self.decay
         return num / den
 
-    def value(self, block_id: int) -> float | None:
-        """The block's aggregate divided by the largest over tracked blocks, in [0, 1]; ``None`` if unseen."""
+    def value(self, chunk_id: int) -> float | None:
+        """The chunk's aggregate divided by the largest over tracked chunks, in [0, 1]; ``None`` if unseen."""
         if self._normalised is None:
             self._normalised = self._rescaled()
-        return self._normalised.get(block_id)
+        return self._normalised.get(chunk_id)
 
-    def forget(self, block_id: int) -> None:
-        """Drop everything known about a block (evicted, or its positions changed meaning)."""
-        self._history.pop(block_id, None)
-        self._cumulative.pop(block_id, None)
+    def forget(self, chunk_id: int) -> None:
+        """Drop everything known about a chunk (evicted, or its positions changed meaning)."""
+        self._history.pop(chunk_id, None)
+        self._cumulative.pop(chunk_id, None)
         self._normalised = None
 
     def tracked(self) -> list[int]:
-        """Ids of the blocks observed at least once and not forgotten."""
+        """Ids of the chunks observed at least once and not forgotten."""
         return list(self._cumulative if self.mode == "cumulative" else self._history)
 
     def _rescaled(self) -> dict[int, float]:
         raws: dict[int, float] = {}
-        for block_id in self.tracked():
-            r = self.raw(block_id)
+        for chunk_id in self.tracked():
+            r = self.raw(chunk_id)
             assert r is not None
-            raws[block_id] = r
+            raws[chunk_id] = r
         top = max(raws.values(), default=0.0)
         if top <= 0.0:
             return dict.fromkeys(raws, 0.0)
-        return {block_id: r / top for block_id, r in raws.items()}
+        return {chunk_id: r / top for chunk_id, r in raws.items()}

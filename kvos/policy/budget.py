@@ -1,8 +1,8 @@
-"""The budget: when a session must evict, down to how many tokens, and which blocks go.
+"""The budget: when a session must evict, down to how many tokens, and which chunks go.
 
 ``Budget`` gives the trigger and target in resident tokens; :func:`select_victims` picks the lowest-scored
-evictable blocks until the target is reached. Never evicted: sinks, pinned blocks, blocks scoring >= 1.0,
-and protected blocks (the reply being generated, blocks recovered this turn).
+evictable chunks until the target is reached. Never evicted: sinks, pinned chunks, chunks scoring >= 1.0,
+and protected chunks (the reply being generated, chunks recovered this turn).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvos.errors import ConfigError, SignalError
-from kvos.policy.blocks import MemBlock
+from kvos.policy.chunks import Chunk
 
 BudgetPolicy = Literal["watermark", "hard"]
 BUDGET_POLICIES: tuple[str, ...] = ("watermark", "hard")
@@ -58,50 +58,50 @@ class Budget:
 
 
 def evictable(
-    blocks: Sequence[MemBlock],
+    chunks: Sequence[Chunk],
     scores: Mapping[int, float],
     protected: Collection[int] = (),
     sink_count: int = 4,
-) -> list[MemBlock]:
-    """The RESIDENT blocks that may be evicted: not sinks, not pinned, scoring < 1.0, not protected.
+) -> list[Chunk]:
+    """The RESIDENT chunks that may be evicted: not sinks, not pinned, scoring < 1.0, not protected.
 
     Raises :class:`SignalError` when a resident candidate has no score.
     """
     keep = set(protected)
     out = []
-    for block in blocks:
-        if not block.resident or block.is_sink(sink_count) or block.pinned or block.block_id in keep:
+    for chunk in chunks:
+        if not chunk.resident or chunk.is_sink(sink_count) or chunk.pinned or chunk.chunk_id in keep:
             continue
-        if block.block_id not in scores:
-            raise SignalError(f"block {block.block_id} has no score; score every resident block first")
-        if scores[block.block_id] < 1.0:
-            out.append(block)
+        if chunk.chunk_id not in scores:
+            raise SignalError(f"chunk {chunk.chunk_id} has no score; score every resident chunk first")
+        if scores[chunk.chunk_id] < 1.0:
+            out.append(chunk)
     return out
 
 
 def select_victims(
-    blocks: Sequence[MemBlock],
+    chunks: Sequence[Chunk],
     scores: Mapping[int, float],
     active_tokens: int,
     target: int,
     protected: Collection[int] = (),
     sink_count: int = 4,
-) -> list[MemBlock]:
-    """The blocks to evict, in eviction order, to bring ``active_tokens`` down to ``target``.
+) -> list[Chunk]:
+    """The chunks to evict, in eviction order, to bring ``active_tokens`` down to ``target``.
 
-    Among :func:`evictable` blocks, the lowest-scored go first (ties: smaller ``original_start`` first),
+    Among :func:`evictable` chunks, the lowest-scored go first (ties: smaller ``original_start`` first),
     until ``active_tokens - sum(num_tokens) <= target``. Returns ``[]`` when already at or under the target,
-    and every evictable block when even that does not reach it (the caller decides what to do then).
+    and every evictable chunk when even that does not reach it (the caller decides what to do then).
     """
     candidates = sorted(
-        evictable(blocks, scores, protected, sink_count),
-        key=lambda b: (scores[b.block_id], b.original_start, b.block_id),
+        evictable(chunks, scores, protected, sink_count),
+        key=lambda c: (scores[c.chunk_id], c.original_start, c.chunk_id),
     )
-    victims: list[MemBlock] = []
+    victims: list[Chunk] = []
     remaining = active_tokens
-    for block in candidates:
+    for chunk in candidates:
         if remaining <= target:
             break
-        victims.append(block)
-        remaining -= block.num_tokens
+        victims.append(chunk)
+        remaining -= chunk.num_tokens
     return victims

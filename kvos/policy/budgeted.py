@@ -68,8 +68,8 @@ def run_budgeted(
     ids = token_ids[:-1]  # the last token is only ever predicted
     first = min(max(prefill, 1), len(ids))
     outputs, resident, uniform = [], [], []
-    for chunk in [ids[:first]] + [[t] for t in ids[first:]]:
-        outputs.append(cache.extend(chunk))
+    for step in [ids[:first]] + [[t] for t in ids[first:]]:
+        outputs.append(cache.extend(step))
         cache.enforce(chooser, chooser.budgets(cache.next_position, budget_tokens, cache.rows))
         resident.append(cache.pool.resident_bytes)
         uniform.append(cache.uniform_bytes())

@@ -1,17 +1,17 @@
-"""Key digests: a few bytes per saved block that bound how strongly any query can attend to it.
+"""Key digests: a few bytes per saved chunk that bound how strongly any query can attend to it.
 
-When a block leaves the pool its keys (``[layers, n, kv_heads, head_dim]``, stored after RoPE at their
+When a chunk leaves the pool its keys (``[layers, n, kv_heads, head_dim]``, stored after RoPE at their
 positions) are rotated back to position 0, and for each chosen layer and KV head the element-wise minimum
-and maximum over the block's tokens are kept: a box that holds every key of the block. For a query ``q``
+and maximum over the chunk's tokens are kept: a box that holds every key of the chunk. For a query ``q``
 (also rotated back to position 0) the largest logit any key ``k`` in the box can give is (Quest's bound)::
 
     max_k q . k  <=  sum_d max(q_d * lo_d, q_d * hi_d)
 
-It holds for every key of the block exactly (the box is rounded outwards when stored in float16). It is the
-logit at equal rotation, the "content" part of RoPE attention: where the block lands is decided later, so
+It holds for every key of the chunk exactly (the box is rounded outwards when stored in float16). It is the
+logit at equal rotation, the "content" part of RoPE attention: where the chunk lands is decided later, so
 its relative rotation to the query is not known when it is scored.
 
-Size: ``2 * len(layers) * kv_heads * head_dim`` float16 numbers per block, against
+Size: ``2 * len(layers) * kv_heads * head_dim`` float16 numbers per chunk, against
 ``2 * num_layers * n * kv_heads * head_dim`` numbers of the model's dtype for its K and V.
 """
 
@@ -27,7 +27,7 @@ from kvos.model.rope import Rope
 
 @dataclass(frozen=True)
 class KeyDigest:
-    """The box of one block's keys: ``lo`` and ``hi`` float16 ``[len(layers), kv_heads, head_dim]``."""
+    """The box of one chunk's keys: ``lo`` and ``hi`` float16 ``[len(layers), kv_heads, head_dim]``."""
 
     layers: tuple[int, ...]
     lo: torch.Tensor
@@ -48,7 +48,7 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tens
 
 
 def digest_keys(k: torch.Tensor, positions: torch.Tensor, rope: Rope, layers: Sequence[int]) -> KeyDigest:
-    """The :class:`KeyDigest` of a block's keys ``k`` ``[num_layers, n, kv_heads, head_dim]`` (rotated at
+    """The :class:`KeyDigest` of a chunk's keys ``k`` ``[num_layers, n, kv_heads, head_dim]`` (rotated at
     ``positions``, int64 ``[n]``) over ``layers``; ``n`` must be at least 1."""
     chosen = torch.stack([unrotate(k[i], positions, rope) for i in layers])  # [Ld, n, kv, D]
     lo, hi = chosen.amin(dim=1), chosen.amax(dim=1)
@@ -66,8 +66,8 @@ def _round(x: torch.Tensor, down: bool) -> torch.Tensor:
 def upper_bound(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """The largest logit (before scaling) that any key in each box can give each query.
 
-    queries: float32 ``[layers, n, heads, head_dim]`` rotated back to position 0; lo, hi: ``[blocks, layers,
-    kv_heads, head_dim]`` (heads a multiple of kv_heads: grouped-query attention) -> ``[blocks, layers, n,
+    queries: float32 ``[layers, n, heads, head_dim]`` rotated back to position 0; lo, hi: ``[chunks, layers,
+    kv_heads, head_dim]`` (heads a multiple of kv_heads: grouped-query attention) -> ``[chunks, layers, n,
     heads]``.
     """
     group = queries.shape[2] // lo.shape[2]
@@ -79,14 +79,14 @@ def upper_bound(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
 
 
 def attention_shares(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """How a message's queries would split their attention between candidate blocks, from the blocks' boxes.
+    """How a message's queries would split their attention between candidate chunks, from the chunks' boxes.
 
     For every layer, query token and head, the candidates' bounds (scaled by ``1 / sqrt(head_dim)``) go
-    through a softmax over the candidates; a block's share is then its largest over the query tokens (one
+    through a softmax over the candidates; a chunk's share is then its largest over the query tokens (one
     word of the message that looks for it is enough), averaged over layers and heads.
 
-    queries: float32 ``[layers, n, heads, head_dim]`` rotated back to position 0; lo, hi: ``[blocks,
-    layers, kv_heads, head_dim]`` -> float32 ``[blocks]`` in [0, 1].
+    queries: float32 ``[layers, n, heads, head_dim]`` rotated back to position 0; lo, hi: ``[chunks,
+    layers, kv_heads, head_dim]`` -> float32 ``[chunks]`` in [0, 1].
     """
     bound = upper_bound(queries, lo, hi) / queries.shape[-1] ** 0.5  # [B, L, n, H]
     return torch.softmax(bound, dim=0).amax(dim=2).mean(dim=(1, 2))

@@ -1,9 +1,9 @@
-"""Lexical match of a new message against a session's blocks: IDF-weighted token overlap.
+"""Lexical match of a new message against a session's chunks: IDF-weighted token overlap.
 
-The document frequencies come from the session's own blocks, so tokens that every block carries (chat
-template markers, "the", "my") weigh almost nothing and the rare tokens a message shares with the block
-that answers it ("live", "goldfish", "code") dominate. The score of a block is the share of the query's
-information (the sum of its distinct tokens' IDFs) that the block contains: 0.0 (nothing shared) to 1.0
+The document frequencies come from the session's own chunks, so tokens that every chunk carries (chat
+template markers, "the", "my") weigh almost nothing and the rare tokens a message shares with the chunk
+that answers it ("live", "goldfish", "code") dominate. The score of a chunk is the share of the query's
+information (the sum of its distinct tokens' IDFs) that the chunk contains: 0.0 (nothing shared) to 1.0
 (every query token present), so it lives on the same scale as a cosine for thresholds.
 """
 

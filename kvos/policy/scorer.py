@@ -1,8 +1,8 @@
-"""The scorer: one number in [0, 1] per block, from present signals, source floors, priority and keep.
+"""The scorer: one number in [0, 1] per chunk, from present signals, source floors, priority and keep.
 
 ``raw`` is the weighted mean of the signals that are present (recency, coherence, attention, recovery); an
 absent signal leaves both numerator and denominator. ``score`` then applies sinks and pins (1.0), the
-source floor of the block's kind, its priority, the ``prefer`` boost, and caps at 1.0.
+source floor of the chunk's kind, its priority, the ``prefer`` boost, and caps at 1.0.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
-from kvos.policy.blocks import MemBlock
+from kvos.policy.chunks import Chunk
 from kvos.policy.signals import coherence, recency, recovery_strength, source_floor
 
 
@@ -47,8 +47,8 @@ DEFAULT_WEIGHTS = ScoreWeights(recency=0.3, coherence=0.4, attention=0.3, recove
 class ScoreContext:
     """What the scorer needs to know about the session now.
 
-    ``total_tokens``: logical tokens in the session so far; a block's recency distance is
-    ``total_tokens - block.original_end``. ``focus``: the task focus ``[dim]`` (``None``: coherence absent).
+    ``total_tokens``: logical tokens in the session so far; a chunk's recency distance is
+    ``total_tokens - chunk.original_end``. ``focus``: the task focus ``[dim]`` (``None``: coherence absent).
     ``attention``: the tracker (``None``: attention absent).
     """
 
@@ -60,8 +60,8 @@ class ScoreContext:
 
 @dataclass
 class Scorer:
-    """Scores blocks; see the module docstring. ``keep_boost`` multiplies blocks marked ``keep="prefer"``;
-    blocks starting below ``sink_count`` are sinks and score 1.0."""
+    """Scores chunks; see the module docstring. ``keep_boost`` multiplies chunks marked ``keep="prefer"``;
+    chunks starting below ``sink_count`` are sinks and score 1.0."""
 
     weights: ScoreWeights = DEFAULT_WEIGHTS
     recency_rate: float = 0.01
@@ -85,37 +85,37 @@ class Scorer:
             if not ok or not math.isfinite(value):
                 raise ConfigError(f"Scorer.{name} must be {limit}, got {value}")
 
-    def signals(self, block: MemBlock, ctx: ScoreContext) -> dict[str, float | None]:
-        """Each signal's value for ``block`` (``None`` where absent), keyed by the weight's name."""
+    def signals(self, chunk: Chunk, ctx: ScoreContext) -> dict[str, float | None]:
+        """Each signal's value for ``chunk`` (``None`` where absent), keyed by the weight's name."""
         return {
-            "recency": recency(ctx.total_tokens - block.original_end, self.recency_rate),
-            "coherence": coherence(block.embedding, ctx.focus),
-            "attention": None if ctx.attention is None else ctx.attention.value(block.block_id),
-            "recovery": recovery_strength(block.recovered_turn, ctx.turn, self.recovery_decay),
+            "recency": recency(ctx.total_tokens - chunk.original_end, self.recency_rate),
+            "coherence": coherence(chunk.embedding, ctx.focus),
+            "attention": None if ctx.attention is None else ctx.attention.value(chunk.chunk_id),
+            "recovery": recovery_strength(chunk.recovered_turn, ctx.turn, self.recovery_decay),
         }
 
-    def raw(self, block: MemBlock, ctx: ScoreContext) -> float:
+    def raw(self, chunk: Chunk, ctx: ScoreContext) -> float:
         """Weighted mean of the present signals; 0.0 when no signal with a positive weight is present."""
         num = den = 0.0
-        for name, value in self.signals(block, ctx).items():
+        for name, value in self.signals(chunk, ctx).items():
             weight = getattr(self.weights, name)
             if value is not None and weight > 0.0:
                 num += weight * value
                 den += weight
         return num / den if den > 0.0 else 0.0
 
-    def score(self, block: MemBlock, ctx: ScoreContext) -> float:
-        """1.0 for sinks and pinned blocks; else ``min(floor(kind, raw) * priority * boost, 1.0)`` where
+    def score(self, chunk: Chunk, ctx: ScoreContext) -> float:
+        """1.0 for sinks and pinned chunks; else ``min(floor(kind, raw) * priority * boost, 1.0)`` where
         ``boost`` is ``keep_boost`` for ``keep="prefer"``, else 1."""
-        if block.is_sink(self.sink_count) or block.pinned:
+        if chunk.is_sink(self.sink_count) or chunk.pinned:
             return 1.0
-        floored = source_floor(block.kind, self.raw(block, ctx), self.user_floor, self.assistant_floor)
-        boost = self.keep_boost if block.keep == "prefer" else 1.0
-        return min(floored * block.priority * boost, 1.0)
+        floored = source_floor(chunk.kind, self.raw(chunk, ctx), self.user_floor, self.assistant_floor)
+        boost = self.keep_boost if chunk.keep == "prefer" else 1.0
+        return min(floored * chunk.priority * boost, 1.0)
 
-    def scores(self, blocks: Iterable[MemBlock], ctx: ScoreContext) -> dict[int, float]:
-        """``block_id -> score`` for every block given."""
-        return {block.block_id: self.score(block, ctx) for block in blocks}
+    def scores(self, chunks: Iterable[Chunk], ctx: ScoreContext) -> dict[int, float]:
+        """``chunk_id -> score`` for every chunk given."""
+        return {chunk.chunk_id: self.score(chunk, ctx) for chunk in chunks}
 
     @classmethod
     def preset(cls, name: Literal["default", "seed"]) -> Scorer:

@@ -11,11 +11,11 @@ import math
 import torch
 
 from kvos.errors import SignalError
-from kvos.policy.blocks import BlockKind
+from kvos.policy.chunks import ChunkKind
 
 
 def recency(tokens_since_end: int, rate: float = 0.01) -> float:
-    """``exp(-rate * max(0, tokens_since_end))``: 1.0 for the newest block, decaying with distance."""
+    """``exp(-rate * max(0, tokens_since_end))``: 1.0 for the newest chunk, decaying with distance."""
     return math.exp(-rate * max(0, tokens_since_end))
 
 
@@ -42,17 +42,17 @@ def coherence(embedding: torch.Tensor | None, focus: torch.Tensor | None) -> flo
 
 
 def recovery_strength(recovered_turn: int | None, turn: int, decay: float = 0.7) -> float | None:
-    """1.0 in the turn a block was recovered, times ``decay`` per turn after; ``None`` if never recovered."""
+    """1.0 in the turn a chunk was recovered, times ``decay`` per turn after; ``None`` if never recovered."""
     if recovered_turn is None:
         return None
     return float(decay ** max(0, turn - recovered_turn))
 
 
-def source_floor(kind: BlockKind, raw: float, user_floor: float = 0.6, assistant_floor: float = 0.5) -> float:
-    """Lift user and assistant blocks: USER ``uf + (1 - uf) * raw``, ASSISTANT ``af + (1 - af) * raw``,
+def source_floor(kind: ChunkKind, raw: float, user_floor: float = 0.6, assistant_floor: float = 0.5) -> float:
+    """Lift user and assistant chunks: USER ``uf + (1 - uf) * raw``, ASSISTANT ``af + (1 - af) * raw``,
     other kinds ``raw`` unchanged."""
-    if kind is BlockKind.USER:
+    if kind is ChunkKind.USER:
         return user_floor + (1.0 - user_floor) * raw
-    if kind is BlockKind.ASSISTANT:
+    if kind is ChunkKind.ASSISTANT:
         return assistant_floor + (1.0 - assistant_floor) * raw
     return raw

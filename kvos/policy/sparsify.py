@@ -4,7 +4,7 @@ Per layer and per KV head ``h``, over the non-sink positions: ``mu_h`` and ``sig
 population standard deviation (divisor N, not N - 1) of ``|x|`` over all of the head's elements (tokens x
 head_dim), and ``tau_h = max(sigma_h / 2, mu_h) * scale``. Elements with ``|x| < tau_h`` are set to +0.0 in
 place; the first ``n_sink`` positions are never touched. K and V have separate scales; a scale of 0 leaves
-that tensor alone. The zeros free memory only where the tensors are stored sparse: the block store's codec
+that tensor alone. The zeros free memory only where the tensors are stored sparse: the chunk store's codec
 (:mod:`kvos.memory.codec`) packs them, so report compression as its stored bytes, not as a zero fraction.
 
 Keys carry the rotary embedding: dimensions ``i`` and ``i + head_dim / 2`` are one rotating pair (the

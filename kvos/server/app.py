@@ -144,7 +144,7 @@ def create_app(
             raise unknown_model(req.model, name)
         probe = None if sid else await asyncio.to_thread(service.probe, req)
         entry = await asyncio.to_thread(service.registry.acquire, who, sid, probe)
-        if service.registry.expired:  # expired sessions' blocks are freed on the engine
+        if service.registry.expired:  # expired sessions' pool blocks and chunks are freed on the engine
             engine.submit(service.registry.close_expired)
         chat = req if isinstance(req, ChatRequest) else None
         try:
@@ -169,7 +169,7 @@ def create_app(
         began = time.perf_counter()
         entry, spans, chat = await start(request, req, sid or None)
         headers = {"X-Session-Id": entry.session_id}
-        cancel, pages = entry.cancel, service.request_pages()  # its reservation of pool pages
+        cancel, blocks = entry.cancel, service.request_blocks()  # its reservation of pool blocks
         record = RequestRecord(request, kind, began, entry)
         record.streaming = req.stream
 
@@ -197,9 +197,9 @@ def create_app(
                     service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
 
-            body = sse(lambda produce: engine.admit(pages, produce), steps, cancel, req, kind, name, record)
+            body = sse(lambda produce: engine.admit(blocks, produce), steps, cancel, req, kind, name, record)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        future = asyncio.wrap_future(engine.admit(pages, work))
+        future = asyncio.wrap_future(engine.admit(blocks, work))
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
         try:
             outcome = await future

@@ -6,7 +6,7 @@ state of another model or budget sits beside this one and is ignored, with a log
     model.json                         what the key stands for (fingerprint, settings)
     <owner>/<session hash>/manifest    a session: owner, id, request count, branches (latest first), and
                                        each branch's token history (for routing by prefix)
-    <owner>/<session hash>/<branch>/   a branch: its snapshot (snap-N.snap) and block files (*.kvblk)
+    <owner>/<session hash>/<branch>/   a branch: its snapshot (snap-N.snap) and chunk files (*.kvchunk)
 
 A manifest is a checksummed file (:mod:`kvos.memory.container`, magic ``KVOSENT\\0``) with an empty payload.
 """

@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--recovery-signal",
         choices=SIGNALS,
         default=SessionConfig.recovery_signal,
-        help="how a new user message finds saved blocks (answer: one short forward pass per candidate; "
+        help="how a new user message finds saved chunks (answer: one short forward pass per candidate; "
         "hybrid: the answer signal on a shortlist from key digests and words; attention: key digests "
         "only, no forward pass; docs/benchmarks.md compares them)",
     )
@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--step-tokens",
         type=positive_int,
         default=2048,
-        help="tokens in one batched forward pass: every running decode, then prefill chunks that fit",
+        help="tokens in one batched forward pass: every running decode, then prefill slices that fit",
     )
     p.add_argument(
         "--kv-memory",
@@ -169,15 +169,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep-thinking", action="store_true", help="keep <think> traces in replies and the cache"
     )
-    p.add_argument("--store-ram-bytes", type=int, help="host RAM cap of each session's block store")
+    p.add_argument("--store-ram-bytes", type=int, help="host RAM cap of each session's chunk store")
     p.add_argument(
-        "--store-disk-dir", type=Path, help="spill saved blocks over the RAM cap to this directory"
+        "--store-disk-dir", type=Path, help="spill saved chunks over the RAM cap to this directory"
     )
     p.add_argument(
         "--state-dir",
         type=Path,
-        help="keep sessions here across restarts and crashes: saved blocks as they are saved, each "
-        "session's history and resident blocks every --state-interval seconds and at shutdown; a client "
+        help="keep sessions here across restarts and crashes: saved chunks as they are saved, each "
+        "session's history and resident chunks every --state-interval seconds and at shutdown; a client "
         "that re-sends its conversation after a restart gets its cache back (needs --backend kv_restore)",
     )
     p.add_argument(
@@ -256,7 +256,7 @@ def check_kv_memory(engine: Engine, config: SessionConfig, cap: int | None) -> N
     if cap is None:
         return
     layout = engine.pool.layout
-    need = config.peak_pages(layout.block_size) * layout.bytes_per_block
+    need = config.peak_blocks(layout.block_size) * layout.bytes_per_block
     if cap < need:
         raise SystemExit(
             f"kvos serve: --kv-memory {cap} bytes cannot hold one request at this budget "

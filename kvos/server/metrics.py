@@ -16,15 +16,15 @@ from kvos.server.service import ChatService
 
 SESSION_GAUGES = {
     "active_tokens": "tokens resident in the KV pool",
-    "cached_tokens": "tokens resident or restorable from the block store",
+    "cached_tokens": "tokens resident or restorable from the chunk store",
     "history_tokens": "tokens in the session's logical history",
-    "saved_ram_bytes": "bytes of saved blocks in host RAM",
-    "saved_disk_bytes": "bytes of saved blocks on disk",
+    "saved_ram_bytes": "bytes of saved chunks in host RAM",
+    "saved_disk_bytes": "bytes of saved chunks on disk",
 }
 SESSION_COUNTERS = {
-    "evictions": "blocks paged out",
-    "recoveries_restore": "blocks spliced back from the store",
-    "recoveries_recompute": "blocks re-prefilled from their tokens",
+    "evictions": "chunks paged out",
+    "recoveries_restore": "chunks spliced back from the store",
+    "recoveries_recompute": "chunks re-prefilled from their tokens",
 }
 
 

@@ -38,7 +38,7 @@ class ServiceConfig:
     prefix_min_tokens: int = 64
     state_interval_s: float = 60.0  # with a state dir: how often changed idle sessions are written (0: never)
     max_running: int = 8  # requests running at once, their forward passes batched; later ones wait
-    step_tokens: int = 2048  # tokens per batched forward pass: every decode token, then prefill chunks
+    step_tokens: int = 2048  # tokens per batched forward pass: every decode token, then prefill slices
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Entry:
 
 
 def reclaim_memory() -> None:
-    """Free what closed sessions left in reference cycles (their blocks' records, the requests that ran on
+    """Free what closed sessions left in reference cycles (their chunks' records, the requests that ran on
     them: otherwise kept until the collector's next full pass, which may be hours away) and hand the heap
     they freed back to the system (which the allocator would otherwise keep resident): after its sessions
     are deleted a long-running server's RSS goes back down, not to stay at its high-water mark."""
@@ -153,8 +153,8 @@ class SessionRegistry:
 
     def _expire(self) -> bool:
         """Take the sessions idle past their TTL out of the registry and the manager (no request finds
-        them again, and their ids are free at once); whether any was. Their blocks are freed by
-        :meth:`close_expired`, on the engine: this runs beside the forward passes."""
+        them again, and their ids are free at once); whether any was. Their pool blocks and saved chunks are
+        freed by :meth:`close_expired`, on the engine: this runs beside the forward passes."""
         now = time.monotonic()
         expired = [
             key
@@ -271,7 +271,7 @@ class SessionRegistry:
         """The branch a prompt continues: the one sharing its longest prefix, continued in place when the
         prompt departs from it only within its last turn (a new turn, a regenerated reply, an edited last
         message); otherwise a new branch forked at the shared prefix (a side request with another system
-        prompt, an edit further back), sharing those blocks by reference. Branches past ``max_branches``
+        prompt, an edit further back), sharing those pool blocks by reference. Branches past ``max_branches``
         go least recently used first; with ``max_branches`` 1 the branch is always continued in place
         (truncated at the divergence). The chosen branch becomes ``entry.session``."""
         shared = {b.session_id: common_prefix(prompt, b.history_ids()) for b in entry.branches}
@@ -296,11 +296,11 @@ class SessionRegistry:
 
     def make_resident(self, entry: Entry) -> None:
         """Make room in the pool for this request, then swap its branch in if it was out. Idle sessions (no
-        request running on them) are swapped out, least recently used first (their blocks go to their
+        request running on them) are swapped out, least recently used first (their chunks go to their
         stores and come back exactly on their next request): while more than ``max_sessions`` sessions
         (branches count one each) would be resident, and, under a pool cap, while the idle ones hold more
-        pages than the running requests' reservations leave free (the scheduler admitted this request
-        only with its own pages reserved)."""
+        pool blocks than the running requests' reservations leave free (the scheduler admitted this
+        request only with its own blocks reserved)."""
         running = self.manager.running
         with self.cond:
             others = [
@@ -313,7 +313,7 @@ class SessionRegistry:
                 ((e, b) for e, b in others if not e.busy or e is entry),
                 key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
             )
-            parked = sorted(  # resident, nothing running on them: their pages count against the idle room
+            parked = sorted(  # resident, nothing running on them: their blocks count against the idle room
                 ((e, b) for e, b in others if b.session_id not in running),
                 key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
             )
@@ -325,17 +325,17 @@ class SessionRegistry:
             entry.session.swap_in()
 
     def _within_cap(self, parked: list[Session]) -> None:
-        """Under a pool cap, swap out ``parked`` sessions (oldest first) until their pages fit in what the
+        """Under a pool cap, swap out ``parked`` sessions (oldest first) until their blocks fit in what the
         running requests' reservations leave of the cap."""
         sched = self.manager.engine.scheduler
-        if sched is None or sched.capacity_pages is None:
+        if sched is None or sched.capacity_blocks is None:
             return
-        room = max(0, sched.capacity_pages - sched.reserved_pages)
-        held = sum(b.pager.seq.num_pages for b in parked)
+        room = max(0, sched.capacity_blocks - sched.reserved_blocks)
+        held = sum(b.pager.seq.num_blocks for b in parked)
         for other in parked:
             if held <= room:
                 return
             if other.pager.store is not None:
-                held -= other.pager.seq.num_pages
+                held -= other.pager.seq.num_blocks
                 other.swap_out()
-                other.memory.journal.log(other.memory.turn, "preempt", pages_free=room - held)
+                other.memory.journal.log(other.memory.turn, "preempt", blocks_free=room - held)

@@ -14,7 +14,7 @@ from typing import Any
 from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams, TokenLogprob
 from kvos.errors import KvosError
-from kvos.policy.blocks import BlockKind
+from kvos.policy.chunks import ChunkKind
 from kvos.server.autosave import Autosave
 from kvos.server.errors import APIError, bad_request, not_found
 from kvos.server.protocol import logit_bias, logprob_count, note_unknown, reject_unsupported, request_grammar
@@ -51,9 +51,9 @@ class ChatService:
         self.registry = SessionRegistry(manager, config, state)
         self.totals = {"reused_tokens": 0, "decoded_tokens": 0, "requests": 0}
 
-    def request_pages(self) -> int:
-        """The pool pages the scheduler reserves for one request (:meth:`SessionConfig.peak_pages`)."""
-        return self.manager.config.peak_pages(self.manager.engine.pool.layout.block_size)
+    def request_blocks(self) -> int:
+        """The pool blocks the scheduler reserves for one request (:meth:`SessionConfig.peak_blocks`)."""
+        return self.manager.config.peak_blocks(self.manager.engine.pool.layout.block_size)
 
     def autosave(self, engine: Executor) -> Autosave | None:
         """The periodic and shutdown snapshots of a server with a state dir (None without one)."""
@@ -81,7 +81,7 @@ class ChatService:
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")
         self._check_length(len(ids))
-        return [Span(ids, BlockKind.DOCUMENT)]
+        return [Span(ids, ChunkKind.DOCUMENT)]
 
     def _check_length(self, n: int) -> None:
         if n > self.config.max_prompt_tokens:

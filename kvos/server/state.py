@@ -1,10 +1,10 @@
 """A server's state directory (``kvos serve --state-dir DIR``): sessions that outlive the process.
 
-Where things go is :mod:`kvos.server.layout`'s. Saved blocks are written as they are saved (each branch's
-store writes through); a branch's history and resident blocks are written by
+Where things go is :mod:`kvos.server.layout`'s. Saved chunks are written as they are saved (each branch's
+store writes through); a branch's history and resident chunks are written by
 :func:`kvos.session.snapshot.save` when the server snapshots the session (every ``--state-interval`` seconds
 while it is idle and changed, and at shutdown). The manifest is the commit point: it is replaced atomically
-once every branch's snapshot is written, then files no snapshot names are deleted. Until then a block file
+once every branch's snapshot is written, then files no snapshot names are deleted. Until then a chunk file
 the last snapshot names is kept even when its store lets go of it, so after ``kill -9`` the last snapshot
 and every file it names are on disk.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvos.errors import KvosError, SnapshotError
-from kvos.memory.store import BlockStore
+from kvos.memory.store import ChunkStore
 from kvos.model.fingerprint import model_fingerprint
 from kvos.model.tokenizer import Tokenizer
 from kvos.model.transformer import Transformer
@@ -48,7 +48,7 @@ class StateDir:
         ttl_s: float,
         ram_bytes: int | None = None,
     ) -> None:
-        """``setup``: the session settings a snapshot is only valid under (budget, block size, ...);
+        """``setup``: the session settings a snapshot is only valid under (budget, chunk size, ...);
         ``ttl_s``: sessions idle longer are deleted; ``ram_bytes``: each store's RAM cap."""
         self.layout = StateLayout(root, model_fingerprint, setup, ttl_s)
         self.base, self.ram_bytes = self.layout.base, ram_bytes
@@ -69,16 +69,16 @@ class StateDir:
             "budget": config.budget.max_active_tokens,
             "policy": config.budget.policy,
             "position_mode": config.position_mode,
-            "block_tokens": config.block_tokens,
+            "chunk_tokens": config.chunk_tokens,
             "sink_count": config.sink_count,
         }
         return cls(root, model_fingerprint(model, tokenizer), setup, ttl_s, config.store_ram_bytes)
 
-    def store_factory(self, session_name: str, on_drop: Callable[[Hashable], None]) -> BlockStore:
-        """A branch's block store: writes every saved block to the branch's directory at once."""
+    def store_factory(self, session_name: str, on_drop: Callable[[Hashable], None]) -> ChunkStore:
+        """A branch's chunk store: writes every saved chunk to the branch's directory at once."""
         directory = self.layout.branch_dir(session_name)
         release = lambda path: self._release(directory, path)  # noqa: E731
-        return BlockStore(self.ram_bytes, directory, on_drop=on_drop, write_through=True, release=release)
+        return ChunkStore(self.ram_bytes, directory, on_drop=on_drop, write_through=True, release=release)
 
     def _release(self, directory: Path, path: Path) -> None:
         """A store let go of a file: deleted now, unless the last committed snapshot names it."""
@@ -98,7 +98,7 @@ class StateDir:
         with self._lock:
             try:
                 self._write(owner, session_id, served, branches)
-            except (OSError, KvosError, ValueError) as e:  # a full disk, a saved block gone bad
+            except (OSError, KvosError, ValueError) as e:  # a full disk, a saved chunk gone bad
                 _log.warning("session %s: snapshot not written (%s); the last one stays", session_id, e)
                 return False
             self._signatures[key] = signature
@@ -252,11 +252,11 @@ class StateDir:
 
 
 def _store_files(session: Session) -> set[str]:
-    """The names of the block files a session's store holds."""
+    """The names of the chunk files a session's store holds."""
     store = session.pager.store
     if store is None:
         return set()
-    held = store.keys()  # a BlockStore is not iterable
+    held = store.keys()  # a ChunkStore is not iterable
     return {path.name for key in held if (path := store.file_of(key)) is not None}
 
 

@@ -1,4 +1,4 @@
-"""Chat sessions over the engine and the memory policy: blocks, budgets, paging, recovery."""
+"""Chat sessions over the engine and the memory policy: chunks, budgets, paging, recovery."""
 
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager

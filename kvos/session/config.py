@@ -19,30 +19,30 @@ SIGNALS: tuple[str, ...] = ("answer", "lexical", "embedding", "attention", "hybr
 
 @dataclass
 class SessionConfig:
-    """How one session keeps within its budget and gets its blocks back.
+    """How one session keeps within its budget and gets its chunks back.
 
-    block_tokens: the largest block a message is chunked into (messages are blocks; long ones are split).
+    chunk_tokens: the most tokens of one chunk (a message is one chunk; a longer one is cut into several).
     capture_layers: layers whose decode attention feeds the attention signal; None picks a few middle and
         late layers (at most 16).
-    recovery_signal: how similarity recovery compares a saved block with the new user message:
+    recovery_signal: how similarity recovery compares a saved chunk with the new user message:
         "answer" (the default: how much the saved message changes the model's answer to the new one,
         :mod:`kvos.session.relevance`; it measured best on the recall benchmark, docs/benchmarks.md),
-        "lexical" (IDF-weighted token overlap over the session's blocks) or "embedding" (cosine of the
-        blocks' embeddings).
+        "lexical" (IDF-weighted token overlap over the session's chunks) or "embedding" (cosine of the
+        chunks' embeddings).
     recovery_candidates: with the "answer" signal, the most exchanges scored per user message (one short
         forward pass each): the lexically closest, then the most recent.
     recovery_top_k / recovery_min_similarity / recovery_bar: similarity recovery brings back at most this
         many messages (exchanges with the "answer" signal; a matched chunk comes with its message's other
         chunks when they fit), each at least this similar (default: see :meth:`min_similarity`) to the new
         user message and, with ``recovery_bar``,
-        more similar than the best resident block that is not part of the new message (the reference
+        more similar than the best resident chunk that is not part of the new message (the reference
         system's rule; off by default: lexically, an earlier question resembles a new one more than the
-        statement that answers it, so the bar blocked the right block: 57.5% vs 63.3-70% probe recall at
+        statement that answers it, so the bar blocked the right chunk: 57.5% vs 63.3-70% probe recall at
         25-50% budgets on the recall benchmark).
     """
 
     budget: Budget = field(default_factory=Budget)
-    block_tokens: int = 128
+    chunk_tokens: int = 128
     sink_count: int = 4
     position_mode: PositionMode = "compact"
     backend: Backend = "kv_restore"
@@ -62,14 +62,14 @@ class SessionConfig:
     store_disk_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.block_tokens <= 0:
-            raise ConfigError(f"block_tokens must be positive, got {self.block_tokens}")
+        if self.chunk_tokens <= 0:
+            raise ConfigError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
         if self.sink_count < 0 or self.recovery_top_k < 0 or self.recovery_candidates < 0:
             raise ConfigError("sink_count, recovery_top_k and recovery_candidates must be >= 0")
-        if self.budget.max_active_tokens < 2 * self.block_tokens:
+        if self.budget.max_active_tokens < 2 * self.chunk_tokens:
             raise ConfigError(
-                f"max_active_tokens ({self.budget.max_active_tokens}) must hold at least two blocks of "
-                f"block_tokens ({self.block_tokens}): lower block_tokens or raise the budget"
+                f"max_active_tokens ({self.budget.max_active_tokens}) must hold at least two chunks of "
+                f"chunk_tokens ({self.chunk_tokens}): lower chunk_tokens or raise the budget"
             )
         if self.recovery_signal not in SIGNALS:
             raise ConfigError(
@@ -89,13 +89,13 @@ class SessionConfig:
             self.recovery_signal
         ]
 
-    def peak_pages(self, page_tokens: int) -> int:
-        """An estimate of the most pool pages (of ``page_tokens`` tokens) one request on a session of this
-        config holds at once, what the server reserves for it at admission: the budget's pages twice
-        (every block starts a page of its own, so blocks of about a page or more waste at most as much
-        again), once more for the "answer" signal's scratch sequences (a candidate with the new message,
-        scored one at a time), and two pages for the partly filled ends."""
-        budget = -(-self.budget.max_active_tokens // page_tokens)
+    def peak_blocks(self, block_size: int) -> int:
+        """An estimate of the most pool blocks (of ``block_size`` tokens) one request on a session of this
+        config holds at once, what the server reserves for it at admission: the budget's blocks twice
+        (every chunk starts a pool block of its own, so chunks of about a block or more waste at most as
+        much again), once more for the "answer" signal's scratch sequences (a candidate with the new
+        message, scored one at a time), and two blocks for the partly filled ends."""
+        budget = -(-self.budget.max_active_tokens // block_size)
         scratch = budget if self.recovery_signal in ("answer", "hybrid") else 0
         return 2 * budget + scratch + 2
 

@@ -1,8 +1,8 @@
 """Embeddings of token runs, for task focus and similarity recovery.
 
-Both embedders are context-free: a block and a query are embedded the same way whatever surrounds them,
+Both embedders are context-free: a chunk and a query are embedded the same way whatever surrounds them,
 so their cosines are comparable, and a new user message can be embedded before it is decoded (similarity
-recovery restores blocks before the new tail goes through the model).
+recovery restores chunks before the new tail goes through the model).
 """
 
 from __future__ import annotations

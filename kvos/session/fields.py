@@ -1,9 +1,9 @@
-"""Policy state as JSON plus named tensors: what a session snapshot stores besides block files.
+"""Policy state as JSON plus named tensors: what a session snapshot stores besides chunk files.
 
 A :class:`TensorTable` collects the tensors of a snapshot (embeddings, the task focus, the last logits) and
-gives each a name that the JSON refers to as ``{"tensor": name}``; it reads them back bit-exact. Block fields
-are encoded generically from :class:`MemBlock`'s dataclass fields and decoded by their type hints, so a field
-added to blocks (a key digest, say) is kept without a change here: tensors go to the table, enums to their
+gives each a name that the JSON refers to as ``{"tensor": name}``; it reads them back bit-exact. Chunk fields
+are encoded generically from :class:`Chunk`'s dataclass fields and decoded by their type hints, so a field
+added to chunks (a key digest, say) is kept without a change here: tensors go to the table, enums to their
 values, dataclasses field by field, tuples as lists.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from kvos.memory.codec import EncodedTensor, from_payload
-from kvos.memory.container import Chunk
+from kvos.memory.container import Buffer
 from kvos.policy.attention import AttentionTracker
-from kvos.policy.blocks import MemBlock
+from kvos.policy.chunks import Chunk
 
 
 class TensorTable:
@@ -39,15 +39,15 @@ class TensorTable:
     def get(self, ref: dict[str, str]) -> torch.Tensor:
         return self.tensors[ref["tensor"]]
 
-    def specs_and_chunks(self) -> tuple[list[dict[str, Any]], list[Chunk]]:
-        """Header specs (name, dtype, shape) and payload chunks, in the same order."""
+    def specs_and_buffers(self) -> tuple[list[dict[str, Any]], list[Buffer]]:
+        """Header specs (name, dtype, shape) and payload buffers, in the same order."""
         specs: list[dict[str, Any]] = []
-        chunks: list[Chunk] = []
+        buffers: list[Buffer] = []
         for name, t in self.tensors.items():
             encoded = EncodedTensor(t.dtype, tuple(t.shape), t)
             specs.append({"name": name, "dtype": encoded.spec()["dtype"], "shape": list(t.shape)})
-            chunks += encoded.chunks()
-        return specs, chunks
+            buffers += encoded.buffers()
+        return specs, buffers
 
     @classmethod
     def read(cls, specs: list[dict[str, Any]], payload: memoryview) -> TensorTable:
@@ -93,22 +93,22 @@ def decode(raw: Any, hint: Any, table: TensorTable) -> Any:
     return raw
 
 
-def encode_block(block: MemBlock, table: TensorTable) -> dict[str, Any]:
+def encode_chunk(chunk: Chunk, table: TensorTable) -> dict[str, Any]:
     return {
-        f.name: encode(getattr(block, f.name), table, f"b{block.block_id}.{f.name}") for f in _fields(block)
+        f.name: encode(getattr(chunk, f.name), table, f"c{chunk.chunk_id}.{f.name}") for f in _fields(chunk)
     }
 
 
-def decode_block(raw: dict[str, Any], table: TensorTable) -> MemBlock:
-    """A block from :func:`encode_block`'s JSON (a field the JSON lacks keeps its default)."""
-    hints = _hints(MemBlock)
-    return MemBlock(
-        **{f.name: decode(raw[f.name], hints[f.name], table) for f in _fields(MemBlock) if f.name in raw}
+def decode_chunk(raw: dict[str, Any], table: TensorTable) -> Chunk:
+    """A chunk from :func:`encode_chunk`'s JSON (a field the JSON lacks keeps its default)."""
+    hints = _hints(Chunk)
+    return Chunk(
+        **{f.name: decode(raw[f.name], hints[f.name], table) for f in _fields(Chunk) if f.name in raw}
     )
 
 
 def tracker_state(tracker: AttentionTracker) -> dict[str, Any]:
-    """An attention tracker's aggregates (its private per-block histories and sums) as JSON."""
+    """An attention tracker's aggregates (its private per-chunk histories and sums) as JSON."""
     return {
         "history": {str(k): list(v) for k, v in tracker._history.items()},
         "cumulative": {str(k): v for k, v in tracker._cumulative.items()},

@@ -1,7 +1,7 @@
 """The memory manager: sessions sharing one engine and one pool, each within its own budget.
 
 When the shared pool reaches its ``max_bytes`` cap, a session that needs room does not fail: the manager
-pages out the lowest-scored evictable blocks of the other sessions first.
+pages out the lowest-scored evictable chunks of the other sessions first.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from kvos.memory.growth import GrowthPolicy
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
-from kvos.policy.blocks import MemBlock
 from kvos.policy.budget import select_victims
+from kvos.policy.chunks import Chunk
 from kvos.session.branch import fork
 from kvos.session.config import SessionConfig
 from kvos.session.memory import SessionMemory
@@ -34,7 +34,7 @@ class MemoryManager:
         config: SessionConfig | None = None,
         store_factory: StoreFactory | None = None,
     ) -> None:
-        """``store_factory``: how a session's block store is built (default: from the session config)."""
+        """``store_factory``: how a session's chunk store is built (default: from the session config)."""
         self.engine, self.tokenizer = engine, tokenizer
         self.config = config or SessionConfig()
         self.store_factory = store_factory
@@ -105,18 +105,18 @@ class MemoryManager:
         return self._template
 
     def close(self, session_id: str) -> None:
-        """End a session: its pool blocks and saved blocks are freed."""
+        """End a session: its pool blocks and saved chunks are freed."""
         self.detach(session_id).close()
 
     def detach(self, session_id: str) -> Session:
         """Take a session out of the manager without freeing anything (its caller closes it later, where
-        blocks may be freed): its name is free for a new session at once."""
+        chunks may be freed): its name is free for a new session at once."""
         return self.sessions.pop(session_id)
 
     def relieve(self, requester: SessionMemory) -> bool:
-        """Page out the lowest-scored evictable block of any other session with no request running on it;
+        """Page out the lowest-scored evictable chunk of any other session with no request running on it;
         False when none is left."""
-        best: tuple[float, SessionMemory, MemBlock] | None = None
+        best: tuple[float, SessionMemory, Chunk] | None = None
         for other in (s.memory for s in self.sessions.values()):
             if other is requester or other.session_id in self.running:
                 continue
@@ -124,13 +124,13 @@ class MemoryManager:
             victims = select_victims(
                 resident, scores, other.pager.active_tokens, 0, other.protected, other.config.sink_count
             )
-            if victims and (best is None or scores[victims[0].block_id] < best[0]):
-                best = (scores[victims[0].block_id], other, victims[0])
+            if victims and (best is None or scores[victims[0].chunk_id] < best[0]):
+                best = (scores[victims[0].chunk_id], other, victims[0])
         if best is None:
             return False
-        score, owner, block = best
-        owner.evict([block], {block.block_id: score})
-        owner.journal.log(owner.turn, "pressure", block=block.block_id, by=requester.session_id)
+        score, owner, chunk = best
+        owner.evict([chunk], {chunk.chunk_id: score})
+        owner.journal.log(owner.turn, "pressure", chunk=chunk.chunk_id, by=requester.session_id)
         return True
 
     def stats(self) -> dict[str, Any]:

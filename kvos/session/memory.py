@@ -1,7 +1,7 @@
 """One session's memory policy in action: its budget, evictions, recoveries and pool-pressure relief.
 
-Holds the policy state of a session (turn, history length, task focus, attention tracker, blocks protected
-this turn) and the operations that page blocks out and in through the session's :class:`Pager`.
+Holds the policy state of a session (turn, history length, task focus, attention tracker, chunks protected
+this turn) and the operations that page chunks out and in through the session's :class:`Pager`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from kvos.errors import BudgetError, PoolOutOfMemoryError
-from kvos.policy.attention import AttentionTracker, block_masses
-from kvos.policy.blocks import BlockState, MemBlock
+from kvos.policy.attention import AttentionTracker, chunk_masses
 from kvos.policy.budget import select_victims
+from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import attention_shares
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import LexicalIndex
@@ -38,7 +38,7 @@ from kvos.session.units import (
 
 
 class SessionMemory:
-    """Keeps one session within its budget and brings its blocks back."""
+    """Keeps one session within its budget and brings its chunks back."""
 
     def __init__(
         self,
@@ -51,7 +51,7 @@ class SessionMemory:
         """``answer``: the scorer of the "answer" recovery signal (without one, that signal is lexical)."""
         self.session_id, self.config, self.pager, self.relieve = session_id, config, pager, relieve
         self.answer = answer
-        self.blocks: dict[int, MemBlock] = pager.blocks
+        self.chunks: dict[int, Chunk] = pager.chunks
         self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
         self.focus = TaskFocus()
         self.journal = Journal()
@@ -66,12 +66,12 @@ class SessionMemory:
             turn=self.turn, total_tokens=self.history_tokens, focus=self.focus.vector, attention=self.tracker
         )
 
-    def resident_scores(self) -> tuple[list[MemBlock], dict[int, float]]:
-        resident = [self.blocks[i] for i in self.pager.order() if i in self.blocks]
+    def resident_scores(self) -> tuple[list[Chunk], dict[int, float]]:
+        resident = [self.chunks[i] for i in self.pager.order() if i in self.chunks]
         return resident, self.config.scorer.scores(resident, self.score_context())
 
     def make_room(self, n: int, protected: set[int] | None = None) -> None:
-        """Page out blocks so that ``n`` more tokens keep the session within its budget."""
+        """Page out chunks so that ``n`` more tokens keep the session within its budget."""
         budget, active = self.config.budget, self.pager.active_tokens
         if not budget.over(active + n):
             return
@@ -82,7 +82,7 @@ class SessionMemory:
         if self.pager.active_tokens + n > budget.max_active_tokens:
             self._evict_last_resort(n, keep)
         if self.pager.active_tokens + n > budget.max_active_tokens and self.protected:
-            # a recovered block's protection for its turn yields to pins and the block being written
+            # a recovered chunk's protection for its turn yields to pins and the chunk being written
             self._evict_last_resort(n, protected or set())
         if self.pager.active_tokens + n > budget.max_active_tokens:
             raise BudgetError(
@@ -92,8 +92,8 @@ class SessionMemory:
             )
 
     def _evict_last_resort(self, n: int, keep: set[int]) -> None:
-        """Blocks scoring >= 1.0 without a pin (e.g. "prefer" messages) are skipped while anything else can
-        go; when nothing else is left they go too, lowest raw score first. Pins, sinks and protected blocks
+        """Chunks scoring >= 1.0 without a pin (e.g. "prefer" messages) are skipped while anything else can
+        go; when nothing else is left they go too, lowest raw score first. Pins, sinks and protected chunks
         never do."""
         resident, scores = self.resident_scores()
         capped = {i: min(s, 1.0 - 1e-9) for i, s in scores.items()}  # ties go oldest first
@@ -103,22 +103,22 @@ class SessionMemory:
         )
         self.evict(victims, scores, forced=True)
 
-    def evict(self, victims: list[MemBlock], scores: dict[int, float], forced: bool = False) -> int:
+    def evict(self, victims: list[Chunk], scores: dict[int, float], forced: bool = False) -> int:
         freed = self.pager.evict(victims)
-        for block in victims:
-            self.tracker.forget(block.block_id)
+        for chunk in victims:
+            self.tracker.forget(chunk.chunk_id)
             self.journal.log(
                 self.turn,
                 "evict",
-                block=block.block_id,
-                tokens=block.num_tokens,
-                score=round(scores.get(block.block_id, 0.0), 4),
+                chunk=chunk.chunk_id,
+                tokens=chunk.num_tokens,
+                score=round(scores.get(chunk.chunk_id, 0.0), 4),
                 forced=forced,
             )
         return freed
 
     def guarded(self, op: Callable[[], Any], protected: set[int]) -> Any:
-        """Run a pool-allocating operation. At the pool's cap, page out other sessions' lowest-scored blocks
+        """Run a pool-allocating operation. At the pool's cap, page out other sessions' lowest-scored chunks
         (through the manager), then this session's own, one at a time, never ``protected`` ones."""
         while True:
             try:
@@ -130,23 +130,23 @@ class SessionMemory:
                     raise
 
     def _evict_own(self, protected: set[int]) -> bool:
-        """Page out this session's lowest-scored block that is not ``protected``; blocks recovered this turn
-        go only when nothing else can (their protection yields to the block being written)."""
+        """Page out this session's lowest-scored chunk that is not ``protected``; chunks recovered this turn
+        go only when nothing else can (their protection yields to the chunk being written)."""
         resident, scores = self.resident_scores()
         sinks = self.config.sink_count
         for keep in (self.protected | protected, protected):
             victims = select_victims(resident, scores, self.pager.active_tokens, 0, keep, sinks)
             if victims:
                 self.evict(victims[:1], scores)
-                self.journal.log(self.turn, "pool_full", block=victims[0].block_id)
+                self.journal.log(self.turn, "pool_full", chunk=victims[0].chunk_id)
                 return True
         return False
 
     # ---------------------------------------------------------------- recovery
     def recover_similar(self, ids: list[int], query: torch.Tensor, incoming_locked: int = 0) -> None:
-        """Bring back the saved (or breadcrumbed) blocks most similar to the new user message ``ids``
+        """Bring back the saved (or breadcrumbed) chunks most similar to the new user message ``ids``
         (embedded as ``query``), best last. ``incoming_locked``: tokens of the new message that will stay
-        locked (a pinned message), so the recovered blocks leave room for them.
+        locked (a pinned message), so the recovered chunks leave room for them.
 
         With the "answer" signal the unit is an exchange (:func:`~kvos.session.units.exchange_units`),
         not a message (a message's chunks come back together either way), resident exchanges compete
@@ -154,47 +154,47 @@ class SessionMemory:
         new message cannot page out what its answer needs (nor half of an exchange brought back)."""
         if self.config.backend == "discard" or self.config.recovery_top_k == 0:
             return
-        if not any(self._recoverable(b) for b in self.blocks.values()):
+        if not any(self._recoverable(c) for c in self.chunks.values()):
             return
         exchanges = self.config.recovery_signal in ("answer", "hybrid")
         eligible = self._eligible if exchanges else self._recoverable
-        unit = exchange_units(self.blocks.values()) if exchanges else by_message
+        unit = exchange_units(self.chunks.values()) if exchanges else by_message
         if exchanges:  # each candidate costs a forward pass over it: long messages go chunk by chunk
-            unit = bounded(unit, self.blocks.values(), self._answer_span())
-        candidates = [b for b in self.blocks.values() if eligible(b)]
+            unit = bounded(unit, self.chunks.values(), self._answer_span())
+        candidates = [c for c in self.chunks.values() if eligible(c)]
         similarity = self._similarity(ids, query, unit)
-        sims = {b.block_id: s for b in candidates if (s := similarity(b)) is not None}
+        sims = {c.chunk_id: s for c in candidates if (s := similarity(c)) is not None}
         bar = self.config.min_similarity()
         if self.config.recovery_bar:
             sinks = self.config.sink_count
-            resident = [b for b in self.blocks.values() if b.resident and not b.is_sink(sinks)]
-            bar = max([bar, *(s for b in resident if (s := similarity(b)) is not None)])
+            resident = [c for c in self.chunks.values() if c.resident and not c.is_sink(sinks)]
+            bar = max([bar, *(s for c in resident if (s := similarity(c)) is not None)])
         self._bring_back(sims, bar, eligible, unit, incoming_locked)
 
     def _bring_back(
         self,
         sims: dict[int, float],
         bar: float,
-        eligible: Callable[[MemBlock], bool],
+        eligible: Callable[[Chunk], bool],
         unit: Unit,
         incoming_locked: int = 0,
         before: list[int] | None = None,
     ) -> None:
-        """Recover the best units of the blocks scoring above ``bar`` (see :meth:`recover_similar`): the
-        best last, at the end of the cache or in front of the first block of ``before`` still resident."""
+        """Recover the best units of the chunks scoring above ``bar`` (see :meth:`recover_similar`): the
+        best last, at the end of the cache or in front of the first chunk of ``before`` still resident."""
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
-        groups = unit_groups(self.blocks, ranked, eligible, unit)  # with an exchange, its resident chunks
+        groups = unit_groups(self.chunks, ranked, eligible, unit)  # with an exchange, its resident chunks
         for best, group in reversed(self._affordable(groups, incoming_locked)):
-            for block_id in group:  # a unit's chunks in their order, the best unit last
-                block = self.blocks[block_id]
-                if block.resident:  # part of a chosen exchange: kept for the turn
-                    self.protected.add(block_id)
-                elif not self.recover(block, similarity=round(sims[best], 4), matched=best, before=before):
+            for chunk_id in group:  # a unit's chunks in their order, the best unit last
+                chunk = self.chunks[chunk_id]
+                if chunk.resident:  # part of a chosen exchange: kept for the turn
+                    self.protected.add(chunk_id)
+                elif not self.recover(chunk, similarity=round(sims[best], 4), matched=best, before=before):
                     return
 
-    def recover_attending(self, message: list[MemBlock], queries: torch.Tensor) -> None:
+    def recover_attending(self, message: list[Chunk], queries: torch.Tensor) -> None:
         """The "attention" signal, after the new user message (``message``, resident) was prefilled: bring
-        back the exchanges its queries would attend to most, by their blocks' key digests (saved blocks keep
+        back the exchanges its queries would attend to most, by their chunks' key digests (saved chunks keep
         theirs; resident ones are read from the pool), each spliced in front of the message (whose keys then
         move up: it was computed without them, the reply that follows sees both).
 
@@ -202,25 +202,25 @@ class SessionMemory:
         ``pager.digest_layers``, rotated back to position 0."""
         if self.config.backend == "discard" or self.config.recovery_top_k == 0 or not message:
             return
-        mine = {b.block_id for b in message}
+        mine = {c.chunk_id for c in message}
         self.protected |= mine
-        if not any(self._recoverable(b) and b.digest is not None for b in self.blocks.values()):
+        if not any(self._recoverable(c) and c.digest is not None for c in self.chunks.values()):
             return
         sims = self._attention_shares(queries, exclude=mine)
         bar = self.config.min_similarity()
-        unit = exchange_units(self.blocks.values())
-        self._bring_back(sims, bar, self._eligible, unit, before=[b.block_id for b in message])
+        unit = exchange_units(self.chunks.values())
+        self._bring_back(sims, bar, self._eligible, unit, before=[c.chunk_id for c in message])
 
     def _attention_shares(
         self, queries: torch.Tensor, exclude: frozenset[int] | set[int] = frozenset()
     ) -> dict[int, float]:
-        """Block id -> :func:`~kvos.policy.digest.attention_shares` of ``queries`` (float32 ``[layers, n,
-        heads, head_dim]``, rotated back to position 0) for the candidate blocks: recoverable ones with a
+        """Chunk id -> :func:`~kvos.policy.digest.attention_shares` of ``queries`` (float32 ``[layers, n,
+        heads, head_dim]``, rotated back to position 0) for the candidate chunks: recoverable ones with a
         digest and holdable resident ones (their digest read from the pool), but ``exclude``."""
         digests = {
-            b.block_id: b.digest if not b.resident else self.pager.digest(b)
-            for b in self.blocks.values()
-            if b.block_id not in exclude and self._eligible(b) and (b.resident or b.digest is not None)
+            c.chunk_id: c.digest if not c.resident else self.pager.digest(c)
+            for c in self.chunks.values()
+            if c.chunk_id not in exclude and self._eligible(c) and (c.resident or c.digest is not None)
         }
         if not digests:
             return {}
@@ -228,36 +228,34 @@ class SessionMemory:
         hi = torch.stack([d.hi for d in digests.values()])  # type: ignore[union-attr]
         return dict(zip(digests, attention_shares(queries, lo, hi).tolist(), strict=True))
 
-    def _eligible(self, block: MemBlock) -> bool:
+    def _eligible(self, chunk: Chunk) -> bool:
         """A candidate of the answer signal: recoverable, or resident and holdable."""
-        return self._recoverable(block) or self._holdable(block)
+        return self._recoverable(chunk) or self._holdable(chunk)
 
-    def _holdable(self, block: MemBlock) -> bool:
+    def _holdable(self, chunk: Chunk) -> bool:
         """Resident and free to page out: neither a sink, nor pinned, nor protected this turn."""
         return (
-            block.resident
-            and not block.is_sink(self.config.sink_count)
-            and not block.pinned
-            and block.block_id not in self.protected
+            chunk.resident
+            and not chunk.is_sink(self.config.sink_count)
+            and not chunk.pinned
+            and chunk.chunk_id not in self.protected
         )
 
-    def _similarity(
-        self, ids: list[int], query: torch.Tensor, unit: Unit
-    ) -> Callable[[MemBlock], float | None]:
-        """How a block is compared with the new message: by the model's answer ("answer", per ``unit``;
+    def _similarity(self, ids: list[int], query: torch.Tensor, unit: Unit) -> Callable[[Chunk], float | None]:
+        """How a chunk is compared with the new message: by the model's answer ("answer", per ``unit``;
         lexical for this turn if the pool has no room for its scratch passes), IDF-weighted token overlap
-        over the session's blocks ("lexical") or the cosine of the embeddings ("embedding"; None without an
+        over the session's chunks ("lexical") or the cosine of the embeddings ("embedding"; None without an
         embedding). None: not a candidate."""
         signal = self.config.recovery_signal
         if signal in ("answer", "hybrid") and self.answer is not None:
             scores = self._answer_scores(ids, unit)
             if scores is not None:
-                return lambda b: scores.get(unit(b))
+                return lambda c: scores.get(unit(c))
             signal = "lexical"
         if signal in ("lexical", "answer", "hybrid"):
-            index = LexicalIndex(b.token_ids for b in self.blocks.values())
-            return lambda b: index.score(ids, b.token_ids)
-        return lambda b: None if b.embedding is None else cosine(query, b.embedding)
+            index = LexicalIndex(c.token_ids for c in self.chunks.values())
+            return lambda c: index.score(ids, c.token_ids)
+        return lambda c: None if c.embedding is None else cosine(query, c.embedding)
 
     def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
         """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see
@@ -267,14 +265,14 @@ class SessionMemory:
         "hybrid" signal a shortlist: :meth:`_hybrid_scores`), or None when the pool cannot hold the scratch
         passes."""
         assert self.answer is not None
-        texts = unit_texts(self.blocks.values(), unit)
-        wanted = {unit(b) for b in self.blocks.values() if self._eligible(b)}
+        texts = unit_texts(self.chunks.values(), unit)
+        wanted = {unit(c) for c in self.chunks.values() if self._eligible(c)}
         candidates = {u: texts[u] for u in sorted(wanted)}
         cap = self.config.recovery_candidates
         if self.config.recovery_signal == "hybrid":
             return self._hybrid_scores(ids, unit, candidates)
         if len(candidates) > cap:
-            index = LexicalIndex(b.token_ids for b in self.blocks.values())
+            index = LexicalIndex(c.token_ids for c in self.chunks.values())
             lexical = {u: index.score(ids, tokens) for u, tokens in candidates.items()}
             kept = sorted(candidates, key=lambda u: (lexical[u], u), reverse=True)[:cap]
             candidates = {u: candidates[u] for u in kept}
@@ -310,19 +308,19 @@ class SessionMemory:
     def _sink_tokens(self) -> list[int]:
         sinks = self.config.sink_count
         return [
-            t for b in in_order(self.blocks.values()) if b.resident and b.is_sink(sinks) for t in b.token_ids
+            t for c in in_order(self.chunks.values()) if c.resident and c.is_sink(sinks) for t in c.token_ids
         ]
 
     def _shortlist(self, ids: list[int], shares: dict[int, float], unit: Unit, units: set[int]) -> set[int]:
         """The ``units`` the "hybrid" signal asks the model about: the ``recovery_shortlist`` best by their
-        blocks' attention ``shares`` and as many best by lexical overlap with the new message ``ids``."""
+        chunks' attention ``shares`` and as many best by lexical overlap with the new message ``ids``."""
         by_attention: dict[int, float] = dict.fromkeys(units, 0.0)
-        for block_id, share in shares.items():
-            key = unit(self.blocks[block_id])
+        for chunk_id, share in shares.items():
+            key = unit(self.chunks[chunk_id])
             if key in units:
                 by_attention[key] = max(by_attention[key], share)
-        index = LexicalIndex(b.token_ids for b in self.blocks.values())
-        texts = unit_texts(self.blocks.values(), unit)
+        index = LexicalIndex(c.token_ids for c in self.chunks.values())
+        texts = unit_texts(self.chunks.values(), unit)
         by_words = {key: index.score(ids, texts[key]) for key in units}
         m = self.config.recovery_shortlist
         best = (sorted(s, key=lambda k: (s[k], k), reverse=True)[:m] for s in (by_attention, by_words))
@@ -330,103 +328,101 @@ class SessionMemory:
 
     def _answer_span(self) -> int:
         """The most tokens the answer signal reads of one candidate, and of the new message: the budget
-        (a larger unit cannot come back whole) and at most 4 blocks, so a turn's scoring stays bounded
+        (a larger unit cannot come back whole) and at most 4 chunks, so a turn's scoring stays bounded
         (at most ``recovery_candidates`` passes of at most three such spans) whatever the messages' size."""
-        return min(self.config.budget.max_active_tokens, 4 * self.config.block_tokens)
+        return min(self.config.budget.max_active_tokens, 4 * self.config.chunk_tokens)
 
     def _affordable(
         self, groups: list[tuple[int, list[int]]], incoming_locked: int = 0
     ) -> list[tuple[int, list[int]]]:
         """The best-ranked groups (at most recovery_top_k) that can be protected this turn while pinned
-        blocks, sinks, the new message's locked tokens and one block being written still fit. A group that
-        does not fit whole comes back as the message of its best block (an exchange's user message without
-        its reply), or failing that as the best block alone."""
+        chunks, sinks, the new message's locked tokens and one chunk being written still fit. A group that
+        does not fit whole comes back as the message of its best chunk (an exchange's user message without
+        its reply), or failing that as the best chunk alone."""
         sinks = self.config.sink_count
         locked = sum(
-            b.num_tokens
-            for b in self.blocks.values()
-            if b.resident and (b.pinned or b.is_sink(sinks) or b.block_id in self.protected)
+            c.num_tokens
+            for c in self.chunks.values()
+            if c.resident and (c.pinned or c.is_sink(sinks) or c.chunk_id in self.protected)
         )
-        room = self.config.budget.max_active_tokens - self.config.block_tokens - locked - incoming_locked
+        room = self.config.budget.max_active_tokens - self.config.chunk_tokens - locked - incoming_locked
         chosen: list[tuple[int, list[int]]] = []
         for best, group in groups:
             if len(chosen) == self.config.recovery_top_k:
                 break
-            message = [i for i in group if self.blocks[i].message_index == self.blocks[best].message_index]
+            message = [i for i in group if self.chunks[i].message_index == self.chunks[best].message_index]
             for option in (group, message, [best]):
-                size = sum(self.blocks[i].num_tokens for i in option)
+                size = sum(self.chunks[i].num_tokens for i in option)
                 if size <= room:
                     chosen.append((best, option))
                     room -= size
                     break
         return chosen
 
-    def _recoverable(self, block: MemBlock) -> bool:
-        if block.state is BlockState.SAVED:
+    def _recoverable(self, chunk: Chunk) -> bool:
+        if chunk.state is ChunkState.SAVED:
             return True
-        return block.state is BlockState.DISCARDED and self.config.backend != "discard"
+        return chunk.state is ChunkState.DISCARDED and self.config.backend != "discard"
 
-    def recover(
-        self, block: MemBlock, at: str = "end", before: list[int] | None = None, **detail: Any
-    ) -> bool:
-        """Page a block back in: splice saved K/V, or recompute from its tokens; protected for this turn.
+    def recover(self, chunk: Chunk, at: str = "end", before: list[int] | None = None, **detail: Any) -> bool:
+        """Page a chunk back in: splice saved K/V, or recompute from its tokens; protected for this turn.
 
         Best effort under pool pressure: when the pool's cap leaves no room even after paging out other
-        sessions' and this session's unprotected blocks, the block stays out (logged) and False is returned.
+        sessions' and this session's unprotected chunks, the chunk stays out (logged) and False is returned.
         """
         began = time.perf_counter()
         try:
-            return self._recover(block, at, before, **detail)
+            return self._recover(chunk, at, before, **detail)
         finally:
             self.costs.add(restore_s=time.perf_counter() - began)
 
-    def _recover(self, block: MemBlock, at: str, before: list[int] | None, **detail: Any) -> bool:
-        self.make_room(block.num_tokens, protected={block.block_id})
-        saved = block.state is BlockState.SAVED
+    def _recover(self, chunk: Chunk, at: str, before: list[int] | None, **detail: Any) -> bool:
+        self.make_room(chunk.num_tokens, protected={chunk.chunk_id})
+        saved = chunk.state is ChunkState.SAVED
         try:
             keep = set(self.protected)  # one recovery never pages out another
             if saved:
-                self.guarded(lambda: self.pager.restore(block, at, self._front(before)), keep)  # type: ignore[arg-type]
+                self.guarded(lambda: self.pager.restore(chunk, at, self._front(before)), keep)  # type: ignore[arg-type]
             else:
-                self.guarded(lambda: self.pager.recompute(block), keep)
+                self.guarded(lambda: self.pager.recompute(chunk), keep)
         except PoolOutOfMemoryError:
-            self.journal.log(self.turn, "recover_skipped", block=block.block_id, reason="pool_full")
+            self.journal.log(self.turn, "recover_skipped", chunk=chunk.chunk_id, reason="pool_full")
             return False
-        block.recovered_turn = self.turn
-        self.protected.add(block.block_id)
+        chunk.recovered_turn = self.turn
+        self.protected.add(chunk.chunk_id)
         how = "restore" if saved else "recompute"
-        self.journal.log(self.turn, how, block=block.block_id, tokens=block.num_tokens, **detail)
+        self.journal.log(self.turn, how, chunk=chunk.chunk_id, tokens=chunk.num_tokens, **detail)
         self.journal.seen(self.pager.active_tokens)
         return True
 
     def _front(self, before: list[int] | None) -> int | None:
-        """The first block of ``before`` still resident (paging may have taken the others), or None."""
+        """The first chunk of ``before`` still resident (paging may have taken the others), or None."""
         return next((i for i in before or () if i in self.pager.segments), None)
 
     def fill_gaps(self, token_ids: list[int]) -> int:
-        """Identity gap-fill: walk the history against a re-sent prompt; every saved block whose exact
+        """Identity gap-fill: walk the history against a re-sent prompt; every saved chunk whose exact
         tokens sit at its original place is spliced back at its place. Stops at the first difference."""
         restored = 0
-        for block in sorted(self.blocks.values(), key=lambda b: b.original_start):
-            if token_ids[block.original_start : block.original_end] != block.token_ids:
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.original_start):
+            if token_ids[chunk.original_start : chunk.original_end] != chunk.token_ids:
                 break
-            if block.state is BlockState.SAVED:
-                if not self.recover(block, at="place", trigger="gap_fill"):
+            if chunk.state is ChunkState.SAVED:
+                if not self.recover(chunk, at="place", trigger="gap_fill"):
                     break
                 restored += 1
         return restored
 
     def on_drop(self, key: object) -> None:
-        """The store dropped a saved block (over its caps): it keeps its breadcrumb (text and embedding)."""
-        block = self.blocks.get(int(key))  # type: ignore[call-overload]
-        if block is not None and block.state is BlockState.SAVED:
-            block.state = BlockState.DISCARDED
-            self.journal.log(self.turn, "drop", block=block.block_id)
+        """The store dropped a saved chunk (over its caps): it keeps its breadcrumb (text and embedding)."""
+        chunk = self.chunks.get(int(key))  # type: ignore[call-overload]
+        if chunk is not None and chunk.state is ChunkState.SAVED:
+            chunk.state = ChunkState.DISCARDED
+            self.journal.log(self.turn, "drop", chunk=chunk.chunk_id)
 
     def observe(self, captured: dict[int, torch.Tensor]) -> None:
-        """Per-block attention mass of this decode step, averaged over the captured layers and heads."""
+        """Per-chunk attention mass of this decode step, averaged over the captured layers and heads."""
         if not captured:
             return
         bounds = self.pager.seq.boundaries()
-        masses = torch.stack([block_masses(p, bounds) for p in captured.values()]).mean(0)
+        masses = torch.stack([chunk_masses(p, bounds) for p in captured.values()]).mean(0)
         self.tracker.observe(dict(zip(self.pager.order(), masses.tolist(), strict=True)))

@@ -18,14 +18,14 @@ import numpy as np
 from kvos.errors import TokenizerError
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
-from kvos.policy.blocks import BlockKind, Keep
+from kvos.policy.chunks import ChunkKind, Keep
 
 ROLE_KINDS = {
-    "system": BlockKind.SYSTEM,
-    "developer": BlockKind.SYSTEM,
-    "user": BlockKind.USER,
-    "assistant": BlockKind.ASSISTANT,
-    "tool": BlockKind.TOOL,
+    "system": ChunkKind.SYSTEM,
+    "developer": ChunkKind.SYSTEM,
+    "user": ChunkKind.USER,
+    "assistant": ChunkKind.ASSISTANT,
+    "tool": ChunkKind.TOOL,
 }
 
 
@@ -34,7 +34,7 @@ class Span:
     """The tokens one message (or the generation prompt) adds to the conversation."""
 
     token_ids: list[int]
-    kind: BlockKind
+    kind: ChunkKind
     keep: Keep | None = None
     message_index: int = -1  # -1: the generation prompt
 
@@ -85,7 +85,7 @@ class SpanRenderer:
         keep = message.get("keep")
         return Span(
             token_ids=self.tokenizer.encode(full[len(previous) :]),
-            kind=ROLE_KINDS.get(role, BlockKind.USER),
+            kind=ROLE_KINDS.get(role, ChunkKind.USER),
             keep=keep if keep in ("pin", "prefer") else None,
             message_index=index,
         )

@@ -80,7 +80,7 @@ class AnswerContrast:
         def run(ids: list[int]) -> torch.Tensor:
             start = seq.num_tokens
             positions = torch.arange(start, start + len(ids))
-            queries = tap.chunk(positions) if tap is not None else None
+            queries = tap.add(positions) if tap is not None else None
             return self.engine.extend(seq, ids, positions.tolist(), query_layers=layers, queries=queries)
 
         out: list[int] = []

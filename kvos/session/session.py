@@ -1,8 +1,8 @@
 """A chat session that runs inside a fixed KV budget.
 
-Messages become typed blocks (long ones are chunked). Before any token enters the pool the budget is
-checked and the lowest-scored evictable blocks are paged out. Each new user message first brings back the
-saved blocks most similar to it (before the message itself is decoded), updates the task focus, then is
+Messages become typed chunks (a long one is cut into several). Before any token enters the pool the budget is
+checked and the lowest-scored evictable chunks are paged out. Each new user message first brings back the
+saved chunks most similar to it (before the message itself is decoded), updates the task focus, then is
 prefilled. Generation captures decode attention, which feeds the attention signal of the scorer.
 """
 
@@ -19,10 +19,10 @@ from kvos.engine.engine import Engine
 from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
-from kvos.memory.store import BlockStore
+from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
-from kvos.policy.blocks import BlockKind, BlockState, Keep, MemBlock
+from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
 from kvos.session.memory import SessionMemory
@@ -33,15 +33,15 @@ from kvos.session.relevance import AnswerContrast
 from kvos.session.writer import ReplyWriter
 
 ROLE_KINDS = {
-    "system": BlockKind.SYSTEM,
-    "user": BlockKind.USER,
-    "assistant": BlockKind.ASSISTANT,
-    "tool": BlockKind.TOOL,
+    "system": ChunkKind.SYSTEM,
+    "user": ChunkKind.USER,
+    "assistant": ChunkKind.ASSISTANT,
+    "tool": ChunkKind.TOOL,
 }
 
 
-StoreFactory = Callable[[str, Callable[[Hashable], None]], BlockStore]
-"""Builds a session's block store from its id and the store's ``on_drop`` callback (a server's state
+StoreFactory = Callable[[str, Callable[[Hashable], None]], ChunkStore]
+"""Builds a session's chunk store from its id and the store's ``on_drop`` callback (a server's state
 directory gives each session a write-through store of its own)."""
 
 
@@ -54,7 +54,7 @@ class SyncResult:
 
 
 class Session:
-    """One conversation: its logical history (every block, resident or not) and its share of the pool."""
+    """One conversation: its logical history (every chunk, resident or not) and its share of the pool."""
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class Session:
     ) -> None:
         self.session_id, self.engine, self.tokenizer, self.config = session_id, engine, tokenizer, config
         self.template = ChatTemplate.from_tokenizer(tokenizer) if tokenizer.chat_template else None
-        self.blocks: dict[int, MemBlock] = {}
+        self.chunks: dict[int, Chunk] = {}
         self.messages: list[dict[str, Any]] = []
         self.rendered = ""
         store = None
@@ -76,8 +76,8 @@ class Session:
             if store_factory is not None:
                 store = store_factory(session_id, on_drop)
             else:
-                store = BlockStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
-        self.pager = Pager(engine, store, config.position_mode, config.backend, self.blocks)
+                store = ChunkStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
+        self.pager = Pager(engine, store, config.position_mode, config.backend, self.chunks)
         answer = None
         if config.recovery_signal in ("answer", "hybrid"):
             answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
@@ -89,7 +89,7 @@ class Session:
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
         self.logits_at = -1  # history length at which last_logits were computed
-        self._next_block = 0
+        self._next_chunk = 0
         self._swapped: list[tuple[int, list[int]]] = []
         self.writer = ReplyWriter(self)
 
@@ -102,8 +102,8 @@ class Session:
         keep: Keep | None = None,
         priority: float = 1.0,
         task_boundary: bool = False,
-        kind: BlockKind | None = None,
-    ) -> list[MemBlock]:
+        kind: ChunkKind | None = None,
+    ) -> list[Chunk]:
         """Append a message (rendered with the chat template) and prefill it, after paging as needed."""
         if role not in ROLE_KINDS:
             raise ConfigError(f"role must be one of {', '.join(ROLE_KINDS)}, got {role!r}")
@@ -113,16 +113,16 @@ class Session:
         kind = kind or ROLE_KINDS[role]
         if role == "user":
             locked = len(ids) if keep == "pin" else 0
-            blocks = self._user_turn(ids, kind, keep, priority, len(self.messages), task_boundary, locked)
+            chunks = self._user_turn(ids, kind, keep, priority, len(self.messages), task_boundary, locked)
         else:
-            blocks = self._append(ids, kind, keep, priority, len(self.messages))
+            chunks = self._append(ids, kind, keep, priority, len(self.messages))
         self.messages.append(message)
         self.rendered += text
-        return blocks
+        return chunks
 
-    def add_document(self, text: str, *, keep: Keep | None = None, priority: float = 1.0) -> list[MemBlock]:
-        """A document given as user content: DOCUMENT blocks, no turn of its own."""
-        return self.add_message("user", text, keep=keep, priority=priority, kind=BlockKind.DOCUMENT)
+    def add_document(self, text: str, *, keep: Keep | None = None, priority: float = 1.0) -> list[Chunk]:
+        """A document given as user content: DOCUMENT chunks, no turn of its own."""
+        return self.add_message("user", text, keep=keep, priority=priority, kind=ChunkKind.DOCUMENT)
 
     def _generation_prompt(self) -> list[int]:
         """The tokens the chat template puts after a user message to open the assistant's turn."""
@@ -147,16 +147,16 @@ class Session:
     def _user_turn(
         self,
         ids: list[int],
-        kind: BlockKind,
+        kind: ChunkKind,
         keep: Keep | None,
         priority: float,
         message_index: int,
         boundary: bool,
         locked: int = 0,
-    ) -> list[MemBlock]:
+    ) -> list[Chunk]:
         """A new user message: a new turn, similarity recovery (before the message is prefilled, leaving room
         for its ``locked`` pinned tokens; with the "attention" signal after, from its queries), task focus
-        update, the message's blocks."""
+        update, the message's chunks."""
         self.memory.turn += 1
         self.memory.protected.clear()
         query = self.embed(ids)
@@ -169,76 +169,76 @@ class Session:
         if self.memory.focus.update(query, boundary=boundary):
             self.memory.journal.log(self.memory.turn, "focus", snapped=True)
         began = time.perf_counter()
-        blocks = self._append(ids, kind, keep, priority, message_index, tap=tap.wanted)
+        chunks = self._append(ids, kind, keep, priority, message_index, tap=tap.wanted)
         costs.add(prefill_s=time.perf_counter() - began)
         if tap.wanted:
             began, restored = time.perf_counter(), costs.restore_s
-            self.memory.recover_attending(blocks, tap.take(self.config.query_window))
+            self.memory.recover_attending(chunks, tap.take(self.config.query_window))
             costs.add(recovery_s=time.perf_counter() - began - (costs.restore_s - restored))
-            last = blocks[-1]
-            if costs.restore_s > restored and last.resident and self.pager.order()[-1] == last.block_id:
-                self._refresh_logits(last)  # blocks came in front of the message: its logits predate them
-        return blocks
+            last = chunks[-1]
+            if costs.restore_s > restored and last.resident and self.pager.order()[-1] == last.chunk_id:
+                self._refresh_logits(last)  # chunks came in front of the message: its logits predate them
+        return chunks
 
-    def _refresh_logits(self, block: MemBlock) -> None:
-        """Run the last token of ``block`` (the last resident block) again, so the logits the reply starts
-        from see the blocks spliced in front of it."""
-        token, position = block.token_ids[-1], int(block.current_start or 0) + block.num_tokens - 1
-        self.pager.truncate(block, block.num_tokens - 1)
+    def _refresh_logits(self, chunk: Chunk) -> None:
+        """Run the last token of ``chunk`` (the last resident chunk) again, so the logits the reply starts
+        from see the chunks spliced in front of it."""
+        token, position = chunk.token_ids[-1], int(chunk.current_start or 0) + chunk.num_tokens - 1
+        self.pager.truncate(chunk, chunk.num_tokens - 1)
         self.last_logits = self.memory.guarded(
-            lambda: self.engine.extend(self.pager.seq, [token], [position]), {block.block_id}
+            lambda: self.engine.extend(self.pager.seq, [token], [position]), {chunk.chunk_id}
         )
 
     def _append(
         self,
         ids: list[int],
-        kind: BlockKind,
+        kind: ChunkKind,
         keep: Keep | None,
         priority: float,
         message_index: int,
         tap: frozenset[int] = frozenset(),
-    ) -> list[MemBlock]:
-        """Prefill ``ids`` as new blocks of at most ``block_tokens``; with ``tap``, their queries at those
+    ) -> list[Chunk]:
+        """Prefill ``ids`` as new chunks of at most ``chunk_tokens``; with ``tap``, their queries at those
         layers go to :attr:`queries`."""
         made = []
-        for lo in range(0, len(ids), self.config.block_tokens):
-            chunk = ids[lo : lo + self.config.block_tokens]
-            block = MemBlock(
-                block_id=self.new_block_id(),
+        for lo in range(0, len(ids), self.config.chunk_tokens):
+            part = ids[lo : lo + self.config.chunk_tokens]
+            chunk = Chunk(
+                chunk_id=self.new_chunk_id(),
                 kind=kind,
                 turn=self.memory.turn,
-                token_ids=chunk,
+                token_ids=part,
                 original_start=self.memory.history_tokens,
                 priority=priority,
                 keep=keep,
-                text=self.tokenizer.decode(chunk),
+                text=self.tokenizer.decode(part),
                 message_index=message_index,
             )
-            block.embedding = self.embed(chunk)
-            final_user_chunk = kind is BlockKind.USER and lo + len(chunk) == len(ids)
+            chunk.embedding = self.embed(part)
+            final_user_chunk = kind is ChunkKind.USER and lo + len(part) == len(ids)
             observe = self.config.attention_mode == "snapshot" and final_user_chunk
-            self._prefill(block, observe, tap)
-            self.blocks[block.block_id] = block
-            self.memory.history_tokens += len(chunk)
+            self._prefill(chunk, observe, tap)
+            self.chunks[chunk.chunk_id] = chunk
+            self.memory.history_tokens += len(part)
             self.logits_at = self.memory.history_tokens
-            made.append(block)
+            made.append(chunk)
         self.memory.journal.seen(self.pager.active_tokens)
         return made
 
-    def _prefill(self, block: MemBlock, observe: bool, tap: frozenset[int] = frozenset()) -> None:
-        """Page as needed, then prefill one new block; with ``observe``, the attention of its last 32
+    def _prefill(self, chunk: Chunk, observe: bool, tap: frozenset[int] = frozenset()) -> None:
+        """Page as needed, then prefill one new chunk; with ``observe``, the attention of its last 32
         queries (the SnapKV observation window) becomes the attention signal; with ``tap``, its queries at
         those layers go to :attr:`queries`."""
-        self.memory.make_room(block.num_tokens, protected={block.block_id})
+        self.memory.make_room(chunk.num_tokens, protected={chunk.chunk_id})
         layers = self.capture if observe else frozenset()
         captured: dict[int, torch.Tensor] = {}
 
         def prefill() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
             queries = None
             if tap:
-                start = self.pager.next_position(block)
-                queries = self.queries.chunk(torch.arange(start, start + block.num_tokens))
-            return self.pager.append(block, "last", captured, layers, tap=tap, queries=queries)
+                start = self.pager.next_position(chunk)
+                queries = self.queries.add(torch.arange(start, start + chunk.num_tokens))
+            return self.pager.append(chunk, "last", captured, layers, tap=tap, queries=queries)
 
         self.last_logits = self.memory.guarded(prefill, set())
         self.memory.observe(captured)
@@ -246,11 +246,11 @@ class Session:
     # ------------------------------------------------------- whole-prompt sync
     def reply_room(self) -> int:
         """The longest reply this session can write: the budget less what cannot be paged out (sinks and
-        pinned blocks), and in sparse mode no further than the model's last position (compact mode keeps
+        pinned chunks), and in sparse mode no further than the model's last position (compact mode keeps
         positions below the budget)."""
         sinks = self.config.sink_count
         locked = sum(
-            b.num_tokens for b in self.blocks.values() if b.resident and (b.pinned or b.is_sink(sinks))
+            c.num_tokens for c in self.chunks.values() if c.resident and (c.pinned or c.is_sink(sinks))
         )
         room = self.config.budget.max_active_tokens - locked
         if self.config.position_mode == "sparse":
@@ -260,15 +260,15 @@ class Session:
 
     def last_turn_start(self) -> int:
         """Where the last user message begins in the history (0 when there is none)."""
-        users = [b for b in self.blocks.values() if b.kind is BlockKind.USER]
+        users = [c for c in self.chunks.values() if c.kind is ChunkKind.USER]
         if not users:
             return 0
-        last = max(users, key=lambda b: b.original_start)
-        return min(b.original_start for b in users if b.message_index == last.message_index)
+        last = max(users, key=lambda c: c.original_start)
+        return min(c.original_start for c in users if c.message_index == last.message_index)
 
     def history_ids(self) -> list[int]:
-        """Every token of the logical history (resident, saved or discarded blocks alike), in order."""
-        return [t for b in sorted(self.blocks.values(), key=lambda b: b.original_start) for t in b.token_ids]
+        """Every token of the logical history (resident, saved or discarded chunks alike), in order."""
+        return [t for c in sorted(self.chunks.values(), key=lambda c: c.original_start) for t in c.token_ids]
 
     def sync(
         self,
@@ -281,9 +281,9 @@ class Session:
         """Make the history equal to a whole prompt, decoding only what is new.
 
         The prompt is compared with the logical history; a divergence truncates the history there. Saved
-        blocks the client re-sent come back only while the budget has headroom (so re-sending a whole
+        chunks the client re-sent come back only while the budget has headroom (so re-sending a whole
         conversation never thrashes). A new user message in the tail starts a turn (similarity recovery
-        first), then the tail is prefilled as blocks typed by their spans. With ``need_logits`` at least the
+        first), then the tail is prefilled as chunks typed by their spans. With ``need_logits`` at least the
         last token is decoded, so generation has logits to start from.
         """
         prompt, history = flatten(spans), self.history_ids()
@@ -300,8 +300,8 @@ class Session:
             if lo >= hi:
                 continue
             ids = span.token_ids[lo:]
-            keep = "pin" if pinned and span.kind is BlockKind.USER else span.keep
-            if span.kind is BlockKind.USER and lo == 0:
+            keep = "pin" if pinned and span.kind is ChunkKind.USER else span.keep
+            if span.kind is ChunkKind.USER and lo == 0:
                 locked = len(ids) if keep == "pin" else 0
                 self._user_turn(ids, span.kind, keep, priority, span.message_index, task_boundary, locked)
             else:
@@ -310,22 +310,22 @@ class Session:
 
     def truncate(self, length: int) -> int:
         """Cut the logical history to ``length`` tokens; returns the length kept (shorter when the cut falls
-        inside a block that is not resident: that block goes whole)."""
-        for block in sorted(self.blocks.values(), key=lambda b: b.original_start, reverse=True):
-            if block.original_end <= length:
+        inside a chunk that is not resident: that chunk goes whole)."""
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.original_start, reverse=True):
+            if chunk.original_end <= length:
                 break
-            if block.original_start < length and block.resident:
-                keep = length - block.original_start
-                self.pager.truncate(block, keep)
-                block.token_ids, block.text = (
-                    block.token_ids[:keep],
-                    self.tokenizer.decode(block.token_ids[:keep]),
+            if chunk.original_start < length and chunk.resident:
+                keep = length - chunk.original_start
+                self.pager.truncate(chunk, keep)
+                chunk.token_ids, chunk.text = (
+                    chunk.token_ids[:keep],
+                    self.tokenizer.decode(chunk.token_ids[:keep]),
                 )
                 continue
-            length = min(length, block.original_start)
-            self.pager.discard(block)
-            self.memory.tracker.forget(block.block_id)
-            del self.blocks[block.block_id]
+            length = min(length, chunk.original_start)
+            self.pager.discard(chunk)
+            self.memory.tracker.forget(chunk.chunk_id)
+            del self.chunks[chunk.chunk_id]
         if self.config.position_mode == "compact":
             self.pager.compact()
         self.memory.history_tokens = length
@@ -333,15 +333,15 @@ class Session:
         return length
 
     def _fill_headroom(self, prompt: list[int]) -> None:
-        """Identity gap-fill within headroom: saved blocks re-sent at their place return, most recent
+        """Identity gap-fill within headroom: saved chunks re-sent at their place return, most recent
         first, while the session stays under its low watermark."""
         target = self.config.budget.target()
-        for block in sorted(self.blocks.values(), key=lambda b: b.original_start, reverse=True):
-            fits = self.pager.active_tokens + block.num_tokens <= target
-            resent = prompt[block.original_start : block.original_end] == block.token_ids
-            if not (block.state is BlockState.SAVED and fits and resent):
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.original_start, reverse=True):
+            fits = self.pager.active_tokens + chunk.num_tokens <= target
+            resent = prompt[chunk.original_start : chunk.original_end] == chunk.token_ids
+            if not (chunk.state is ChunkState.SAVED and fits and resent):
                 continue
-            if not self.memory.recover(block, at="place", trigger="gap_fill"):
+            if not self.memory.recover(chunk, at="place", trigger="gap_fill"):
                 return
 
     def swap_out(self) -> None:
@@ -349,16 +349,16 @@ class Session:
         if self.pager.store is None:
             raise ConfigError("swapping a session out needs the kv_restore backend")
         self._swapped = self.pager.swap_out()
-        self.memory.journal.log(self.memory.turn, "swap_out", blocks=len(self._swapped))
+        self.memory.journal.log(self.memory.turn, "swap_out", chunks=len(self._swapped))
 
     def swap_in(self) -> None:
-        """Bring a swapped-out session back exactly as it was: same blocks, order and positions."""
+        """Bring a swapped-out session back exactly as it was: same chunks, order and positions."""
         record, self._swapped = self._swapped, []
         recomputed: list[int] = self.memory.guarded(lambda: self.pager.swap_in(record), set())
-        for bid in recomputed:  # dropped or unreadable while out: re-prefilled in place
-            block = self.blocks[bid]
-            self.memory.journal.log(self.memory.turn, "recompute", block=bid, tokens=block.num_tokens)
-        self.memory.journal.log(self.memory.turn, "swap_in", blocks=len(record))
+        for cid in recomputed:  # dropped or unreadable while out: re-prefilled in place
+            chunk = self.chunks[cid]
+            self.memory.journal.log(self.memory.turn, "recompute", chunk=cid, tokens=chunk.num_tokens)
+        self.memory.journal.log(self.memory.turn, "swap_in", chunks=len(record))
 
     @property
     def swapped(self) -> bool:
@@ -381,21 +381,21 @@ class Session:
             raise ConfigError("nothing to reply to: add a message to the session first")
         header = self._render_delta(self.messages, add_generation_prompt=True)
         header_ids = self.tokenizer.encode(header) if header else []
-        block = None
+        chunk = None
         if header_ids:
-            block = self._append(header_ids, BlockKind.ASSISTANT, None, 1.0, len(self.messages))[-1]
-        text = yield from self.writer.write(params, block, header_ids)
-        self._finish_reply(self.writer.block, header, text)
+            chunk = self._append(header_ids, ChunkKind.ASSISTANT, None, 1.0, len(self.messages))[-1]
+        text = yield from self.writer.write(params, chunk, header_ids)
+        self._finish_reply(self.writer.chunk, header, text)
 
     def reply(self, params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate after :meth:`sync` of a prompt that ends with the generation prompt (server use).
-        The reply continues the last block when it is the generation prompt's ASSISTANT block."""
-        last = max(self.blocks.values(), key=lambda b: b.original_start, default=None)
-        block = last if last is not None and last.kind is BlockKind.ASSISTANT and last.resident else None
+        The reply continues the last chunk when it is the generation prompt's ASSISTANT chunk."""
+        last = max(self.chunks.values(), key=lambda c: c.original_start, default=None)
+        chunk = last if last is not None and last.kind is ChunkKind.ASSISTANT and last.resident else None
         anchor = self.history_ids()[-4:]
-        yield from self.writer.write(params, block, anchor)
-        if self.writer.block is not None:
-            self.writer.block.embedding = self.embed(self.writer.block.token_ids)
+        yield from self.writer.write(params, chunk, anchor)
+        if self.writer.chunk is not None:
+            self.writer.chunk.embedding = self.embed(self.writer.chunk.token_ids)
 
     def generate(self, params: SamplingParams) -> tuple[str, list[int], str]:
         """The whole reply: (text, token ids, finish reason)."""
@@ -407,10 +407,10 @@ class Session:
             reason = event.finish_reason or reason
         return "".join(text), ids, reason
 
-    def _finish_reply(self, block: MemBlock | None, header: str, text: str) -> None:
-        if block is not None and block.token_ids:
-            block.embedding = self.embed(block.token_ids)
-            block.text = self.tokenizer.decode(block.token_ids)
+    def _finish_reply(self, chunk: Chunk | None, header: str, text: str) -> None:
+        if chunk is not None and chunk.token_ids:
+            chunk.embedding = self.embed(chunk.token_ids)
+            chunk.text = self.tokenizer.decode(chunk.token_ids)
         self.messages.append({"role": "assistant", "content": text})
         self.rendered += header + text
 
@@ -418,16 +418,16 @@ class Session:
     def stats(self) -> dict[str, Any]:
         """Counters and sizes: active, cached (resident + restorable) and history tokens, events, bytes.
 
-        Safe to call from another thread while the session runs: it reads a snapshot of the blocks
+        Safe to call from another thread while the session runs: it reads a snapshot of the chunks
         (``list(dict.values())`` is taken in one step under the GIL)."""
-        blocks = list(self.blocks.values())
-        states = {state: [b for b in blocks if b.state is state] for state in BlockState}
+        chunks = list(self.chunks.values())
+        states = {state: [c for c in chunks if c.state is state] for state in ChunkState}
         store = self.pager.store.stats() if self.pager.store is not None else {}
         return {
             "session": self.session_id,
             "turn": self.memory.turn,
             "active_tokens": self.pager.active_tokens,
-            "cached_tokens": self.pager.active_tokens + sum(b.num_tokens for b in states[BlockState.SAVED]),
+            "cached_tokens": self.pager.active_tokens + sum(c.num_tokens for c in states[ChunkState.SAVED]),
             "history_tokens": self.memory.history_tokens,
             "max_active_tokens_seen": self.memory.journal.max_active,
             "budget": self.config.budget.max_active_tokens,
@@ -436,16 +436,16 @@ class Session:
             "recoveries_restore": self.memory.journal.count("restore"),
             "recoveries_recompute": self.memory.journal.count("recompute"),
             "focus_snaps": self.memory.journal.count("focus"),
-            "blocks": {state.value: len(bs) for state, bs in states.items()},
+            "chunks": {state.value: len(cs) for state, cs in states.items()},
             "saved_ram_bytes": store.get("ram_bytes", 0),
             "saved_disk_bytes": store.get("disk_bytes", 0),
             "pool_bytes": self.engine.pool.nbytes,
         }
 
-    def new_block_id(self) -> int:
-        self._next_block += 1
-        return self._next_block - 1
+    def new_chunk_id(self) -> int:
+        self._next_chunk += 1
+        return self._next_chunk - 1
 
     def close(self) -> None:
-        """Free the session's pool blocks and saved blocks."""
+        """Free the session's pool blocks and saved chunks."""
         self.pager.release()

@@ -1,21 +1,21 @@
 """Session snapshots: a session's whole state on disk, to bring it back exactly after a restart.
 
 A snapshot is one checksummed file (:mod:`kvos.memory.container`, magic ``KVOSSNP\\0``, version
-:data:`VERSION`) plus block files (the block store's ``.kvblk`` format) in the same directory:
+:data:`VERSION`) plus chunk files (the chunk store's ``.kvchunk`` format) in the same directory:
 
-- the header (JSON): every :class:`MemBlock` (token ids, positions, kind, turn, keep, priority, state,
-  message index, breadcrumb text, ...), the cache order and rotary positions of the resident blocks
-  (``cache``), the block file of every block whose K/V it keeps (``files``), the policy state (turn, history
-  length, blocks protected this turn, task focus, attention tracker, journal counters) and the session's
-  own (messages, rendered text, next block id, whether it was swapped out);
-- the payload: the tensors the header names (block embeddings, the focus vector, the last logits);
-- block files: a saved block's is the one its write-through store wrote when it was saved; a resident
-  block's is written by :func:`save`, named by a digest of its K/V and positions, so a block unchanged
+- the header (JSON): every :class:`Chunk` (token ids, positions, kind, turn, keep, priority, state,
+  message index, breadcrumb text, ...), the cache order and rotary positions of the resident chunks
+  (``cache``), the chunk file of every chunk whose K/V it keeps (``files``), the policy state (turn, history
+  length, chunks protected this turn, task focus, attention tracker, journal counters) and the session's
+  own (messages, rendered text, next chunk id, whether it was swapped out);
+- the payload: the tensors the header names (chunk embeddings, the focus vector, the last logits);
+- chunk files: a saved chunk's is the one its write-through store wrote when it was saved; a resident
+  chunk's is written by :func:`save`, named by a digest of its K/V and positions, so a chunk unchanged
   since the last snapshot is not written again.
 
 :func:`restore` fills a fresh session whose store writes to the snapshot's directory and leaves it swapped
-out: the resident blocks' files become store entries, and its first swap-in splices them back in their cache
-order at their positions, bit-identical, with no forward pass. A block whose file is missing or fails its
+out: the resident chunks' files become store entries, and its first swap-in splices them back in their cache
+order at their positions, bit-identical, with no forward pass. A chunk whose file is missing or fails its
 checks is never served: a resident one is recomputed from its tokens at swap-in, a saved one keeps its
 breadcrumb (recomputed if recovery brings it back).
 """
@@ -30,17 +30,17 @@ from typing import Any
 
 import torch
 
-from kvos.errors import BlockDataError, SnapshotError
+from kvos.errors import ChunkDataError, SnapshotError
 from kvos.memory import container
-from kvos.memory.store import FILE_SUFFIX, BlockStore, write_block_file
-from kvos.policy.blocks import BlockState, MemBlock
+from kvos.memory.store import FILE_SUFFIX, ChunkStore, write_chunk_file
+from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.focus import TaskFocus
 from kvos.session import fields
 from kvos.session.fields import TensorTable
 from kvos.session.session import Session
 
 MAGIC = b"KVOSSNP\x00"
-VERSION = 1
+VERSION = 2  # 2: "blocks" became "chunks" (chunk_id, next_chunk); version 1 files are refused
 SUFFIX = ".snap"
 _log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class SessionSnapshot:
 
     @property
     def files(self) -> dict[int, str]:
-        """Block id -> block file name, of every block whose K/V the snapshot keeps."""
+        """Chunk id -> chunk file name, of every chunk whose K/V the snapshot keeps."""
         return {int(k): str(v) for k, v in self.header["files"].items()}
 
     @property
@@ -67,37 +67,37 @@ class SessionSnapshot:
 
     def token_ids(self) -> list[int]:
         """The session's whole history, in order."""
-        blocks = sorted(self.header["blocks"], key=lambda b: b["original_start"])
-        return [t for b in blocks for t in b["token_ids"]]
+        chunks = sorted(self.header["chunks"], key=lambda c: c["original_start"])
+        return [t for c in chunks for t in c["token_ids"]]
 
 
 def save(session: Session, directory: Path, name: str) -> SessionSnapshot:
-    """Write a snapshot of ``session`` as ``directory/name``, with the block files it needs (resident blocks'
-    K/V read from the pool; saved blocks' from their write-through files, or written now when their store
+    """Write a snapshot of ``session`` as ``directory/name``, with the chunk files it needs (resident chunks'
+    K/V read from the pool; saved chunks' from their write-through files, or written now when their store
     holds them elsewhere). Runs on the engine's thread, between requests."""
     table, files, cache = TensorTable(), {}, []
-    for bid in session.pager.order():
-        seg = session.pager.segments[bid]
+    for cid in session.pager.order():
+        seg = session.pager.segments[cid]
         k, v = session.engine.read_kv(seg)
         positions = seg.positions.tolist()
-        files[str(bid)] = _write_kv(directory, f"r{bid}", k, v, positions)
-        cache.append([bid, positions])
+        files[str(cid)] = _write_kv(directory, f"r{cid}", k, v, positions)
+        cache.append([cid, positions])
     store = session.pager.store
-    for block in session.blocks.values():
-        if block.state is BlockState.SAVED and store is not None and block.block_id in store:
-            files[str(block.block_id)] = _saved_file(store, block.block_id, directory)
+    for chunk in session.chunks.values():
+        if chunk.state is ChunkState.SAVED and store is not None and chunk.chunk_id in store:
+            files[str(chunk.chunk_id)] = _saved_file(store, chunk.chunk_id, directory)
     header = {
         "session_id": session.session_id,
-        "blocks": [fields.encode_block(b, table) for b in _in_order(session.blocks.values())],
+        "chunks": [fields.encode_chunk(c, table) for c in _in_order(session.chunks.values())],
         "cache": cache,
-        "swapped": [[bid, list(pos)] for bid, pos in session._swapped],
+        "swapped": [[cid, list(pos)] for cid, pos in session._swapped],
         "files": files,
         "memory": _memory_state(session, table),
         "session": _session_state(session, table),
     }
-    specs, chunks = table.specs_and_chunks()
+    specs, buffers = table.specs_and_buffers()
     header["tensors"] = specs
-    container.write_atomic(directory / name, container.pack(MAGIC, VERSION, header, chunks))
+    container.write_atomic(directory / name, container.pack(MAGIC, VERSION, header, buffers))
     return SessionSnapshot(header, table)
 
 
@@ -114,86 +114,86 @@ def load(path: Path) -> SessionSnapshot:
 
 def restore(snapshot: SessionSnapshot, session: Session, directory: Path) -> list[int]:
     """Make the fresh ``session`` (its store writing to ``directory``) the snapshot's session, swapped out.
-    Returns the ids of the blocks whose files could not be taken (logged; recomputed or breadcrumbs).
+    Returns the ids of the chunks whose files could not be taken (logged; recomputed or breadcrumbs).
     :class:`SnapshotError` when the header does not describe a consistent session."""
-    if session.blocks or session.pager.active_tokens:
+    if session.chunks or session.pager.active_tokens:
         raise SnapshotError("a snapshot is restored into a fresh session only")
     try:
-        blocks = [fields.decode_block(raw, snapshot.table) for raw in snapshot.header["blocks"]]
-        record = [(int(bid), [int(p) for p in pos]) for bid, pos in snapshot.header["cache"]]
-        record += [(int(bid), [int(p) for p in pos]) for bid, pos in snapshot.header["swapped"]]
-        _check(blocks, record, snapshot.history_tokens)
-        session.blocks.update({b.block_id: b for b in blocks})
-        for bid, _ in record:
-            session.blocks[bid].state, session.blocks[bid].current_start = BlockState.SAVED, None
+        chunks = [fields.decode_chunk(raw, snapshot.table) for raw in snapshot.header["chunks"]]
+        record = [(int(cid), [int(p) for p in pos]) for cid, pos in snapshot.header["cache"]]
+        record += [(int(cid), [int(p) for p in pos]) for cid, pos in snapshot.header["swapped"]]
+        _check(chunks, record, snapshot.history_tokens)
+        session.chunks.update({c.chunk_id: c for c in chunks})
+        for cid, _ in record:
+            session.chunks[cid].state, session.chunks[cid].current_start = ChunkState.SAVED, None
         _load_memory(session, snapshot.header["memory"], snapshot.table)
         _load_session(session, snapshot.header["session"], snapshot.table)
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        session.blocks.clear()
+        session.chunks.clear()
         raise SnapshotError(f"snapshot of {snapshot.session_id} does not hold together: {e}") from e
     session._swapped = record
     return _adopt_files(session, snapshot.files, directory)
 
 
-def _check(blocks: list[MemBlock], record: list[tuple[int, list[int]]], history: int) -> None:
-    """ValueError unless the blocks tile the history and every cached block has one position per token."""
-    if len({b.block_id for b in blocks}) != len(blocks) or len({bid for bid, _ in record}) != len(record):
-        raise ValueError("duplicate block ids")
+def _check(chunks: list[Chunk], record: list[tuple[int, list[int]]], history: int) -> None:
+    """ValueError unless the chunks tile the history and every cached chunk has one position per token."""
+    if len({c.chunk_id for c in chunks}) != len(chunks) or len({cid for cid, _ in record}) != len(record):
+        raise ValueError("duplicate chunk ids")
     at = 0
-    for block in _in_order(blocks):
-        if block.original_start != at:
-            raise ValueError(f"block {block.block_id} starts at {block.original_start}, not {at}")
-        at = block.original_end
+    for chunk in _in_order(chunks):
+        if chunk.original_start != at:
+            raise ValueError(f"chunk {chunk.chunk_id} starts at {chunk.original_start}, not {at}")
+        at = chunk.original_end
     if at != history:
-        raise ValueError(f"blocks hold {at} tokens, the history {history}")
-    by_id = {b.block_id: b for b in blocks}
-    for bid, positions in record:
-        if bid not in by_id or len(positions) != by_id[bid].num_tokens:
-            raise ValueError(f"cache entry {bid} does not match a block")
+        raise ValueError(f"chunks hold {at} tokens, the history {history}")
+    by_id = {c.chunk_id: c for c in chunks}
+    for cid, positions in record:
+        if cid not in by_id or len(positions) != by_id[cid].num_tokens:
+            raise ValueError(f"cache entry {cid} does not match a chunk")
 
 
 def _adopt_files(session: Session, files: dict[int, str], directory: Path) -> list[int]:
-    """Hand the snapshot's block files to the session's store; a block without a usable file is marked
+    """Hand the snapshot's chunk files to the session's store; a chunk without a usable file is marked
     discarded (a resident one is then recomputed at swap-in)."""
     store, bad = session.pager.store, []
-    for block in session.blocks.values():
-        if block.state is not BlockState.SAVED:
+    for chunk in session.chunks.values():
+        if chunk.state is not ChunkState.SAVED:
             continue
-        name = files.get(block.block_id)
+        name = files.get(chunk.chunk_id)
         try:
             if store is None or name is None or Path(name).name != name:
-                raise BlockDataError("no block file")
-            store.adopt(block.block_id, directory / name)
-        except BlockDataError as e:
+                raise ChunkDataError("no chunk file")
+            store.adopt(chunk.chunk_id, directory / name)
+        except ChunkDataError as e:
             _log.warning(
-                "session %s: block %d cannot be restored (%s): recomputed from its tokens when it is needed",
+                "session %s: chunk %d cannot be restored (%s): recomputed from its tokens when it is needed",
                 session.session_id,
-                block.block_id,
+                chunk.chunk_id,
                 e,
             )
-            block.state = BlockState.DISCARDED
-            bad.append(block.block_id)
+            chunk.state = ChunkState.DISCARDED
+            bad.append(chunk.chunk_id)
     return bad
 
 
 def _write_kv(directory: Path, prefix: str, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> str:
-    """Write a block file named by a digest of its K/V and positions unless it exists; its name."""
+    """Write a chunk file named by a digest of its K/V and positions unless it exists; its name."""
     h = hashlib.blake2b(str(positions).encode(), digest_size=12)
     for t in (k, v):
         h.update(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data)
     name = f"{prefix}-{h.hexdigest()}{FILE_SUFFIX}"
     if not (directory / name).exists():
-        write_block_file(directory / name, k, v, {"positions": positions})
+        write_chunk_file(directory / name, k, v, {"positions": positions})
     return name
 
 
-def _saved_file(store: BlockStore, block_id: int, directory: Path) -> str:
-    """The block file of a saved block in ``directory``: its store's, or a copy written now."""
-    path = store.file_of(block_id)
+def _saved_file(store: ChunkStore, chunk_id: int, directory: Path) -> str:
+    """The chunk file of a saved chunk in ``directory``: its store's, or a copy written now."""
+    path = store.file_of(chunk_id)
     if path is not None and path.parent.resolve() == directory.resolve():
         return path.name
-    saved = store.get(block_id)
-    return _write_kv(directory, f"s{block_id}", saved.k, saved.v, [int(p) for p in saved.meta["positions"]])
+    saved = store.get(chunk_id)
+    return _write_kv(directory, f"s{chunk_id}", saved.k, saved.v, [int(p) for p in saved.meta["positions"]])
 
 
 def _memory_state(session: Session, table: TensorTable) -> dict[str, Any]:
@@ -234,7 +234,7 @@ def _session_state(session: Session, table: TensorTable) -> dict[str, Any]:
         "rendered": session.rendered,
         "logits_at": session.logits_at,
         "last_logits": None if logits is None else table.add("last_logits", logits),
-        "next_block": session._next_block,
+        "next_chunk": session._next_chunk,
     }
 
 
@@ -243,8 +243,8 @@ def _load_session(session: Session, state: dict[str, Any], table: TensorTable) -
     logits = state["last_logits"]
     session.last_logits = None if logits is None else table.get(logits).to(session.engine.model.device)
     session.logits_at = int(state["logits_at"]) if logits is not None else -1
-    session._next_block = int(state["next_block"])
+    session._next_chunk = int(state["next_chunk"])
 
 
-def _in_order(blocks: Any) -> list[MemBlock]:
-    return sorted(blocks, key=lambda b: b.original_start)
+def _in_order(chunks: Any) -> list[Chunk]:
+    return sorted(chunks, key=lambda c: c.original_start)

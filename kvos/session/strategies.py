@@ -1,7 +1,7 @@
 """Named memory strategies: kvos's own (by recovery backend) and the standard baselines, as session configs.
 
-The baselines evict at block granularity through the same machinery as kvos, with only their own signal:
-StreamingLLM keeps the sinks and the most recent blocks; H2O ranks by cumulative attention (heavy hitters)
+The baselines evict at chunk granularity through the same machinery as kvos, with only their own signal:
+StreamingLLM keeps the sinks and the most recent chunks; H2O ranks by cumulative attention (heavy hitters)
 with recency; SnapKV ranks by the attention of each prompt's last 32 queries. None of them recovers.
 """
 
@@ -17,18 +17,18 @@ from kvos.session.config import SessionConfig
 
 
 def _baseline(weights: ScoreWeights, **cfg: Any) -> Callable[[Budget, int], SessionConfig]:
-    def make(budget: Budget, block_tokens: int) -> SessionConfig:
+    def make(budget: Budget, chunk_tokens: int) -> SessionConfig:
         scorer = Scorer(weights=weights, user_floor=0.0, assistant_floor=0.0)
         return SessionConfig(
-            budget=budget, block_tokens=block_tokens, scorer=scorer, backend="discard", **cfg
+            budget=budget, chunk_tokens=chunk_tokens, scorer=scorer, backend="discard", **cfg
         )
 
     return make
 
 
 def _kvos(backend: str) -> Callable[[Budget, int], SessionConfig]:
-    def make(budget: Budget, block_tokens: int) -> SessionConfig:
-        return SessionConfig(budget=budget, block_tokens=block_tokens, backend=backend)  # type: ignore[arg-type]
+    def make(budget: Budget, chunk_tokens: int) -> SessionConfig:
+        return SessionConfig(budget=budget, chunk_tokens=chunk_tokens, backend=backend)  # type: ignore[arg-type]
 
     return make
 
@@ -48,8 +48,8 @@ STRATEGIES: dict[str, Callable[[Budget, int], SessionConfig]] = {
 }
 
 
-def strategy(name: str, budget: Budget, block_tokens: int) -> SessionConfig:
+def strategy(name: str, budget: Budget, chunk_tokens: int) -> SessionConfig:
     """The session config of a named strategy."""
     if name not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](budget, block_tokens)
+    return STRATEGIES[name](budget, chunk_tokens)

@@ -1,4 +1,4 @@
-"""How a session's blocks group for recovery: by message (a long message is several chunks) or by exchange
+"""How a session's chunks group for recovery: by message (a long message is several chunks) or by exchange
 (a user, tool or document message together with the assistant reply right after it).
 
 A unit is keyed by a message index: its own for a message, the opening message's for an exchange.
@@ -8,72 +8,72 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from kvos.policy.blocks import BlockKind, MemBlock
+from kvos.policy.chunks import Chunk, ChunkKind
 
-Unit = Callable[[MemBlock], int]  # block -> the message index that keys its unit
-OPENERS = (BlockKind.USER, BlockKind.TOOL, BlockKind.DOCUMENT)
-
-
-def by_message(block: MemBlock) -> int:
-    return block.message_index
+Unit = Callable[[Chunk], int]  # chunk -> the message index that keys its unit
+OPENERS = (ChunkKind.USER, ChunkKind.TOOL, ChunkKind.DOCUMENT)
 
 
-def exchange_units(blocks: Iterable[MemBlock]) -> Unit:
-    """Block -> the message index of its exchange: an assistant reply belongs with the user, tool or
+def by_message(chunk: Chunk) -> int:
+    return chunk.message_index
+
+
+def exchange_units(chunks: Iterable[Chunk]) -> Unit:
+    """Chunk -> the message index of its exchange: an assistant reply belongs with the user, tool or
     document message right before it (a statement and its acknowledgement are one unit: a model may need
     both to answer from them); any other message is a unit of its own."""
-    kinds = {b.message_index: b.kind for b in blocks}
+    kinds = {c.message_index: c.kind for c in chunks}
 
-    def key(b: MemBlock) -> int:
-        m = b.message_index
-        return m - 1 if kinds[m] is BlockKind.ASSISTANT and kinds.get(m - 1) in OPENERS else m
+    def key(c: Chunk) -> int:
+        m = c.message_index
+        return m - 1 if kinds[m] is ChunkKind.ASSISTANT and kinds.get(m - 1) in OPENERS else m
 
     return key
 
 
-def bounded(unit: Unit, blocks: Iterable[MemBlock], max_tokens: int) -> Unit:
+def bounded(unit: Unit, chunks: Iterable[Chunk], max_tokens: int) -> Unit:
     """``unit``, except that a unit of more than ``max_tokens`` tokens falls apart into its chunks, each a
-    unit of its own (keyed ``-1 - block_id``, apart from message indexes): a 10,000-token system prompt or
+    unit of its own (keyed ``-1 - chunk_id``, apart from message indexes): a 10,000-token system prompt or
     pasted file is scored and recovered chunk by chunk, never as one forward pass over all of it."""
     sizes: dict[int, int] = {}
-    for b in blocks:
-        sizes[unit(b)] = sizes.get(unit(b), 0) + b.num_tokens
+    for c in chunks:
+        sizes[unit(c)] = sizes.get(unit(c), 0) + c.num_tokens
 
-    def key(b: MemBlock) -> int:
-        k = unit(b)
-        return k if sizes.get(k, 0) <= max_tokens else -1 - b.block_id
+    def key(c: Chunk) -> int:
+        k = unit(c)
+        return k if sizes.get(k, 0) <= max_tokens else -1 - c.chunk_id
 
     return key
 
 
-def in_order(blocks: Iterable[MemBlock]) -> list[MemBlock]:
-    """The blocks in history order."""
-    return sorted(blocks, key=lambda b: b.original_start)
+def in_order(chunks: Iterable[Chunk]) -> list[Chunk]:
+    """The chunks in history order."""
+    return sorted(chunks, key=lambda c: c.original_start)
 
 
-def unit_texts(blocks: Iterable[MemBlock], unit: Unit) -> dict[int, list[int]]:
-    """Unit -> the token ids of all its blocks (resident or not), in history order."""
+def unit_texts(chunks: Iterable[Chunk], unit: Unit) -> dict[int, list[int]]:
+    """Unit -> the token ids of all its chunks (resident or not), in history order."""
     texts: dict[int, list[int]] = {}
-    for b in in_order(blocks):
-        texts.setdefault(unit(b), []).extend(b.token_ids)
+    for c in in_order(chunks):
+        texts.setdefault(unit(c), []).extend(c.token_ids)
     return texts
 
 
 def unit_groups(
-    blocks: Mapping[int, MemBlock], ranked: list[int], eligible: Callable[[MemBlock], bool], unit: Unit
+    chunks: Mapping[int, Chunk], ranked: list[int], eligible: Callable[[Chunk], bool], unit: Unit
 ) -> list[tuple[int, list[int]]]:
-    """Each ranked block id (best first) with the eligible blocks of its unit in history order, each unit
-    once, as ``(best block id, [block ids])``: a fact split across chunks ("... my room number is" |
+    """Each ranked chunk id (best first) with the eligible chunks of its unit in history order, each unit
+    once, as ``(best chunk id, [chunk ids])``: a fact split across chunks ("... my room number is" |
     "529.") comes back whole."""
     members: dict[int, list[int]] = {}
-    for b in in_order(blocks.values()):
-        if eligible(b):
-            members.setdefault(unit(b), []).append(b.block_id)
+    for c in in_order(chunks.values()):
+        if eligible(c):
+            members.setdefault(unit(c), []).append(c.chunk_id)
     groups: list[tuple[int, list[int]]] = []
     seen: set[int] = set()
-    for block_id in ranked:
-        key = unit(blocks[block_id])
+    for chunk_id in ranked:
+        key = unit(chunks[chunk_id])
         if key not in seen:
             seen.add(key)
-            groups.append((block_id, members[key]))
+            groups.append((chunk_id, members[key]))
     return groups

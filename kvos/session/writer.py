@@ -10,58 +10,58 @@ import torch
 from kvos.engine.generate import StreamEvent, TextAssembler, TokenPicker, decode_loop
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
-from kvos.policy.blocks import BlockKind, MemBlock
+from kvos.policy.chunks import Chunk, ChunkKind
 
 if TYPE_CHECKING:
     from kvos.session.session import Session
 
 
 class ReplyWriter:
-    """Samples and feeds the reply of one session: ASSISTANT blocks chunked at ``block_tokens``, the one
+    """Samples and feeds the reply of one session: ASSISTANT chunks of at most ``chunk_tokens``, the one
     being written protected from eviction, decode attention captured for the scorer."""
 
     def __init__(self, session: Session) -> None:
         self.s = session
-        self.block: MemBlock | None = None  # the reply block written last
+        self.chunk: Chunk | None = None  # the reply chunk written last
 
     def write(
-        self, params: SamplingParams, block: MemBlock | None, anchor: list[int]
+        self, params: SamplingParams, chunk: Chunk | None, anchor: list[int]
     ) -> Generator[StreamEvent, None, str]:
         """Sample, stream and feed the reply (:func:`decode_loop`, every token fed, the last included);
         returns the reply text (cut before a stop string)."""
         if self.s.last_logits is None:
             raise ConfigError("nothing to continue from: the session has no prompt yet")
-        self.block = block
+        self.chunk = chunk
         picker = TokenPicker(params, self.s.tokenizer)
         assembler = TextAssembler(self.s.tokenizer, anchor, params.stop)
 
         def feed(token: int) -> torch.Tensor:
-            self.block = self.feed(token, self.block)
+            self.chunk = self.feed(token, self.chunk)
             assert self.s.last_logits is not None
             return self.s.last_logits
 
         yield from decode_loop(self.s.last_logits, feed, picker, assembler, params.max_tokens, feed_last=True)
         return assembler.text
 
-    def feed(self, token: int, block: MemBlock | None) -> MemBlock:
-        """Append one generated token to the reply (opening a new block at block_tokens), decode it."""
-        self.s.memory.make_room(1, protected={block.block_id} if block is not None else set())
-        if block is None or block.num_tokens >= self.s.config.block_tokens:
-            if block is not None:
-                block.embedding = self.s.embed(block.token_ids)
-            block = MemBlock(
-                block_id=self.s.new_block_id(),
-                kind=BlockKind.ASSISTANT,
+    def feed(self, token: int, chunk: Chunk | None) -> Chunk:
+        """Append one generated token to the reply (opening a new chunk at chunk_tokens), decode it."""
+        self.s.memory.make_room(1, protected={chunk.chunk_id} if chunk is not None else set())
+        if chunk is None or chunk.num_tokens >= self.s.config.chunk_tokens:
+            if chunk is not None:
+                chunk.embedding = self.s.embed(chunk.token_ids)
+            chunk = Chunk(
+                chunk_id=self.s.new_chunk_id(),
+                kind=ChunkKind.ASSISTANT,
                 turn=self.s.memory.turn,
                 token_ids=[],
                 original_start=self.s.memory.history_tokens,
                 message_index=len(self.s.messages),
             )
-            self.s.blocks[block.block_id] = block
-            self.s.pager.open(block)
+            self.s.chunks[chunk.chunk_id] = chunk
+            self.s.pager.open(chunk)
         captured: dict[int, torch.Tensor] = {}
         layers = frozenset() if self.s.config.attention_mode == "snapshot" else self.s.capture
-        reply = block
+        reply = chunk
 
         def step() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
             position = int(reply.current_start or 0) + reply.num_tokens
@@ -69,10 +69,10 @@ class ReplyWriter:
                 self.s.pager.seq, [token], [position], capture_layers=layers, captured=captured
             )
 
-        self.s.last_logits = self.s.memory.guarded(step, {block.block_id})
-        block.token_ids.append(token)
+        self.s.last_logits = self.s.memory.guarded(step, {chunk.chunk_id})
+        chunk.token_ids.append(token)
         self.s.memory.history_tokens += 1
         self.s.logits_at = self.s.memory.history_tokens
         self.s.memory.observe(captured)
         self.s.memory.journal.seen(self.s.pager.active_tokens)
-        return block
+        return chunk

@@ -1,8 +1,10 @@
-"""Blocks with meaning: the unit of a session's history that the memory policy scores, evicts and recovers.
+"""Chunks: the unit of a session's history that the memory policy scores, evicts and recovers.
 
-A session's history is a list of :class:`MemBlock`. Messages are blocks; long content is chunked into
-``block_size`` tokens. A block keeps its token ids whatever its state, so the session always knows its whole
-logical history. Plain metadata: no K/V lives here (the pool and the store hold those).
+A session's history is a list of :class:`Chunk`. A message is one chunk; a long one is cut into chunks of at
+most ``SessionConfig.chunk_tokens`` tokens. (Not the pool's block: while resident, a chunk's tokens are a
+segment of the engine's sequence, in pool blocks of their own.) A chunk keeps its token ids whatever its
+state, so the session always knows its whole logical history. Plain metadata: no K/V lives here (the pool
+and the store hold those).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ Keep = Literal["pin", "prefer"]
 KEEP_VALUES: tuple[str, ...] = ("pin", "prefer")
 
 
-class BlockKind(StrEnum):
-    """Where a block's tokens came from."""
+class ChunkKind(StrEnum):
+    """Where a chunk's tokens came from."""
 
     SYSTEM = "system"
     USER = "user"
@@ -31,8 +33,8 @@ class BlockKind(StrEnum):
     DOCUMENT = "document"
 
 
-class BlockState(StrEnum):
-    """Where a block's K/V are: in the pool, saved in a store, or gone (breadcrumb or nothing)."""
+class ChunkState(StrEnum):
+    """Where a chunk's K/V are: in the pool, saved in a store, or gone (breadcrumb or nothing)."""
 
     RESIDENT = "resident"
     SAVED = "saved"
@@ -40,8 +42,8 @@ class BlockState(StrEnum):
 
 
 @dataclass(eq=False)
-class MemBlock:
-    """One block of a session's history.
+class Chunk:
+    """One chunk of a session's history.
 
     - ``original_start``: logical position of its first token in the session's whole history.
     - ``current_start``: rotary position of its first token in the cache while resident (``None`` otherwise,
@@ -53,11 +55,11 @@ class MemBlock:
     - ``text``: breadcrumb text; ``message_index``: which message of the history it belongs to.
     - ``digest``: the box of its keys, kept when its K/V leave the pool (:mod:`kvos.policy.digest`).
 
-    Identity semantics (``eq=False``): two blocks are the same block only if they are the same object.
+    Identity semantics (``eq=False``): two chunks are the same chunk only if they are the same object.
     """
 
-    block_id: int
-    kind: BlockKind
+    chunk_id: int
+    kind: ChunkKind
     turn: int
     token_ids: list[int]
     original_start: int
@@ -65,7 +67,7 @@ class MemBlock:
     priority: float = 1.0
     keep: Keep | None = None
     embedding: torch.Tensor | None = None
-    state: BlockState = BlockState.RESIDENT
+    state: ChunkState = ChunkState.RESIDENT
     recovered_turn: int | None = None
     text: str = ""
     message_index: int = 0
@@ -73,10 +75,10 @@ class MemBlock:
 
     def __post_init__(self) -> None:
         try:
-            self.kind = BlockKind(self.kind)
-            self.state = BlockState(self.state)
+            self.kind = ChunkKind(self.kind)
+            self.state = ChunkState(self.state)
         except ValueError as e:
-            raise ConfigError(f"MemBlock {self.block_id}: {e}") from e
+            raise ConfigError(f"Chunk {self.chunk_id}: {e}") from e
         problems = [
             ("original_start must be >= 0", self.original_start < 0),
             ("current_start must be >= 0 or None", self.current_start is not None and self.current_start < 0),
@@ -86,11 +88,11 @@ class MemBlock:
         ]
         for message, bad in problems:
             if bad:
-                raise ConfigError(f"MemBlock {self.block_id}: {message}; {self!r:.300}")
+                raise ConfigError(f"Chunk {self.chunk_id}: {message}; {self!r:.300}")
 
     @property
     def num_tokens(self) -> int:
-        """Number of tokens in the block."""
+        """Number of tokens in the chunk."""
         return len(self.token_ids)
 
     @property
@@ -106,7 +108,7 @@ class MemBlock:
     @property
     def resident(self) -> bool:
         """Its K/V are in the pool (state RESIDENT)."""
-        return self.state is BlockState.RESIDENT
+        return self.state is ChunkState.RESIDENT
 
     def is_sink(self, sink_count: int) -> bool:
         """An attention sink: it starts at a logical position below ``sink_count``; never evicted."""

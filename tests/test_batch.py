@@ -85,3 +85,33 @@ def test_step_is_all_or_nothing_when_the_pool_is_full(tmp_path: Path) -> None:
         engine.step([(a, [1, 2, 3]), (b, _tokens(8, 3))])
     assert (a.num_tokens, b.num_tokens) == (4, 4)
     assert engine.pool.allocator.num_used == used
+
+
+def test_decodes_that_attend_together_capture_what_each_would_alone(model_path: Path) -> None:
+    """Three decode steps over caches of 5, 19 and 11 tokens attend together (padded to the longest); each
+    one's captured attention probabilities [heads, its own keys] and tapped queries equal its step alone."""
+    model = load_model(model_path)
+    engine, ref = Engine(model, block_size=4), Engine(model, block_size=4)
+    layers = frozenset(range(model.config.num_layers))
+    prompts = [_tokens(5, 11), _tokens(19, 12), _tokens(11, 13)]
+    seqs, refs = [engine.new_sequence() for _ in prompts], [ref.new_sequence() for _ in prompts]
+    for seq, rseq, prompt in zip(seqs, refs, prompts, strict=True):
+        engine.extend(seq, prompt)
+        ref.extend(rseq, prompt)
+    items = []
+    for i, seq in enumerate(seqs):
+        item = engine._item(seq, [20 + i], [seq.next_position()], "last")
+        item.meta.capture_layers, item.meta.captured = layers, {}
+        item.meta.query_layers, item.meta.queries = layers, {}
+        items.append(item)
+    outs = model.forward_batch(items, engine.pool)
+    for i, (item, rseq) in enumerate(zip(items, refs, strict=True)):
+        captured: dict[int, torch.Tensor] = {}
+        queries: dict[int, torch.Tensor] = {}
+        expected = ref.extend(
+            rseq, [20 + i], capture_layers=layers, captured=captured, query_layers=layers, queries=queries
+        )
+        assert _close(outs[i], expected)
+        for layer in layers:
+            assert _close(item.meta.captured[layer], captured[layer])
+            assert _close(item.meta.queries[layer], queries[layer])

@@ -54,7 +54,7 @@ def masked_reference(model: Transformer, ids: list[int], mask: torch.Tensor) -> 
     cos, sin = model.rope.cos_sin(torch.arange(n), model.dtype, model.device)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     for i, layer in enumerate(model.layers):
-        qkv = (rms_norm(x, layer.attn_norm, c.rms_norm_eps) @ layer.qkv).view(n, -1, d)
+        qkv = F.linear(rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv).view(n, -1, d)
         q = Rope.apply(qkv[:, : c.num_heads], cos, sin)
         k = Rope.apply(qkv[:, c.num_heads : c.num_heads + c.num_kv_heads], cos, sin)
         v = qkv[:, c.num_heads + c.num_kv_heads :]
@@ -63,9 +63,9 @@ def masked_reference(model: Transformer, ids: list[int], mask: torch.Tensor) -> 
             scores = q[:, h] @ k[:, h // group].T / math.sqrt(d)
             scores = scores.masked_fill(~(causal & mask[i, h // group]), float("-inf"))
             heads.append(torch.softmax(scores, dim=-1) @ v[:, h // group])
-        x = x + torch.cat(heads, dim=1) @ layer.o
-        gate, up = (rms_norm(x, layer.mlp_norm, c.rms_norm_eps) @ layer.gate_up).chunk(2, dim=-1)
-        x = x + (F.silu(gate) * up) @ layer.down
+        x = x + F.linear(torch.cat(heads, dim=1), layer.o)
+        gate, up = F.linear(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), layer.gate_up).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, layer.down)
     return model.head(rms_norm(x, model.final_norm, c.rms_norm_eps))
 
 

@@ -38,6 +38,13 @@ def row_keys(pool: HeadPool, table: HeadPageTable, layer: int, h: int) -> torch.
     return k[:, 0]
 
 
+def test_gather_rows_reads_per_head_slots() -> None:
+    pool, table, values = filled(6)
+    slots = torch.tensor([table.slots(1, 2, 0, 6)[4], table.slots(0, 1, 0, 6)[0]])
+    k, v = pool.gather_rows(0, slots)
+    assert torch.equal(k[:, 0], torch.stack([values[1, 2][4], values[0, 1][0]])) and torch.equal(v, -k)
+
+
 def test_rows_share_one_allocator_and_blocks_are_per_head() -> None:
     pool, table, _ = filled(10)  # 3 blocks of 4 per row, 6 rows
     assert table.num_blocks == 18 and pool.allocator.num_used == 18

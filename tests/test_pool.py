@@ -301,6 +301,21 @@ def test_gather_returns_exactly_the_written_rows_for_noncontiguous_slots() -> No
     assert torch.equal(out[0], gk) and torch.equal(out[1], gv)
 
 
+def test_gather_rows_reads_one_kv_head_per_row() -> None:
+    """Row ``slot * num_kv_heads + head`` is that head's K/V at that slot: the values ``gather`` gives."""
+    pool = KVPool(LAYOUT, _small_policy())
+    pool.reserve(4)
+    slots = torch.tensor([13, 2, 7])
+    k, v = torch.randn(3, 2, 3), torch.randn(3, 2, 3)
+    pool.write(1, slots, k, v)
+    rows = torch.tensor([13 * 2 + 1, 2 * 2, 7 * 2 + 1, 13 * 2])
+    gk, gv = pool.gather_rows(1, rows)
+    assert torch.equal(gk, torch.stack([k[0, 1], k[1, 0], k[2, 1], k[0, 0]]))
+    assert torch.equal(gv, torch.stack([v[0, 1], v[1, 0], v[2, 1], v[0, 0]]))
+    with pytest.raises(ValueError, match="layer"):
+        pool.gather_rows(2, rows)
+
+
 def test_write_and_gather_errors() -> None:
     pool = KVPool(LAYOUT, _small_policy())
     x = torch.zeros(2, 2, 3)

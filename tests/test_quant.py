@@ -118,8 +118,8 @@ def test_fused_rows_stay_quantized_when_they_share_a_layout() -> None:
     assert torch.equal(fused.dequantize(), torch.cat(refs))
     mixed = fuse(
         [_weight("Q8_0", 32, seed=1), _weight("Q4_1", 16, seed=2)]
-    )  # 8-bit + 4-bit: float32 [in, out]
-    expected = torch.cat([_reference("Q8_0", 32, seed=1), _reference("Q4_1", 16, seed=2)]).t()
+    )  # 8-bit + 4-bit: float32 [out, in]
+    expected = torch.cat([_reference("Q8_0", 32, seed=1), _reference("Q4_1", 16, seed=2)])
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, expected)
 
 

@@ -20,6 +20,7 @@ from kvos.builtin import MODEL_DIR
 from kvos.engine.engine import Engine
 from kvos.engine.scheduler import Scheduler, _Ask, _Worker
 from kvos.engine.sequence import Sequence
+from kvos.engine.step_costs import MIN_SLICE, StepCosts
 from kvos.model.loader import load_model
 
 TOL = 1e-4
@@ -32,7 +33,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 
 @pytest.fixture
 def scheduler(engine: Engine) -> Iterator[Scheduler]:
-    sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64)
+    sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, stall=None)
     engine.scheduler = sched
     yield sched
     engine.scheduler = None
@@ -116,6 +117,74 @@ def test_prefill_slices_share_steps_with_decodes(engine: Engine, scheduler: Sche
     assert tokens == tokens_ref and (logits - logits_ref).abs().max().item() <= TOL
     for seq in (a, b, ref):
         seq.release()
+
+
+class _FixedCosts(StepCosts):
+    """Step costs that do not learn: a decode step 0.1 s, 0.01 s per prefill token."""
+
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        return None
+
+
+def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(engine: Engine) -> None:
+    """With ``stall=3`` and steps measured at 0.1 s per decode step and 0.01 s per prefill token, a step
+    beside decoding work carries at most (3 - 1) * 0.1 / 0.01 = 20 prefill tokens: a 200-token prompt goes
+    in 20-token slices while another work decodes (and in slices of step_tokens - max_running = 61 once it
+    decodes alone), with the logits of an unsliced prefill."""
+    sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, stall=3.0)
+    sched.costs = _FixedCosts(decode_s=0.1, token_s=0.01)
+    engine.scheduler = sched
+    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per step
+    real_run = sched._run
+
+    def spy(step: list[_Ask]) -> None:
+        steps.append((sum(a.tokens == 1 for a in step), sum(a.tokens for a in step if a.tokens > 1)))
+        real_run(step)
+
+    sched._run = spy  # type: ignore[method-assign]
+    try:
+        a, b, ref = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()
+        fb = sched.submit(_greedy, engine, b, _tokens(3, 1), 30)
+        time.sleep(0.05)  # b decodes before a's prompt arrives
+        fa = sched.submit(_greedy, engine, a, _tokens(200, 2), 2)
+        fb.result(timeout=120)
+        tokens, logits = fa.result(timeout=120)
+    finally:
+        engine.scheduler = None
+        sched.shutdown()
+    beside = [p for d, p in steps if d and p]
+    assert beside and max(beside) <= 20  # every slice that shared a step with a decode
+    assert 20 in beside
+    tokens_ref, logits_ref = _greedy(engine, ref, _tokens(200, 2), 2)
+    assert tokens == tokens_ref and (logits - logits_ref).abs().max().item() <= TOL
+    for seq in (a, b, ref):
+        seq.release()
+
+
+def test_step_costs_learn_a_decode_step_and_a_prefill_token() -> None:
+    costs = StepCosts(alpha=0.5)
+    assert costs.prefill_budget(3.0) is None  # nothing measured: no limit
+    costs.observe(4, 0, 0.2)  # decode only
+    costs.observe(4, 100, 1.2)  # 1.0 s over a decode step for 100 tokens
+    assert costs.decode_s == pytest.approx(0.2) and costs.token_s == pytest.approx(0.01)
+    assert costs.prefill_budget(3.0) == 40
+    costs.observe(4, 0, 0.4)
+    assert costs.decode_s == pytest.approx(0.3)
+    assert costs.prefill_budget(1.01) == MIN_SLICE  # a prefill always progresses
+
+
+def test_standalone_passes_run_in_a_step_and_touch_no_pool(engine: Engine, scheduler: Scheduler) -> None:
+    """An embedding's pass (Engine.hidden_states) under the scheduler waits for the next step, beside the
+    other work, reads and writes no pool slot, and equals the pass run alone."""
+    alone = engine.hidden_states(_tokens(9, 4))
+    live = engine.pool.live_bytes
+    seq = engine.new_sequence()
+    decoding = scheduler.submit(_greedy, engine, seq, _tokens(5, 5), 6)
+    under = scheduler.submit(engine.hidden_states, _tokens(9, 4)).result(timeout=60)
+    decoding.result(timeout=60)
+    seq.release()
+    assert torch.equal(under, alone) or (under - alone).abs().max().item() <= TOL
+    assert engine.pool.live_bytes == live
 
 
 def test_a_failing_pass_fails_only_its_own_work(engine: Engine, scheduler: Scheduler) -> None:

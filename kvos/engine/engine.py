@@ -19,7 +19,7 @@ from kvos.memory.page_table import PageTable
 from kvos.memory.pool import KVLayout, KVPool
 from kvos.model.attention import AttentionMetadata, BatchItem
 from kvos.model.rope import Rope
-from kvos.model.transformer import Transformer
+from kvos.model.transformer import NO_STORE, Transformer
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_SLICE = 1024
@@ -329,20 +329,10 @@ class Engine:
             key_positions=positions,
             fresh=True,
         )
-        return self.model.forward(ids, meta, _NO_STORE, "none")
-
-
-class _NoStore:
-    """A KV store that keeps nothing: for standalone forward passes (attention uses the fresh K/V)."""
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        return None
-
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise AssertionError("a standalone forward pass never reads cached K/V")
-
-
-_NO_STORE = _NoStore()
+        item = BatchItem(ids, meta, "none")
+        if self.scheduler is not None and self.scheduler.holds_turn():
+            return self.scheduler.forward(item, standalone=True)  # in the next step, beside the others
+        return self.model.forward_batch([item], NO_STORE)[0]
 
 
 MAX_RUNS = 4  # splices whose slots fall in more runs than this use indexed writes

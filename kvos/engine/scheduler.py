@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -34,9 +35,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvos.engine.step_costs import StepCosts
 from kvos.errors import ConfigError
 from kvos.model.attention import BatchItem
-from kvos.model.transformer import KVStore, Transformer
+from kvos.model.transformer import NO_STORE, KVStore, Transformer
 
 T = TypeVar("T")
 _log = logging.getLogger("kvos.scheduler")
@@ -55,6 +57,7 @@ class _Ask:
 
     worker: _Worker
     item: BatchItem
+    standalone: bool = False  # a pass over tokens of no sequence (an embedding): it touches no pool
     result: torch.Tensor | None = None
     error: BaseException | None = None
     tokens: int = field(init=False)
@@ -91,14 +94,19 @@ class Scheduler(Executor):
         max_running: int = 8,
         step_tokens: int = 2048,
         capacity_blocks: int | None = None,
+        stall: float | None = 3.0,
     ) -> None:
         """``capacity_blocks``: the pool's cap in blocks, which :meth:`admit` keeps reservations within
-        (None: no cap, reservations are only counted)."""
+        (None: no cap, reservations are only counted). ``stall``: a step that carries prefill beside
+        running decodes lasts at most about this many decode steps (its prefill is cut to fit, from the
+        step costs measured so far: :class:`StepCosts`); None: prefill fills ``step_tokens``."""
         if max_running < 1 or step_tokens <= max_running:
             raise ConfigError(
                 f"max_running must be at least 1 and step_tokens above it, got {max_running} and "
                 f"{step_tokens}"
             )
+        if stall is not None and stall <= 1.0:
+            raise ConfigError(f"stall must be above 1 (a multiple of a decode step) or None, got {stall}")
         if capacity_blocks is not None and capacity_blocks < 1:
             raise ConfigError(f"capacity_blocks must be at least 1 or None, got {capacity_blocks}")
         self.model, self.kv = model, kv
@@ -106,8 +114,9 @@ class Scheduler(Executor):
         self.capacity_blocks = capacity_blocks
         self.reserved_blocks = 0  # blocks reserved by admitted work that has not ended
         self._waiting: deque[tuple[int, Callable[[], None], Future[Any]]] = deque()  # waiting for blocks
-        # a prefill slice always fits in a step beside every running decode token: no slice starves
-        self.slice_tokens = step_tokens - max_running
+        self.stall = stall
+        self.costs = StepCosts()
+        self._decoding = False  # the last step ran decode tokens (so the next one likely does too)
         self.stats = StepStats()
         self._mu = threading.Lock()
         self._ready: deque[_Worker] = deque()  # admitted workers waiting for the turn
@@ -194,16 +203,26 @@ class Scheduler(Executor):
         if wait:
             self._thread.join()
 
+    @property
+    def slice_tokens(self) -> int:
+        """The most tokens of one prefill slice: what fits in a step beside every running decode token
+        (so no slice starves), and while sessions decode, what keeps a step within ``stall`` decode
+        steps."""
+        most = self.step_tokens - self.max_running
+        budget = self.costs.prefill_budget(self.stall) if self.stall and self._decoding else None
+        return most if budget is None else min(most, budget)
+
     # ------------------------------------------------------------------ workers
     def holds_turn(self) -> bool:
         """True on a worker thread of this scheduler (whose forward passes go through :meth:`forward`)."""
         return getattr(self._local, "worker", None) is not None
 
-    def forward(self, item: BatchItem) -> torch.Tensor:
+    def forward(self, item: BatchItem, standalone: bool = False) -> torch.Tensor:
         """On a worker: give the turn back, have ``item`` run in the next step, and return its output once
-        the turn comes back (what :meth:`Transformer.forward` would return for it alone)."""
+        the turn comes back (what :meth:`Transformer.forward` would return for it alone). ``standalone``:
+        a fresh pass that reads and writes no pool (an embedding's)."""
         worker: _Worker = self._local.worker
-        ask = _Ask(worker, item)
+        ask = _Ask(worker, item, standalone)
         with self._mu:
             self._asks.append(ask)
         self._back.release()
@@ -245,14 +264,19 @@ class Scheduler(Executor):
 
     def _take_step(self) -> list[_Ask]:
         """The asks of the next step (called under ``_mu``): every decode token, then prefill slices in
-        arrival order while they fit in ``step_tokens``. The oldest slice always goes (the engine cuts
-        slices to ``slice_tokens``, so it fits), so no prefill waits behind running decodes."""
+        arrival order while they fit in ``step_tokens`` and, beside decodes, in the ``stall`` budget. The
+        oldest slice always goes (the engine cuts slices to :attr:`slice_tokens`), so no prefill waits
+        behind running decodes."""
         if not self._asks:
             return []
         taken = [a for a in self._asks if a.tokens == 1]
+        limit = self.step_tokens
+        budget = self.costs.prefill_budget(self.stall) if self.stall and taken else None
+        if budget is not None:
+            limit = min(limit, len(taken) + budget)
         used, oldest = len(taken), True
         for ask in self._asks:
-            if ask.tokens > 1 and (oldest or used + ask.tokens <= self.step_tokens):
+            if ask.tokens > 1 and (oldest or used + ask.tokens <= limit):
                 taken.append(ask)
                 used += ask.tokens
                 oldest = False
@@ -261,21 +285,34 @@ class Scheduler(Executor):
         return taken
 
     def _run(self, step: list[_Ask]) -> None:
-        """One forward pass over the step's asks; if it fails, each ask runs alone so that only the ones
-        that fail on their own get the error."""
+        """One forward pass over the step's asks that extend sequences, one over its standalone ones; if
+        a pass fails, each of its asks runs alone so that only the ones that fail on their own get the
+        error. The step's duration feeds :attr:`costs`."""
         self.stats.add(step)
+        began = time.perf_counter()
+        for asks, kv in (
+            ([a for a in step if not a.standalone], self.kv),
+            ([a for a in step if a.standalone], NO_STORE),
+        ):
+            if asks:
+                self._pass(asks, kv)
+        decodes = sum(1 for a in step if a.tokens == 1)
+        self.costs.observe(decodes, sum(a.tokens for a in step if a.tokens > 1), time.perf_counter() - began)
+        self._decoding = decodes > 0
+
+    def _pass(self, asks: list[_Ask], kv: KVStore) -> None:
         try:
-            outputs = self.model.forward_batch([a.item for a in step], self.kv)
+            outputs = self.model.forward_batch([a.item for a in asks], kv)
         except BaseException as exc:
-            if len(step) == 1:
-                step[0].error = exc
+            if len(asks) == 1:
+                asks[0].error = exc
                 return
-            _log.warning("a batched step failed (%s); running its %d asks one by one", exc, len(step))
-            for ask in step:
+            _log.warning("a batched step failed (%s); running its %d asks one by one", exc, len(asks))
+            for ask in asks:
                 try:
-                    ask.result = self.model.forward_batch([ask.item], self.kv)[0]
+                    ask.result = self.model.forward_batch([ask.item], kv)[0]
                 except BaseException as one:
                     ask.error = one
             return
-        for ask, out in zip(step, outputs, strict=True):
+        for ask, out in zip(asks, outputs, strict=True):
             ask.result = out

@@ -155,6 +155,13 @@ class HeadPool:
             self._flat(self.v).index_select(0, index).view(shape),
         )
 
+    def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at per-head slots ``rows`` (int64 [R]): two ``[R, head_dim]``. A slot of this pool holds
+        one KV head already, so a row is a slot (the ``KVStore`` protocol's row gather)."""
+        self._check_layer(layer)
+        index = rows.to(device=self.layout.device, dtype=torch.long)
+        return self._flat(self.k).index_select(0, index), self._flat(self.v).index_select(0, index)
+
     def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V at flat slots: two ``[len(slots), head_dim]``."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.layout.device)

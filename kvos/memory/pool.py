@@ -200,6 +200,17 @@ class KVPool:
         torch.index_select(v, 0, slots, out=out[1])
         return out
 
+    def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` seen as ``[num_slots * num_kv_heads, head_dim]``, at ``rows`` (int64 [R],
+        ``slot * num_kv_heads + head``): two ``[R, head_dim]``. Several sequences' keys come out head by
+        head in one gather (:class:`~kvos.model.attention.DecodeGroup`)."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is out of range: the pool has {self.layout.num_layers} layers")
+        d = self.layout.head_dim
+        k, v = self._flat(self.k[layer]).view(-1, d), self._flat(self.v[layer]).view(-1, d)
+        rows = rows.to(k.device)
+        return k.index_select(0, rows), v.index_select(0, rows)
+
     def run_views(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of K and V of ``layer`` at the contiguous flat slots ``start .. start + n - 1``:
         two ``[n, num_kv_heads, head_dim]`` views into the pool (valid until the pool next grows)."""

@@ -83,13 +83,16 @@ class BatchItem:
 @dataclass
 class Batch:
     """The new tokens of several sequences in one pass, concatenated in item order: row ``i`` of the
-    pass belongs to item ``j`` when ``bounds[j] <= i < bounds[j + 1]``."""
+    pass belongs to item ``j`` when ``bounds[j] <= i < bounds[j + 1]``. ``decodes``: the items of one token
+    over a cache (decode steps), whose attention runs together (:class:`DecodeGroup`) when there are
+    several."""
 
     metas: list[AttentionMetadata]
     bounds: list[int]  # [0, n_0, n_0 + n_1, ..., sum n]
     token_ids: torch.Tensor  # int64 [sum n]
     positions: torch.Tensor  # int64 [sum n]
     write_slots: torch.Tensor  # int64 [sum n]
+    decodes: DecodeGroup | None = None
 
     @classmethod
     def of(cls, items: list[BatchItem]) -> Batch:
@@ -100,13 +103,60 @@ class Batch:
         if len(items) == 1:
             m = metas[0]
             return cls(metas, bounds, items[0].token_ids, m.positions, m.write_slots)
+        decodes = [i for i, m in enumerate(metas) if m.num_new == 1 and not m.fresh]
         return cls(
             metas,
             bounds,
             torch.cat([item.token_ids for item in items]),
             torch.cat([m.positions for m in metas]),
             torch.cat([m.write_slots for m in metas]),
+            DecodeGroup.of(decodes, [bounds[i] for i in decodes], metas) if len(decodes) > 1 else None,
         )
+
+
+@dataclass
+class DecodeGroup:
+    """Several sequences' decode steps, attending together: each one's keys padded to the longest,
+    ``slots`` int64 [B * T] (a padded key repeats its sequence's first slot) and ``key_positions`` int64
+    [B, T] (a padded key sits at a position after every query, so :func:`visible` hides it)."""
+
+    items: list[int]  # batch item indexes
+    rows: list[int]  # the batch row of each one's token
+    metas: list[AttentionMetadata]
+    lengths: list[int]
+    slots: torch.Tensor
+    key_positions: torch.Tensor
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _rows: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, items: list[int], rows: list[int], metas: list[AttentionMetadata]) -> DecodeGroup:
+        chosen = [metas[i] for i in items]
+        lengths = [int(m.read_slots.shape[0]) for m in chosen]
+        longest = max(lengths)
+        slots = torch.empty(len(chosen), longest, dtype=torch.int64)
+        positions = torch.empty(len(chosen), longest, dtype=torch.int64)
+        for row, (m, n) in enumerate(zip(chosen, lengths, strict=True)):
+            slots[row, :n], slots[row, n:] = m.read_slots.cpu(), int(m.read_slots[0])
+            positions[row, :n], positions[row, n:] = m.key_positions.cpu(), int(m.positions[0]) + 1
+        device = chosen[0].read_slots.device
+        return cls(items, rows, chosen, lengths, slots.flatten().to(device), positions.to(device))
+
+    def head_rows(self, num_kv_heads: int) -> torch.Tensor:
+        """int64 [B * Hkv * T]: the rows of a pool layer seen as [slots * Hkv, D] that hold each sequence's
+        keys head by head (``slot * Hkv + head``), so one gather gives them as [B * Hkv, T, D]."""
+        if self._rows is None or self._rows[0] != num_kv_heads:
+            slots = self.slots.view(len(self.items), 1, -1) * num_kv_heads
+            heads = torch.arange(num_kv_heads, device=slots.device).view(1, -1, 1)
+            self._rows = (num_kv_heads, (slots + heads).flatten())
+        return self._rows[1]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean [B, T]: which (padded) keys each sequence's query may see."""
+        if window not in self._masks:
+            q = torch.stack([m.positions for m in self.metas]).to(self.key_positions.device)  # [B, 1]
+            self._masks[window] = visible(q, self.key_positions, window)
+        return self._masks[window]
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -163,6 +213,27 @@ def _window_probs(
     scores = torch.bmm(qw, keys)  # [H, w, T]
     allowed = visible(meta.positions[-w:, None], meta.key_positions[None, :], window)
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).mean(1)
+
+
+def grouped_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, window: int | None, layer: int
+) -> torch.Tensor:
+    """The decode steps of several sequences at once, each over its own keys: q [B, H, D]; k, v
+    [B * Hkv, T, D], each sequence's (padded) keys per KV head, as :meth:`DecodeGroup.head_rows` gathers
+    them. Returns [B, H * D] in q's dtype; each sequence's probabilities over its own keys are captured
+    where its metadata asks, as :func:`_decode_attention` does.
+    """
+    b, num_heads, head_dim = q.shape
+    t = k.shape[1]
+    num_kv = k.shape[0] // b
+    qg = q.float().reshape(b * num_kv, num_heads // num_kv, head_dim) * (1.0 / math.sqrt(head_dim))
+    scores = torch.bmm(qg, k.float().transpose(1, 2)).view(b, num_kv, -1, t)  # [B, Hkv, G, T]
+    probs = torch.softmax(scores.masked_fill(~group.mask(window)[:, None, None, :], float("-inf")), -1)
+    for row, (meta, n) in enumerate(zip(group.metas, group.lengths, strict=True)):
+        if layer in meta.capture_layers:
+            meta.captured[layer] = probs[row, :, :, :n].reshape(num_heads, n)
+    out = torch.bmm(probs.view(b * num_kv, -1, t), v.float())  # [B * Hkv, G, D]
+    return out.reshape(b, num_heads * head_dim).to(q.dtype)
 
 
 def _decode_attention(

@@ -1,7 +1,7 @@
 """A Llama-family decoder whose attention reads K/V through the KV pool.
 
-Weights are plain tensors (no nn.Module machinery on the hot path), stored transposed ([in, out]) so a
-projection is ``x @ W`` and a projection plus residual is one ``addmm``; or, from a quantized GGUF file,
+Weights are plain tensors (no nn.Module machinery on the hot path) in torch's [out, in] layout, and a
+projection plus residual is one ``addmm``; or, from a quantized GGUF file,
 :class:`~kvos.model.quant.QuantizedWeight` matrices that stay quantized (:mod:`kvos.model.linear` is the
 seam: the embedding, every projection and the head accept either). Q, K and V are fused into one
 matrix, as are the MLP's gate and up projections: fewer, larger matmuls per layer. Single-token decode is
@@ -20,10 +20,17 @@ import torch
 import torch.nn.functional as F
 
 from kvos.errors import ModelLoadError
-from kvos.model.attention import AttentionMetadata, Batch, BatchItem, paged_attention
+from kvos.model.attention import (
+    AttentionMetadata,
+    Batch,
+    BatchItem,
+    DecodeGroup,
+    grouped_decode_attention,
+    paged_attention,
+)
 from kvos.model.config import ModelConfig
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
-from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, transposed
+from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
 from kvos.model.rope import Rope
 
 
@@ -34,12 +41,29 @@ class KVStore(Protocol):
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class _NoStore:
+    """A KV store that keeps nothing: for standalone forward passes (attention uses the fresh K/V)."""
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a standalone forward pass never reads cached K/V")
+
+    def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a standalone forward pass never reads cached K/V")
+
+
+NO_STORE = _NoStore()
+
 
 @dataclass
 class LayerWeights:
-    """One decoder layer, dense projections transposed to [in, out]: qkv [hidden, (H + 2 Hkv) * D],
-    o [H * D, hidden], gate_up [hidden, 2 * inter], down [inter, hidden] (quantized ones keep torch's
-    [out, in]); norms [hidden] (q/k norms [D])."""
+    """One decoder layer, projections [out, in]: qkv [(H + 2 Hkv) * D, hidden], o [hidden, H * D],
+    gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D])."""
 
     attn_norm: torch.Tensor
     qkv: Weight
@@ -164,11 +188,30 @@ class Transformer:
         if isinstance(meta, HeadAttentionMetadata):
             return head_attention(q, k, v, meta, kv, c.window(index), index)
         kv.write(index, meta.write_slots, k, v)
+        group = meta.decodes
+        together = self._attend_decodes(index, q, group, kv) if group is not None else {}
         outs = [
-            self._attend(index, q[lo:hi], k[lo:hi], v[lo:hi], m, kv)
-            for m, (lo, hi) in zip(meta.metas, pairwise(meta.bounds), strict=True)
+            together[i] if i in together else self._attend(index, q[lo:hi], k[lo:hi], v[lo:hi], m, kv)
+            for i, (m, (lo, hi)) in enumerate(zip(meta.metas, pairwise(meta.bounds), strict=True))
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_decodes(
+        self, index: int, q: torch.Tensor, group: DecodeGroup, kv: KVStore
+    ) -> dict[int, torch.Tensor]:
+        """The decode items of a batch attend together: one gather of their (padded) keys, two batched
+        products. q: [rows, H, D] of the whole batch -> item index -> [1, H * D]."""
+        for meta, row in zip(group.metas, group.rows, strict=True):
+            if index in meta.query_layers:
+                seen, mine = meta.queries.get(index), q[row : row + 1].float()
+                meta.queries[index] = mine if seen is None else torch.cat((seen, mine))
+        c = self.config
+        keys, values = kv.gather_rows(index, group.head_rows(c.num_kv_heads))  # [B * Hkv * T, D]
+        shape = (len(group.items) * c.num_kv_heads, -1, c.head_dim)
+        out = grouped_decode_attention(
+            q[group.rows], keys.view(shape), values.view(shape), group, c.window(index), index
+        )
+        return {i: out[r : r + 1] for r, i in enumerate(group.items)}
 
     def _attend(
         self,
@@ -220,11 +263,11 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         attn_norm=_dense(w, f"{p}input_layernorm.weight"),
         qkv=fuse([_need(w, f"{p}self_attn.{n}.weight") for n in names]),
         qkv_bias=bias,
-        o=transposed(_need(w, f"{p}self_attn.o_proj.weight")),
+        o=stored(_need(w, f"{p}self_attn.o_proj.weight")),
         o_bias=_dense_or_none(w, f"{p}self_attn.o_proj.bias"),
         q_norm=_dense(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
         k_norm=_dense(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
         mlp_norm=_dense(w, f"{p}post_attention_layernorm.weight"),
         gate_up=fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
-        down=transposed(_need(w, f"{p}mlp.down_proj.weight")),
+        down=stored(_need(w, f"{p}mlp.down_proj.weight")),
     )

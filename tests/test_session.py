@@ -33,7 +33,8 @@ def engine(model_dir: Path) -> Engine:
 
 def manager(engine: Engine, model_dir: Path, **cfg: object) -> MemoryManager:
     budget = cfg.pop("budget", Budget(max_active_tokens=200, policy="hard"))
-    config = SessionConfig(budget=budget, chunk_tokens=24, embedder="tokens", **cfg)  # type: ignore[arg-type]
+    cfg.setdefault("embedder", "tokens")
+    config = SessionConfig(budget=budget, chunk_tokens=24, **cfg)  # type: ignore[arg-type]
     return MemoryManager(engine, load_tokenizer(model_dir), config)
 
 
@@ -147,6 +148,65 @@ def test_pinned_and_sink_chunks_stay(engine: Engine, model_dir: Path) -> None:
     assert sink.resident and all(c.resident for c in pinned)
     assert sink.current_start == 0
     m.close(s.session_id)
+
+
+def _chat(s: Session) -> None:
+    s.add_message("system", "be brief")
+    s.add_message("user", "zebra quartz 4242 zebra quartz")
+    for i in range(6):
+        s.add_message("user", f"{i} " + FILLER)
+        s.generate(SamplingParams(max_tokens=30, ignore_eos=True))
+    s.add_message("user", "zebra quartz ?")
+
+
+@pytest.mark.parametrize("signal", ["lexical", "embedding"])
+def test_chunk_embeddings_are_computed_only_when_needed_and_decide_as_eager_ones(
+    engine: Engine, model_dir: Path, signal: str
+) -> None:
+    """Under its budget a session embeds only its user messages (the task focus); over it, the chunks it
+    scores or compares get embedded, and every eviction and restore is the one that embedding each chunk
+    as soon as it is written gives."""
+    calls: list[int] = []
+
+    def counted(s: Session) -> None:
+        embed = s.memory.embed
+        assert embed is not None
+
+        def count(ids: object) -> torch.Tensor:
+            calls.append(len(ids))  # type: ignore[arg-type]
+            return embed(ids)  # type: ignore[arg-type]
+
+        s.memory.embed = count
+
+    roomy = manager(engine, model_dir, budget=Budget(max_active_tokens=4000), embedder="hidden")
+    s = roomy.session()
+    counted(s)
+    _chat(s)
+    assert calls == [] and all(c.embedding is None for c in s.chunks.values())
+    roomy.close(s.session_id)
+
+    runs = []
+    for eager in (False, True):
+        m = manager(engine, model_dir, embedder="hidden", recovery_signal=signal)
+        s = m.session()
+        counted(s)
+        if eager:  # every chunk embedded the moment it exists, as kvos did before embeddings were lazy
+            original = s.pager.open
+
+            def open_and_embed(*args: object, s: Session = s, original: object = original) -> object:
+                segment = original(*args)  # type: ignore[operator]
+                for c in s.chunks.values():
+                    s.memory.embedding_of(c)
+                return segment
+
+            s.pager.open = open_and_embed  # type: ignore[method-assign]
+        calls.clear()
+        _chat(s)
+        assert s.stats()["evictions"] > 0
+        runs.append(([(e["event"], e.get("chunk")) for e in s.memory.journal.events], len(calls)))
+        m.close(s.session_id)
+    (lazy_events, lazy_calls), (eager_events, eager_calls) = runs
+    assert lazy_events == eager_events and 0 < lazy_calls
 
 
 @pytest.mark.parametrize("signal", ["lexical", "embedding"])

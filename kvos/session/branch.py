@@ -31,7 +31,8 @@ def shared_chunks(parent: Session, length: int) -> tuple[list[Chunk], int]:
             return kept, chunk.original_start
         ids = chunk.token_ids[:keep]
         text = chunk.text if keep == chunk.num_tokens else parent.tokenizer.decode(ids)
-        kept.append(replace(chunk, token_ids=list(ids), text=text, current_start=None))
+        embedding = chunk.embedding if keep == chunk.num_tokens else None  # a cut chunk's, when needed
+        kept.append(replace(chunk, token_ids=list(ids), text=text, current_start=None, embedding=embedding))
     end = kept[-1].original_end if kept else 0
     return kept, min(length, end)
 

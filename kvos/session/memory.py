@@ -22,6 +22,7 @@ from kvos.policy.lexical import LexicalIndex
 from kvos.policy.scorer import ScoreContext
 from kvos.policy.signals import cosine
 from kvos.session.config import SessionConfig
+from kvos.session.embedder import Embedder
 from kvos.session.journal import Journal, TurnCosts
 from kvos.session.pager import Pager
 from kvos.session.queries import QueryTap
@@ -47,10 +48,12 @@ class SessionMemory:
         pager: Pager,
         relieve: Callable[[SessionMemory], bool] | None = None,
         answer: AnswerContrast | None = None,
+        embed: Embedder | None = None,
     ) -> None:
-        """``answer``: the scorer of the "answer" recovery signal (without one, that signal is lexical)."""
+        """``answer``: the scorer of the "answer" recovery signal (without one, that signal is lexical).
+        ``embed``: embeds a chunk's tokens when its embedding is first needed (:meth:`embedding_of`)."""
         self.session_id, self.config, self.pager, self.relieve = session_id, config, pager, relieve
-        self.answer = answer
+        self.answer, self.embed = answer, embed
         self.chunks: dict[int, Chunk] = pager.chunks
         self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
         self.focus = TaskFocus()
@@ -66,9 +69,23 @@ class SessionMemory:
             turn=self.turn, total_tokens=self.history_tokens, focus=self.focus.vector, attention=self.tracker
         )
 
+    def embedding_of(self, chunk: Chunk) -> torch.Tensor | None:
+        """The chunk's embedding, computed from its tokens the first time it is needed (a chunk's
+        embedding is context-free, so when it is computed does not change it): a session that never
+        scores its chunks never runs the embedder on them."""
+        if chunk.embedding is None and self.embed is not None and chunk.token_ids:
+            chunk.embedding = self.embed(chunk.token_ids)
+        return chunk.embedding
+
     def resident_scores(self) -> tuple[list[Chunk], dict[int, float]]:
+        """The resident chunks in cache order and their scores (embedding them first where coherence
+        counts)."""
         resident = [self.chunks[i] for i in self.pager.order() if i in self.chunks]
-        return resident, self.config.scorer.scores(resident, self.score_context())
+        context = self.score_context()
+        if context.focus is not None and self.config.scorer.weights.coherence > 0.0:
+            for chunk in resident:
+                self.embedding_of(chunk)
+        return resident, self.config.scorer.scores(resident, context)
 
     def make_room(self, n: int, protected: set[int] | None = None) -> None:
         """Page out chunks so that ``n`` more tokens keep the session within its budget."""
@@ -255,7 +272,11 @@ class SessionMemory:
         if signal in ("lexical", "answer", "hybrid"):
             index = LexicalIndex(c.token_ids for c in self.chunks.values())
             return lambda c: index.score(ids, c.token_ids)
-        return lambda c: None if c.embedding is None else cosine(query, c.embedding)
+        def similarity(chunk: Chunk) -> float | None:
+            embedding = self.embedding_of(chunk)
+            return None if embedding is None else cosine(query, embedding)
+
+        return similarity
 
     def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
         """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see

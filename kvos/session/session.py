@@ -81,11 +81,11 @@ class Session:
         answer = None
         if config.recovery_signal in ("answer", "hybrid"):
             answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
-        self.memory = SessionMemory(session_id, config, self.pager, relieve, answer)
+        self.embed = make_embedder(config.embedder, engine)
+        self.memory = SessionMemory(session_id, config, self.pager, relieve, answer, self.embed)
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
         self.pager.digest_layers = tapped
         self.queries = QueryTap(tapped if config.recovery_signal == "attention" else (), engine.model.rope)
-        self.embed = make_embedder(config.embedder, engine)
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
         self.logits_at = -1  # history length at which last_logits were computed
@@ -214,7 +214,6 @@ class Session:
                 text=self.tokenizer.decode(part),
                 message_index=message_index,
             )
-            chunk.embedding = self.embed(part)
             final_user_chunk = kind is ChunkKind.USER and lo + len(part) == len(ids)
             observe = self.config.attention_mode == "snapshot" and final_user_chunk
             self._prefill(chunk, observe, tap)
@@ -321,6 +320,7 @@ class Session:
                     chunk.token_ids[:keep],
                     self.tokenizer.decode(chunk.token_ids[:keep]),
                 )
+                chunk.embedding = None  # of the tokens kept, when next needed
                 continue
             length = min(length, chunk.original_start)
             self.pager.discard(chunk)
@@ -395,7 +395,7 @@ class Session:
         anchor = self.history_ids()[-4:]
         yield from self.writer.write(params, chunk, anchor)
         if self.writer.chunk is not None:
-            self.writer.chunk.embedding = self.embed(self.writer.chunk.token_ids)
+            self.writer.chunk.embedding = None  # its tokens grew: embedded again when next needed
 
     def generate(self, params: SamplingParams) -> tuple[str, list[int], str]:
         """The whole reply: (text, token ids, finish reason)."""
@@ -409,7 +409,7 @@ class Session:
 
     def _finish_reply(self, chunk: Chunk | None, header: str, text: str) -> None:
         if chunk is not None and chunk.token_ids:
-            chunk.embedding = self.embed(chunk.token_ids)
+            chunk.embedding = None  # its tokens grew: embedded again when next needed
             chunk.text = self.tokenizer.decode(chunk.token_ids)
         self.messages.append({"role": "assistant", "content": text})
         self.rendered += header + text

@@ -48,7 +48,7 @@ class ReplyWriter:
         self.s.memory.make_room(1, protected={chunk.chunk_id} if chunk is not None else set())
         if chunk is None or chunk.num_tokens >= self.s.config.chunk_tokens:
             if chunk is not None:
-                chunk.embedding = self.s.embed(chunk.token_ids)
+                chunk.embedding = None  # embedded from its whole text when next needed
             chunk = Chunk(
                 chunk_id=self.s.new_chunk_id(),
                 kind=ChunkKind.ASSISTANT,

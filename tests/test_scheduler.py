@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 from hf_models import build
-from server_harness import MODEL_NAME, running_app
+from server_harness import MODEL_NAME, running_app, serve_options
 
 from kvos.builtin import MODEL_DIR
 from kvos.engine.engine import Engine
@@ -145,7 +145,9 @@ def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(
     try:
         a, b, ref = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()
         fb = sched.submit(_greedy, engine, b, _tokens(3, 1), 30)
-        time.sleep(0.05)  # b decodes before a's prompt arrives
+        deadline = time.monotonic() + 60
+        while not any(d for d, _ in steps) and time.monotonic() < deadline:
+            time.sleep(0.005)  # b decodes before a's prompt arrives
         fa = sched.submit(_greedy, engine, a, _tokens(200, 2), 2)
         fb.result(timeout=120)
         tokens, logits = fa.result(timeout=120)
@@ -159,6 +161,16 @@ def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(
     assert tokens == tokens_ref and (logits - logits_ref).abs().max().item() <= TOL
     for seq in (a, b, ref):
         seq.release()
+
+
+def test_serve_stall_option_reaches_the_scheduler() -> None:
+    """``kvos serve`` defaults to a stall budget of 3 decode steps; ``--stall 0`` turns it off; a factor
+    of 1 or below (a step shorter than a decode step) is refused."""
+    for argv, stall in (((), 3.0), (("--stall", "5"), 5.0), (("--stall", "0"), None)):
+        with running_app(MODEL_DIR, *argv) as (_, app):
+            assert app.state.engine.stall == stall  # the scheduler every request runs under
+    with pytest.raises(SystemExit):
+        serve_options(["--stall", "1"])
 
 
 def test_step_costs_learn_a_decode_step_and_a_prefill_token() -> None:

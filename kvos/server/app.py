@@ -234,7 +234,8 @@ def scheduler(service: ChatService) -> Scheduler:
     sessions (``--max-running`` requests at once)."""
     engine = service.manager.engine
     cap = engine.pool.growth.max_blocks(engine.pool.layout.bytes_per_block)
-    sched = Scheduler(engine.model, engine.pool, service.config.max_running, service.config.step_tokens, cap)
+    config = service.config
+    sched = Scheduler(engine.model, engine.pool, config.max_running, config.step_tokens, cap, config.stall)
     engine.scheduler = sched
     return sched
 

@@ -51,6 +51,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def stall_factor(text: str) -> float:
+    """An argparse type for ``--stall``: above 1 (a multiple of a decode step), or 0 for no limit."""
+    value = float(text)
+    if value != 0.0 and not value > 1.0:
+        raise argparse.ArgumentTypeError(f"must be above 1 (decode steps), or 0 for no limit, got {value}")
+    return value
+
+
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -115,6 +123,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=2048,
         help="tokens in one batched forward pass: every running decode, then prefill slices that fit",
+    )
+    p.add_argument(
+        "--stall",
+        type=stall_factor,
+        default=3.0,
+        help="while requests decode, a step that also prefills lasts at most about this many decode steps "
+        "(its prefill is cut to fit, from measured step costs), so a new prompt does not stall running "
+        "replies; 0: prefill fills --step-tokens",
     )
     p.add_argument(
         "--kv-memory",
@@ -245,6 +261,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
             state_interval_s=args.state_interval,
             max_running=args.max_running,
             step_tokens=args.step_tokens,
+            stall=args.stall or None,
         ),
         state,
     )

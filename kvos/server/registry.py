@@ -39,6 +39,7 @@ class ServiceConfig:
     state_interval_s: float = 60.0  # with a state dir: how often changed idle sessions are written (0: never)
     max_running: int = 8  # requests running at once, their forward passes batched; later ones wait
     step_tokens: int = 2048  # tokens per batched forward pass: every decode token, then prefill slices
+    stall: float | None = 3.0  # a step with prefill beside decodes lasts about this many decode steps at most
 
 
 @dataclass

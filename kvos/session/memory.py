@@ -272,6 +272,7 @@ class SessionMemory:
         if signal in ("lexical", "answer", "hybrid"):
             index = LexicalIndex(c.token_ids for c in self.chunks.values())
             return lambda c: index.score(ids, c.token_ids)
+
         def similarity(chunk: Chunk) -> float | None:
             embedding = self.embedding_of(chunk)
             return None if embedding is None else cosine(query, embedding)

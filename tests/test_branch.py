@@ -51,7 +51,7 @@ def test_fork_shares_chunks_and_continues_exactly(manager: MemoryManager) -> Non
     parent.sync(spans(head[:60], head[60:]))
     used = manager.engine.pool.allocator.num_used
     child = manager.fork("main", "branch", 50)  # inside the first chunk, not at a pool-block boundary
-    assert child.memory.history_tokens == 50 and child.history_ids() == head[:50]
+    assert child.history.tokens == 50 and child.history.token_ids() == head[:50]
     # 50 tokens = 6 full pool blocks shared by reference + one partly filled block copied
     assert manager.engine.pool.allocator.num_used == used + 1
     shared = child.pager.seq.slots[:48].tolist()
@@ -92,8 +92,8 @@ def test_fork_copies_saved_chunks_and_frees_on_close(manager: MemoryManager) -> 
     parent.sync(spans(*(tokens(10 + i, 40) for i in range(6))))  # 240 tokens > 160: some are saved
     saved = [c for c in parent.chunks.values() if c.state is ChunkState.SAVED]
     assert saved
-    child = manager.fork("main", "branch", parent.memory.history_tokens)
-    assert child.history_ids() == parent.history_ids()
+    child = manager.fork("main", "branch", parent.history.tokens)
+    assert child.history.token_ids() == parent.history.token_ids()
     for chunk in saved:
         assert child.chunks[chunk.chunk_id].state is ChunkState.SAVED
         assert child.pager.store is not None and chunk.chunk_id in child.pager.store

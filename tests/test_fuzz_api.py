@@ -131,7 +131,7 @@ def snapshot(service: ChatService) -> Snapshot:
     """Every session's branches (their names and history token ids), read between requests."""
     with service.registry.cond:
         return {
-            key: [(b.session_id, tuple(b.history_ids())) for b in entry.branches]
+            key: [(b.session_id, tuple(b.history.token_ids())) for b in entry.branches]
             for key, entry in service.registry.entries.items()
         }
 

@@ -27,7 +27,7 @@ def test_saved_chunks_keep_a_digest_and_restores_land_in_front_of_the_message() 
     users_before = len(s.memory.costs.turns)
     question = s.add_message("user", "What is my job?")
     restored = [
-        e["chunk"] for e in s.memory.journal.events if e["turn"] == s.memory.turn and e["event"] == "restore"
+        e["chunk"] for e in s.memory.journal.events if e["turn"] == s.history.turn and e["event"] == "restore"
     ]
     assert restored, "the signal brought nothing back"
     order = s.pager.order()
@@ -36,7 +36,7 @@ def test_saved_chunks_keep_a_digest_and_restores_land_in_front_of_the_message() 
     assert set(order[-len(mine) - len(restored) : -len(mine)]) == set(restored)  # ... the restored in front
     positions = s.pager.seq.positions.tolist()
     assert positions == list(range(len(positions)))  # compact: the message moved up, no gap, no overlap
-    assert all(c.chunk_id in s.memory.protected for c in question)
+    assert all(c.chunk_id in s.history.protected for c in question)
     assert len(s.memory.costs.turns) == users_before + 1
     turn = s.memory.costs.turns[-1]
     assert turn["prefill_s"] > 0 and turn["recovery_s"] > 0 and turn["restore_s"] > 0
@@ -68,7 +68,7 @@ def test_restores_go_in_front_of_the_first_chunk_of_the_message_still_resident()
     manager, s, _ = buried_fact_session("attention", check=False, recovery_min_similarity=-1.0)
     chunks = s.add_message("user", "What is my job? Tell me. " * 5)
     assert len(chunks) >= 2
-    s.memory.evict([chunks[0]], {})
+    s.memory.page_out([chunks[0]])
     config = manager.engine.model.config
     queries = torch.randn(config.num_layers, 8, config.num_heads, config.head_dim)
     restores = s.memory.journal.count("restore")

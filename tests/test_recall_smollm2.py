@@ -59,7 +59,7 @@ def test_playback_renders_with_the_models_template(gguf: Path, tokenizer: Tokeni
     assert prompt.endswith(f"{asked[-1]['content']}<|im_end|>\n<|im_start|>assistant\n")
     assert session.rendered == prompt + played.reply
     ids = tokenizer.encode(prompt)
-    assert session.history_ids()[: len(ids)] == ids
+    assert session.history.token_ids()[: len(ids)] == ids
 
 
 def test_recall_bench_ci_sized(gguf: Path, tmp_path: Path) -> None:

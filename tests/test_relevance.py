@@ -13,7 +13,6 @@ from hf_models import hf_model
 from kvos.builtin import builtin_model_path
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
-from kvos.errors import PoolOutOfMemoryError
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
@@ -135,12 +134,16 @@ def test_candidates_are_capped_lexically_and_pool_pressure_falls_back(
     assert list(candidates) == [closest]  # one candidate, the lexically closest exchange
     assert "7 plus 7" in s.messages[closest]["content"]
 
-    def full(*args: object) -> dict:
-        raise PoolOutOfMemoryError(2 << 20, 1 << 20, 1 << 20)
+    def never(*args: object) -> dict:
+        raise AssertionError("the scratch passes ran though the pool could not hold them")
 
-    monkeypatch.setattr(AnswerContrast, "scores", full)
+    # a pool that can hold a restore but not the answer signal's scratch passes: asked first, they do not run
+    monkeypatch.setattr(AnswerContrast, "scores", never)
+    monkeypatch.setattr(AnswerContrast, "scratch_tokens", lambda *args: 1 << 20)
+    pool = manager.engine.pool
+    monkeypatch.setattr(pool, "can_allocate", lambda n: n < 1 << 12)
     s.add_message("user", "I work as what, again? translator?")
-    events = [e for e in s.memory.journal.events if e["turn"] == s.memory.turn]
+    events = [e for e in s.memory.journal.events if e["turn"] == s.history.turn]
     assert any(e["event"] == "answer_signal_skipped" for e in events)
     assert any(e["event"] == "restore" for e in events)  # lexical took over ("work", "translator")
     manager.close(s.session_id)

@@ -224,9 +224,9 @@ def test_similarity_recovery_restores_the_relevant_chunk(
     assert fact[0].resident
     restores = [e for e in s.memory.journal.events if e["event"] == "restore"]
     assert {c.chunk_id for c in fact} <= {e["chunk"] for e in restores}
-    last = [e for e in restores if e["turn"] == s.memory.turn]
+    last = [e for e in restores if e["turn"] == s.history.turn]
     assert [e["similarity"] for e in last] == sorted(e["similarity"] for e in last)  # best last
-    assert fact[0].recovered_turn == s.memory.turn
+    assert fact[0].recovered_turn == s.history.turn
     # the recovered chunk is protected for the rest of its turn, even under heavy pressure
     s.generate(SamplingParams(max_tokens=150, ignore_eos=True))
     assert fact[0].resident
@@ -244,7 +244,7 @@ def bury(s: Session, text: str) -> list:
 
 
 def restores_this_turn(s: Session) -> list[dict]:
-    return [e for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == s.memory.turn]
+    return [e for e in s.memory.journal.events if e["event"] == "restore" and e["turn"] == s.history.turn]
 
 
 def test_lexical_recovery_ignores_shared_template_tokens(engine: Engine, model_dir: Path) -> None:
@@ -352,7 +352,7 @@ def test_gap_fill_restores_at_place(engine: Engine, model_dir: Path) -> None:
         s.add_message("user", f"{i} " + FILLER)
     history = [t for c in sorted(s.chunks.values(), key=lambda c: c.original_start) for t in c.token_ids]
     victims = [s.chunks[2], s.chunks[5]]
-    s.memory.evict(victims, {})
+    s.memory.page_out(victims)
     assert all(c.state is ChunkState.SAVED for c in victims)
     assert s.memory.fill_gaps(history) == 2
     order = s.pager.order()

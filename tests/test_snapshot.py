@@ -85,7 +85,7 @@ def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
     snapshot.save(original, tmp_path / "a", "s-1.snap")
     copy = restored(model_dir, tmp_path / "a", tmp_path / "b", mode, signal)
 
-    assert copy.history_ids() == original.history_ids() and copy.swapped
+    assert copy.history.token_ids() == original.history.token_ids() and copy.swapped
     copy.swap_in()
     ta, tb = fields.TensorTable(), fields.TensorTable()  # every chunk field, tensors included
     assert [fields.encode_chunk(c, ta) for c in original.chunks.values()] == [
@@ -104,7 +104,7 @@ def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
         if chunk.state is ChunkState.SAVED:
             a, b = original.pager.store.get(cid), copy.pager.store.get(cid)  # type: ignore[union-attr]
             assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and a.meta == b.meta
-    assert copy.memory.turn == original.memory.turn and copy.memory.protected == original.memory.protected
+    assert copy.history.turn == original.history.turn and copy.history.protected == original.history.protected
     assert copy.memory.focus.vector is not None and original.memory.focus.vector is not None
     assert torch.equal(copy.memory.focus.vector, original.memory.focus.vector)
     for s in (original, copy):
@@ -145,7 +145,7 @@ def test_a_resident_chunk_with_a_bad_file_is_recomputed_not_served(
         copy.swap_in()
     assert copy.stats()["recoveries_recompute"] == 2  # both recomputed from their tokens at swap-in
     assert "checksum mismatch" in caplog.text and "cannot be restored" in caplog.text
-    assert copy.history_ids() == snap.token_ids()
+    assert copy.history.token_ids() == snap.token_ids()
     assert [cid for cid, *_ in resident_kv(copy)] == [cid for cid, _ in cache]
     assert copy.pager.store.stats()["corrupt"] == 1  # type: ignore[union-attr]
 
@@ -230,4 +230,4 @@ def test_unchanged_resident_chunks_are_not_written_again(model_dir: Path, tmp_pa
     assert second.files == first.files
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob(f"*{FILE_SUFFIX}")} == mtimes
     header, _ = container.unpack((tmp_path / "s-2.snap").read_bytes(), snapshot.MAGIC, snapshot.VERSION)
-    assert header["memory"]["history_tokens"] == len(s.history_ids())
+    assert header["memory"]["history_tokens"] == len(s.history.token_ids())

@@ -106,7 +106,7 @@ def test_after_a_crash_the_last_snapshot_comes_back(model_dir: Path, tmp_path: P
         s.add_message("user", f"note {i}: " + FILLER)
         s.generate(GREEDY)
     assert state.save("local", "s", 4, [s]) and not state.save("local", "s", 4, [s])  # unchanged: skipped
-    saved_history = s.history_ids()
+    saved_history = s.history.token_ids()
     for i in range(4, 7):  # after the snapshot: evicted chunks are written, then the process dies
         s.add_message("user", f"note {i}: " + FILLER)
         s.generate(GREEDY)
@@ -117,12 +117,12 @@ def test_after_a_crash_the_last_snapshot_comes_back(model_dir: Path, tmp_path: P
     loaded = again.load("local", "s", manager(model_dir, again))
     assert loaded is not None
     (restored,), served = loaded
-    assert served == 4 and restored.history_ids() == saved_history and restored.swapped
+    assert served == 4 and restored.history.token_ids() == saved_history and restored.swapped
     assert orphans - {p.name for p in branch.iterdir()}  # files written after the snapshot: deleted
     restored.swap_in()
-    synced = restored.sync([Span(s.history_ids(), ChunkKind.DOCUMENT)])
+    synced = restored.sync([Span(s.history.token_ids(), ChunkKind.DOCUMENT)])
     assert synced.reused == len(saved_history)  # the rest is prefilled again
-    assert synced.decoded == len(s.history_ids()) - len(saved_history)
+    assert synced.decoded == len(s.history.token_ids()) - len(saved_history)
 
 
 def test_branches_come_back_in_their_order(model_dir: Path, tmp_path: Path) -> None:
@@ -131,7 +131,7 @@ def test_branches_come_back_in_their_order(model_dir: Path, tmp_path: Path) -> N
     main = m.session("local/s")
     for i in range(4):
         main.add_message("user", f"note {i}: " + FILLER)
-    side = m.fork("local/s", "local/s#b3", main.memory.history_tokens // 2)  # shares resident chunks
+    side = m.fork("local/s", "local/s#b3", main.history.tokens // 2)  # shares resident chunks
     side.add_message("user", "a side question")
     assert state.save("local", "s", 3, [side, main])
 
@@ -141,7 +141,7 @@ def test_branches_come_back_in_their_order(model_dir: Path, tmp_path: Path) -> N
     branches, served = loaded
     assert served == 3 and [b.session_id for b in branches] == ["local/s#b3", "local/s"]
     for restored, live in zip(branches, (side, main), strict=True):
-        assert restored.history_ids() == live.history_ids()
+        assert restored.history.token_ids() == live.history.token_ids()
         restored.swap_in()  # each branch gets its own copy of what the live ones share
         for cid in live.pager.order():
             k, v = live.engine.read_kv(live.pager.segments[cid])

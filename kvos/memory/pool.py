@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvos.errors import ConfigError, InvalidBlockError
+from kvos.errors import ConfigError, InvalidBlockError, PoolOutOfMemoryError
 from kvos.memory.allocator import BlockAllocator
 from kvos.memory.growth import GrowthPolicy
 
@@ -103,6 +103,16 @@ class KVPool:
         """Whether ``alloc_n(n)`` would succeed, growing within the cap if needed."""
         cap = self.growth.max_blocks(self.layout.bytes_per_block)
         return n <= self.allocator.num_free or cap is None or self.allocator.num_used + n <= cap
+
+    def out_of_memory(self, n: int) -> PoolOutOfMemoryError:
+        """What :meth:`alloc_n` raises when ``n`` more blocks do not fit under the cap: for a caller that
+        asked :meth:`can_allocate` first and could not make room."""
+        per_block = self.layout.bytes_per_block
+        return PoolOutOfMemoryError(
+            needed_bytes=(self.allocator.num_used + n) * per_block,
+            max_bytes=self.growth.max_bytes or 0,
+            pool_bytes=self.nbytes,
+        )
 
     def alloc_n(self, n: int) -> list[int]:
         """Allocate ``n`` blocks, first growing (one resize) when too few are free.

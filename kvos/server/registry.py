@@ -121,7 +121,7 @@ class SessionRegistry:
         best, best_len = None, self.config.prefix_min_tokens - 1
         for (who, _), entry in self.entries.items():
             if who == owner and probe is not None:
-                shared = max(common_prefix(probe, b.history_ids()) for b in entry.branches)
+                shared = max(common_prefix(probe, b.history.token_ids()) for b in entry.branches)
                 if shared > best_len:
                     best, best_len = entry, shared
         if best is None and probe is not None and self.state is not None:
@@ -212,8 +212,7 @@ class SessionRegistry:
                     "swapped": e.session.swapped,
                     **e.session.stats(),
                     "branches": [
-                        {"name": e.branch_name(b), "history_tokens": b.memory.history_tokens}
-                        for b in e.branches
+                        {"name": e.branch_name(b), "history_tokens": b.history.tokens} for b in e.branches
                     ],
                 }
                 for (who, sid), e in self.entries.items()
@@ -275,11 +274,11 @@ class SessionRegistry:
         prompt, an edit further back), sharing those pool blocks by reference. Branches past ``max_branches``
         go least recently used first; with ``max_branches`` 1 the branch is always continued in place
         (truncated at the divergence). The chosen branch becomes ``entry.session``."""
-        shared = {b.session_id: common_prefix(prompt, b.history_ids()) for b in entry.branches}
+        shared = {b.session_id: common_prefix(prompt, b.history.token_ids()) for b in entry.branches}
         used = entry.branch_used
         best = max(entry.branches, key=lambda b: (shared[b.session_id], used.get(b.session_id, 0.0)))
         chosen = best
-        if shared[best.session_id] < best.last_turn_start() and self.config.max_branches > 1:
+        if shared[best.session_id] < best.history.last_turn_start() and self.config.max_branches > 1:
             while len(entry.branches) >= self.config.max_branches:
                 stale = min(
                     (b for b in entry.branches if b is not best), key=lambda b: used.get(b.session_id, 0.0)
@@ -339,4 +338,4 @@ class SessionRegistry:
             if other.pager.store is not None:
                 held -= other.pager.seq.num_blocks
                 other.swap_out()
-                other.memory.journal.log(other.memory.turn, "preempt", blocks_free=room - held)
+                other.memory.journal.log(other.history.turn, "preempt", blocks_free=room - held)

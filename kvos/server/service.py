@@ -172,7 +172,7 @@ class ChatService:
         finally:
             if not finished:
                 session.truncate(len(prompt))
-                session.memory.journal.log(session.memory.turn, "cancel", tokens=len(outcome.completion_ids))
+                session.memory.journal.log(session.history.turn, "cancel", tokens=len(outcome.completion_ids))
         if chat is not None and entry.renderer is not None:
             self._canonicalise(entry, chat, outcome)
         self._account(entry, counts, synced.reused, synced.decoded, len(prompt), outcome)

@@ -116,7 +116,7 @@ class StateDir:
             snap = snapshot.save(session, directory, name)
             named[directory] = {name, *snap.files.values(), *_store_files(session)}
             rows.append({"id": session.session_id, "dir": directory.name, "snapshot": name})
-        histories = [s.history_ids() for s in branches]
+        histories = [s.history.token_ids() for s in branches]
         manifest = {"owner": owner, "session_id": session_id, "served": served, "generation": generation}
         manifest.update(branches=rows, histories=histories, saved_at=time.time())
         write_manifest(entry / MANIFEST, manifest)  # the commit point
@@ -162,7 +162,7 @@ class StateDir:
                 return None
             self._generation[key] = int(manifest["generation"])
             self._signatures[key] = _signature(int(manifest["served"]), branches)
-        tokens = sum(s.memory.history_tokens for s in branches)
+        tokens = sum(s.history.tokens for s in branches)
         _log.info(
             "session %s: restored from %s (%d branches, %d tokens)", session_id, entry, len(branches), tokens
         )
@@ -267,7 +267,7 @@ def _signature(served: int, branches: list[Session]) -> tuple[Any, ...]:
         tuple(
             (
                 s.session_id,
-                s.memory.history_tokens,
+                s.history.tokens,
                 sum(s.memory.journal.counts.values()),
                 s.swapped,
                 s.pager.active_tokens,

@@ -52,11 +52,10 @@ def fork(parent: Session, child: Session, length: int) -> int:
     for chunk in chunks:
         if chunk.state is ChunkState.SAVED and not child.pager.copy_saved(parent.pager, chunk):
             chunk.state = ChunkState.DISCARDED
-        child.chunks[chunk.chunk_id] = chunk
-    memory, source = child.memory, parent.memory
-    memory.turn, memory.history_tokens = source.turn, kept
-    memory.focus = copy.deepcopy(source.focus)
-    child._next_chunk = parent._next_chunk
-    child.memory.journal.log(memory.turn, "fork", parent=parent.session_id, tokens=kept)
+        child.history.add(chunk)
+    history, source = child.history, parent.history
+    history.turn, history.tokens, history.next_id = source.turn, kept, source.next_id
+    child.memory.focus = copy.deepcopy(parent.memory.focus)
+    child.memory.journal.log(history.turn, "fork", parent=parent.session_id, tokens=kept)
     child.memory.journal.seen(child.pager.active_tokens)
     return kept

@@ -16,8 +16,7 @@ from kvos.memory.growth import GrowthPolicy
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
-from kvos.policy.budget import select_victims
-from kvos.policy.chunks import Chunk
+from kvos.policy.planner import cheapest_elsewhere
 from kvos.session.branch import fork
 from kvos.session.config import SessionConfig
 from kvos.session.memory import SessionMemory
@@ -114,23 +113,19 @@ class MemoryManager:
         return self.sessions.pop(session_id)
 
     def relieve(self, requester: SessionMemory) -> bool:
-        """Page out the lowest-scored evictable chunk of any other session with no request running on it;
-        False when none is left."""
-        best: tuple[float, SessionMemory, Chunk] | None = None
-        for other in (s.memory for s in self.sessions.values()):
-            if other is requester or other.session_id in self.running:
-                continue
-            resident, scores = other.resident_scores()
-            victims = select_victims(
-                resident, scores, other.pager.active_tokens, 0, other.protected, other.config.sink_count
-            )
-            if victims and (best is None or scores[victims[0].chunk_id] < best[0]):
-                best = (scores[victims[0].chunk_id], other, victims[0])
-        if best is None:
+        """Page out the lowest-scored evictable chunk of any other session with no request running on it
+        (:func:`~kvos.policy.planner.cheapest_elsewhere`); False when none is left."""
+        others = {
+            sid: s.memory.snapshot()
+            for sid, s in self.sessions.items()
+            if s.memory is not requester and sid not in self.running
+        }
+        choice = cheapest_elsewhere(others)
+        if choice is None:
             return False
-        score, owner, chunk = best
-        owner.evict([chunk], {chunk.chunk_id: score})
-        owner.journal.log(owner.turn, "pressure", chunk=chunk.chunk_id, by=requester.session_id)
+        owner = self.sessions[choice[0]].memory
+        owner.carry_out([choice[1]])
+        owner.journal.log(owner.history.turn, "pressure", chunk=choice[1].chunk_id, by=requester.session_id)
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -1,7 +1,10 @@
-"""One session's memory policy in action: its budget, evictions, recoveries and pool-pressure relief.
+"""One session's memory policy in action: the executor of its plans, and its recoveries.
 
-Holds the policy state of a session (turn, history length, task focus, attention tracker, chunks protected
-this turn) and the operations that page chunks out and in through the session's :class:`Pager`.
+Holds the policy state of a session besides its :class:`History` (task focus, attention tracker, journal).
+What to page out is decided by the pure functions of :mod:`kvos.policy.planner` on a :class:`Snapshot` of
+the session; this class takes the snapshots, carries the plans out through the session's :class:`Pager`
+and logs them. Pool capacity is asked for before an operation takes blocks (:meth:`reserve`), never
+discovered by catching a failed allocation.
 """
 
 from __future__ import annotations
@@ -12,17 +15,18 @@ from typing import Any
 
 import torch
 
-from kvos.errors import BudgetError, PoolOutOfMemoryError
+from kvos.errors import BudgetError
 from kvos.policy.attention import AttentionTracker, chunk_masses
-from kvos.policy.budget import select_victims
 from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import attention_shares
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import LexicalIndex
+from kvos.policy.planner import Eviction, Snapshot, affordable, plan_room, pressure_victim
 from kvos.policy.scorer import ScoreContext
 from kvos.policy.signals import cosine
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import Embedder
+from kvos.session.history import History
 from kvos.session.journal import Journal, TurnCosts
 from kvos.session.pager import Pager
 from kvos.session.queries import QueryTap
@@ -45,6 +49,7 @@ class SessionMemory:
         self,
         session_id: str,
         config: SessionConfig,
+        history: History,
         pager: Pager,
         relieve: Callable[[SessionMemory], bool] | None = None,
         answer: AnswerContrast | None = None,
@@ -52,21 +57,21 @@ class SessionMemory:
     ) -> None:
         """``answer``: the scorer of the "answer" recovery signal (without one, that signal is lexical).
         ``embed``: embeds a chunk's tokens when its embedding is first needed (:meth:`embedding_of`)."""
-        self.session_id, self.config, self.pager, self.relieve = session_id, config, pager, relieve
-        self.answer, self.embed = answer, embed
-        self.chunks: dict[int, Chunk] = pager.chunks
+        self.session_id, self.config, self.history, self.pager = session_id, config, history, pager
+        self.relieve, self.answer, self.embed = relieve, answer, embed
+        self.chunks: dict[int, Chunk] = history.chunks
         self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
         self.focus = TaskFocus()
         self.journal = Journal()
         self.costs = TurnCosts()
-        self.protected: set[int] = set()
-        self.turn = 0
-        self.history_tokens = 0
 
     # ------------------------------------------------------------------ budget
     def score_context(self) -> ScoreContext:
         return ScoreContext(
-            turn=self.turn, total_tokens=self.history_tokens, focus=self.focus.vector, attention=self.tracker
+            turn=self.history.turn,
+            total_tokens=self.history.tokens,
+            focus=self.focus.vector,
+            attention=self.tracker,
         )
 
     def embedding_of(self, chunk: Chunk) -> torch.Tensor | None:
@@ -87,77 +92,74 @@ class SessionMemory:
                 self.embedding_of(chunk)
         return resident, self.config.scorer.scores(resident, context)
 
-    def make_room(self, n: int, protected: set[int] | None = None) -> None:
-        """Page out chunks so that ``n`` more tokens keep the session within its budget."""
-        budget, active = self.config.budget, self.pager.active_tokens
-        if not budget.over(active + n):
-            return
+    def snapshot(self) -> Snapshot:
+        """The session as the planner sees it now (scores computed now)."""
         resident, scores = self.resident_scores()
-        keep = self.protected | (protected or set())
-        victims = select_victims(resident, scores, active + n, budget.target(), keep, self.config.sink_count)
-        self.evict(victims, scores)
-        if self.pager.active_tokens + n > budget.max_active_tokens:
-            self._evict_last_resort(n, keep)
-        if self.pager.active_tokens + n > budget.max_active_tokens and self.protected:
-            # a recovered chunk's protection for its turn yields to pins and the chunk being written
-            self._evict_last_resort(n, protected or set())
-        if self.pager.active_tokens + n > budget.max_active_tokens:
+        return Snapshot(
+            tuple(resident),
+            scores,
+            self.pager.active_tokens,
+            self.config.budget,
+            self.config.sink_count,
+            frozenset(self.history.protected),
+        )
+
+    def make_room(self, n: int, protected: set[int] | None = None) -> None:
+        """Page out chunks so that ``n`` more tokens keep the session within its budget
+        (:func:`~kvos.policy.planner.plan_room`; ``protected``: the chunks held by the caller).
+
+        Raises :class:`BudgetError` when even that leaves no room (what is resident is pinned, sinks or
+        held), after carrying out the evictions the plan could make."""
+        if not self.config.budget.over(self.pager.active_tokens + n):
+            return
+        plan = plan_room(self.snapshot(), n, frozenset(protected or ()))
+        self.carry_out(plan.evictions)
+        if not plan.fits:
             raise BudgetError(
                 f"session {self.session_id}: {n} more tokens do not fit in max_active_tokens="
-                f"{budget.max_active_tokens}: the {self.pager.active_tokens} resident tokens are pinned, "
-                "sinks or protected"
+                f"{self.config.budget.max_active_tokens}: the {self.pager.active_tokens} resident tokens are "
+                "pinned, sinks or protected"
             )
 
-    def _evict_last_resort(self, n: int, keep: set[int]) -> None:
-        """Chunks scoring >= 1.0 without a pin (e.g. "prefer" messages) are skipped while anything else can
-        go; when nothing else is left they go too, lowest raw score first. Pins, sinks and protected chunks
-        never do."""
-        resident, scores = self.resident_scores()
-        capped = {i: min(s, 1.0 - 1e-9) for i, s in scores.items()}  # ties go oldest first
-        target = self.config.budget.max_active_tokens
-        victims = select_victims(
-            resident, capped, self.pager.active_tokens + n, target, keep, self.config.sink_count
-        )
-        self.evict(victims, scores, forced=True)
-
-    def evict(self, victims: list[Chunk], scores: dict[int, float], forced: bool = False) -> int:
-        freed = self.pager.evict(victims)
-        for chunk in victims:
-            self.tracker.forget(chunk.chunk_id)
+    def carry_out(self, evictions: tuple[Eviction, ...] | list[Eviction]) -> int:
+        """Page out the planned ``evictions`` (each logged); returns the pool blocks freed."""
+        if not evictions:
+            return 0
+        freed = self.pager.evict([self.chunks[e.chunk_id] for e in evictions])
+        for e in evictions:
+            self.tracker.forget(e.chunk_id)
+            score = round(e.score, 4)
             self.journal.log(
-                self.turn,
-                "evict",
-                chunk=chunk.chunk_id,
-                tokens=chunk.num_tokens,
-                score=round(scores.get(chunk.chunk_id, 0.0), 4),
-                forced=forced,
+                self.history.turn, "evict", chunk=e.chunk_id, tokens=e.tokens, score=score, forced=e.forced
             )
         return freed
 
-    def guarded(self, op: Callable[[], Any], protected: set[int]) -> Any:
-        """Run a pool-allocating operation. At the pool's cap, page out other sessions' lowest-scored chunks
-        (through the manager), then this session's own, one at a time, never ``protected`` ones."""
-        while True:
-            try:
-                return op()
-            except PoolOutOfMemoryError:
-                if self.relieve is not None and self.relieve(self):
-                    continue
-                if not self._evict_own(protected):
-                    raise
+    def page_out(self, chunks: list[Chunk]) -> int:
+        """Page these resident chunks out now, whatever the policy would choose (logged with score 0)."""
+        return self.carry_out([Eviction(c.chunk_id, c.num_tokens, 0.0) for c in chunks])
 
-    def _evict_own(self, protected: set[int]) -> bool:
-        """Page out this session's lowest-scored chunk that is not ``protected``; chunks recovered this turn
-        go only when nothing else can (their protection yields to the chunk being written)."""
-        resident, scores = self.resident_scores()
-        sinks = self.config.sink_count
-        for keep in (self.protected | protected, protected):
-            victims = select_victims(resident, scores, self.pager.active_tokens, 0, keep, sinks)
-            if victims:
-                self.evict(victims[:1], scores)
-                self.journal.log(self.turn, "pool_full", chunk=victims[0].chunk_id)
-                return True
-        return False
+    def reserve(self, blocks: Callable[[], int], holding: set[int]) -> bool:
+        """Make sure the pool can allocate ``blocks()`` more blocks (asked again after each eviction: what
+        an operation needs may change as the cache does). At the pool's cap, the lowest-scored chunk of
+        another idle session goes first (through the manager), then this session's own
+        (:func:`~kvos.policy.planner.pressure_victim`), one at a time, never ``holding`` ones. False when
+        nothing more may go and the pool still cannot hold them."""
+        pool = self.pager.engine.pool
+        while not pool.can_allocate(blocks()):
+            if self.relieve is not None and self.relieve(self):
+                continue
+            victim = pressure_victim(self.snapshot(), frozenset(holding))
+            if victim is None:
+                return False
+            self.carry_out([victim])
+            self.journal.log(self.history.turn, "pool_full", chunk=victim.chunk_id)
+        return True
+
+    def hold(self, tokens: int, holding: set[int], into: Chunk | None = None) -> None:
+        """:meth:`reserve` the blocks of writing ``tokens`` tokens (into ``into``'s segment, or a new one);
+        :class:`PoolOutOfMemoryError` when the pool's cap leaves no room for them."""
+        if not self.reserve(lambda: self.pager.blocks_for(tokens, into), holding):
+            raise self.pager.engine.pool.out_of_memory(self.pager.blocks_for(tokens, into))
 
     # ---------------------------------------------------------------- recovery
     def recover_similar(self, ids: list[int], query: torch.Tensor, incoming_locked: int = 0) -> None:
@@ -205,7 +207,7 @@ class SessionMemory:
             for chunk_id in group:  # a unit's chunks in their order, the best unit last
                 chunk = self.chunks[chunk_id]
                 if chunk.resident:  # part of a chosen exchange: kept for the turn
-                    self.protected.add(chunk_id)
+                    self.history.protected.add(chunk_id)
                 elif not self.recover(chunk, similarity=round(sims[best], 4), matched=best, before=before):
                     return
 
@@ -220,7 +222,7 @@ class SessionMemory:
         if self.config.backend == "discard" or self.config.recovery_top_k == 0 or not message:
             return
         mine = {c.chunk_id for c in message}
-        self.protected |= mine
+        self.history.protected |= mine
         if not any(self._recoverable(c) and c.digest is not None for c in self.chunks.values()):
             return
         sims = self._attention_shares(queries, exclude=mine)
@@ -255,7 +257,7 @@ class SessionMemory:
             chunk.resident
             and not chunk.is_sink(self.config.sink_count)
             and not chunk.pinned
-            and chunk.chunk_id not in self.protected
+            and chunk.chunk_id not in self.history.protected
         )
 
     def _similarity(self, ids: list[int], query: torch.Tensor, unit: Unit) -> Callable[[Chunk], float | None]:
@@ -291,41 +293,35 @@ class SessionMemory:
         wanted = {unit(c) for c in self.chunks.values() if self._eligible(c)}
         candidates = {u: texts[u] for u in sorted(wanted)}
         cap = self.config.recovery_candidates
+        prefix = self._sink_tokens()
+        query = ids[-self._answer_span() :]  # a pasted file: its end, where the question is
+        scratch = self.answer.scratch_tokens(prefix, query, candidates.values())
+        if not self.pager.engine.pool.can_allocate(-(-scratch // self.pager.engine.pool.layout.block_size)):
+            self.journal.log(self.history.turn, "answer_signal_skipped", reason="pool_full")
+            return None
         if self.config.recovery_signal == "hybrid":
-            return self._hybrid_scores(ids, unit, candidates)
+            return self._hybrid_scores(prefix, query, unit, candidates)
         if len(candidates) > cap:
             index = LexicalIndex(c.token_ids for c in self.chunks.values())
             lexical = {u: index.score(ids, tokens) for u, tokens in candidates.items()}
             kept = sorted(candidates, key=lambda u: (lexical[u], u), reverse=True)[:cap]
             candidates = {u: candidates[u] for u in kept}
-        prefix = self._sink_tokens()
-        query = ids[-self._answer_span() :]  # a pasted file: its end, where the question is
-        try:
-            return self.answer.scores(prefix, query, candidates)
-        except PoolOutOfMemoryError:
-            self.journal.log(self.turn, "answer_signal_skipped", reason="pool_full")
-            return None
+        return self.answer.scores(prefix, query, candidates)
 
     def _hybrid_scores(
-        self, ids: list[int], unit: Unit, candidates: dict[int, list[int]]
-    ) -> dict[int, float] | None:
-        """The "hybrid" signal: the null answer's scratch pass (sinks, the new message ``ids``, the
-        generation prompt, the answer) taps its queries; the units its queries would attend to most (by key
-        digests) and the lexically closest form a shortlist, and only those are scored by the answer signal
-        (one forward pass each). unit -> nats, or None when the pool cannot hold the scratch passes."""
+        self, prefix: list[int], query: list[int], unit: Unit, candidates: dict[int, list[int]]
+    ) -> dict[int, float]:
+        """The "hybrid" signal: the null answer's scratch pass (the sinks ``prefix``, the new message's
+        ``query`` tokens, the generation prompt, the answer) taps its queries; the units its queries would
+        attend to most (by key digests) and the lexically closest form a shortlist, and only those are
+        scored by the answer signal (one forward pass each). unit -> nats."""
         assert self.answer is not None
-        prefix = self._sink_tokens()
-        query = ids[-self._answer_span() :]
         tap = QueryTap(self.pager.digest_layers, self.pager.engine.model.rope)
-        try:
-            answer = self.answer.null_answer(self.answer.base(prefix, query), tap)
-            sims = self._attention_shares(tap.take(self.config.query_window))
-            shortlist = self._shortlist(query, sims, unit, set(candidates))
-            chosen = {u: candidates[u] for u in sorted(shortlist)}
-            return self.answer.scores(prefix, query, chosen, answer=answer)
-        except PoolOutOfMemoryError:
-            self.journal.log(self.turn, "answer_signal_skipped", reason="pool_full")
-            return None
+        answer = self.answer.null_answer(self.answer.base(prefix, query), tap)
+        sims = self._attention_shares(tap.take(self.config.query_window))
+        shortlist = self._shortlist(query, sims, unit, set(candidates))
+        chosen = {u: candidates[u] for u in sorted(shortlist)}
+        return self.answer.scores(prefix, query, chosen, answer=answer)
 
     def _sink_tokens(self) -> list[int]:
         sinks = self.config.sink_count
@@ -357,29 +353,12 @@ class SessionMemory:
     def _affordable(
         self, groups: list[tuple[int, list[int]]], incoming_locked: int = 0
     ) -> list[tuple[int, list[int]]]:
-        """The best-ranked groups (at most recovery_top_k) that can be protected this turn while pinned
-        chunks, sinks, the new message's locked tokens and one chunk being written still fit. A group that
-        does not fit whole comes back as the message of its best chunk (an exchange's user message without
-        its reply), or failing that as the best chunk alone."""
-        sinks = self.config.sink_count
-        locked = sum(
-            c.num_tokens
-            for c in self.chunks.values()
-            if c.resident and (c.pinned or c.is_sink(sinks) or c.chunk_id in self.protected)
-        )
+        """The groups :func:`~kvos.policy.planner.affordable` lets come back this turn: their tokens fit
+        with the pinned chunks, sinks and this turn's protected chunks, the new message's locked tokens
+        and one chunk being written."""
+        locked = self.history.locked_tokens(self.config.sink_count, with_protected=True)
         room = self.config.budget.max_active_tokens - self.config.chunk_tokens - locked - incoming_locked
-        chosen: list[tuple[int, list[int]]] = []
-        for best, group in groups:
-            if len(chosen) == self.config.recovery_top_k:
-                break
-            message = [i for i in group if self.chunks[i].message_index == self.chunks[best].message_index]
-            for option in (group, message, [best]):
-                size = sum(self.chunks[i].num_tokens for i in option)
-                if size <= room:
-                    chosen.append((best, option))
-                    room -= size
-                    break
-        return chosen
+        return affordable(groups, self.chunks, room, self.config.recovery_top_k)
 
     def _recoverable(self, chunk: Chunk) -> bool:
         if chunk.state is ChunkState.SAVED:
@@ -401,19 +380,18 @@ class SessionMemory:
     def _recover(self, chunk: Chunk, at: str, before: list[int] | None, **detail: Any) -> bool:
         self.make_room(chunk.num_tokens, protected={chunk.chunk_id})
         saved = chunk.state is ChunkState.SAVED
-        try:
-            keep = set(self.protected)  # one recovery never pages out another
-            if saved:
-                self.guarded(lambda: self.pager.restore(chunk, at, self._front(before)), keep)  # type: ignore[arg-type]
-            else:
-                self.guarded(lambda: self.pager.recompute(chunk), keep)
-        except PoolOutOfMemoryError:
-            self.journal.log(self.turn, "recover_skipped", chunk=chunk.chunk_id, reason="pool_full")
+        keep = set(self.history.protected)  # one recovery never pages out another
+        if not self.reserve(lambda: self.pager.blocks_for(chunk.num_tokens), keep):
+            self.journal.log(self.history.turn, "recover_skipped", chunk=chunk.chunk_id, reason="pool_full")
             return False
-        chunk.recovered_turn = self.turn
-        self.protected.add(chunk.chunk_id)
+        if saved:
+            self.pager.restore(chunk, at, self._front(before))  # type: ignore[arg-type]
+        else:
+            self.pager.recompute(chunk)
+        chunk.recovered_turn = self.history.turn
+        self.history.protected.add(chunk.chunk_id)
         how = "restore" if saved else "recompute"
-        self.journal.log(self.turn, how, chunk=chunk.chunk_id, tokens=chunk.num_tokens, **detail)
+        self.journal.log(self.history.turn, how, chunk=chunk.chunk_id, tokens=chunk.num_tokens, **detail)
         self.journal.seen(self.pager.active_tokens)
         return True
 
@@ -439,7 +417,7 @@ class SessionMemory:
         chunk = self.chunks.get(int(key))  # type: ignore[call-overload]
         if chunk is not None and chunk.state is ChunkState.SAVED:
             chunk.state = ChunkState.DISCARDED
-            self.journal.log(self.turn, "drop", chunk=chunk.chunk_id)
+            self.journal.log(self.history.turn, "drop", chunk=chunk.chunk_id)
 
     def observe(self, captured: dict[int, torch.Tensor]) -> None:
         """Per-chunk attention mass of this decode step, averaged over the captured layers and heads."""

@@ -97,6 +97,21 @@ class Pager:
             chunk.state, chunk.current_start = ChunkState.DISCARDED, None
             raise
 
+    def blocks_for(self, tokens: int, into: Chunk | None = None) -> int:
+        """The pool blocks to ask for before writing ``tokens`` tokens into ``into``'s segment (default: a
+        new segment): what the write allocates, plus, at worst, a private copy of each block this session
+        shares with a branch (re-anchoring keys or writing into a shared block copies it first). The
+        shared blocks are counted only when the pool cannot take every block of the session besides."""
+        seg = self.segments.get(into.chunk_id) if into is not None else None
+        pool = self.engine.pool
+        need = (
+            seg.page_table.blocks_needed(tokens) if seg is not None else -(-tokens // pool.layout.block_size)
+        )
+        if pool.can_allocate(need + self.seq.num_blocks):
+            return need
+        refcount = pool.allocator.refcount
+        return need + sum(1 for seg in self.seq.segments for b in seg.page_table.blocks if refcount(b) > 1)
+
     def order(self) -> list[int]:
         """Resident chunk ids in cache order."""
         by_seg = {id(seg): cid for cid, seg in self.segments.items()}

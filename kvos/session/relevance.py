@@ -17,7 +17,7 @@ Cost per user message: one greedy decode of at most ``max_new`` tokens and one f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -67,6 +67,15 @@ class AnswerContrast:
             key: reference - self.log_likelihood([*prefix, *tokens, *query, *self.generation_prompt], answer)
             for key, tokens in candidates.items()
         }
+
+    def scratch_tokens(
+        self, prefix: Sequence[int], query: Sequence[int], candidates: Iterable[Sequence[int]]
+    ) -> int:
+        """The longest scratch sequence :meth:`scores` of these candidates holds at once (its passes run
+        one after another, each on a sequence of its own): the largest candidate's context and the longest
+        null answer."""
+        longest = max((len(tokens) for tokens in candidates), default=0)
+        return len(self.base(prefix, query)) + longest + self.max_new
 
     def null_answer(self, context: Sequence[int], tap: QueryTap | None = None) -> list[int]:
         """Greedy continuation of ``context`` (non-empty): at most ``max_new`` tokens, stopping after an

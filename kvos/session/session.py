@@ -25,6 +25,7 @@ from kvos.model.tokenizer import Tokenizer
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
+from kvos.session.history import History
 from kvos.session.memory import SessionMemory
 from kvos.session.pager import Pager
 from kvos.session.prompt import Span, common_prefix, flatten
@@ -67,7 +68,7 @@ class Session:
     ) -> None:
         self.session_id, self.engine, self.tokenizer, self.config = session_id, engine, tokenizer, config
         self.template = ChatTemplate.from_tokenizer(tokenizer) if tokenizer.chat_template else None
-        self.chunks: dict[int, Chunk] = {}
+        self.history = History()
         self.messages: list[dict[str, Any]] = []
         self.rendered = ""
         store = None
@@ -77,21 +78,25 @@ class Session:
                 store = store_factory(session_id, on_drop)
             else:
                 store = ChunkStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
-        self.pager = Pager(engine, store, config.position_mode, config.backend, self.chunks)
+        self.pager = Pager(engine, store, config.position_mode, config.backend, self.history.chunks)
         answer = None
         if config.recovery_signal in ("answer", "hybrid"):
             answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
         self.embed = make_embedder(config.embedder, engine)
-        self.memory = SessionMemory(session_id, config, self.pager, relieve, answer, self.embed)
+        self.memory = SessionMemory(session_id, config, self.history, self.pager, relieve, answer, self.embed)
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
         self.pager.digest_layers = tapped
         self.queries = QueryTap(tapped if config.recovery_signal == "attention" else (), engine.model.rope)
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
         self.logits_at = -1  # history length at which last_logits were computed
-        self._next_chunk = 0
         self._swapped: list[tuple[int, list[int]]] = []
         self.writer = ReplyWriter(self)
+
+    @property
+    def chunks(self) -> dict[int, Chunk]:
+        """Every chunk of the history by id (the :class:`History`'s; read it, change it through it)."""
+        return self.history.chunks
 
     # ----------------------------------------------------------------- history
     def add_message(
@@ -157,8 +162,8 @@ class Session:
         """A new user message: a new turn, similarity recovery (before the message is prefilled, leaving room
         for its ``locked`` pinned tokens; with the "attention" signal after, from its queries), task focus
         update, the message's chunks."""
-        self.memory.turn += 1
-        self.memory.protected.clear()
+        self.history.turn += 1
+        self.history.protected.clear()
         query = self.embed(ids)
         costs, tap = self.memory.costs, self.queries
         costs.begin_turn()
@@ -167,7 +172,7 @@ class Session:
             self.memory.recover_similar(ids, query, locked)
         costs.add(recovery_s=time.perf_counter() - began - costs.restore_s)
         if self.memory.focus.update(query, boundary=boundary):
-            self.memory.journal.log(self.memory.turn, "focus", snapped=True)
+            self.memory.journal.log(self.history.turn, "focus", snapped=True)
         began = time.perf_counter()
         chunks = self._append(ids, kind, keep, priority, message_index, tap=tap.wanted)
         costs.add(prefill_s=time.perf_counter() - began)
@@ -185,9 +190,8 @@ class Session:
         from see the chunks spliced in front of it."""
         token, position = chunk.token_ids[-1], int(chunk.current_start or 0) + chunk.num_tokens - 1
         self.pager.truncate(chunk, chunk.num_tokens - 1)
-        self.last_logits = self.memory.guarded(
-            lambda: self.engine.extend(self.pager.seq, [token], [position]), {chunk.chunk_id}
-        )
+        self.memory.hold(1, {chunk.chunk_id}, into=chunk)
+        self.last_logits = self.engine.extend(self.pager.seq, [token], [position])
 
     def _append(
         self,
@@ -204,11 +208,11 @@ class Session:
         for lo in range(0, len(ids), self.config.chunk_tokens):
             part = ids[lo : lo + self.config.chunk_tokens]
             chunk = Chunk(
-                chunk_id=self.new_chunk_id(),
+                chunk_id=self.history.new_chunk_id(),
                 kind=kind,
-                turn=self.memory.turn,
+                turn=self.history.turn,
                 token_ids=part,
-                original_start=self.memory.history_tokens,
+                original_start=self.history.tokens,
                 priority=priority,
                 keep=keep,
                 text=self.tokenizer.decode(part),
@@ -217,9 +221,9 @@ class Session:
             final_user_chunk = kind is ChunkKind.USER and lo + len(part) == len(ids)
             observe = self.config.attention_mode == "snapshot" and final_user_chunk
             self._prefill(chunk, observe, tap)
-            self.chunks[chunk.chunk_id] = chunk
-            self.memory.history_tokens += len(part)
-            self.logits_at = self.memory.history_tokens
+            self.history.add(chunk)
+            self.history.tokens += len(part)
+            self.logits_at = self.history.tokens
             made.append(chunk)
         self.memory.journal.seen(self.pager.active_tokens)
         return made
@@ -229,17 +233,14 @@ class Session:
         queries (the SnapKV observation window) becomes the attention signal; with ``tap``, its queries at
         those layers go to :attr:`queries`."""
         self.memory.make_room(chunk.num_tokens, protected={chunk.chunk_id})
+        self.memory.hold(chunk.num_tokens, set())
         layers = self.capture if observe else frozenset()
         captured: dict[int, torch.Tensor] = {}
-
-        def prefill() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
-            queries = None
-            if tap:
-                start = self.pager.next_position(chunk)
-                queries = self.queries.add(torch.arange(start, start + chunk.num_tokens))
-            return self.pager.append(chunk, "last", captured, layers, tap=tap, queries=queries)
-
-        self.last_logits = self.memory.guarded(prefill, set())
+        queries = None
+        if tap:  # the position is read after paging: it may have compacted the cache
+            start = self.pager.next_position(chunk)
+            queries = self.queries.add(torch.arange(start, start + chunk.num_tokens))
+        self.last_logits = self.pager.append(chunk, "last", captured, layers, tap=tap, queries=queries)
         self.memory.observe(captured)
 
     # ------------------------------------------------------- whole-prompt sync
@@ -254,20 +255,8 @@ class Session:
         room = self.config.budget.max_active_tokens - locked
         if self.config.position_mode == "sparse":
             context = self.engine.model.config.max_position_embeddings
-            room = min(room, context - self.memory.history_tokens)
+            room = min(room, context - self.history.tokens)
         return max(room, 0)
-
-    def last_turn_start(self) -> int:
-        """Where the last user message begins in the history (0 when there is none)."""
-        users = [c for c in self.chunks.values() if c.kind is ChunkKind.USER]
-        if not users:
-            return 0
-        last = max(users, key=lambda c: c.original_start)
-        return min(c.original_start for c in users if c.message_index == last.message_index)
-
-    def history_ids(self) -> list[int]:
-        """Every token of the logical history (resident, saved or discarded chunks alike), in order."""
-        return [t for c in sorted(self.chunks.values(), key=lambda c: c.original_start) for t in c.token_ids]
 
     def sync(
         self,
@@ -285,7 +274,7 @@ class Session:
         first), then the tail is prefilled as chunks typed by their spans. With ``need_logits`` at least the
         last token is decoded, so generation has logits to start from.
         """
-        prompt, history = flatten(spans), self.history_ids()
+        prompt, history = flatten(spans), self.history.token_ids()
         common = common_prefix(prompt, history)
         if need_logits and common == len(prompt) and not (common == len(history) == self.logits_at):
             common -= 1
@@ -328,8 +317,8 @@ class Session:
             del self.chunks[chunk.chunk_id]
         if self.config.position_mode == "compact":
             self.pager.compact()
-        self.memory.history_tokens = length
-        self.memory.journal.log(self.memory.turn, "truncate", tokens=length)
+        self.history.tokens = length
+        self.memory.journal.log(self.history.turn, "truncate", tokens=length)
         return length
 
     def _fill_headroom(self, prompt: list[int]) -> None:
@@ -349,16 +338,21 @@ class Session:
         if self.pager.store is None:
             raise ConfigError("swapping a session out needs the kv_restore backend")
         self._swapped = self.pager.swap_out()
-        self.memory.journal.log(self.memory.turn, "swap_out", chunks=len(self._swapped))
+        self.memory.journal.log(self.history.turn, "swap_out", chunks=len(self._swapped))
 
     def swap_in(self) -> None:
         """Bring a swapped-out session back exactly as it was: same chunks, order and positions."""
         record, self._swapped = self._swapped, []
-        recomputed: list[int] = self.memory.guarded(lambda: self.pager.swap_in(record), set())
+        tokens = [len(self.chunks[cid].token_ids) for cid, _ in record]
+        block = self.engine.pool.layout.block_size
+        if not self.memory.reserve(lambda: sum(-(-n // block) for n in tokens), set()):
+            self._swapped = record  # nothing changed: it stays swapped out
+            raise self.engine.pool.out_of_memory(sum(-(-n // block) for n in tokens))
+        recomputed = self.pager.swap_in(record)
         for cid in recomputed:  # dropped or unreadable while out: re-prefilled in place
             chunk = self.chunks[cid]
-            self.memory.journal.log(self.memory.turn, "recompute", chunk=cid, tokens=chunk.num_tokens)
-        self.memory.journal.log(self.memory.turn, "swap_in", chunks=len(record))
+            self.memory.journal.log(self.history.turn, "recompute", chunk=cid, tokens=chunk.num_tokens)
+        self.memory.journal.log(self.history.turn, "swap_in", chunks=len(record))
 
     @property
     def swapped(self) -> bool:
@@ -390,9 +384,9 @@ class Session:
     def reply(self, params: SamplingParams) -> Iterator[StreamEvent]:
         """Generate after :meth:`sync` of a prompt that ends with the generation prompt (server use).
         The reply continues the last chunk when it is the generation prompt's ASSISTANT chunk."""
-        last = max(self.chunks.values(), key=lambda c: c.original_start, default=None)
+        last = self.history.last()
         chunk = last if last is not None and last.kind is ChunkKind.ASSISTANT and last.resident else None
-        anchor = self.history_ids()[-4:]
+        anchor = self.history.token_ids()[-4:]
         yield from self.writer.write(params, chunk, anchor)
         if self.writer.chunk is not None:
             self.writer.chunk.embedding = None  # its tokens grew: embedded again when next needed
@@ -425,10 +419,10 @@ class Session:
         store = self.pager.store.stats() if self.pager.store is not None else {}
         return {
             "session": self.session_id,
-            "turn": self.memory.turn,
+            "turn": self.history.turn,
             "active_tokens": self.pager.active_tokens,
             "cached_tokens": self.pager.active_tokens + sum(c.num_tokens for c in states[ChunkState.SAVED]),
-            "history_tokens": self.memory.history_tokens,
+            "history_tokens": self.history.tokens,
             "max_active_tokens_seen": self.memory.journal.max_active,
             "budget": self.config.budget.max_active_tokens,
             "evictions": self.memory.journal.count("evict"),
@@ -441,10 +435,6 @@ class Session:
             "saved_disk_bytes": store.get("disk_bytes", 0),
             "pool_bytes": self.engine.pool.nbytes,
         }
-
-    def new_chunk_id(self) -> int:
-        self._next_chunk += 1
-        return self._next_chunk - 1
 
     def close(self) -> None:
         """Free the session's pool blocks and saved chunks."""

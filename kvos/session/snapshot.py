@@ -123,7 +123,8 @@ def restore(snapshot: SessionSnapshot, session: Session, directory: Path) -> lis
         record = [(int(cid), [int(p) for p in pos]) for cid, pos in snapshot.header["cache"]]
         record += [(int(cid), [int(p) for p in pos]) for cid, pos in snapshot.header["swapped"]]
         _check(chunks, record, snapshot.history_tokens)
-        session.chunks.update({c.chunk_id: c for c in chunks})
+        for chunk in chunks:
+            session.history.add(chunk)
         for cid, _ in record:
             session.chunks[cid].state, session.chunks[cid].current_start = ChunkState.SAVED, None
         _load_memory(session, snapshot.header["memory"], snapshot.table)
@@ -197,11 +198,11 @@ def _saved_file(store: ChunkStore, chunk_id: int, directory: Path) -> str:
 
 
 def _memory_state(session: Session, table: TensorTable) -> dict[str, Any]:
-    memory = session.memory
+    memory, history = session.memory, session.history
     return {
-        "turn": memory.turn,
-        "history_tokens": memory.history_tokens,
-        "protected": sorted(memory.protected),
+        "turn": history.turn,
+        "history_tokens": history.tokens,
+        "protected": sorted(history.protected),
         "focus": {
             "snap_below": memory.focus.snap_below,
             "keep": memory.focus.keep,
@@ -214,9 +215,9 @@ def _memory_state(session: Session, table: TensorTable) -> dict[str, Any]:
 
 
 def _load_memory(session: Session, state: dict[str, Any], table: TensorTable) -> None:
-    memory = session.memory
-    memory.turn, memory.history_tokens = int(state["turn"]), int(state["history_tokens"])
-    memory.protected = {int(i) for i in state["protected"]}
+    memory, history = session.memory, session.history
+    history.turn, history.tokens = int(state["turn"]), int(state["history_tokens"])
+    history.protected = {int(i) for i in state["protected"]}
     focus = state["focus"]
     memory.focus = TaskFocus(float(focus["snap_below"]), float(focus["keep"]))
     if focus["vector"] is not None:  # as saved, not renormalised: bit for bit
@@ -234,7 +235,7 @@ def _session_state(session: Session, table: TensorTable) -> dict[str, Any]:
         "rendered": session.rendered,
         "logits_at": session.logits_at,
         "last_logits": None if logits is None else table.add("last_logits", logits),
-        "next_chunk": session._next_chunk,
+        "next_chunk": session.history.next_id,
     }
 
 
@@ -243,7 +244,7 @@ def _load_session(session: Session, state: dict[str, Any], table: TensorTable) -
     logits = state["last_logits"]
     session.last_logits = None if logits is None else table.get(logits).to(session.engine.model.device)
     session.logits_at = int(state["logits_at"]) if logits is not None else -1
-    session._next_chunk = int(state["next_chunk"])
+    session.history.next_id = int(state["next_chunk"])
 
 
 def _in_order(chunks: Any) -> list[Chunk]:

@@ -50,29 +50,25 @@ class ReplyWriter:
             if chunk is not None:
                 chunk.embedding = None  # embedded from its whole text when next needed
             chunk = Chunk(
-                chunk_id=self.s.new_chunk_id(),
+                chunk_id=self.s.history.new_chunk_id(),
                 kind=ChunkKind.ASSISTANT,
-                turn=self.s.memory.turn,
+                turn=self.s.history.turn,
                 token_ids=[],
-                original_start=self.s.memory.history_tokens,
+                original_start=self.s.history.tokens,
                 message_index=len(self.s.messages),
             )
-            self.s.chunks[chunk.chunk_id] = chunk
+            self.s.history.add(chunk)
             self.s.pager.open(chunk)
         captured: dict[int, torch.Tensor] = {}
         layers = frozenset() if self.s.config.attention_mode == "snapshot" else self.s.capture
-        reply = chunk
-
-        def step() -> torch.Tensor:  # the position is read at each try: paging may compact the cache
-            position = int(reply.current_start or 0) + reply.num_tokens
-            return self.s.engine.extend(
-                self.s.pager.seq, [token], [position], capture_layers=layers, captured=captured
-            )
-
-        self.s.last_logits = self.s.memory.guarded(step, {chunk.chunk_id})
+        self.s.memory.hold(1, {chunk.chunk_id}, into=chunk)
+        position = int(chunk.current_start or 0) + chunk.num_tokens  # read after paging: it may compact
+        self.s.last_logits = self.s.engine.extend(
+            self.s.pager.seq, [token], [position], capture_layers=layers, captured=captured
+        )
         chunk.token_ids.append(token)
-        self.s.memory.history_tokens += 1
-        self.s.logits_at = self.s.memory.history_tokens
+        self.s.history.tokens += 1
+        self.s.logits_at = self.s.history.tokens
         self.s.memory.observe(captured)
         self.s.memory.journal.seen(self.s.pager.active_tokens)
         return chunk

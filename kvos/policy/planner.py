@@ -1,0 +1,170 @@
+"""The planner: every paging decision of a session, taken from a snapshot and returned as plain data.
+
+A :class:`Snapshot` is what the policy sees of a session at one moment: its resident chunks in cache order
+with their scores, its resident tokens, its budget and what is protected this turn. The functions here are
+pure (no pool, no model, nothing changed): :func:`plan_room` (what goes so that ``n`` more tokens fit the
+budget), :func:`pressure_victim` (what goes next when the shared pool is at its cap) and
+:func:`affordable` (which recovery candidates fit this turn). The executor
+(:class:`kvos.session.memory.SessionMemory` with its :class:`~kvos.session.pager.Pager`) carries the plans
+out.
+
+What a plan never evicts: sinks, pinned chunks and the chunks the caller holds (the chunk being written or
+restored). Chunks recovered this turn (``Snapshot.protected``) go only when nothing else can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvos.policy.budget import Budget, select_victims
+from kvos.policy.chunks import Chunk
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session as the planner sees it.
+
+    - ``resident``: its resident chunks in cache order; ``scores``: chunk id -> score for each of them;
+    - ``active_tokens``: its resident tokens (the sum of the resident chunks' tokens);
+    - ``protected``: chunk ids protected for this turn (recovered ones), which yield only to the chunks a
+      caller holds.
+    """
+
+    resident: tuple[Chunk, ...]
+    scores: Mapping[int, float]
+    active_tokens: int
+    budget: Budget
+    sink_count: int
+    protected: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One chunk to page out: its id, its tokens, its score, and whether it went past the scorer's floor
+    (a chunk scoring >= 1.0 without a pin, taken when nothing else was left)."""
+
+    chunk_id: int
+    tokens: int
+    score: float
+    forced: bool = False
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    """What :func:`plan_room` decided: the evictions in order and whether the new tokens then fit within
+    ``max_active_tokens`` (when they do not, every chunk the rules let go is in ``evictions``)."""
+
+    evictions: tuple[Eviction, ...]
+    active_after: int
+    fits: bool
+
+
+def plan_room(snapshot: Snapshot, n: int, holding: frozenset[int] = frozenset()) -> RoomPlan:
+    """The evictions that make room for ``n`` more tokens within the session's budget.
+
+    Nothing when ``active + n`` is not over the budget's trigger. Otherwise, in three stages, each only
+    while ``active + n`` is still above ``max_active_tokens`` after the one before:
+
+    1. the lowest-scored evictable chunks down to the budget's target (neither this turn's protected chunks
+       nor ``holding`` ones);
+    2. the last resort: chunks scoring >= 1.0 without a pin go too, lowest score first (oldest first among
+       ties), down to ``max_active_tokens``;
+    3. the same, this turn's protected chunks included: their protection yields to the chunks held.
+    """
+    budget = snapshot.budget
+    if not budget.over(snapshot.active_tokens + n):
+        return RoomPlan((), snapshot.active_tokens, True)
+    draft = _Draft(snapshot)
+    keep = snapshot.protected | holding
+    draft.take(draft.victims(n, budget.target(), keep, capped=False), forced=False)
+    limit = budget.max_active_tokens
+    if draft.active + n > limit:
+        draft.take(draft.victims(n, limit, keep, capped=True), forced=True)
+    if draft.active + n > limit and snapshot.protected:
+        draft.take(draft.victims(n, limit, holding, capped=True), forced=True)
+    return RoomPlan(tuple(draft.evictions), draft.active, draft.active + n <= limit)
+
+
+def pressure_victim(snapshot: Snapshot, holding: frozenset[int] = frozenset()) -> Eviction | None:
+    """The chunk that goes next when the shared pool is at its cap: the lowest-scored evictable chunk that
+    is neither protected this turn nor held; failing that, the lowest-scored one not held; None when
+    nothing may go."""
+    for keep in (snapshot.protected | holding, holding):
+        victims = select_victims(
+            snapshot.resident, snapshot.scores, snapshot.active_tokens, 0, keep, snapshot.sink_count
+        )
+        if victims:
+            return Eviction(victims[0].chunk_id, victims[0].num_tokens, snapshot.scores[victims[0].chunk_id])
+    return None
+
+
+def cheapest_elsewhere(snapshots: Mapping[str, Snapshot]) -> tuple[str, Eviction] | None:
+    """Among other sessions (``snapshots``, each with its own turn's protections kept), the session and
+    chunk with the lowest score that may be paged out to relieve the pool; None when none may."""
+    best: tuple[str, Eviction] | None = None
+    for key, snapshot in snapshots.items():
+        victims = select_victims(
+            snapshot.resident,
+            snapshot.scores,
+            snapshot.active_tokens,
+            0,
+            snapshot.protected,
+            snapshot.sink_count,
+        )
+        if victims:
+            chunk = victims[0]
+            score = snapshot.scores[chunk.chunk_id]
+            if best is None or score < best[1].score:
+                best = (key, Eviction(chunk.chunk_id, chunk.num_tokens, score))
+    return best
+
+
+def affordable(
+    groups: Sequence[tuple[int, list[int]]],
+    chunks: Mapping[int, Chunk],
+    room: int,
+    top_k: int,
+) -> list[tuple[int, list[int]]]:
+    """The best-ranked recovery groups (``(best chunk id, [chunk ids])``, best first), at most ``top_k``,
+    whose tokens fit in ``room`` together. A group that does not fit whole comes back as the message of its
+    best chunk (an exchange's user message without its reply), or failing that as the best chunk alone."""
+    chosen: list[tuple[int, list[int]]] = []
+    for best, group in groups:
+        if len(chosen) == top_k:
+            break
+        message = [i for i in group if chunks[i].message_index == chunks[best].message_index]
+        for option in (group, message, [best]):
+            size = sum(chunks[i].num_tokens for i in option)
+            if size <= room:
+                chosen.append((best, option))
+                room -= size
+                break
+    return chosen
+
+
+class _Draft:
+    """A plan being built: the chunks still resident and the tokens left after the evictions so far."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.left = list(snapshot.resident)
+        self.active = snapshot.active_tokens
+        self.evictions: list[Eviction] = []
+
+    def victims(self, n: int, target: int, keep: frozenset[int], capped: bool) -> list[Chunk]:
+        """select_victims over what is left; ``capped``: scores >= 1.0 count as just below 1.0 (so
+        unpinned "prefer" chunks may go, in age order among themselves)."""
+        scores = self.snapshot.scores
+        if capped:
+            scores = {i: min(s, 1.0 - 1e-9) for i, s in scores.items()}
+        return select_victims(self.left, scores, self.active + n, target, keep, self.snapshot.sink_count)
+
+    def take(self, victims: list[Chunk], forced: bool) -> None:
+        gone = {c.chunk_id for c in victims}
+        self.left = [c for c in self.left if c.chunk_id not in gone]
+        for chunk in victims:
+            self.active -= chunk.num_tokens
+            self.evictions.append(
+                Eviction(chunk.chunk_id, chunk.num_tokens, self.snapshot.scores[chunk.chunk_id], forced)
+            )

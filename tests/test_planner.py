@@ -1,0 +1,191 @@
+"""The planner on snapshots, without a model: exact plans, and properties over random sessions (the budget is
+never exceeded when a plan says it fits; sinks, pins and held chunks never go; this turn's protected chunks go
+only when nothing else can)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvos.engine.engine import Engine
+from kvos.memory.growth import GrowthPolicy
+from kvos.memory.pool import KVPool
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.budget import Budget
+from kvos.policy.chunks import Chunk, ChunkKind
+from kvos.policy.planner import (
+    Eviction,
+    Snapshot,
+    affordable,
+    cheapest_elsewhere,
+    plan_room,
+    pressure_victim,
+)
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+
+SINKS = 4
+
+
+def chunks_of(sizes: list[int], keeps: list[str | None] | None = None) -> tuple[Chunk, ...]:
+    """Resident chunks of these sizes laid end to end (the first one starts at 0: a sink)."""
+    out, start = [], 0
+    for i, size in enumerate(sizes):
+        keep = keeps[i] if keeps else None
+        out.append(Chunk(i, ChunkKind.USER, 1, list(range(size)), start, start, keep=keep, message_index=i))  # type: ignore[arg-type]
+        start += size
+    return tuple(out)
+
+
+def snapshot(
+    sizes: list[int],
+    scores: list[float],
+    budget: Budget,
+    keeps: list[str | None] | None = None,
+    protected: frozenset[int] = frozenset(),
+) -> Snapshot:
+    chunks = chunks_of(sizes, keeps)
+    return Snapshot(chunks, dict(enumerate(scores)), sum(sizes), budget, SINKS, protected)
+
+
+def test_nothing_goes_under_the_trigger() -> None:
+    s = snapshot([10, 20, 30], [1.0, 0.2, 0.5], Budget(100, high=0.95, low=0.75))
+    assert plan_room(s, 35) == plan_room(s, 0)
+    plan = plan_room(s, 35)
+    assert plan.evictions == () and plan.fits and plan.active_after == 60
+
+
+def test_lowest_scores_go_down_to_the_low_watermark() -> None:
+    # 10 + 20 + 30 + 25 = 85; 85 + 15 = 100 > 95: evict down to 75 (at most), lowest first
+    s = snapshot([10, 20, 30, 25], [1.0, 0.6, 0.1, 0.3], Budget(100, high=0.95, low=0.75))
+    plan = plan_room(s, 15)
+    assert [e.chunk_id for e in plan.evictions] == [2]  # 100 - 30 = 70 <= 75
+    assert plan.evictions[0] == Eviction(2, 30, 0.1, forced=False)
+    assert plan.fits and plan.active_after == 55
+
+
+def test_last_resort_takes_preferred_chunks_oldest_first_but_never_pins_or_held() -> None:
+    budget = Budget(60, policy="hard")
+    keeps: list[str | None] = [None, "prefer", "prefer", "pin", None]
+    s = snapshot([5, 10, 10, 20, 10], [1.0, 1.4, 1.2, 1.0, 0.3], budget, keeps)
+    plan = plan_room(s, 25, holding=frozenset({4}))  # 55 + 25 = 80: 20 must go, chunk 4 is held
+    assert [(e.chunk_id, e.forced) for e in plan.evictions] == [(1, True), (2, True)]
+    assert plan.fits and plan.active_after == 35
+    assert not plan_room(s, 26, holding=frozenset({4})).fits  # sink 5 + pin 20 + held 10 + 26 > 60
+
+
+def test_protected_chunks_yield_only_to_held_ones() -> None:
+    budget = Budget(50, policy="hard")
+    s = snapshot([4, 20, 20], [1.0, 0.1, 0.9], budget, protected=frozenset({1}))
+    plan = plan_room(s, 20)  # 44 + 20 = 64: 14 must go; chunk 2 goes first though it scores higher
+    assert [e.chunk_id for e in plan.evictions] == [2]
+    plan = plan_room(s, 40)  # 84: both must go; the protected one last
+    assert [e.chunk_id for e in plan.evictions] == [2, 1] and plan.fits
+
+
+def test_pressure_victim_and_the_cheapest_of_other_sessions() -> None:
+    budget = Budget(100)
+    s = snapshot([4, 10, 10, 10], [1.0, 0.5, 0.2, 0.3], budget, protected=frozenset({2}))
+    assert pressure_victim(s) == Eviction(3, 10, 0.3)
+    assert pressure_victim(s, holding=frozenset({1, 3})) == Eviction(2, 10, 0.2)  # protection yields
+    assert pressure_victim(s, holding=frozenset({1, 2, 3})) is None
+    other = snapshot([4, 8], [1.0, 0.25], budget)
+    assert cheapest_elsewhere({"a": s, "b": other}) == ("b", Eviction(1, 8, 0.25))
+    assert cheapest_elsewhere({"a": snapshot([4], [1.0], budget)}) is None
+
+
+def test_affordable_falls_back_to_the_message_then_the_chunk() -> None:
+    chunks = {c.chunk_id: c for c in chunks_of([4, 30, 10, 20])}
+    chunks[2].message_index = 1  # chunks 1 and 2 are one message; 3 its reply
+    groups = [(2, [1, 2, 3]), (0, [0])]
+    assert affordable(groups, chunks, room=60, top_k=2) == [(2, [1, 2, 3])]
+    assert affordable(groups, chunks, room=45, top_k=2) == [(2, [1, 2]), (0, [0])]
+    assert affordable(groups, chunks, room=15, top_k=2) == [(2, [2]), (0, [0])]
+    assert affordable(groups, chunks, room=15, top_k=1) == [(2, [2])]
+
+
+sessions = st.integers(1, 12).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.integers(1, 40), min_size=n, max_size=n),
+        st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.9, 1.0, 1.5]), min_size=n, max_size=n),
+        st.lists(st.sampled_from([None, None, None, "prefer", "pin"]), min_size=n, max_size=n),
+        st.sets(st.integers(0, n - 1)),
+        st.sets(st.integers(0, n - 1)),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    session=sessions,
+    n=st.integers(0, 120),
+    max_tokens=st.integers(1, 200),
+    policy=st.sampled_from(["hard", "watermark"]),
+)
+def test_plan_room_properties(session: tuple, n: int, max_tokens: int, policy: str) -> None:
+    sizes, scores, keeps, protected, holding = session
+    budget = Budget(max_tokens, policy=policy)  # type: ignore[arg-type]
+    s = snapshot(sizes, scores, budget, keeps, frozenset(protected))
+    plan = plan_room(s, n, frozenset(holding))
+    gone = [e.chunk_id for e in plan.evictions]
+    assert len(gone) == len(set(gone))
+    assert plan.active_after == s.active_tokens - sum(sizes[i] for i in gone)
+    chunks = {c.chunk_id: c for c in s.resident}
+    for i in gone:  # never a sink, a pin or a held chunk
+        assert not chunks[i].is_sink(SINKS) and keeps[i] != "pin" and i not in holding
+    if not budget.over(s.active_tokens + n):
+        assert plan.evictions == () and plan.fits
+        return
+    assert plan.fits == (plan.active_after + n <= max_tokens)
+    left = [c for c in s.resident if c.chunk_id not in gone]
+    movable = [c for c in left if not c.is_sink(SINKS) and c.keep != "pin" and c.chunk_id not in holding]
+    if not plan.fits:  # everything the rules let go went
+        assert movable == []
+    # a protected chunk goes only once every unprotected candidate has gone
+    if any(i in protected for i in gone):
+        assert all(c.chunk_id in protected for c in movable)
+    # a chunk past the scorer's floor is forced: the stage before it could not make room
+    assert all(e.forced for e in plan.evictions if scores[e.chunk_id] >= 1.0)
+
+
+def test_sessions_under_pool_pressure_ask_before_they_allocate(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sessions over a capped pool (the server's layout: one manager, one engine): every allocation a
+    session makes fits, because it asked the pool first and paged out to make room; pressure is relieved
+    from the other session first, then from its own chunks."""
+    model = load_model(model_dir)
+    probe = Engine(model, block_size=8)
+    engine = Engine(
+        model,
+        block_size=8,
+        growth=GrowthPolicy(initial_tokens=64, max_bytes=probe.pool.layout.bytes_per_block * 40),
+    )
+    config = SessionConfig(budget=Budget(max_active_tokens=1000), chunk_tokens=24, embedder="tokens")
+    m = MemoryManager(engine, load_tokenizer(model_dir), config)
+    refused: list[int] = []
+    alloc_n = KVPool.alloc_n
+
+    def checked(pool: KVPool, n: int) -> list[int]:
+        if not pool.can_allocate(n):
+            refused.append(n)
+        return alloc_n(pool, n)
+
+    monkeypatch.setattr(KVPool, "alloc_n", checked)
+    a, b = m.session("a"), m.session("b")
+    filler = "the quick brown fox jumps over the lazy dog while it rains "
+    for i in range(4):
+        a.add_message("user", f"a{i} " + filler)
+    for i in range(11):
+        b.add_message("user", f"b{i} " + filler)
+    assert refused == []
+    assert any(e["event"] == "pressure" for e in a.memory.journal.events)
+    assert any(e["event"] == "pool_full" for e in b.memory.journal.events)
+    assert engine.pool.nbytes <= probe.pool.layout.bytes_per_block * 40
+    m.close("a")
+    m.close("b")
+    assert engine.pool.allocator.num_used == 0

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvos.engine.step_costs import StepCosts
+from kvos.engine.threads import set_thread_count
 from kvos.errors import ConfigError
 from kvos.model.attention import BatchItem
 from kvos.model.transformer import NO_STORE, KVStore, Transformer
@@ -95,11 +96,14 @@ class Scheduler(Executor):
         step_tokens: int = 2048,
         capacity_blocks: int | None = None,
         stall: float | None = 3.0,
+        threads: int | None = None,
     ) -> None:
         """``capacity_blocks``: the pool's cap in blocks, which :meth:`admit` keeps reservations within
         (None: no cap, reservations are only counted). ``stall``: a step that carries prefill beside
         running decodes lasts at most about this many decode steps (its prefill is cut to fit, from the
-        step costs measured so far: :class:`StepCosts`); None: prefill fills ``step_tokens``."""
+        step costs measured so far: :class:`StepCosts`); None: prefill fills ``step_tokens``. ``threads``:
+        torch's intra-op threads for the forward passes (default: the constructing thread's count), set
+        on the scheduler's thread before every step (:mod:`kvos.engine.threads`)."""
         if max_running < 1 or step_tokens <= max_running:
             raise ConfigError(
                 f"max_running must be at least 1 and step_tokens above it, got {max_running} and "
@@ -127,6 +131,7 @@ class Scheduler(Executor):
         self._closed = False  # no new work is taken
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="kvos-worker")
+        self.threads = threads if threads is not None else torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="kvos-scheduler", daemon=True)
         self._thread.start()
 
@@ -289,6 +294,7 @@ class Scheduler(Executor):
         a pass fails, each of its asks runs alone so that only the ones that fail on their own get the
         error. The step's duration feeds :attr:`costs`."""
         self.stats.add(step)
+        set_thread_count(self.threads)  # this thread's own, whatever the process-wide default became
         began = time.perf_counter()
         for asks, kv in (
             ([a for a in step if not a.standalone], self.kv),

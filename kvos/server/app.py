@@ -235,7 +235,9 @@ def scheduler(service: ChatService) -> Scheduler:
     engine = service.manager.engine
     cap = engine.pool.growth.max_blocks(engine.pool.layout.bytes_per_block)
     config = service.config
-    sched = Scheduler(engine.model, engine.pool, config.max_running, config.step_tokens, cap, config.stall)
+    sched = Scheduler(
+        engine.model, engine.pool, config.max_running, config.step_tokens, cap, config.stall, config.threads
+    )
     engine.scheduler = sched
     return sched
 

@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvos.engine import fused
 from kvos.engine.engine import Engine
+from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.model.gguf import limit_heap_arenas
 from kvos.model.loader import load_model
@@ -131,6 +134,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="while requests decode, a step that also prefills lasts at most about this many decode steps "
         "(its prefill is cut to fit, from measured step costs), so a new prompt does not stall running "
         "replies; 0: prefill fills --step-tokens",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        help="threads of the forward passes (default: one per core); the server's other threads compute "
+        "single-threaded, so that one pool of helper threads serves every step",
     )
     p.add_argument(
         "--kv-memory",
@@ -262,6 +271,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
             max_running=args.max_running,
             step_tokens=args.step_tokens,
             stall=args.stall or None,
+            threads=args.threads or torch.get_num_threads(),
         ),
         state,
     )
@@ -363,7 +373,10 @@ def serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     limit_heap_arenas(2)  # before any worker thread: freed memory goes back, not into per-thread arenas
-    service = build_service(args)
+    # the set-up's parallel operators run on a thread that ends, and only the scheduler's thread keeps a
+    # pool of helper threads: a second pool makes every step's parallel loops wake sleeping helpers
+    service = on_passing_thread(lambda: build_service(args))
+    single_threaded_default()
     app = make_app(service, args)
     print(
         f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1 "

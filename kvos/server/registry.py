@@ -40,6 +40,7 @@ class ServiceConfig:
     max_running: int = 8  # requests running at once, their forward passes batched; later ones wait
     step_tokens: int = 2048  # tokens per batched forward pass: every decode token, then prefill slices
     stall: float | None = 3.0  # a step with prefill beside decodes lasts about this many decode steps at most
+    threads: int | None = None  # torch's intra-op threads for the forward passes (None: the default count)
 
 
 @dataclass

@@ -71,3 +71,24 @@ def test_decode_rate_counts_overlapping_decode_phases_once() -> None:
     assert decode_rate([(1.0, 3.0, 4), (0.0, 2.0, 4), (5.0, 6.0, 2)]) == 2.5
     assert decode_rate([(0.0, 4.0, 8), (1.0, 2.0, 2)]) == 2.5  # one inside the other
     assert decode_rate([]) == 0.0
+
+
+def test_a_peer_server_gets_the_same_load(tmp_path: Path) -> None:
+    """A peer (here kvos serve itself, started by its own command line as llama-server would be) is driven
+    by the same clients; its rows carry the peer's label and only the clients' figures."""
+    import sys
+    import time
+
+    def launch(port: int) -> list[str]:
+        return [sys.executable, "-m", "kvos.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+
+    args = serve_args("--turns", "2", "--max-tokens", "3")
+    peer = serve.Peer("peer -np 2", launch)
+    rows = serve.bench_model("builtin", None, [2], args, time.monotonic() + 120, tmp_path, peer)
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["label"] == "peer -np 2" and row["clients"] == 2
+    assert row["requests"] == row["completed"] == 4 and not row["failures"]
+    assert row["completion_tokens"] == row["received_tokens"] == 4 * 3
+    assert row["max_active_tokens"] is None and row["budget"] is None and row["sessions"] == 0
+    assert (tmp_path / "builtin-peer.log").is_file()

@@ -22,16 +22,25 @@ Per row (model, label, clients):
 - ``completion_tokens`` (usage) and ``received_tokens`` (token chunks the clients got) should be equal.
 
 With ``--json PATH`` the result has top-level ``rows``; ``--plot PATH`` draws aggregate tok/s and the
-latencies against the client count. llama.cpp's server is run only where it can serve these clients
-concurrently (:func:`llamacpp_skip_reason` says why not).
+latencies against the client count.
+
+**llama.cpp side by side.** With ``--llama-server PATH`` (default: a ``llama-server`` on ``PATH``), every GGUF
+model of the run is also served by llama.cpp's own server with ``--parallel N`` slots (8 by default: its
+continuous batching over that many sequences), the same threads and the file's chat template, and driven
+by exactly the same clients; its rows are labelled ``llama.cpp -np N`` and have no ``max_active_tokens``
+(llama.cpp keeps each slot's whole context). llama-cpp-python's ``llama_cpp.server`` cannot stand in: it
+has no parallel slots (:func:`llamacpp_skip_reason`).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +48,7 @@ from kvos.bench.common import header, print_table, write_json
 from kvos.bench.serve_client import Plan, TimedClient, Timings, decode_rate, percentile_ms
 from kvos.bench.soak import never_end
 from kvos.bench.soak_client import Calls
-from kvos.bench.soak_server import Monitor, ServerProcess
+from kvos.bench.soak_server import HOST, Monitor, ServerProcess
 from kvos.errors import ConfigError
 
 SMOLLM2 = (
@@ -86,6 +95,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds", type=float, default=1800.0, help="no turn starts after this")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--log-dir", help="where the servers' logs go (default: a temporary directory)")
+    parser.add_argument(
+        "--llama-server",
+        default=shutil.which("llama-server"),
+        help="llama.cpp's llama-server binary: GGUF models are served by it too, side by side (default: "
+        "llama-server on PATH, if any)",
+    )
+    parser.add_argument("--llama-parallel", type=int, default=8, help="llama-server --parallel (slots)")
+    parser.add_argument(
+        "--llama-ctx", type=int, default=4096, help="llama-server positions per slot (--ctx-size: x slots)"
+    )
+    parser.add_argument("--threads", type=int, help="compute threads of both servers (default: one per core)")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another server driven with the same load: its label in the rows and its command line for a port."""
+
+    label: str
+    launcher: Callable[[int], list[str]]
+
+
+def llamacpp_peer(binary: str, gguf: Path, args: argparse.Namespace, threads: int) -> Peer:
+    """llama.cpp's server on ``gguf``: ``--parallel`` slots of ``--llama-ctx`` positions each, ``threads``
+    threads for decode and prefill, the file's chat template rendered by its jinja engine."""
+    slots = args.llama_parallel
+
+    def launch(port: int) -> list[str]:
+        return [
+            binary,
+            *("--model", str(gguf), "--host", HOST, "--port", str(port)),
+            *("--parallel", str(slots), "--ctx-size", str(slots * args.llama_ctx)),
+            *("--threads", str(threads), "--threads-batch", str(threads), "--jinja"),
+        ]
+
+    return Peer(f"llama.cpp -np {slots}", launch)
 
 
 def client_counts(text: str) -> list[int]:
@@ -129,21 +173,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     models = resolve_models(args.models)
     deadline = time.monotonic() + args.max_seconds
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvos-bench-serve-"))
+    threads = args.threads or torch_threads()
+    if args.threads:
+        args.serve_arg = [*args.serve_arg, "--threads", str(args.threads)]
     rows: list[dict[str, Any]] = []
     for name, path in models:
         rows += bench_model(name, path, counts, args, deadline, log_dir)
+        if args.llama_server and path is not None and path.suffix == ".gguf":
+            peer = llamacpp_peer(args.llama_server, path, args, threads)
+            rows += bench_model(name, path, counts, args, deadline, log_dir, peer)
+    skipped = None if args.llama_server else llamacpp_skip_reason()
     result = header("serve", ",".join(name for name, _ in models))
     result.update(
         label=args.label,
         turns=args.turns,
         max_tokens=args.max_tokens,
         serve_args=args.serve_arg,
+        threads=threads,
         server_logs=str(log_dir),
-        llamacpp_skipped=llamacpp_skip_reason(),
+        llama_server=args.llama_server,
+        llamacpp_skipped=skipped,
         rows=rows,
     )
     print_table([readable(row) for row in rows], COLUMNS)
-    print(f"[serve] llama.cpp comparison skipped: {result['llamacpp_skipped']}")
+    if skipped:
+        print(f"[serve] llama.cpp comparison skipped: {skipped}")
     write_json(args.json, result)
     if args.plot:
         plot_rows(rows, args.plot)
@@ -163,6 +217,13 @@ def server_argv(path: Path | None, args: argparse.Namespace) -> list[str]:
     return [*argv, *args.serve_arg]
 
 
+def torch_threads() -> int:
+    """kvos serve's default compute threads (torch's default: one per core)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def bench_model(
     name: str,
     path: Path | None,
@@ -170,24 +231,32 @@ def bench_model(
     args: argparse.Namespace,
     deadline: float,
     log_dir: Path,
+    peer: Peer | None = None,
 ) -> list[dict[str, Any]]:
-    """One server for ``name``, one row per client count (none once the deadline has passed)."""
+    """One server for ``name`` (kvos serve, or ``peer``), one row per client count (none once the
+    deadline has passed)."""
     rows: list[dict[str, Any]] = []
-    print(f"[serve] starting kvos serve {' '.join(server_argv(path, args)) or '(its defaults)'}")
-    with ServerProcess(server_argv(path, args), log_dir / f"{name.replace('/', '_')}.log") as server:
+    label = peer.label if peer else args.label
+    log = log_dir / f"{name.replace('/', '_')}{'-' + label.split()[0] if peer else ''}.log"
+    launcher = peer.launcher if peer else None
+    what = " ".join(launcher(0)) if launcher else f"kvos serve {' '.join(server_argv(path, args))}"
+    print(f"[serve] starting {what}")
+    with ServerProcess(server_argv(path, args), log, launcher=launcher) as server:
         calls = Calls(server.url, [KEY])
         try:
             served = served_model(calls, server)
             eos = never_end(str(path) if path is not None else None)
             warm = Plan(served, 1, min(args.max_tokens, 8), eos, deadline)
-            run_clients(server, 1, warm, args.seed + 999, calls, "warm-up")
+            run_clients(server, 1, warm, args.seed + 999, calls, "warm-up", kvos=peer is None)
             for n in counts:
                 if time.monotonic() >= deadline:
                     print(f"[serve] {name}: --max-seconds reached, {n} clients and more not run")
                     break
                 plan = Plan(served, args.turns, args.max_tokens, eos, deadline)
-                timings, wall_s, seen = run_clients(server, n, plan, args.seed, calls, f"c{n}")
-                rows.append(make_row(name, args, n, timings, wall_s, seen))
+                timings, wall_s, seen = run_clients(
+                    server, n, plan, args.seed, calls, f"c{n}", kvos=peer is None
+                )
+                rows.append(make_row(name, label, args, n, timings, wall_s, seen))
                 print(progress_line(rows[-1]))
         finally:
             calls.close()
@@ -203,13 +272,23 @@ def served_model(calls: Calls, server: ServerProcess) -> str:
 
 
 def run_clients(
-    server: ServerProcess, n: int, plan: Plan, seed: int, calls: Calls, tag: str
+    server: ServerProcess, n: int, plan: Plan, seed: int, calls: Calls, tag: str, kvos: bool = True
 ) -> tuple[Timings, float, dict[str, Any]]:
     """``n`` clients on threads of their own under the monitor; then every session is listed and deleted.
-    Returns the timings, the wall seconds, and what the server saw (max active tokens, budget)."""
+    Returns the timings, the wall seconds, and what the server saw (max active tokens, budget). A peer
+    (not ``kvos``) has neither ``/metrics`` of kvos's nor sessions: only the clients' figures."""
     timings = Timings()
     clients = [TimedClient(i, server.url, f"serve-{tag}-{i}", plan, timings, seed) for i in range(n)]
     threads = [threading.Thread(target=c.run, name=f"serve-client-{c.index}") for c in clients]
+    if not kvos:
+        began = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        unseen = ("max_active_tokens", "max_active_tokens_metrics", "budget", "pool_bytes_peak")
+        seen = {**dict.fromkeys(unseen), "sessions": 0, "rss_peak_mb": None}
+        return timings, time.perf_counter() - began, seen
     monitor = Monitor(server, {})
     began = time.perf_counter()
     with monitor:
@@ -238,12 +317,18 @@ def run_clients(
 
 
 def make_row(
-    name: str, args: argparse.Namespace, clients: int, t: Timings, wall_s: float, seen: dict[str, Any]
+    name: str,
+    label: str,
+    args: argparse.Namespace,
+    clients: int,
+    t: Timings,
+    wall_s: float,
+    seen: dict[str, Any],
 ) -> dict[str, Any]:
     """One row of the result (the issue's fields, then what they were computed from)."""
     return {
         "model": name,
-        "label": args.label,
+        "label": label,
         "clients": clients,
         "aggregate_tok_s": round(t.completion_tokens / wall_s, 2) if wall_s > 0 else 0.0,
         "decode_tok_s": decode_rate(t.decode_spans),
@@ -279,17 +364,18 @@ def progress_line(row: dict[str, Any]) -> str:
 
 
 def llamacpp_skip_reason() -> str:
-    """Why llama.cpp's server is not part of this run.
+    """Why llama.cpp's server is not part of this run (no ``--llama-server`` binary was found).
 
     The comparison that means something is llama.cpp serving these clients concurrently (``llama-server
     --parallel N``, continuous batching). llama-cpp-python's ``python -m llama_cpp.server`` cannot: it has
     no parallel-slots setting and serves one request at a time behind a lock, and by default a new request
     interrupts the stream in progress (``interrupt_requests``), which would cut concurrent clients' replies.
     """
+    missing = "no llama-server binary (--llama-server PATH; build it from llama.cpp's tools/server)"
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return "llama-cpp-python is not installed"
+        return f"{missing}, and llama-cpp-python is not installed"
     try:
         from llama_cpp.server.settings import ModelSettings
     except ImportError as exc:
@@ -298,8 +384,8 @@ def llamacpp_skip_reason() -> str:
         )
     if "n_parallel" not in ModelSettings.model_fields:
         return (
-            "llama-cpp-python's server has no n_parallel: it runs one request at a time behind a lock and a "
-            "new request interrupts the stream in progress, so it cannot serve concurrent clients"
+            f"{missing}; llama-cpp-python's server has no n_parallel: it runs one request at a time behind a "
+            "lock and a new request interrupts the stream in progress, so it cannot serve concurrent clients"
         )
     return "llama-cpp-python's server offers n_parallel, but this bench does not drive it yet"
 

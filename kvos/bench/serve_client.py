@@ -59,7 +59,8 @@ class Timings:
         with self.lock:
             self.requests += 1
             self.completed += 1
-            self.completion_tokens += int(reply.usage.get("completion_tokens", 0))
+            # a server that sends no usage in its stream: the token chunks the client counted
+            self.completion_tokens += int(reply.usage.get("completion_tokens", len(reply.stamps)))
             self.received_tokens += len(reply.stamps)
             if reply.stamps:
                 self.ttft_s.append(reply.stamps[0] - reply.sent)

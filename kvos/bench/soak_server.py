@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -52,10 +53,18 @@ def rss_bytes(pid: int) -> int:
 
 class ServerProcess:
     """``python -m kvos.cli serve --host 127.0.0.1 --port P ARGV...``, started and stopped by its owner;
-    its stderr goes to ``log_path``."""
+    its stderr goes to ``log_path``. ``launcher``: another server's command line for a port instead (a
+    peer such as llama.cpp's ``llama-server``, which must answer ``/health`` too)."""
 
-    def __init__(self, argv: list[str], log_path: Path, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        log_path: Path,
+        start_timeout_s: float = 300.0,
+        launcher: Callable[[int], list[str]] | None = None,
+    ) -> None:
         self.argv, self.log_path, self.start_timeout_s = argv, log_path, start_timeout_s
+        self.launcher = launcher
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -76,13 +85,15 @@ class ServerProcess:
         for _ in range(3):
             self.port = free_port()
             command = [sys.executable, "-m", "kvos.cli", "serve", "--host", HOST, "--port", str(self.port)]
-            self.proc = subprocess.Popen([*command, *self.argv], stdout=self._log, stderr=self._log)
+            command = self.launcher(self.port) if self.launcher else [*command, *self.argv]
+            self.proc = subprocess.Popen(command, stdout=self._log, stderr=self._log)
             if self._wait_healthy():
                 return
             if "already in use" not in self.log_tail():
                 break
         self.stop()
-        raise RuntimeError(f"kvos serve did not start; its log ends:\n{self.log_tail()}")
+        what = "the server" if self.launcher else "kvos serve"
+        raise RuntimeError(f"{what} did not start; its log ends:\n{self.log_tail()}")
 
     def _wait_healthy(self) -> bool:
         """True once ``/health`` answers 200; False when the process exits first or the time runs out."""

@@ -162,6 +162,12 @@ class HeadPool:
         index = rows.to(device=self.layout.device, dtype=torch.long)
         return self._flat(self.k).index_select(0, index), self._flat(self.v).index_select(0, index)
 
+    def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[num_slots, 1, head_dim]`` views (a slot of this pool holds one KV head)."""
+        self._check_layer(layer)
+        hd = self.layout.head_dim
+        return self._flat(self.k).view(-1, 1, hd), self._flat(self.v).view(-1, 1, hd)
+
     def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V at flat slots: two ``[len(slots), head_dim]``."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.layout.device)

@@ -221,6 +221,13 @@ class KVPool:
         rows = rows.to(k.device)
         return k.index_select(0, rows), v.index_select(0, rows)
 
+    def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` as ``[num_slots, num_kv_heads, head_dim]`` views of the pool's own storage
+        (a reader follows slot ids into them; valid until the pool next grows)."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is out of range: the pool has {self.layout.num_layers} layers")
+        return self._flat(self.k[layer]), self._flat(self.v[layer])
+
     def run_views(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of K and V of ``layer`` at the contiguous flat slots ``start .. start + n - 1``:
         two ``[n, num_kv_heads, head_dim]`` views into the pool (valid until the pool next grows)."""

@@ -84,8 +84,7 @@ class BatchItem:
 class Batch:
     """The new tokens of several sequences in one pass, concatenated in item order: row ``i`` of the
     pass belongs to item ``j`` when ``bounds[j] <= i < bounds[j + 1]``. ``decodes``: the items of one token
-    over a cache (decode steps), whose attention runs together (:class:`DecodeGroup`) when there are
-    several."""
+    over a cache (decode steps), whose attention runs together (:class:`DecodeGroup`)."""
 
     metas: list[AttentionMetadata]
     bounds: list[int]  # [0, n_0, n_0 + n_1, ..., sum n]
@@ -100,17 +99,18 @@ class Batch:
         bounds = [0]
         for item in items:
             bounds.append(bounds[-1] + int(item.token_ids.shape[0]))
+        decodes = [i for i, m in enumerate(metas) if m.num_new == 1 and not m.fresh]
+        group = DecodeGroup.of(decodes, [bounds[i] for i in decodes], metas) if decodes else None
         if len(items) == 1:
             m = metas[0]
-            return cls(metas, bounds, items[0].token_ids, m.positions, m.write_slots)
-        decodes = [i for i, m in enumerate(metas) if m.num_new == 1 and not m.fresh]
+            return cls(metas, bounds, items[0].token_ids, m.positions, m.write_slots, group)
         return cls(
             metas,
             bounds,
             torch.cat([item.token_ids for item in items]),
             torch.cat([m.positions for m in metas]),
             torch.cat([m.write_slots for m in metas]),
-            DecodeGroup.of(decodes, [bounds[i] for i in decodes], metas) if len(decodes) > 1 else None,
+            group,
         )
 
 
@@ -128,6 +128,9 @@ class DecodeGroup:
     key_positions: torch.Tensor
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
     _rows: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
+    _inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
 
     @classmethod
     def of(cls, items: list[int], rows: list[int], metas: list[AttentionMetadata]) -> DecodeGroup:
@@ -141,6 +144,20 @@ class DecodeGroup:
             positions[row, :n], positions[row, n:] = m.key_positions.cpu(), int(m.positions[0]) + 1
         device = chosen[0].read_slots.device
         return cls(items, rows, chosen, lengths, slots.flatten().to(device), positions.to(device))
+
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What :mod:`kvos.model.decode_kernel` reads: slots int64 [B, T], lengths int64 [B], key positions
+        int64 [B, T] and the queries' positions int64 [B] (contiguous, on the CPU)."""
+        if self._inputs is None:
+            b = len(self.items)
+            positions = torch.cat([m.positions for m in self.metas]).cpu()
+            self._inputs = (
+                self.slots.view(b, -1).cpu().contiguous(),
+                torch.tensor(self.lengths, dtype=torch.int64),
+                self.key_positions.cpu().contiguous(),
+                positions.to(torch.int64).contiguous(),
+            )
+        return self._inputs
 
     def head_rows(self, num_kv_heads: int) -> torch.Tensor:
         """int64 [B * Hkv * T]: the rows of a pool layer seen as [slots * Hkv, D] that hold each sequence's

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvos.errors import ModelLoadError
+from kvos.model import decode_kernel
 from kvos.model.attention import (
     AttentionMetadata,
     Batch,
@@ -43,6 +44,8 @@ class KVStore(Protocol):
 
     def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 class _NoStore:
     """A KV store that keeps nothing: for standalone forward passes (attention uses the fresh K/V)."""
@@ -54,6 +57,9 @@ class _NoStore:
         raise AssertionError("a standalone forward pass never reads cached K/V")
 
     def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a standalone forward pass never reads cached K/V")
+
+    def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("a standalone forward pass never reads cached K/V")
 
 
@@ -199,18 +205,27 @@ class Transformer:
     def _attend_decodes(
         self, index: int, q: torch.Tensor, group: DecodeGroup, kv: KVStore
     ) -> dict[int, torch.Tensor]:
-        """The decode items of a batch attend together: one gather of their (padded) keys, two batched
-        products. q: [rows, H, D] of the whole batch -> item index -> [1, H * D]."""
+        """The decode items of a batch attend together, straight from the pool where the decode kernel
+        runs (:mod:`kvos.model.decode_kernel`), else over one padded gather of their keys (with at least
+        two of them; one alone takes :meth:`_attend`). q: [rows, H, D] of the whole batch -> item index ->
+        [1, H * D]; an empty dict when the items are left to :meth:`_attend`."""
+        c = self.config
+        k_slab, v_slab = kv.slabs(index)
+        fast = decode_kernel.usable(q, k_slab)
+        if not fast and len(group.items) == 1:
+            return {}
         for meta, row in zip(group.metas, group.rows, strict=True):
             if index in meta.query_layers:
                 seen, mine = meta.queries.get(index), q[row : row + 1].float()
                 meta.queries[index] = mine if seen is None else torch.cat((seen, mine))
-        c = self.config
-        keys, values = kv.gather_rows(index, group.head_rows(c.num_kv_heads))  # [B * Hkv * T, D]
-        shape = (len(group.items) * c.num_kv_heads, -1, c.head_dim)
-        out = grouped_decode_attention(
-            q[group.rows], keys.view(shape), values.view(shape), group, c.window(index), index
-        )
+        if fast:
+            out = decode_kernel.decode_attention(q[group.rows], k_slab, v_slab, group, c.window(index), index)
+        else:
+            keys, values = kv.gather_rows(index, group.head_rows(c.num_kv_heads))  # [B * Hkv * T, D]
+            shape = (len(group.items) * c.num_kv_heads, -1, c.head_dim)
+            out = grouped_decode_attention(
+                q[group.rows], keys.view(shape), values.view(shape), group, c.window(index), index
+            )
         return {i: out[r : r + 1] for r, i in enumerate(group.items)}
 
     def _attend(

@@ -1,0 +1,130 @@
+"""The decode-attention kernel reads keys and values where they lie in the pool: its outputs and captured
+probabilities equal attention computed in float64 over gathered keys, and a model decoding through it gives
+the logits of the gathered path, on every architecture (the sliding window of Mistral included)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import VARIANTS, build
+
+from kvos.engine.engine import Engine
+from kvos.model import decode_kernel
+from kvos.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(decode_kernel.kernel() is None, reason="no C++ compiler for the kernel")
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: list[int],
+    key_positions: list[int],
+    position: int,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence in float64: q [H, D] over k, v [S, Hkv, D] at ``slots`` -> out [H * D], probs [H, n]."""
+    num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    index = torch.tensor(slots)
+    keys, values = k[index].double(), v[index].double()  # [n, Hkv, D]
+    kpos = torch.tensor(key_positions)
+    seen = kpos <= position
+    if window > 0:
+        seen &= kpos > position - window
+    qg = q.double().reshape(num_kv, num_heads // num_kv, head_dim) / math.sqrt(head_dim)
+    scores = torch.einsum("hgd,thd->hgt", qg, keys).masked_fill(~seen, float("-inf"))
+    probs = scores.softmax(-1)
+    out = torch.einsum("hgt,thd->hgd", probs, values)
+    return out.reshape(-1), probs.reshape(num_heads, -1)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 8), (6, 1, 64), (3, 3, 12), (14, 2, 64)])
+@pytest.mark.parametrize("window", [0, 5])
+def test_kernel_equals_float64_attention(heads: int, kv_heads: int, dim: int, window: int) -> None:
+    """Sequences of 1, 9, 40 and 3 keys padded to 40, scattered over 300 slots, keys at gapped positions
+    (an evicted chunk leaves a gap), one key past the query (a padded or future key is never seen)."""
+    g = torch.Generator().manual_seed(heads * 100 + dim + window)
+    num_slots, lengths = 300, [1, 9, 40, 3]
+    k = torch.randn(num_slots, kv_heads, dim, generator=g)
+    v = torch.randn(num_slots, kv_heads, dim, generator=g)
+    q = torch.randn(len(lengths), heads, dim, generator=g)
+    longest = max(lengths)
+    slots = torch.zeros(len(lengths), longest, dtype=torch.int64)
+    kpos = torch.zeros(len(lengths), longest, dtype=torch.int64)
+    positions = torch.tensor([0, 20, 70, 5])
+    for b, n in enumerate(lengths):
+        slots[b, :n] = torch.randperm(num_slots, generator=g)[:n]
+        gapped = sorted(torch.randperm(int(positions[b]) + 1, generator=g)[: n - 1].tolist())
+        kpos[b, :n] = torch.tensor([*gapped, int(positions[b])])
+        kpos[b, n:] = positions[b] + 1
+    kpos[3, 0] = positions[3] + 2  # a key past the query: not seen
+    probs = torch.full((len(lengths), heads, longest), -1.0)
+    module = decode_kernel.kernel()
+    assert module is not None
+    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, window, probs)
+    for b, n in enumerate(lengths):
+        expected, expected_probs = reference(
+            q[b], k, v, slots[b, :n].tolist(), kpos[b, :n].tolist(), int(positions[b]), window
+        )
+        assert (out[b].double() - expected).abs().max().item() < 1e-5
+        assert (probs[b, :, :n].double() - expected_probs).abs().max().item() < 1e-6
+    assert float(probs[3, :, 0].abs().max()) == 0.0  # the key past the query has no weight
+
+
+def test_kernel_refuses_slots_outside_the_pool() -> None:
+    module = decode_kernel.kernel()
+    assert module is not None
+    k = torch.zeros(10, 1, 8)
+    slots = torch.tensor([[3, 10]])
+    with pytest.raises(RuntimeError, match="slot is out of range"):
+        module.attend(
+            torch.zeros(1, 2, 8),
+            k,
+            k,
+            slots,
+            torch.tensor([2]),
+            torch.tensor([[0, 1]]),
+            torch.tensor([1]),
+            0,
+            torch.empty(0),
+        )
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def decode_run(model_path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Three sequences prefilled (lengths 30, 7, 19), then six batched decode steps and one alone, its
+    attention captured at every layer: every step's logits and the captured probabilities."""
+    model = load_model(model_path)
+    engine = Engine(model, block_size=4)
+    seqs = [engine.new_sequence() for _ in range(3)]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (30, 7, 19)]
+    engine.step(list(zip(seqs, prompts, strict=True)))
+    logits = []
+    for i in range(6):
+        logits += engine.step([(s, [(i * 7 + j) % 97]) for j, s in enumerate(seqs)])
+    captured: dict[int, torch.Tensor] = {}
+    layers = frozenset(range(model.config.num_layers))
+    logits.append(engine.extend(seqs[1], [4], capture_layers=layers, captured=captured))
+    return logits, [captured[i] for i in sorted(captured)]
+
+
+def test_model_decodes_through_the_kernel_as_through_the_gather(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast_logits, fast_probs = decode_run(model_path)
+    monkeypatch.setattr(decode_kernel, "usable", lambda *args: False)
+    slow_logits, slow_probs = decode_run(model_path)
+    for a, b in zip(fast_logits, slow_logits, strict=True):
+        assert (a - b).abs().max().item() < 1e-5
+    for a, b in zip(fast_probs, slow_probs, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-6

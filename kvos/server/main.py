@@ -16,6 +16,7 @@ from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
+from kvos.model import decode_kernel, dense_kernel, quant_kernel
 from kvos.model.gguf import limit_heap_arenas
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
@@ -254,7 +255,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
     engine = Engine(model, growth=GrowthPolicy(max_bytes=args.kv_memory))
     check_kv_memory(engine, config, args.kv_memory)
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
-    prepare_kernel()
+    prepare_kernels()
     name = args.served_model_name or path.name
     return ChatService(
         manager,
@@ -311,14 +312,21 @@ def open_state(
         raise SystemExit(f"kvos serve: cannot use --state-dir {args.state_dir}: {exc.strerror}") from None
 
 
-def prepare_kernel() -> None:
-    """Build (or load) the restore kernel now, not inside the first request that restores; say so when it
-    takes a while (the first start compiles it)."""
-    print("[kvos] preparing the restore kernel (compiled once on first start, ~30 s)", file=sys.stderr)
-    began = time.perf_counter()
-    ready = fused.kernel() is not None
-    state = "ready" if ready else "unavailable: restores use the eager path"
-    print(f"[kvos] restore kernel {state} ({time.perf_counter() - began:.1f} s)", file=sys.stderr)
+def prepare_kernels() -> None:
+    """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode
+    attention, the dense and the quantized products; say so when it takes a while (the first start
+    compiles them, about 30 s each)."""
+    print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
+    kernels = (
+        ("restore", fused.kernel, "restores use the eager path"),
+        ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),
+        ("dense product", dense_kernel.kernel, "products use torch's matmul"),
+        ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),
+    )
+    for name, build, fallback in kernels:
+        began = time.perf_counter()
+        state = "ready" if build() is not None else f"unavailable: {fallback}"
+        print(f"[kvos] {name} kernel {state} ({time.perf_counter() - began:.1f} s)", file=sys.stderr)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -86,6 +86,16 @@ def test_mm_matches_float32_matmul(qtype: str, n: int, cols: int, backend: str) 
         assert (w.addmm(residual, x) - (residual + x @ ref.t())).abs().max().item() <= bound
 
 
+@pytest.mark.parametrize("qtype", [t for t in KEPT_TYPES if t != "Q4_K"])  # Q4_K rows are 256 wide
+@pytest.mark.parametrize("n", [1, 6])
+def test_mm_with_a_group_count_no_vector_width_divides(qtype: str, n: int, backend: str) -> None:
+    """13 groups of 32: the kernel's 8- and 16-lane loops over groups both end in a scalar tail."""
+    cols = 13 * 32
+    w, ref = _weight(qtype, cols=cols, seed=n), _reference(qtype, cols=cols, seed=n)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    _assert_product(w.mm(x), x, ref)
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_prefill_tiles_cover_every_row(qtype: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant, "TILE_FLOATS", 24 * IN)  # 24-row tiles: 80 rows end in a partial tile

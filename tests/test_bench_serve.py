@@ -92,3 +92,55 @@ def test_a_peer_server_gets_the_same_load(tmp_path: Path) -> None:
     assert row["completion_tokens"] == row["received_tokens"] == 4 * 3
     assert row["max_active_tokens"] is None and row["budget"] is None and row["sessions"] == 0
     assert (tmp_path / "builtin-peer.log").is_file()
+
+
+class OneShotServer:
+    """A raw HTTP server on 127.0.0.1 that closes the first ``drops`` connections without an answer (a
+    kept-alive connection the server let go as the client reused it) and answers the others with a
+    one-token stream."""
+
+    STREAM = (
+        'data: {"choices": [{"delta": {"content": "a"}, "logprobs": {"content": [{"token": "a"}]}}]}\n\n'
+        'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n'
+    )
+
+    def __init__(self, drops: int) -> None:
+        import socket
+        import threading
+
+        self.drops, self.accepted = drops, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                self.accepted += 1
+                if self.accepted <= self.drops:
+                    continue  # closed with no answer
+                body = self.STREAM.encode()
+                head = (
+                    f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {len(body)}\r\n"
+                )
+                conn.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
+
+
+def test_a_request_on_a_connection_the_server_dropped_goes_once_more() -> None:
+    from kvos.bench.serve_client import Plan, RequestFailed, TimedClient, Timings
+
+    plan = Plan("m", 1, 1, {}, deadline=float("inf"))
+    server = OneShotServer(drops=1)
+    client = TimedClient(0, server.url, "s", plan, Timings(), seed=0)
+    reply = client.stream(client.body())
+    assert reply.text == "a" and len(reply.stamps) == 1 and server.accepted == 2
+    server = OneShotServer(drops=2)  # dropped twice: a failure, counted as such
+    client = TimedClient(0, server.url, "s", plan, Timings(), seed=0)
+    with pytest.raises(RequestFailed, match="stale_connection"):
+        client.stream(client.body())
+    assert server.accepted == 2

@@ -83,6 +83,7 @@ class Reply:
     text: str = ""
     stamps: list[float] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
+    status: int | None = None  # the HTTP status, once the server answered
 
 
 class RequestFailed(Exception):
@@ -158,11 +159,21 @@ class TimedClient:
 
     def stream(self, body: dict[str, Any]) -> Reply:
         """Send ``body``; the reply with the arrival time of every token chunk (RequestFailed when the
-        answer is not a complete 200 stream)."""
+        answer is not a complete 200 stream). A kept-alive connection that the server closed just as it
+        was reused (no answer at all: ``RemoteProtocolError``) gets the request once more, on a new one."""
+        try:
+            return self._stream(body)
+        except RequestFailed as exc:
+            if str(exc) != "stale_connection":
+                raise
+            return self._stream(body)
+
+    def _stream(self, body: dict[str, Any]) -> Reply:
         headers = {"X-Session-Id": self.session}
         reply, done = Reply(sent=time.perf_counter()), False
         try:
             with self.http.stream("POST", CHAT, json=body, headers=headers) as r:
+                reply.status = r.status_code
                 if r.status_code != 200:
                     r.read()
                     raise RequestFailed(str(r.status_code))
@@ -171,6 +182,9 @@ class TimedClient:
                     event = parse_event(line)
                     if event is not None:
                         take_event(reply, event, time.perf_counter())
+        except httpx.RemoteProtocolError as exc:
+            unanswered = reply.status is None
+            raise RequestFailed("stale_connection" if unanswered else type(exc).__name__) from exc
         except httpx.HTTPError as exc:
             raise RequestFailed(type(exc).__name__) from exc
         if not done:

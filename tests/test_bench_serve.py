@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,33 +99,49 @@ def test_a_peer_server_gets_the_same_load(tmp_path: Path) -> None:
 
 class OneShotServer:
     """A raw HTTP server on 127.0.0.1 that closes the first ``drops`` connections without an answer (a
-    kept-alive connection the server let go as the client reused it) and answers the others with a
-    one-token stream."""
+    kept-alive connection the server let go as the client reused it), with a FIN or, with ``reset``, an
+    RST, and answers the others with a one-token stream."""
 
     STREAM = (
         'data: {"choices": [{"delta": {"content": "a"}, "logprobs": {"content": [{"token": "a"}]}}]}\n\n'
         'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n'
     )
 
-    def __init__(self, drops: int) -> None:
+    def __init__(self, drops: int, reset: bool = False) -> None:
         import socket
         import threading
 
-        self.drops, self.accepted = drops, 0
+        self.drops, self.reset, self.accepted = drops, reset, 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self.serve, daemon=True).start()
 
+    @staticmethod
+    def read_request(conn: Any) -> None:
+        """Read one whole request (head and Content-Length body), so a plain close sends a FIN only."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+        need = int(length.group(1)) if length else 0
+        while len(body) < need:
+            body += conn.recv(65536)
+
     def serve(self) -> None:
+        import socket
+
         while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
             with conn:
-                conn.recv(65536)
+                self.read_request(conn)
                 self.accepted += 1
                 if self.accepted <= self.drops:
+                    if self.reset:  # linger 0: close sends an RST
+                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     continue  # closed with no answer
                 body = self.STREAM.encode()
                 head = (
@@ -131,15 +150,16 @@ class OneShotServer:
                 conn.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
 
 
-def test_a_request_on_a_connection_the_server_dropped_goes_once_more() -> None:
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_request_on_a_connection_the_server_dropped_goes_once_more(reset: bool) -> None:
     from kvos.bench.serve_client import Plan, RequestFailed, TimedClient, Timings
 
     plan = Plan("m", 1, 1, {}, deadline=float("inf"))
-    server = OneShotServer(drops=1)
+    server = OneShotServer(drops=1, reset=reset)
     client = TimedClient(0, server.url, "s", plan, Timings(), seed=0)
     reply = client.stream(client.body())
     assert reply.text == "a" and len(reply.stamps) == 1 and server.accepted == 2
-    server = OneShotServer(drops=2)  # dropped twice: a failure, counted as such
+    server = OneShotServer(drops=2, reset=reset)  # dropped twice: a failure, counted as such
     client = TimedClient(0, server.url, "s", plan, Timings(), seed=0)
     with pytest.raises(RequestFailed, match="stale_connection"):
         client.stream(client.body())

@@ -160,7 +160,8 @@ class TimedClient:
     def stream(self, body: dict[str, Any]) -> Reply:
         """Send ``body``; the reply with the arrival time of every token chunk (RequestFailed when the
         answer is not a complete 200 stream). A kept-alive connection that the server closed just as it
-        was reused (no answer at all: ``RemoteProtocolError``) gets the request once more, on a new one."""
+        was reused (no answer at all: ``RemoteProtocolError`` on a plain close, ``ReadError`` or
+        ``WriteError`` on a reset) gets the request once more, on a new one."""
         try:
             return self._stream(body)
         except RequestFailed as exc:
@@ -182,7 +183,7 @@ class TimedClient:
                     event = parse_event(line)
                     if event is not None:
                         take_event(reply, event, time.perf_counter())
-        except httpx.RemoteProtocolError as exc:
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
             unanswered = reply.status is None
             raise RequestFailed("stale_connection" if unanswered else type(exc).__name__) from exc
         except httpx.HTTPError as exc:

@@ -53,6 +53,38 @@ def test_scores_are_the_drop_in_the_null_answers_log_likelihood(model_dir: Path)
     assert engine.pool.allocator.num_used == 0  # scratch sequences released
 
 
+def test_candidates_share_forward_passes_and_score_as_one_pass_each(model_dir: Path) -> None:
+    """The reference pass and the candidates' passes run packed into as few forward passes as fit in
+    ``pack_tokens`` (whole 8-token blocks): everything in one pass, or one pass each when the limit is a
+    block; the scores agree (float32, 1e-4 nats), and the scratch blocks never pass ``scratch_tokens``."""
+    prefix, query = [1, 2, 3], [40, 41, 42, 43]
+    candidates = {"a": [50, 51, 52], "b": list(range(60, 80)), "c": [99], "d": list(range(5, 17))}
+    results = []
+    for pack_tokens, passes in ((None, 1), (8, 5), (48, 3)):
+        engine = Engine(load_model(model_dir), block_size=8)
+        contrast = AnswerContrast(engine, [7, 8], eos_ids=[], max_new=5, pack_tokens=pack_tokens)
+        answer = contrast.null_answer(prefix + query + [7, 8])
+        calls, peak = [], [0]
+        real = engine.model.forward_batch
+
+        def counting(items, kv, real=real, calls=calls, peak=peak, pool=engine.pool):  # type: ignore[no-untyped-def]
+            calls.append(len(items))
+            peak[0] = max(peak[0], pool.allocator.num_used)
+            return real(items, kv)
+
+        engine.model.forward_batch = counting  # type: ignore[method-assign]
+        results.append(contrast.scores(prefix, query, candidates, answer=answer))
+        assert len(calls) == passes and sum(calls) == 1 + len(candidates)
+        scratch = contrast.scratch_tokens(prefix, query, candidates.values())
+        assert peak[0] * 8 <= scratch
+        assert engine.pool.allocator.num_used == 0
+    for scores in results[1:]:
+        for key in candidates:
+            assert scores[key] == pytest.approx(results[0][key], abs=1e-4)
+    with pytest.raises(ValueError, match="pack_tokens"):
+        AnswerContrast(engine, [], [], pack_tokens=0)
+
+
 def test_null_answer_stops_after_an_end_of_turn_token(model_dir: Path) -> None:
     engine = Engine(load_model(model_dir), block_size=8)
     free = AnswerContrast(engine, [], eos_ids=[], max_new=4).null_answer([5, 6, 7])

@@ -199,6 +199,41 @@ def test_standalone_passes_run_in_a_step_and_touch_no_pool(engine: Engine, sched
     assert engine.pool.live_bytes == live
 
 
+def test_one_works_passes_share_a_step_or_are_cut_by_its_limits(engine: Engine, scheduler: Scheduler) -> None:
+    """Engine.step on a worker: its sequences' passes join one step when they fit (three 12-token
+    passes: one step of 36 tokens), are spread over steps when they do not (four 30-token passes in a
+    64-token step: 30 + 30, then 30 + 30), and the worker gets the turn back once all have run, each
+    output as its pass alone would give it."""
+    prompts = [_tokens(12, 20 + i) for i in range(3)] + [_tokens(30, 30 + i) for i in range(4)]
+    alone = []
+    for prompt in prompts:
+        seq = engine.new_sequence()
+        alone.append(engine.extend(seq, prompt, logits="all"))
+        seq.release()
+    sizes: list[int] = []
+    real_run = scheduler._run
+
+    def spy(step: list[_Ask]) -> None:
+        sizes.append(sum(a.tokens for a in step))
+        real_run(step)
+
+    scheduler._run = spy  # type: ignore[method-assign]
+
+    def both() -> list[torch.Tensor]:
+        first = [engine.new_sequence() for _ in range(3)]
+        second = [engine.new_sequence() for _ in range(4)]
+        out = engine.step(list(zip(first, prompts[:3], strict=True)), logits="all")
+        out += engine.step(list(zip(second, prompts[3:], strict=True)), logits="all")
+        for seq in first + second:
+            seq.release()
+        return out
+
+    together = scheduler.submit(both).result(timeout=120)
+    assert sizes == [36, 60, 60]
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
+
+
 def test_a_failing_pass_fails_only_its_own_work(engine: Engine, scheduler: Scheduler) -> None:
     """A token id past the vocabulary breaks the batched pass of a step; the step is re-run ask by ask,
     so the other ask gets its right result and only the bad one gets the error."""

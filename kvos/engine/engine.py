@@ -147,12 +147,15 @@ class Engine:
     ) -> list[torch.Tensor]:
         """Extend several sequences in one forward pass, each by its tokens at its next positions (a
         decode token, a prefill slice): one output per sequence, as :meth:`extend` would return it. All
-        or nothing: when the pool cannot hold them all or the pass fails, no sequence changes."""
+        or nothing: when the pool cannot hold them all or the pass fails, no sequence changes. Under a
+        scheduler the passes join its next step (:meth:`Scheduler.forward_many`)."""
         items: list[BatchItem] = []
         try:
             for seq, ids in work:
                 start = seq.next_position()
                 items.append(self._item(seq, list(ids), list(range(start, start + len(ids))), logits))
+            if self.scheduler is not None and self.scheduler.holds_turn():
+                return self.scheduler.forward_many(items)
             return self.model.forward_batch(items, self.pool)
         except BaseException:
             for (seq, ids), _ in zip(work, items, strict=False):

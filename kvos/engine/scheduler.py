@@ -50,6 +50,7 @@ class _Worker:
 
     def __init__(self) -> None:
         self.go = threading.Semaphore(0)
+        self.pending = 0  # its asks not yet run: it gets the turn back when none is left
 
 
 @dataclass
@@ -226,16 +227,28 @@ class Scheduler(Executor):
         """On a worker: give the turn back, have ``item`` run in the next step, and return its output once
         the turn comes back (what :meth:`Transformer.forward` would return for it alone). ``standalone``:
         a fresh pass that reads and writes no pool (an embedding's)."""
+        return self.forward_many([item], standalone)[0]
+
+    def forward_many(self, items: list[BatchItem], standalone: bool = False) -> list[torch.Tensor]:
+        """:meth:`forward` for several passes of one worker (its scratch sequences', say): they join the
+        next step together, or the next few where the step's limits cut them, and the turn comes back
+        once all have run. Raises the first pass's error, if any failed."""
+        if not items:
+            return []
         worker: _Worker = self._local.worker
-        ask = _Ask(worker, item, standalone)
+        asks = [_Ask(worker, item, standalone) for item in items]
         with self._mu:
-            self._asks.append(ask)
+            worker.pending = len(asks)
+            self._asks.extend(asks)
         self._back.release()
         worker.go.acquire()
-        if ask.error is not None:
-            raise ask.error
-        assert ask.result is not None
-        return ask.result
+        results = []
+        for ask in asks:
+            if ask.error is not None:
+                raise ask.error
+            assert ask.result is not None
+            results.append(ask.result)
+        return results
 
     def _enter(self) -> None:
         """Join the ready queue and wait for the turn."""
@@ -263,7 +276,10 @@ class Scheduler(Executor):
             elif step:
                 self._run(step)
                 with self._mu:
-                    self._ready.extend(a.worker for a in step)
+                    for ask in step:
+                        ask.worker.pending -= 1
+                        if ask.worker.pending == 0:
+                            self._ready.append(ask.worker)
             else:
                 self._work.wait()
 

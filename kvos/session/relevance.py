@@ -10,9 +10,10 @@ A message that holds what ``q`` asks for changes the answer (with "For a living 
 in front, "You have not told me your job." becomes far less likely), an unrelated one leaves it as it was.
 Unlike a lexical or embedding match it needs no shared words: it asks the model that will answer.
 
-Cost per user message: one greedy decode of at most ``max_new`` tokens and one forward pass of
+Cost per user message: one greedy decode of at most ``max_new`` tokens and one teacher-forced pass of
 ``|sinks| + |c| + |q| + |a|`` tokens per candidate message, on scratch sequences of the session's engine
-(released at once; their pool blocks count against nothing).
+(released at once; their pool blocks count against nothing); the passes share forward passes, as many
+together as fit in ``pack_tokens`` (the projections and the MLP then read the weights once for all of them).
 """
 
 from __future__ import annotations
@@ -39,12 +40,21 @@ class AnswerContrast:
     """
 
     def __init__(
-        self, engine: Engine, generation_prompt: Sequence[int], eos_ids: Sequence[int], max_new: int = 10
+        self,
+        engine: Engine,
+        generation_prompt: Sequence[int],
+        eos_ids: Sequence[int],
+        max_new: int = 10,
+        pack_tokens: int | None = None,
     ) -> None:
+        """``pack_tokens``: the most pool tokens (whole blocks) the teacher-forced passes of one forward
+        pass hold together (None: the engine's slice); a pass longer than that runs alone."""
         if max_new < 1:
             raise ValueError(f"max_new must be >= 1, got {max_new}")
+        if pack_tokens is not None and pack_tokens < 1:
+            raise ValueError(f"pack_tokens must be >= 1, got {pack_tokens}")
         self.engine, self.generation_prompt = engine, list(generation_prompt)
-        self.eos_ids, self.max_new = frozenset(eos_ids), max_new
+        self.eos_ids, self.max_new, self.pack_tokens = frozenset(eos_ids), max_new, pack_tokens
 
     def base(self, prefix: Sequence[int], query: Sequence[int]) -> list[int]:
         """The context of the null answer: ``prefix``, ``query``, the generation prompt."""
@@ -59,23 +69,49 @@ class AnswerContrast:
     ) -> dict[K, float]:
         """``score(c)`` in nats for every candidate (token ids of a message), keyed as given. ``prefix``:
         what stays in front of everything (the sinks); ``query``: the new user message's tokens;
-        ``answer``: the null answer, if :meth:`null_answer` already gave it."""
+        ``answer``: the null answer, if :meth:`null_answer` already gave it. The reference pass and the
+        candidates' passes run packed together (:meth:`log_likelihoods`)."""
         base = self.base(prefix, query)
         answer = list(answer) if answer is not None else self.null_answer(base)
-        reference = self.log_likelihood(base, answer)
-        return {
-            key: reference - self.log_likelihood([*prefix, *tokens, *query, *self.generation_prompt], answer)
-            for key, tokens in candidates.items()
-        }
+        keys = list(candidates)
+        contexts = [base, *([*prefix, *candidates[k], *query, *self.generation_prompt] for k in keys)]
+        reference, *each = self.log_likelihoods(contexts, answer)
+        return {key: reference - value for key, value in zip(keys, each, strict=True)}
 
     def scratch_tokens(
         self, prefix: Sequence[int], query: Sequence[int], candidates: Iterable[Sequence[int]]
     ) -> int:
-        """The longest scratch sequence :meth:`scores` of these candidates holds at once (its passes run
-        one after another, each on a sequence of its own): the largest candidate's context and the longest
-        null answer."""
-        longest = max((len(tokens) for tokens in candidates), default=0)
-        return len(self.base(prefix, query)) + longest + self.max_new
+        """The most pool tokens (whole blocks) the scratch sequences of :meth:`scores` hold at once: the
+        null answer's, or the largest pack of teacher-forced passes (at most ``pack_tokens``, or one
+        pass alone when it is longer)."""
+        base = len(self.base(prefix, query))
+        lengths = [base + self.max_new - 1, *(base + len(c) + self.max_new - 1 for c in candidates)]
+        limit = self.pack_tokens if self.pack_tokens is not None else self.engine.prefill_slice
+        packed = max(sum(self._blocked(lengths[i]) for i in pack) for pack in self.packs(lengths, limit))
+        return max(self._blocked(base + self.max_new), packed)
+
+    def packs(self, lengths: Sequence[int], limit: int | None = None) -> list[list[int]]:
+        """Passes of these token ``lengths`` grouped, in order, into forward passes whose sequences'
+        whole blocks fit in ``limit`` (default: ``pack_tokens`` and the engine's current slice); a pass
+        over the limit is a pack of its own. -> the indices of each pack."""
+        if limit is None:
+            limit = self.engine.slice_tokens()
+            limit = limit if self.pack_tokens is None else min(limit, self.pack_tokens)
+        packs: list[list[int]] = []
+        used = 0
+        for i, n in enumerate(lengths):
+            if packs and used + self._blocked(n) <= limit:
+                packs[-1].append(i)
+                used += self._blocked(n)
+            else:
+                packs.append([i])
+                used = self._blocked(n)
+        return packs
+
+    def _blocked(self, tokens: int) -> int:
+        """``tokens`` rounded up to whole pool blocks (a scratch sequence starts a block of its own)."""
+        size = self.engine.pool.layout.block_size
+        return -(-tokens // size) * size
 
     def null_answer(self, context: Sequence[int], tap: QueryTap | None = None) -> list[int]:
         """Greedy continuation of ``context`` (non-empty): at most ``max_new`` tokens, stopping after an
@@ -105,14 +141,30 @@ class AnswerContrast:
         finally:
             self.engine.release(seq)
 
-    def log_likelihood(self, context: Sequence[int], answer: Sequence[int]) -> float:
-        """log p(answer | context) in nats, teacher-forced in one forward pass (both non-empty)."""
-        seq = self.engine.new_sequence()
-        try:
-            with torch.no_grad():
-                ids = [*context, *answer[:-1]]
-                logits = self.engine.extend(seq, ids, logits="all")[len(context) - 1 :]  # [len(answer), V]
-        finally:
-            self.engine.release(seq)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        return float(logp.gather(1, torch.tensor(list(answer), device=logp.device)[:, None]).sum())
+    def log_likelihoods(self, contexts: Sequence[Sequence[int]], answer: Sequence[int]) -> list[float]:
+        """``log p(answer | context)`` in nats for every context (all non-empty), teacher-forced, on
+        scratch sequences released at once: the passes grouped by :meth:`packs`, each pack one forward
+        pass (:meth:`Engine.step`; a lone pass over the slice is sliced by :meth:`Engine.extend`), the
+        vocabulary head applied to the answer's rows only."""
+        rows = [[*context, *answer[:-1]] for context in contexts]
+        target = torch.tensor(list(answer))
+        out: list[float] = []
+        for pack in self.packs([len(r) for r in rows]):
+            seqs = [self.engine.new_sequence() for _ in pack]
+            try:
+                with torch.no_grad():
+                    if len(pack) == 1:
+                        hidden = [self.engine.extend(seqs[0], rows[pack[0]], logits="none")]
+                    else:
+                        work = [(seq, rows[i]) for seq, i in zip(seqs, pack, strict=True)]
+                        hidden = self.engine.step(work, logits="none")
+            finally:
+                for seq in seqs:
+                    self.engine.release(seq)
+            states = torch.cat([h[len(contexts[i]) - 1 :] for h, i in zip(hidden, pack, strict=True)])
+            logp = torch.log_softmax(self.engine.model.head(states).double(), dim=-1)  # [pack x |a|, V]
+            picked = logp.view(len(pack), len(answer), -1).gather(
+                2, target.to(logp.device)[None, :, None].expand(len(pack), -1, 1)
+            )
+            out.extend(picked.sum(dim=(1, 2)).tolist())
+        return out

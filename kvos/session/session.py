@@ -81,7 +81,12 @@ class Session:
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.history.chunks)
         answer = None
         if config.recovery_signal in ("answer", "hybrid"):
-            answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids)
+            answer = AnswerContrast(
+                engine,
+                self._generation_prompt(),
+                tokenizer.eos_ids,
+                pack_tokens=config.budget.max_active_tokens,
+            )
         self.embed = make_embedder(config.embedder, engine)
         self.memory = SessionMemory(session_id, config, self.history, self.pager, relieve, answer, self.embed)
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()

@@ -13,6 +13,7 @@ from hf_models import hf_model
 from kvos.builtin import builtin_model_path
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
+from kvos.memory.growth import GrowthPolicy
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
@@ -83,6 +84,19 @@ def test_candidates_share_forward_passes_and_score_as_one_pass_each(model_dir: P
             assert scores[key] == pytest.approx(results[0][key], abs=1e-4)
     with pytest.raises(ValueError, match="pack_tokens"):
         AnswerContrast(engine, [], [], pack_tokens=0)
+
+
+def test_a_capped_pool_keeps_the_packs_within_the_requests_reservation() -> None:
+    """Uncapped, the passes pack up to the engine's slice; under a pool cap (``kvos serve --kv-memory``)
+    at most a budget's tokens, the scratch share of what a request reserves (SessionConfig.peak_blocks)."""
+    path = builtin_model_path()
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=160, policy="hard"), chunk_tokens=40, recovery_signal="answer"
+    )
+    for growth, pack in ((None, None), (GrowthPolicy(max_bytes=64 << 20), 160)):
+        manager = MemoryManager(Engine(load_model(path), growth=growth), load_tokenizer(path))
+        session = manager.session(config=config)
+        assert session.memory.answer is not None and session.memory.answer.pack_tokens == pack
 
 
 def test_null_answer_stops_after_an_end_of_turn_token(model_dir: Path) -> None:

@@ -94,8 +94,8 @@ class SessionConfig:
         config holds at once, what the server reserves for it at admission: the budget's blocks twice
         (every chunk starts a pool block of its own, so chunks of about a block or more waste at most as
         much again), once more for the "answer" signal's scratch sequences (candidates with the new
-        message, packed into forward passes of at most a budget's blocks), and two blocks for the partly
-        filled ends."""
+        message, packed into forward passes of at most a budget's blocks when the pool is capped), and two
+        blocks for the partly filled ends."""
         budget = -(-self.budget.max_active_tokens // block_size)
         scratch = budget if self.recovery_signal in ("answer", "hybrid") else 0
         return 2 * budget + scratch + 2

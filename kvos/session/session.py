@@ -81,12 +81,9 @@ class Session:
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.history.chunks)
         answer = None
         if config.recovery_signal in ("answer", "hybrid"):
-            answer = AnswerContrast(
-                engine,
-                self._generation_prompt(),
-                tokenizer.eos_ids,
-                pack_tokens=config.budget.max_active_tokens,
-            )
+            capped = engine.pool.growth.max_bytes is not None  # then packs stay within the reservation
+            pack = config.budget.max_active_tokens if capped else None
+            answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids, pack_tokens=pack)
         self.embed = make_embedder(config.embedder, engine)
         self.memory = SessionMemory(session_id, config, self.history, self.pager, relieve, answer, self.embed)
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()

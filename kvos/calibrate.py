@@ -50,6 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="entropy.json", help="where to write the JSON (default entropy.json)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--retrieval", type=int, default=0, metavar="N",
+        help="instead of entropies: the N heads that best find a planted fact from its question "
+        "(kvos.calibrate_retrieval; --out then gets retrieval_heads for --retrieval-heads)",
+    )  # fmt: skip
+    p.add_argument("--sessions", type=int, default=40, help="--retrieval: planted-fact sessions played")
+    p.add_argument(
+        "--seed", type=int, default=None, help="--retrieval: their seed (default: a calibration seed)"
+    )
+    p.add_argument("--fillers", type=int, default=None, help="--retrieval: filler turns per session")
+    p.add_argument(
+        "--budget-frac", type=float, default=0.25, help="--retrieval: budget, a fraction of a session"
+    )
 
 
 def token_texts(
@@ -130,6 +143,14 @@ def _model_path(arg: str | None) -> Path:
 def run(args: argparse.Namespace) -> int:
     """Measure, write the JSON to ``args.out``, print a one-line summary; returns the exit status."""
     path = _model_path(args.model)
+    if args.retrieval:
+        from kvos.calibrate_retrieval import CALIBRATION_SEED
+        from kvos.calibrate_retrieval import run as run_retrieval
+
+        if args.seed is None:
+            args.seed = CALIBRATION_SEED
+        config = load_model(path, dtype=args.dtype, device=args.device).config
+        return run_retrieval(args, model_info(config, path))
     model = load_model(path, dtype=args.dtype, device=args.device)
     tokenizer = find_tokenizer(path, args.tokenizer)
     max_tokens = min(args.max_tokens, model.config.max_position_embeddings)

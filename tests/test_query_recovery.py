@@ -25,6 +25,15 @@ def test_saved_chunks_keep_a_digest_and_restores_land_in_front_of_the_message() 
     saved_bytes = s.pager.store.stats()["raw_bytes"]
     assert digest_bytes < 0.05 * saved_bytes  # 40-token chunks of a 4-layer float32 model: ~1.3%
     users_before = len(s.memory.costs.turns)
+    appended: list[tuple[int, int]] = []  # (chunk id, first position) of every prefill
+    real_append = s.pager.append
+
+    def append(chunk, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real_append(chunk, *args, **kwargs)
+        appended.append((chunk.chunk_id, int(chunk.current_start)))
+        return out
+
+    s.pager.append = append  # type: ignore[method-assign]
     question = s.add_message("user", "What is my job?")
     restored = [
         e["chunk"] for e in s.memory.journal.events if e["turn"] == s.history.turn and e["event"] == "restore"
@@ -37,10 +46,14 @@ def test_saved_chunks_keep_a_digest_and_restores_land_in_front_of_the_message() 
     positions = s.pager.seq.positions.tolist()
     assert positions == list(range(len(positions)))  # compact: the message moved up, no gap, no overlap
     assert all(c.chunk_id in s.history.protected for c in question)
+    # the message was prefilled, scored, then prefilled again behind what came back, where it now stands
+    again = [(c.chunk_id, int(c.current_start)) for c in question]
+    assert appended == [(c.chunk_id, appended[i][1]) for i, c in enumerate(question)] + again
+    assert again[0][1] > appended[0][1]  # moved up by the restored chunks' tokens
     assert len(s.memory.costs.turns) == users_before + 1
     turn = s.memory.costs.turns[-1]
     assert turn["prefill_s"] > 0 and turn["recovery_s"] > 0 and turn["restore_s"] > 0
-    assert s.generate(SamplingParams(max_tokens=8))[1]  # the refreshed logits start a reply
+    assert s.generate(SamplingParams(max_tokens=8))[1]  # the message's new logits start a reply
     manager.close(s.session_id)
 
 

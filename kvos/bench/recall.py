@@ -16,6 +16,7 @@ from kvos.bench.playback import play, session_tokens
 from kvos.bench.plot import png_figure
 from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
 from kvos.builtin.evaluate import wilson_interval
+from kvos.calibrate_retrieval import load_retrieval_heads
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.chat_template import ChatTemplate
@@ -50,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--bar",
         action="store_true",
         help="recover only saved chunks more similar to the new message than every resident chunk",
+    )
+    p.add_argument(
+        "--retrieval-heads",
+        metavar="FILE",
+        help="the attention and hybrid signals read these heads (a kvos calibrate --retrieval JSON)",
     )
     p.add_argument("--seed", type=int, default=HELDOUT_SEED)
     p.add_argument("--min-distance", type=int, default=0, help="fewest turns between plant and probe")
@@ -142,6 +148,8 @@ def _play_one(
     config.embedder = args.embedder
     config.recovery_signal = args.signal
     config.recovery_bar = args.bar
+    if args.retrieval_heads:
+        config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
     if args.weights and name.startswith("kvos-"):
         config.scorer = _scorer(args.weights)
     started = time.perf_counter()

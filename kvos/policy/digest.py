@@ -78,15 +78,25 @@ def upper_bound(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
     return torch.einsum("lnhd,blhd->blnh", positive, hi) + torch.einsum("lnhd,blhd->blnh", negative, lo)
 
 
-def attention_shares(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """How a message's queries would split their attention between candidate chunks, from the chunks' boxes.
+def head_shares(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """How a message's queries would split their attention between candidate chunks, per layer and head.
 
     For every layer, query token and head, the candidates' bounds (scaled by ``1 / sqrt(head_dim)``) go
     through a softmax over the candidates; a chunk's share is then its largest over the query tokens (one
-    word of the message that looks for it is enough), averaged over layers and heads.
+    word of the message that looks for it is enough).
 
     queries: float32 ``[layers, n, heads, head_dim]`` rotated back to position 0; lo, hi: ``[chunks,
-    layers, kv_heads, head_dim]`` -> float32 ``[chunks]`` in [0, 1].
+    layers, kv_heads, head_dim]`` -> float32 ``[chunks, layers, heads]`` in [0, 1].
     """
     bound = upper_bound(queries, lo, hi) / queries.shape[-1] ** 0.5  # [B, L, n, H]
-    return torch.softmax(bound, dim=0).amax(dim=2).mean(dim=(1, 2))
+    return torch.softmax(bound, dim=0).amax(dim=2)
+
+
+def attention_shares(
+    queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, heads: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`head_shares` averaged over the layers and heads, or over the ``heads`` chosen (bool
+    ``[layers, heads]``, at least one true: retrieval heads, :mod:`kvos.calibrate_retrieval`) -> float32
+    ``[chunks]`` in [0, 1]."""
+    shares = head_shares(queries, lo, hi)
+    return shares.mean(dim=(1, 2)) if heads is None else shares[:, heads].mean(dim=1)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
 from kvos.policy.budget import Budget
@@ -24,6 +26,9 @@ class SessionConfig:
     chunk_tokens: the most tokens of one chunk (a message is one chunk; a longer one is cut into several).
     capture_layers: layers whose decode attention feeds the attention signal; None picks a few middle and
         late layers (at most 16).
+    retrieval_heads: the (layer, query head) pairs whose attention the "attention" and "hybrid" signals read
+        (``kvos calibrate --retrieval``: the heads that find a planted fact from its question); None: every
+        head of ``key_digest_layers``. Their layers are the ones digested unless those are given.
     recovery_signal: how similarity recovery compares a saved chunk with the new user message:
         "answer" (the default: how much the saved message changes the model's answer to the new one,
         :mod:`kvos.session.relevance`; it measured best on the recall benchmark, docs/benchmarks.md),
@@ -57,6 +62,7 @@ class SessionConfig:
     recovery_min_similarity: float | None = None
     recovery_bar: bool = False
     key_digest_layers: tuple[int, ...] | None = None
+    retrieval_heads: tuple[tuple[int, int], ...] | None = None
     query_window: int = 64
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
@@ -75,6 +81,8 @@ class SessionConfig:
             raise ConfigError(
                 f"recovery_signal must be one of {', '.join(SIGNALS)}, got {self.recovery_signal!r}"
             )
+        if self.retrieval_heads is not None and not self.retrieval_heads:
+            raise ConfigError("retrieval_heads must name at least one (layer, head), or be None")
         if self.query_window < 1:
             raise ConfigError(f"query_window must be >= 1, got {self.query_window}")
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode
@@ -106,11 +114,31 @@ class SessionConfig:
         return self.recovery_signal in ("attention", "hybrid") and self.backend != "discard"
 
     def digest_layers(self, num_layers: int) -> tuple[int, ...]:
-        """The layers of the key digests and tapped queries: ``key_digest_layers``, or every layer."""
-        layers = self.key_digest_layers if self.key_digest_layers is not None else tuple(range(num_layers))
+        """The layers of the key digests and tapped queries: ``key_digest_layers``, else the layers of the
+        ``retrieval_heads``, else every layer."""
+        layers = self.key_digest_layers
+        if layers is None:
+            heads = self.retrieval_heads
+            layers = tuple(layer for layer, _ in heads) if heads is not None else tuple(range(num_layers))
         if not layers or any(not 0 <= i < num_layers for i in layers):
             raise ConfigError(f"key_digest_layers must be non-empty, in [0, {num_layers}), got {layers}")
         return tuple(sorted(set(layers)))
+
+    def head_mask(self, num_layers: int, num_heads: int) -> torch.Tensor | None:
+        """The ``retrieval_heads`` as a bool ``[len(digest_layers), num_heads]`` mask over the tapped
+        queries' layers and heads, or None (every head)."""
+        if self.retrieval_heads is None:
+            return None
+        layers = self.digest_layers(num_layers)
+        mask = torch.zeros(len(layers), num_heads, dtype=torch.bool)
+        for layer, head in self.retrieval_heads:
+            if layer not in layers or not 0 <= head < num_heads:
+                raise ConfigError(
+                    f"retrieval head ({layer}, {head}) is not in the digested layers {layers} x "
+                    f"[0, {num_heads}) heads"
+                )
+            mask[layers.index(layer), head] = True
+        return mask
 
     def layers_to_capture(self, num_layers: int) -> frozenset[int]:
         """The configured layers, or {L/2, 3L/4, L-1} by default."""

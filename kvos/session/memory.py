@@ -18,7 +18,7 @@ import torch
 from kvos.errors import BudgetError
 from kvos.policy.attention import AttentionTracker, chunk_masses
 from kvos.policy.chunks import Chunk, ChunkState
-from kvos.policy.digest import attention_shares
+from kvos.policy.digest import KeyDigest, attention_shares
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import LexicalIndex
 from kvos.policy.planner import Eviction, Snapshot, affordable, plan_room, pressure_victim
@@ -64,6 +64,9 @@ class SessionMemory:
         self.focus = TaskFocus()
         self.journal = Journal()
         self.costs = TurnCosts()
+        # called with the message's chunks and its tapped queries before the "attention" signal scores
+        # (kvos calibrate --retrieval watches the probe turns)
+        self.queries_observer: Callable[[list[Chunk], torch.Tensor], None] | None = None
 
     # ------------------------------------------------------------------ budget
     def score_context(self) -> ScoreContext:
@@ -221,6 +224,8 @@ class SessionMemory:
         ``pager.digest_layers``, rotated back to position 0."""
         if self.config.backend == "discard" or self.config.recovery_top_k == 0 or not message:
             return
+        if self.queries_observer is not None:
+            self.queries_observer(message, queries)
         mine = {c.chunk_id for c in message}
         self.history.protected |= mine
         if not any(self._recoverable(c) and c.digest is not None for c in self.chunks.values()):
@@ -234,18 +239,29 @@ class SessionMemory:
         self, queries: torch.Tensor, exclude: frozenset[int] | set[int] = frozenset()
     ) -> dict[int, float]:
         """Chunk id -> :func:`~kvos.policy.digest.attention_shares` of ``queries`` (float32 ``[layers, n,
-        heads, head_dim]``, rotated back to position 0) for the candidate chunks: recoverable ones with a
-        digest and holdable resident ones (their digest read from the pool), but ``exclude``."""
-        digests = {
-            c.chunk_id: c.digest if not c.resident else self.pager.digest(c)
-            for c in self.chunks.values()
-            if c.chunk_id not in exclude and self._eligible(c) and (c.resident or c.digest is not None)
-        }
+        heads, head_dim]``, rotated back to position 0) over the :meth:`candidate_digests` but ``exclude``,
+        averaged over the ``retrieval_heads`` (or every head)."""
+        digests = self.candidate_digests(exclude)
         if not digests:
             return {}
-        lo = torch.stack([d.lo for d in digests.values()])  # type: ignore[union-attr]
-        hi = torch.stack([d.hi for d in digests.values()])  # type: ignore[union-attr]
-        return dict(zip(digests, attention_shares(queries, lo, hi).tolist(), strict=True))
+        lo = torch.stack([d.lo for d in digests.values()])
+        hi = torch.stack([d.hi for d in digests.values()])
+        c = self.pager.engine.model.config
+        heads = self.config.head_mask(c.num_layers, c.num_heads)
+        return dict(zip(digests, attention_shares(queries, lo, hi, heads).tolist(), strict=True))
+
+    def candidate_digests(self, exclude: frozenset[int] | set[int] = frozenset()) -> dict[int, KeyDigest]:
+        """Chunk id -> key digest of the attention signal's candidates: recoverable chunks with a digest
+        and holdable resident ones (their digest read from the pool), but ``exclude``."""
+        digests: dict[int, KeyDigest] = {}
+        for c in self.chunks.values():
+            if c.chunk_id in exclude or not self._eligible(c):
+                continue
+            if c.resident:
+                digests[c.chunk_id] = self.pager.digest(c)
+            elif c.digest is not None:
+                digests[c.chunk_id] = c.digest
+        return digests
 
     def _eligible(self, chunk: Chunk) -> bool:
         """A candidate of the answer signal: recoverable, or resident and holdable."""

@@ -182,18 +182,27 @@ class Session:
             began, restored = time.perf_counter(), costs.restore_s
             self.memory.recover_attending(chunks, tap.take(self.config.query_window))
             costs.add(recovery_s=time.perf_counter() - began - (costs.restore_s - restored))
-            last = chunks[-1]
-            if costs.restore_s > restored and last.resident and self.pager.order()[-1] == last.chunk_id:
-                self._refresh_logits(last)  # chunks came in front of the message: its logits predate them
+            if costs.restore_s > restored:  # chunks came in front of the message, computed without them
+                began = time.perf_counter()
+                self._prefill_again(chunks)
+                costs.add(prefill_s=time.perf_counter() - began)
         return chunks
 
-    def _refresh_logits(self, chunk: Chunk) -> None:
-        """Run the last token of ``chunk`` (the last resident chunk) again, so the logits the reply starts
-        from see the chunks spliced in front of it."""
-        token, position = chunk.token_ids[-1], int(chunk.current_start or 0) + chunk.num_tokens - 1
-        self.pager.truncate(chunk, chunk.num_tokens - 1)
-        self.memory.hold(1, {chunk.chunk_id}, into=chunk)
-        self.last_logits = self.engine.extend(self.pager.seq, [token], [position])
+    def _prefill_again(self, message: list[Chunk]) -> None:
+        """Prefill the new message's chunks once more, where they now stand (after the chunks the
+        "attention" signal spliced in front of them): their keys and the logits the reply starts from then
+        see what came back, as if it had been there when the message arrived. Only when the message is
+        whole and last in the cache (paging may have taken part of it: then nothing is redone)."""
+        order = self.pager.order()
+        ids = [c.chunk_id for c in message]
+        if not all(c.resident for c in message) or order[-len(ids) :] != ids:
+            return
+        starts = [int(c.current_start or 0) for c in message]
+        for chunk in message:
+            self.pager.discard(chunk)
+        for chunk, start in zip(message, starts, strict=True):
+            self.memory.hold(chunk.num_tokens, set(ids))
+            self.last_logits = self.pager.append(chunk, "last", start=start)
 
     def _append(
         self,

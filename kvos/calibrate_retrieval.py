@@ -1,0 +1,173 @@
+"""``kvos calibrate --retrieval``: the attention heads that find a planted fact from its question.
+
+The "attention" recovery signal (:mod:`kvos.policy.digest`) bounds how strongly the new message's queries
+would attend to each saved chunk. Averaged over every layer and head it is mostly noise: most heads look at
+the last few tokens or at the sinks, and only a few (retrieval heads) attend back to what a question asks
+for. This calibration finds them on planted-fact sessions:
+
+each held-out session of the built-in corpus (a calibration seed, not the recall benchmark's) is played
+through a kv_restore session at a fraction of its size with the "attention" signal; when its probe question
+has been prefilled, every candidate chunk's share is computed per (layer, query head) from the key digests
+(:func:`~kvos.policy.digest.head_shares`), and each head's rank of the fact's exchange (the planting user
+message and its reply) is recorded. A head's score is the number of probes in which it ranks the fact within
+the first ``top_k`` (the session's ``recovery_top_k``), ties broken by first places; the best ``heads`` are
+the retrieval heads.
+
+JSON: ``model`` (as ``kvos calibrate`` writes it), ``calibration`` (sessions, probes scored, seed, budget
+fraction, top_k), ``hits_top1`` and ``hits_topk`` (``[layers][heads]`` counts), ``retrieval_heads``
+(``[[layer, head], ...]``, best first): what ``--retrieval-heads FILE`` of ``kvos bench recall`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvos.bench.playback import play, session_tokens
+from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+from kvos.model.chat_template import ChatTemplate
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.budget import Budget
+from kvos.policy.chunks import Chunk
+from kvos.policy.digest import head_shares
+from kvos.session.manager import MemoryManager
+from kvos.session.memory import SessionMemory
+from kvos.session.strategies import strategy
+
+CALIBRATION_SEED = HELDOUT_SEED + 1  # not the recall benchmark's sessions
+PROBE_TOKENS = 24  # the reply to a probe, as kvos bench recall lets it run (it sizes the budget)
+
+
+def fact_ranks(
+    memory: SessionMemory, message: list[Chunk], queries: torch.Tensor, fact: set[int]
+) -> torch.Tensor | None:
+    """Per (layer, head), the rank (0: first) of the best chunk of the ``fact`` messages among the
+    attention signal's candidates for ``message`` (its chunks, just prefilled) -> int64 ``[layers, heads]``
+    over the tapped layers, or None when no fact chunk is a candidate.
+
+    queries: float32 ``[layers, n, heads, head_dim]``, rotated back to position 0."""
+    digests = memory.candidate_digests({c.chunk_id for c in message})
+    ids = list(digests)
+    facts = [i for i, chunk_id in enumerate(ids) if memory.chunks[chunk_id].message_index in fact]
+    if not facts:
+        return None
+    lo = torch.stack([digests[i].lo for i in ids])
+    hi = torch.stack([digests[i].hi for i in ids])
+    shares = head_shares(queries, lo, hi)  # [B, L, H]
+    ranks = shares.argsort(dim=0, descending=True).argsort(dim=0)  # each candidate's place, [B, L, H]
+    return ranks[facts].amin(dim=0)
+
+
+def best_heads(top1: torch.Tensor, topk: torch.Tensor, layers: Sequence[int], count: int) -> list[list[int]]:
+    """The ``count`` (layer, head) pairs with the most top-k hits (``[len(layers), heads]`` counts over the
+    tapped ``layers``), ties broken by first places, then by position."""
+    heads = topk.shape[1]
+    order = sorted(
+        ((i, h) for i in range(len(layers)) for h in range(heads)),
+        key=lambda ih: (-int(topk[ih]), -int(top1[ih]), ih),
+    )
+    return [[layers[i], h] for i, h in order[:count]]
+
+
+def session_ranks(
+    manager: MemoryManager, chat: ChatSession, frac: float, max_tokens: int
+) -> tuple[torch.Tensor | None, tuple[int, ...], int]:
+    """Play ``chat`` at ``frac`` of its size with the "attention" signal -> the :func:`fact_ranks` of its
+    probe (None if the fact was no candidate), the tapped layers, the session's ``recovery_top_k``."""
+    template = ChatTemplate.from_tokenizer(manager.tokenizer)
+    probe = chat.probes[0]
+    tokens = max(64, int(session_tokens(chat, manager.tokenizer, template, max_tokens) * frac))
+    config = strategy(
+        "kvos-kv_restore", Budget(max_active_tokens=tokens, policy="hard"), max(8, min(128, tokens // 4))
+    )
+    config.recovery_signal = "attention"
+    session = manager.session(config=config)
+    found: list[torch.Tensor] = []
+
+    def watch(message: list[Chunk], queries: torch.Tensor) -> None:
+        if message and message[0].message_index == probe.message_index:
+            fact = {probe.plant_index, probe.plant_index + 1}
+            ranks = fact_ranks(session.memory, message, queries, fact)
+            if ranks is not None:
+                found.append(ranks)
+
+    session.memory.queries_observer = watch
+    try:
+        play(session, chat, max_tokens)
+        return (found[0] if found else None), session.pager.digest_layers, config.recovery_top_k
+    finally:
+        manager.close(session.session_id)
+
+
+def calibrate_heads(
+    manager: MemoryManager, chats: list[ChatSession], frac: float, max_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...], int]:
+    """:func:`session_ranks` over ``chats``, counted per (layer, head): the probes whose fact it ranks
+    first and within the top k -> (top1, topk, probes scored, tapped layers, k)."""
+    top1 = topk = None
+    layers: tuple[int, ...] = ()
+    scored = k = 0
+    for chat in tqdm(chats, desc="retrieval heads", unit="session"):
+        ranks, layers, k = session_ranks(manager, chat, frac, max_tokens)
+        if ranks is None:
+            continue
+        first, hits = (ranks == 0).long(), (ranks < k).long()
+        top1 = first if top1 is None else top1 + first
+        topk = hits if topk is None else topk + hits
+        scored += 1
+    if top1 is None or topk is None:
+        raise ConfigError("no probe had its fact among the candidates: nothing to calibrate on")
+    return top1, topk, scored, layers, k
+
+
+def run(args: argparse.Namespace, model_info: dict[str, Any]) -> int:
+    """``kvos calibrate --retrieval``: write the JSON to ``args.out``, print a summary; exit status."""
+    path = Path(model_info["path"])
+    tokenizer = load_tokenizer(path)
+    manager = MemoryManager(Engine(load_model(path, dtype=args.dtype, device=args.device)), tokenizer)
+    chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
+    top1, topk, scored, layers, top_k = calibrate_heads(manager, chats, args.budget_frac, PROBE_TOKENS)
+    heads = best_heads(top1, topk, layers, args.retrieval)
+    result = {
+        "model": model_info,
+        "calibration": {
+            "sessions": len(chats),
+            "probes_scored": scored,
+            "seed": args.seed,
+            "fillers": args.fillers,
+            "budget_frac": args.budget_frac,
+            "top_k": top_k,
+        },
+        "hits_top1": top1.tolist(),
+        "hits_topk": topk.tolist(),
+        "retrieval_heads": heads,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    best = ", ".join(
+        f"({layer}, {head}) {int(topk[layers.index(layer), head])}/{scored}" for layer, head in heads
+    )
+    print(f"[kvos] {scored} probes: retrieval heads (layer, head) with top-{top_k} hits: {best}; wrote {out}")
+    return 0
+
+
+def load_retrieval_heads(path: str | Path) -> tuple[tuple[int, int], ...]:
+    """The ``retrieval_heads`` of a ``kvos calibrate --retrieval`` JSON file, as SessionConfig takes them."""
+    try:
+        heads = json.loads(Path(path).read_text())["retrieval_heads"]
+        pairs = tuple((int(layer), int(head)) for layer, head in heads)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a retrieval-heads calibration ({exc})") from exc
+    if not pairs:
+        raise ConfigError(f"{path}: retrieval_heads is empty")
+    return pairs

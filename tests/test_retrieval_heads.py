@@ -102,3 +102,21 @@ def test_calibration_counts_probes_and_the_file_feeds_a_session(tmp_path: Path) 
         load_retrieval_heads(bad)
     with pytest.raises(ConfigError, match="not a retrieval-heads calibration"):
         load_retrieval_heads(tmp_path / "missing.json")
+
+
+def test_serve_reads_the_heads_and_refuses_heads_the_model_lacks(tmp_path: Path) -> None:
+    from server_harness import serve_options
+
+    from kvos.server.main import build_service
+
+    path = builtin_model_path()
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"retrieval_heads": [[1, 3], [2, 0]]}))
+    bad.write_text(json.dumps({"retrieval_heads": [[1, 99]]}))
+    argv = ["--model", str(path), "--recovery-signal", "attention", "--retrieval-heads"]
+    service = build_service(serve_options([*argv, str(good)]))
+    assert service.manager.config.retrieval_heads == ((1, 3), (2, 0))
+    session = service.manager.session(config=service.manager.config)
+    assert session.pager.digest_layers == (1, 2)  # the heads' layers only
+    with pytest.raises(ConfigError, match=r"retrieval head \(1, 99\)"):
+        build_service(serve_options([*argv, str(bad)]))

@@ -106,6 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "hybrid: the answer signal on a shortlist from key digests and words; attention: key digests "
         "only, no forward pass; docs/benchmarks.md compares them)",
     )
+    p.add_argument(
+        "--retrieval-heads",
+        metavar="FILE",
+        help="the attention and hybrid signals read only these heads (kvos calibrate --retrieval N)",
+    )
     p.add_argument("--api-key", action="append", default=[], help="require this bearer key (repeatable)")
     p.add_argument(
         "--admin-key",
@@ -249,6 +254,11 @@ def build_service(args: argparse.Namespace) -> ChatService:
         store_ram_bytes=args.store_ram_bytes,
         store_disk_dir=args.store_disk_dir,
     )
+    if args.retrieval_heads:
+        from kvos.calibrate_retrieval import load_retrieval_heads
+
+        config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
+        config.head_mask(model.config.num_layers, model.config.num_heads)  # a clear error now, not per turn
     tokenizer = load_tokenizer(path)
     state = open_state(args, model, tokenizer, config)
     factory = state.store_factory if state is not None else None

@@ -143,15 +143,14 @@ def _model_path(arg: str | None) -> Path:
 def run(args: argparse.Namespace) -> int:
     """Measure, write the JSON to ``args.out``, print a one-line summary; returns the exit status."""
     path = _model_path(args.model)
+    model = load_model(path, dtype=args.dtype, device=args.device)
     if args.retrieval:
         from kvos.calibrate_retrieval import CALIBRATION_SEED
         from kvos.calibrate_retrieval import run as run_retrieval
 
         if args.seed is None:
             args.seed = CALIBRATION_SEED
-        config = load_model(path, dtype=args.dtype, device=args.device).config
-        return run_retrieval(args, model_info(config, path))
-    model = load_model(path, dtype=args.dtype, device=args.device)
+        return run_retrieval(args, model, model_info(model.config, path))
     tokenizer = find_tokenizer(path, args.tokenizer)
     max_tokens = min(args.max_tokens, model.config.max_position_embeddings)
     texts = token_texts(tokenizer, args.text, max_tokens, bool(tokenizer.add_bos_token))

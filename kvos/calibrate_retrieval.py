@@ -34,8 +34,8 @@ from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.chat_template import ChatTemplate
-from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
+from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
 from kvos.policy.chunks import Chunk
 from kvos.policy.digest import head_shares
@@ -129,11 +129,10 @@ def calibrate_heads(
     return top1, topk, scored, layers, k
 
 
-def run(args: argparse.Namespace, model_info: dict[str, Any]) -> int:
-    """``kvos calibrate --retrieval``: write the JSON to ``args.out``, print a summary; exit status."""
-    path = Path(model_info["path"])
-    tokenizer = load_tokenizer(path)
-    manager = MemoryManager(Engine(load_model(path, dtype=args.dtype, device=args.device)), tokenizer)
+def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]) -> int:
+    """``kvos calibrate --retrieval`` on the loaded ``model``: write the JSON to ``args.out``, print a
+    summary; exit status."""
+    manager = MemoryManager(Engine(model), load_tokenizer(Path(model_info["path"])))
     chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
     top1, topk, scored, layers, top_k = calibrate_heads(manager, chats, args.budget_frac, PROBE_TOKENS)
     heads = best_heads(top1, topk, layers, args.retrieval)

@@ -19,7 +19,7 @@ from kvos.errors import ConfigError
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.policy.digest import attention_shares, head_shares
+from kvos.policy.digest import attention_shares, head_mask, head_shares
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 
@@ -49,15 +49,17 @@ def test_chosen_heads_decide_the_shares() -> None:
 
 def test_the_config_digests_the_heads_layers_and_masks_them() -> None:
     config = SessionConfig(retrieval_heads=((2, 1), (0, 3), (2, 0)))
-    assert config.digest_layers(4) == (0, 2)
-    mask = config.head_mask(4, 4)
-    assert mask is not None and mask.shape == (2, 4)
+    layers = config.digest_layers(4)
+    assert layers == (0, 2)
+    mask = head_mask(config.retrieval_heads or (), layers, 4)
+    assert mask.shape == (2, 4)
     assert sorted(map(tuple, mask.nonzero().tolist())) == [(0, 3), (1, 0), (1, 1)]
-    assert SessionConfig().head_mask(4, 4) is None
     with pytest.raises(ConfigError, match="retrieval head"):
-        SessionConfig(retrieval_heads=((1, 9),)).head_mask(4, 4)
+        head_mask(((1, 9),), (1,), 4)
     with pytest.raises(ConfigError, match="retrieval head"):  # given digest layers leave the head out
-        SessionConfig(retrieval_heads=((1, 0),), key_digest_layers=(2,)).head_mask(4, 4)
+        head_mask(
+            ((1, 0),), SessionConfig(retrieval_heads=((1, 0),), key_digest_layers=(2,)).digest_layers(4), 4
+        )
     with pytest.raises(ConfigError, match="at least one"):
         SessionConfig(retrieval_heads=())
 

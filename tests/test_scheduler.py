@@ -55,6 +55,19 @@ def _greedy(engine: Engine, seq: Sequence, prompt: list[int], steps: int) -> tup
     return out, logits
 
 
+def _step_sizes(scheduler: Scheduler) -> list[int]:
+    """A list that gets the token count of every step the scheduler runs from now on."""
+    sizes: list[int] = []
+    real_run = scheduler._run
+
+    def spy(step: list[_Ask]) -> None:
+        sizes.append(sum(a.tokens for a in step))
+        real_run(step)
+
+    scheduler._run = spy  # type: ignore[method-assign]
+    return sizes
+
+
 def test_concurrent_work_is_batched_and_equals_running_alone(engine: Engine, scheduler: Scheduler) -> None:
     prompts = [_tokens(n, seed) for seed, n in enumerate((5, 30, 12, 21, 9))]
     alone = []
@@ -97,14 +110,7 @@ def test_prefill_slices_share_steps_with_decodes(engine: Engine, scheduler: Sche
     """A 200-token prompt is prefilled in slices cut to fit a step beside every running decode token
     (64 - 3 = 61 tokens) while another work decodes: no step holds more than ``step_tokens``, and the
     decode runs in the same steps as the slices; the logits equal an unsliced prefill's."""
-    sizes: list[int] = []
-    real_run = scheduler._run
-
-    def spy(step: list[_Ask]) -> None:
-        sizes.append(sum(a.tokens for a in step))
-        real_run(step)
-
-    scheduler._run = spy  # type: ignore[method-assign]
+    sizes = _step_sizes(scheduler)
     a, b, ref = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()
     fb = scheduler.submit(_greedy, engine, b, _tokens(3, 1), 12)
     fa = scheduler.submit(_greedy, engine, a, _tokens(200, 2), 2)
@@ -210,14 +216,7 @@ def test_one_works_passes_share_a_step_or_are_cut_by_its_limits(engine: Engine, 
         seq = engine.new_sequence()
         alone.append(engine.extend(seq, prompt, logits="all"))
         seq.release()
-    sizes: list[int] = []
-    real_run = scheduler._run
-
-    def spy(step: list[_Ask]) -> None:
-        sizes.append(sum(a.tokens for a in step))
-        real_run(step)
-
-    scheduler._run = spy  # type: ignore[method-assign]
+    sizes = _step_sizes(scheduler)
 
     def both() -> list[torch.Tensor]:
         first = [engine.new_sequence() for _ in range(3)]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvos.errors import ConfigError
 from kvos.model.rope import Rope
 
 
@@ -100,3 +101,17 @@ def attention_shares(
     ``[chunks]`` in [0, 1]."""
     shares = head_shares(queries, lo, hi)
     return shares.mean(dim=(1, 2)) if heads is None else shares[:, heads].mean(dim=1)
+
+
+def head_mask(heads: Sequence[tuple[int, int]], layers: Sequence[int], num_heads: int) -> torch.Tensor:
+    """(layer, query head) pairs as a bool ``[len(layers), num_heads]`` mask over queries tapped at
+    ``layers``, for :func:`attention_shares`; ConfigError for a pair outside them."""
+    mask = torch.zeros(len(layers), num_heads, dtype=torch.bool)
+    for layer, head in heads:
+        if layer not in layers or not 0 <= head < num_heads:
+            raise ConfigError(
+                f"retrieval head ({layer}, {head}) is not in the digested layers {tuple(layers)} x "
+                f"[0, {num_heads}) heads"
+            )
+        mask[list(layers).index(layer), head] = True
+    return mask

@@ -256,9 +256,11 @@ def build_service(args: argparse.Namespace) -> ChatService:
     )
     if args.retrieval_heads:
         from kvos.calibrate_retrieval import load_retrieval_heads
+        from kvos.policy.digest import head_mask
 
         config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
-        config.head_mask(model.config.num_layers, model.config.num_heads)  # a clear error now, not per turn
+        layers = config.digest_layers(model.config.num_layers)
+        head_mask(config.retrieval_heads, layers, model.config.num_heads)  # a clear error now, not per turn
     tokenizer = load_tokenizer(path)
     state = open_state(args, model, tokenizer, config)
     factory = state.store_factory if state is not None else None

@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
 from kvos.policy.budget import Budget
@@ -123,22 +121,6 @@ class SessionConfig:
         if not layers or any(not 0 <= i < num_layers for i in layers):
             raise ConfigError(f"key_digest_layers must be non-empty, in [0, {num_layers}), got {layers}")
         return tuple(sorted(set(layers)))
-
-    def head_mask(self, num_layers: int, num_heads: int) -> torch.Tensor | None:
-        """The ``retrieval_heads`` as a bool ``[len(digest_layers), num_heads]`` mask over the tapped
-        queries' layers and heads, or None (every head)."""
-        if self.retrieval_heads is None:
-            return None
-        layers = self.digest_layers(num_layers)
-        mask = torch.zeros(len(layers), num_heads, dtype=torch.bool)
-        for layer, head in self.retrieval_heads:
-            if layer not in layers or not 0 <= head < num_heads:
-                raise ConfigError(
-                    f"retrieval head ({layer}, {head}) is not in the digested layers {layers} x "
-                    f"[0, {num_heads}) heads"
-                )
-            mask[layers.index(layer), head] = True
-        return mask
 
     def layers_to_capture(self, num_layers: int) -> frozenset[int]:
         """The configured layers, or {L/2, 3L/4, L-1} by default."""

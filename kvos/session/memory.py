@@ -18,7 +18,7 @@ import torch
 from kvos.errors import BudgetError
 from kvos.policy.attention import AttentionTracker, chunk_masses
 from kvos.policy.chunks import Chunk, ChunkState
-from kvos.policy.digest import KeyDigest, attention_shares
+from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import LexicalIndex
 from kvos.policy.planner import Eviction, Snapshot, affordable, plan_room, pressure_victim
@@ -246,8 +246,10 @@ class SessionMemory:
             return {}
         lo = torch.stack([d.lo for d in digests.values()])
         hi = torch.stack([d.hi for d in digests.values()])
-        c = self.pager.engine.model.config
-        heads = self.config.head_mask(c.num_layers, c.num_heads)
+        retrieval = self.config.retrieval_heads
+        heads = None
+        if retrieval is not None:
+            heads = head_mask(retrieval, self.pager.digest_layers, self.pager.engine.model.config.num_heads)
         return dict(zip(digests, attention_shares(queries, lo, hi, heads).tolist(), strict=True))
 
     def candidate_digests(self, exclude: frozenset[int] | set[int] = frozenset()) -> dict[int, KeyDigest]:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from kvos.engine.scheduler import Scheduler
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.growth import GrowthPolicy
+from kvos.memory.mapped import mapped_empty
 from kvos.memory.page_table import PageTable
 from kvos.memory.pool import KVLayout, KVPool
 from kvos.model.attention import AttentionMetadata, BatchItem
@@ -185,11 +186,16 @@ class Engine:
 
     # ------------------------------------------------ recompute-free K/V movement
     def read_kv(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of a segment's K and V for every layer: each [num_layers, n, num_kv_heads, head_dim]."""
+        """Copies of a segment's K and V for every layer: each [num_layers, n, num_kv_heads, head_dim]. On
+        the CPU each copy has a mapping of its own when large (they are saved for as long as their session
+        lives: :mod:`kvos.memory.mapped`)."""
         layout = self.pool.layout
         shape = (layout.num_layers, seg.num_tokens, layout.num_kv_heads, layout.head_dim)
-        k = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-        v = torch.empty_like(k)
+        if torch.device(layout.device).type == "cpu":
+            k, v = mapped_empty(shape, layout.dtype), mapped_empty(shape, layout.dtype)
+        else:
+            k = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+            v = torch.empty_like(k)
         slots = seg.slots.to(self.model.device)
         for layer in range(layout.num_layers):
             self.pool.gather(layer, slots, out=(k[layer], v[layer]))

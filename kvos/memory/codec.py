@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvos.memory.mapped import mapped_empty
+
 CODEC_NAME = "bitmask"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -134,10 +136,13 @@ def from_payload(spec: dict[str, Any], payload: memoryview, offset: int) -> tupl
 
 
 def _take(payload: memoryview, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor of ``count`` elements of ``dtype`` copied from ``payload`` at ``offset``."""
+    """A 1-D tensor of ``count`` elements of ``dtype`` copied from ``payload`` at ``offset`` (a large one in
+    a mapping of its own: it is kept in the store's RAM tier, :mod:`kvos.memory.mapped`)."""
     nbytes = count * dtype.itemsize
     if offset + nbytes > len(payload):
         raise ValueError("payload shorter than the tensors in the header")
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(payload[offset : offset + nbytes]), dtype=torch.uint8).view(dtype)
+    out = mapped_empty((nbytes,), torch.uint8)
+    out.numpy()[:] = np.frombuffer(payload, dtype=np.uint8, count=nbytes, offset=offset)
+    return out.view(dtype)

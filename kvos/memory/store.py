@@ -60,6 +60,7 @@ from kvos.errors import ChunkDataError, ChunkNotFoundError, ConfigError, Corrupt
 from kvos.memory import container
 from kvos.memory.codec import CODEC_NAME, EncodedTensor, encode, from_payload
 from kvos.memory.int64 import as_int64
+from kvos.memory.mapped import mapped_copy
 
 MAGIC = b"KVOSBLK\x00"
 FORMAT_VERSION = 1
@@ -168,15 +169,14 @@ def _peek_entry(path: Path) -> _Entry:
 
 
 def _to_cpu(t: object, name: str, copy: bool = True) -> torch.Tensor:
-    """A fresh contiguous CPU copy of ``t`` (any device, dtype and shape); without ``copy``, ``t`` itself
-    (detached) when it is already contiguous on the CPU."""
+    """A fresh contiguous CPU copy of ``t`` (any device, dtype and shape; a large one in a mapping of its
+    own, :mod:`kvos.memory.mapped`); without ``copy``, ``t`` itself (detached) when it is already contiguous
+    on the CPU."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         raise ChunkDataError(f"{name} must be a dense torch.Tensor, got {type(t).__name__}")
     if not copy and t.device.type == "cpu" and t.is_contiguous():
         return t.detach()
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    out.copy_(t.detach())
-    return out
+    return mapped_copy(t)
 
 
 def _meta_json(meta: Mapping[str, Any] | None) -> str:

@@ -392,7 +392,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    limit_heap_arenas(2)  # before any worker thread: freed memory goes back, not into per-thread arenas
+    limit_heap_arenas(1)  # before any worker thread: every thread allocates from the heap malloc_trim trims
     # the set-up's parallel operators run on a thread that ends, and only the scheduler's thread keeps a
     # pool of helper threads: a second pool makes every step's parallel loops wake sleeping helpers
     service = on_passing_thread(lambda: build_service(args))

@@ -7,6 +7,8 @@ import argparse
 import gc
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -20,7 +22,6 @@ from kvos.bench import soak
 from kvos.bench.session import WORDS
 from kvos.bench.soak_server import ServerProcess, rss_bytes
 from kvos.builtin import MODEL_DIR
-from kvos.model.gguf import limit_heap_arenas
 from kvos.server.lifecycle import drain
 from kvos.server.main import build_service
 from kvos.server.schemas import ChatRequest
@@ -140,15 +141,45 @@ def test_deleted_session_is_freed_at_once() -> None:
     assert grown_bytes > start_bytes and pool.nbytes == start_bytes  # the empty pool went back to its start
 
 
-def test_heap_arenas_can_be_capped() -> None:
-    """``kvos serve`` caps glibc's malloc arenas at one before its worker threads start (every thread
-    then allocates from the main heap, whose top ``malloc_trim`` can give back; another arena's top it
-    cannot); mallopt accepts the cap (it returns 0 for a parameter it does not know)."""
+HEAP_SCRIPT = """
+import sys, threading
+from kvos.model.gguf import limit_heap_arenas, release_free_heap
+from kvos.server.main import SERVE_HEAP_ARENAS
+from kvos.bench.soak_server import rss_bytes
+import os
+arenas = int(sys.argv[1]) or SERVE_HEAP_ARENAS
+assert limit_heap_arenas(arenas)
+start = rss_bytes(os.getpid())
+def work():
+    big = bytearray(30 << 20); del big  # mapped and unmapped: glibc raises its trim threshold to 60 MiB
+    blocks = [bytearray(100 << 10) for _ in range(400)]  # 40 MiB from the heap, freed into its top
+    del blocks
+worker = threading.Thread(target=work); worker.start(); worker.join()
+release_free_heap()  # what kvos serve does after a delete
+print(rss_bytes(os.getpid()) - start)
+"""
+
+
+def kept_after_worker(arenas: int) -> int:
+    """Bytes a fresh interpreter keeps resident after a worker thread allocated and freed 40 MiB and the
+    heap was trimmed, with malloc capped at ``arenas`` arenas (0: as ``kvos serve`` caps it)."""
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP_SCRIPT, str(arenas)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+def test_a_worker_threads_freed_memory_goes_back_under_serves_arena_cap() -> None:
+    """``kvos serve`` caps glibc's malloc at one arena before its worker threads start: what the engine
+    thread frees lands in the main heap, whose free top ``malloc_trim`` gives back (the top of a thread's own
+    arena it does not trim). The control: with two arenas the worker's 40 MiB stay resident."""
     import platform
 
     if platform.libc_ver()[0] != "glibc":
-        pytest.skip("mallopt(M_ARENA_MAX) is glibc's")
-    assert limit_heap_arenas(1)
+        pytest.skip("mallopt(M_ARENA_MAX) and malloc_trim are glibc's")
+    assert kept_after_worker(0) < 8 << 20
+    assert kept_after_worker(2) > 30 << 20  # the control: the scenario is the one the cap fixes
 
 
 def test_expired_sessions_are_freed_on_the_engine_only() -> None:

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 BUILTIN = Path(__file__).resolve().parents[1] / "builtin" / "model"
 
 
+SERVE_HEAP_ARENAS = 1  # every thread allocates from the main heap, whose top malloc_trim gives back
+
+
 def default_model() -> Path:
     """kvos's own trained model when it ships with this install, else the small random one kvos builds."""
     if (BUILTIN / "config.json").exists():
@@ -392,7 +395,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    limit_heap_arenas(1)  # before any worker thread: every thread allocates from the heap malloc_trim trims
+    limit_heap_arenas(SERVE_HEAP_ARENAS)  # before any worker thread starts
     # the set-up's parallel operators run on a thread that ends, and only the scheduler's thread keeps a
     # pool of helper threads: a second pool makes every step's parallel loops wake sleeping helpers
     service = on_passing_thread(lambda: build_service(args))

@@ -23,7 +23,7 @@ from kvos.bench.session import WORDS
 from kvos.bench.soak_server import ServerProcess, rss_bytes
 from kvos.builtin import MODEL_DIR
 from kvos.server.lifecycle import drain
-from kvos.server.main import build_service
+from kvos.server.main import SERVE_HEAP_ARENAS, build_service
 from kvos.server.schemas import ChatRequest
 
 TOP_LEVEL = (
@@ -143,12 +143,10 @@ def test_deleted_session_is_freed_at_once() -> None:
 
 HEAP_SCRIPT = """
 import sys, threading
-from kvos.model.gguf import limit_heap_arenas, release_free_heap
-from kvos.server.main import SERVE_HEAP_ARENAS
+from kvos.memory.heap import limit_heap_arenas, release_free_heap
 from kvos.bench.soak_server import rss_bytes
 import os
-arenas = int(sys.argv[1]) or SERVE_HEAP_ARENAS
-assert limit_heap_arenas(arenas)
+assert limit_heap_arenas(int(sys.argv[1]))
 start = rss_bytes(os.getpid())
 def work():
     big = bytearray(30 << 20); del big  # mapped and unmapped: glibc raises its trim threshold to 60 MiB
@@ -162,7 +160,7 @@ print(rss_bytes(os.getpid()) - start)
 
 def kept_after_worker(arenas: int) -> int:
     """Bytes a fresh interpreter keeps resident after a worker thread allocated and freed 40 MiB and the
-    heap was trimmed, with malloc capped at ``arenas`` arenas (0: as ``kvos serve`` caps it)."""
+    heap was trimmed, with malloc capped at ``arenas`` arenas."""
     out = subprocess.run(
         [sys.executable, "-c", HEAP_SCRIPT, str(arenas)], capture_output=True, text=True, timeout=120
     )
@@ -178,7 +176,7 @@ def test_a_worker_threads_freed_memory_goes_back_under_serves_arena_cap() -> Non
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt(M_ARENA_MAX) and malloc_trim are glibc's")
-    assert kept_after_worker(0) < 8 << 20
+    assert kept_after_worker(SERVE_HEAP_ARENAS) < 8 << 20
     assert kept_after_worker(2) > 30 << 20  # the control: the scenario is the one the cap fixes
 
 

@@ -70,11 +70,12 @@ def test_out_of_mappings_falls_back_to_the_heap(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_mapped_copy_is_bit_exact() -> None:
-    x = torch.randn(3, 100, 2, 64).to(torch.bfloat16)
+    x = torch.randn(3, 2, 100, 64).to(torch.bfloat16)
     x[0, 0, 0, 0] = -0.0
-    y = mapped_copy(x[:, :, :, :])
-    assert y.data_ptr() != x.data_ptr()
-    assert torch.equal(y.view(torch.int16), x.view(torch.int16))
+    strided = x.transpose(1, 2)  # [3, 100, 2, 64], not contiguous
+    y = mapped_copy(strided)
+    assert y.is_contiguous() and y.shape == strided.shape and y.nbytes >= MAPPED_MIN_BYTES
+    assert torch.equal(y.view(torch.int16), strided.contiguous().view(torch.int16))
 
 
 def test_what_the_store_keeps_goes_back_to_the_system_when_deleted(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 from kvos.bench.common import median
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
-from kvos.model.gguf import release_free_heap
+from kvos.memory.heap import release_free_heap
 from kvos.model.loader import load_model
 
 COLUMNS = (

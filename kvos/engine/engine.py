@@ -191,11 +191,7 @@ class Engine:
         lives: :mod:`kvos.memory.mapped`)."""
         layout = self.pool.layout
         shape = (layout.num_layers, seg.num_tokens, layout.num_kv_heads, layout.head_dim)
-        if torch.device(layout.device).type == "cpu":
-            k, v = mapped_empty(shape, layout.dtype), mapped_empty(shape, layout.dtype)
-        else:
-            k = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-            v = torch.empty_like(k)
+        k, v = (mapped_empty(shape, layout.dtype, layout.device) for _ in range(2))
         slots = seg.slots.to(self.model.device)
         for layer in range(layout.num_layers):
             self.pool.gather(layer, slots, out=(k[layer], v[layer]))

@@ -23,13 +23,15 @@ import torch
 MAPPED_MIN_BYTES = 64 << 10  # smaller tensors come from the heap: a mapping costs a system call and a page
 
 
-def mapped_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``; at least
+def mapped_empty(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on ``device``; on the CPU and at least
     :data:`MAPPED_MIN_BYTES` large, it lives in an anonymous mapping of its own that is unmapped when the
-    tensor (and every view of it) is freed."""
+    tensor (and every view of it) is freed (other devices: ``torch.empty``)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MAPPED_MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
+    if nbytes < MAPPED_MIN_BYTES or torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
     try:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:  # out of mappings (vm.max_map_count) or of address space: the heap will do

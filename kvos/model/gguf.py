@@ -11,8 +11,6 @@ dequantized or a kept-quantized path sees the weight.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ import numpy as np
 import torch
 
 from kvos.errors import ModelLoadError, UnsupportedModelError
+from kvos.memory.heap import release_free_heap
 from kvos.model.config import ModelConfig
 from kvos.model.gguf_config import PERMUTED_ARCHITECTURES, architecture, config_from_metadata, hf_name
 from kvos.model.linear import Weight
@@ -261,32 +260,6 @@ def load_gguf(
     del tensors
     release_free_heap()
     return model
-
-
-def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): a load frees many
-    temporaries (per-part weights before fusing, dequantized rows) that the allocator would otherwise keep
-    resident (11 MiB of a SmolLM2 Q4_1 load). A no-op where glibc is absent."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def limit_heap_arenas(arenas: int) -> bool:
-    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``), before threads start: every thread that
-    allocates otherwise gets an arena of its own (up to 8 per core), and memory freed in one stays
-    fragmented there, out of :func:`release_free_heap`'s reach (a server whose requests run on worker
-    threads keeps tens of MB after its sessions are gone). True when set; False where glibc is absent."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_ARENA_MAX, arenas))
-    except (OSError, AttributeError):
-        return False
 
 
 class _MadeOnAccess(Mapping[str, Weight]):

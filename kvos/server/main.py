@@ -16,8 +16,8 @@ from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
+from kvos.memory.heap import limit_heap_arenas
 from kvos.model import decode_kernel, dense_kernel, quant_kernel
-from kvos.model.gguf import limit_heap_arenas
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.model.transformer import Transformer

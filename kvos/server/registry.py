@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvos.model.gguf import release_free_heap
+from kvos.memory.heap import release_free_heap
 from kvos.server.errors import busy, not_found
 from kvos.server.state import StateDir
 from kvos.session.manager import MemoryManager

@@ -1,0 +1,38 @@
+"""The C heap under kvos's host tensors (glibc's malloc): give its free pages back, cap its arenas.
+
+Saved K/V that outlives requests does not live here (:mod:`kvos.memory.mapped`); what does (a load's
+temporaries, a request's tensors and objects) is freed into the heap, which keeps it resident until asked.
+Both functions are no-ops where glibc is absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): a model load frees many
+    temporaries (per-part weights before fusing, dequantized rows; 11 MiB of a SmolLM2 Q4_1 load), a deleted
+    session its records. ``malloc_trim`` trims the main heap's top but not another arena's:
+    :func:`limit_heap_arenas`."""
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().malloc_trim(0)
+
+
+def limit_heap_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``), before threads start: every thread that
+    allocates otherwise gets an arena of its own (up to 8 per core), and memory freed in one stays
+    there, out of :func:`release_free_heap`'s reach (a server whose requests run on worker threads keeps
+    tens of MB after its sessions are gone). True when set; False where glibc is absent."""
+    try:
+        return bool(_libc().mallopt(M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False

@@ -31,6 +31,7 @@ from kvos.model.config import ModelConfig
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer
 from kvos.policy.entropy import QUERY_FRACTIONS, entropy_bits, query_indices, summarize
+from kvos.policy.retriever import retriever_path
 
 CHUNK_TOKENS = 500
 MIN_CHUNK_TOKENS = 16  # a file's last chunk shorter than this is left out (unless it is the only one)
@@ -47,7 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="calibration text file, cut into ~500-token chunks (repeatable; default: the built-in set)",
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per text at most (default 512)")
-    p.add_argument("--out", default="entropy.json", help="where to write the JSON (default entropy.json)")
+    p.add_argument(
+        "--out",
+        help="where to write the JSON (default entropy.json; with --retriever, beside the model, where kvos "
+        "serve and kvos bench find it: retriever.safetensors in its directory, FILE.retriever.safetensors "
+        "beside a file)",
+    )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -55,7 +61,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead of entropies: the N heads that best find a planted fact from its question "
         "(kvos.calibrate_retrieval; --out then gets retrieval_heads for --retrieval-heads)",
     )  # fmt: skip
-    p.add_argument("--sessions", type=int, default=40, help="--retrieval: planted-fact sessions played")
+    p.add_argument(
+        "--retriever", action="store_true",
+        help="instead of entropies: fit the learned recovery signal's retriever on planted-fact sessions "
+        "(kvos.calibrate_retriever; --out then gets a safetensors file for --retriever FILE)",
+    )  # fmt: skip
+    p.add_argument("--rank", type=int, default=8, help="--retriever: dimensions of the projections")
+    p.add_argument("--epochs", type=int, default=20, help="--retriever: passes over the probes")
+    p.add_argument(
+        "--holdout", type=float, default=0.2, help="--retriever: share of the probes kept out to measure it"
+    )
+    p.add_argument(
+        "--sessions", type=int, default=None,
+        help="--retrieval / --retriever: planted-fact sessions played (default 40 / 400)",
+    )  # fmt: skip
     p.add_argument(
         "--seed", type=int, default=None, help="--retrieval: their seed (default: a calibration seed)"
     )
@@ -144,13 +163,23 @@ def run(args: argparse.Namespace) -> int:
     """Measure, write the JSON to ``args.out``, print a one-line summary; returns the exit status."""
     path = _model_path(args.model)
     model = load_model(path, dtype=args.dtype, device=args.device)
-    if args.retrieval:
+    if args.retrieval or args.retriever:
         from kvos.calibrate_retrieval import CALIBRATION_SEED
         from kvos.calibrate_retrieval import run as run_retrieval
+        from kvos.calibrate_retriever import run as run_retriever
 
         if args.seed is None:
             args.seed = CALIBRATION_SEED
+        if args.sessions is None:
+            args.sessions = 400 if args.retriever else 40
+        if args.retriever:
+            if args.out is None:
+                args.out = str(retriever_path(path))
+            return run_retriever(args, model, model_info(model.config, path))
+        args.out = args.out or "entropy.json"
         return run_retrieval(args, model, model_info(model.config, path))
+    if args.out is None:
+        args.out = "entropy.json"
     tokenizer = find_tokenizer(path, args.tokenizer)
     max_tokens = min(args.max_tokens, model.config.max_position_embeddings)
     texts = token_texts(tokenizer, args.text, max_tokens, bool(tokenizer.add_bos_token))

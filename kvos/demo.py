@@ -20,6 +20,7 @@ from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
+from kvos.policy.retriever import find_retriever
 from kvos.server.main import default_model
 from kvos.session.manager import MemoryManager
 from kvos.session.strategies import strategy
@@ -45,11 +46,13 @@ def run_demo(args: argparse.Namespace) -> int:
         f"kvos-{args.backend}", Budget(max_active_tokens=budget, policy="hard"), max(8, min(64, budget // 4))
     )
     config.embedder = args.embedder
+    config.retriever = find_retriever(path)  # the auto recovery signal: learned with one, else lexical
     session = MemoryManager(Engine(load_model(path, dtype=args.dtype)), tokenizer).session("demo", config)
     probe = chat.probes[0]
     print(
         f"[kvos] demo on {path.name}: {chat.turns} turns, {size} tokens, budget {budget} active tokens, "
-        f"backend {args.backend}\n[kvos] turn 1: {chat.messages[probe.plant_index]['content']!r}; "
+        f"backend {args.backend}, recovery signal {config.signal}\n"
+        f"[kvos] turn 1: {chat.messages[probe.plant_index]['content']!r}; "
         f"turn {chat.turns}: {chat.messages[probe.message_index]['content']!r}",
         file=sys.stderr,
     )

@@ -295,7 +295,8 @@ def test_recovery_brings_back_a_whole_message(engine: Engine, model_dir: Path) -
 
 
 def test_min_similarity_defaults_per_signal() -> None:
-    assert SessionConfig().recovery_signal == "answer" and SessionConfig().min_similarity() == 0.3
+    assert SessionConfig().recovery_signal == "auto" and SessionConfig().min_similarity() == 0.1  # lexical
+    assert SessionConfig(recovery_signal="answer").min_similarity() == 0.3
     assert SessionConfig(recovery_signal="lexical").min_similarity() == 0.1
     assert SessionConfig(recovery_signal="embedding").min_similarity() == 0.2
     assert SessionConfig(recovery_signal="embedding", recovery_min_similarity=0.5).min_similarity() == 0.5

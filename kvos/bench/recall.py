@@ -23,6 +23,7 @@ from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
+from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
 from kvos.server.main import default_model
 from kvos.session.config import SIGNALS, SessionConfig
@@ -57,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the attention and hybrid signals read these heads (a kvos calibrate --retrieval JSON)",
     )
+    p.add_argument(
+        "--retriever",
+        metavar="FILE",
+        help="the learned signal's retriever (kvos calibrate --retriever; default: the model's own, beside "
+        "it; 'none': without one, the auto signal is lexical)",
+    )
     p.add_argument("--seed", type=int, default=HELDOUT_SEED)
     p.add_argument("--min-distance", type=int, default=0, help="fewest turns between plant and probe")
     p.add_argument("--max-tokens", type=int, default=24)
@@ -87,6 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(path)
     template = ChatTemplate.from_tokenizer(tokenizer)
     manager = MemoryManager(Engine(load_model(path, dtype=args.dtype)), tokenizer)
+    args.loaded_retriever = find_retriever(path, args.retriever)
     fillers = args.fillers
     if fillers is None and path.suffix == ".gguf":
         context = manager.engine.model.config.max_position_embeddings
@@ -147,6 +155,7 @@ def _play_one(
     config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), chunk_tokens)
     config.embedder = args.embedder
     config.recovery_signal = args.signal
+    config.retriever = args.loaded_retriever
     config.recovery_bar = args.bar
     if args.retrieval_heads:
         config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
@@ -180,8 +189,10 @@ def _result(
         "dtype": args.dtype or "as stored",
         "embedder": args.embedder,
         "signal": args.signal,
+        "retriever": dict(args.loaded_retriever.info or {}) if args.loaded_retriever is not None else None,
         "recovery_cost": "per user message: recovery signal (finding what to bring back), restores, the "
-        "message's own prefill; medians over every user message of every session",
+        "message's own prefill, the learned signal's key codes made for what was prefilled since it came "
+        "(its reply included); medians over every user message of every session",
         "bar": args.bar,
         "weights": args.weights or "default",
         "rows": [_row(name, frac, results) for (name, frac), results in outcomes.items()],
@@ -191,7 +202,13 @@ def _result(
 def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Print the table and draw the plot (next to --json unless --png names it)."""
     columns = ["strategy", "budget_frac", "pass_rate", "ci_low", "ci_high", "mean_evictions"]
-    costs = ["recovery_ms_median", "prefill_ms_median", "recovery_over_prefill"]
+    costs = [
+        "recovery_ms_median",
+        "code_ms_median",
+        "prefill_ms_median",
+        "recovery_over_prefill",
+        "recovery_and_codes_over_prefill",
+    ]
     print_table(result["rows"], [*columns, "mean_recoveries", "mean_seconds", *costs, "n"])
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:

@@ -38,6 +38,7 @@ from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
+from kvos.policy.retriever import find_retriever
 from kvos.session.config import SIGNALS, SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.session import Session
@@ -103,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument(
         "--signal", choices=SIGNALS, default=SessionConfig.recovery_signal, help="recovery signal"
+    )
+    parser.add_argument(
+        "--retriever",
+        metavar="FILE",
+        help="the learned signal's retriever (kvos calibrate --retriever; default: the model's own; 'none')",
     )
 
 
@@ -174,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend=args.backend,
         embedder="tokens",
         recovery_signal=args.signal,
+        retriever=find_retriever(path, args.retriever),
     )
     manager = MemoryManager(Engine(load_model(path, dtype=torch.float32)), load_tokenizer(path), config)
     target = args.factor * args.budget
@@ -204,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend=args.backend,
         position_mode=config.position_mode,
         budget_policy=config.budget.policy,
-        recovery_signal=args.signal,
+        recovery_signal=config.signal,
         **costs,
         turns=len(rows),
         max_active_tokens_seen=stats["max_active_tokens_seen"],

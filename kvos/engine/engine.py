@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from itertools import pairwise
 from typing import TYPE_CHECKING, Literal
@@ -196,6 +197,12 @@ class Engine:
         for layer in range(layout.num_layers):
             self.pool.gather(layer, slots, out=(k[layer], v[layer]))
         return k, v
+
+    def read_keys(self, slots: torch.Tensor, layers: Iterable[int]) -> torch.Tensor:
+        """The keys at pool ``slots`` (int64 [n], e.g. several segments' slots together) of ``layers``,
+        for scoring, not for saving: [len(layers), n, num_kv_heads, head_dim], on the pool's device."""
+        slots = slots.to(self.model.device)
+        return torch.stack([self.pool.gather(layer, slots)[0] for layer in layers])
 
     # ------------------------------------------------- blocks shared between sequences
     def share(self, seg: Segment, into: Sequence, num_tokens: int) -> Segment:

@@ -165,6 +165,18 @@ class Transformer:
         """Final hidden states [n, hidden] -> float32 logits [n, vocab]."""
         return logits(hidden, self.lm_head)
 
+    @torch.inference_mode()
+    def first_queries(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's queries of ``token_ids`` (int64 [n]) as at position 0, before any rotation:
+        no attention runs before them, so they depend on the tokens alone -> float32 [n, heads, head_dim]."""
+        c, layer = self.config, self.layers[0]
+        h = rms_norm(embedding(token_ids.to(self.device), self.embed), layer.attn_norm, c.rms_norm_eps)
+        qkv = matmul(h, layer.qkv) if layer.qkv_bias is None else addmm(layer.qkv_bias, h, layer.qkv)
+        q = qkv.view(h.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)[:, : c.num_heads]
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+        return q.float()
+
     def _attention(
         self,
         index: int,

@@ -54,6 +54,8 @@ class Chunk:
     - ``recovered_turn``: the turn it was last recovered in (``None``: never).
     - ``text``: breadcrumb text; ``message_index``: which message of the history it belongs to.
     - ``digest``: the box of its keys, kept when its K/V leave the pool (:mod:`kvos.policy.digest`).
+    - ``key_code``: its keys projected by a calibrated retriever, float16 ``[num_tokens, rank]``
+      (:mod:`kvos.policy.retriever`): made once from its K/V, kept while they stay the same.
 
     Identity semantics (``eq=False``): two chunks are the same chunk only if they are the same object.
     """
@@ -72,6 +74,7 @@ class Chunk:
     text: str = ""
     message_index: int = 0
     digest: KeyDigest | None = None
+    key_code: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         try:

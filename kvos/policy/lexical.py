@@ -31,9 +31,12 @@ class LexicalIndex:
 
     def score(self, query: Sequence[int], document: Sequence[int]) -> float:
         """Share of the query's IDF mass found in ``document``, in [0, 1] (0.0 for an empty query)."""
+        return self.scores(query, [document])[0]
+
+    def scores(self, query: Sequence[int], documents: Sequence[Sequence[int]]) -> list[float]:
+        """:meth:`score` of each of ``documents``, the query's weights computed once."""
         weights = {t: self.idf(t) for t in set(query)}
         total = sum(weights.values())
         if total <= 0.0:
-            return 0.0
-        present = set(document)
-        return sum(w for t, w in weights.items() if t in present) / total
+            return [0.0] * len(documents)
+        return [sum(w for t, w in weights.items() if t in have) / total for have in map(set, documents)]

@@ -22,6 +22,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
+from kvos.policy.retriever import find_retriever
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
 from kvos.session.config import SIGNALS, SessionConfig
@@ -105,9 +106,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--recovery-signal",
         choices=SIGNALS,
         default=SessionConfig.recovery_signal,
-        help="how a new user message finds saved chunks (answer: one short forward pass per candidate; "
-        "hybrid: the answer signal on a shortlist from key digests and words; attention: key digests "
-        "only, no forward pass; docs/benchmarks.md compares them)",
+        help="how a new user message finds saved chunks (auto: learned when the model has a retriever, "
+        "else lexical; learned: the model's layer-0 queries against the chunks' keys through a calibrated "
+        "retriever, no forward pass; answer: one short forward pass per candidate; hybrid: the answer "
+        "signal on a shortlist from key digests and words; attention: key digests only; "
+        "docs/benchmarks.md compares them)",
+    )
+    p.add_argument(
+        "--retriever",
+        metavar="FILE",
+        help="the learned signal's retriever (kvos calibrate --retriever; default: the model's own, "
+        "retriever.safetensors in its directory or FILE.retriever.safetensors beside it; 'none': without)",
     )
     p.add_argument(
         "--retrieval-heads",
@@ -254,9 +263,14 @@ def build_service(args: argparse.Namespace) -> ChatService:
         backend=args.backend,
         position_mode=args.position_mode,
         recovery_signal=args.recovery_signal,
+        retriever=find_retriever(path, args.retriever),
         store_ram_bytes=args.store_ram_bytes,
         store_disk_dir=args.store_disk_dir,
     )
+    if config.retriever is not None:
+        c = model.config
+        config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
+    print(f"[kvos] recovery signal: {config.signal} ({args.recovery_signal})", file=sys.stderr)
     if args.retrieval_heads:
         from kvos.calibrate_retrieval import load_retrieval_heads
         from kvos.policy.digest import head_mask

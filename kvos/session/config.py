@@ -9,12 +9,13 @@ from typing import Literal
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
 from kvos.policy.budget import Budget
+from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import Scorer
 from kvos.session.embedder import EmbedderName
 from kvos.session.pager import Backend, PositionMode
 
-RecoverySignal = Literal["answer", "lexical", "embedding", "attention", "hybrid"]
-SIGNALS: tuple[str, ...] = ("answer", "lexical", "embedding", "attention", "hybrid")
+RecoverySignal = Literal["auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid"]
+SIGNALS: tuple[str, ...] = ("auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid")
 
 
 @dataclass
@@ -28,10 +29,15 @@ class SessionConfig:
         (``kvos calibrate --retrieval``: the heads that find a planted fact from its question); None: every
         head of ``key_digest_layers``. Their layers are the ones digested unless those are given.
     recovery_signal: how similarity recovery compares a saved chunk with the new user message:
-        "answer" (the default: how much the saved message changes the model's answer to the new one,
-        :mod:`kvos.session.relevance`; it measured best on the recall benchmark, docs/benchmarks.md),
-        "lexical" (IDF-weighted token overlap over the session's chunks) or "embedding" (cosine of the
-        chunks' embeddings).
+        "auto" (the default: "learned" when the session has a ``retriever``, else "lexical"; measured side
+        by side in docs/benchmarks.md), "learned" (the model's layer-0 queries of the new message against
+        the chunks' keys through a calibrated ``retriever``, :mod:`kvos.policy.retriever`), "answer" (how
+        much the saved message changes the model's answer to the new one, :mod:`kvos.session.relevance`:
+        a forward pass per candidate), "lexical" (IDF-weighted token overlap over the session's chunks),
+        "embedding" (cosine of the chunks' embeddings), "attention" (key digests against the message's
+        queries after its prefill) or "hybrid" (the answer signal on a shortlist).
+    retriever: the calibrated retriever of the "learned" signal (``kvos calibrate --retriever``; the built-in
+        model ships one).
     recovery_candidates: with the "answer" signal, the most exchanges scored per user message (one short
         forward pass each): the lexically closest, then the most recent.
     recovery_top_k / recovery_min_similarity / recovery_bar: similarity recovery brings back at most this
@@ -53,7 +59,8 @@ class SessionConfig:
     attention_mode: str = "ewma"
     capture_layers: tuple[int, ...] | None = None
     embedder: EmbedderName = "hidden"
-    recovery_signal: RecoverySignal = "answer"
+    recovery_signal: RecoverySignal = "auto"
+    retriever: Retriever | None = None
     recovery_candidates: int = 32
     recovery_shortlist: int = 4
     recovery_top_k: int = 4
@@ -79,21 +86,34 @@ class SessionConfig:
             raise ConfigError(
                 f"recovery_signal must be one of {', '.join(SIGNALS)}, got {self.recovery_signal!r}"
             )
+        if self.recovery_signal == "learned" and self.retriever is None:
+            raise ConfigError("the learned recovery signal needs a retriever (kvos calibrate --retriever)")
         if self.retrieval_heads is not None and not self.retrieval_heads:
             raise ConfigError("retrieval_heads must name at least one (layer, head), or be None")
         if self.query_window < 1:
             raise ConfigError(f"query_window must be >= 1, got {self.query_window}")
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode
 
+    @property
+    def signal(self) -> str:
+        """The recovery signal in use: ``recovery_signal`` with "auto" resolved ("learned" with a
+        ``retriever``, else "lexical"). ConfigError for "learned" without a retriever."""
+        if self.recovery_signal == "auto":
+            return "learned" if self.retriever is not None else "lexical"
+        if self.recovery_signal == "learned" and self.retriever is None:
+            raise ConfigError("the learned recovery signal needs a retriever (kvos calibrate --retriever)")
+        return self.recovery_signal
+
     def min_similarity(self) -> float:
         """``recovery_min_similarity``, or the signal's default, measured on the recall benchmark: 0.3
         nats for "answer", 0.2 (a cosine) for "embedding", 0.1 (a share of the query's IDF mass) for
-        "lexical"."""
+        "lexical", the retriever's calibrated threshold for "learned"."""
         if self.recovery_min_similarity is not None:
             return self.recovery_min_similarity
-        return {"answer": 0.3, "embedding": 0.2, "lexical": 0.1, "attention": 0.0, "hybrid": 0.3}[
-            self.recovery_signal
-        ]
+        if self.signal == "learned":
+            assert self.retriever is not None
+            return self.retriever.threshold
+        return {"answer": 0.3, "embedding": 0.2, "lexical": 0.1, "attention": 0.0, "hybrid": 0.3}[self.signal]
 
     def peak_blocks(self, block_size: int) -> int:
         """An estimate of the most pool blocks (of ``block_size`` tokens) one request on a session of this
@@ -103,13 +123,14 @@ class SessionConfig:
         message, packed into forward passes of at most a budget's blocks when the pool is capped), and two
         blocks for the partly filled ends."""
         budget = -(-self.budget.max_active_tokens // block_size)
-        scratch = budget if self.recovery_signal in ("answer", "hybrid") else 0
+        scratch = budget if self.signal in ("answer", "hybrid") else 0
         return 2 * budget + scratch + 2
 
     @property
     def uses_digests(self) -> bool:
         """Whether recovery reads key digests and the new message's queries."""
-        return self.recovery_signal in ("attention", "hybrid") and self.backend != "discard"
+        hybrid_digests = self.signal == "hybrid" and self.retriever is None  # with one: the learned shortlist
+        return (self.signal == "attention" or hybrid_digests) and self.backend != "discard"
 
     def digest_layers(self, num_layers: int) -> tuple[int, ...]:
         """The layers of the key digests and tapped queries: ``key_digest_layers``, else the layers of the

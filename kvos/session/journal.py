@@ -37,9 +37,10 @@ class Journal:
 
 class TurnCosts:
     """Seconds spent per user message: finding what to bring back (``recovery_s``, the recovery signal),
-    bringing it back (``restore_s``) and prefilling the message itself (``prefill_s``)."""
+    bringing it back (``restore_s``), prefilling the message itself (``prefill_s``) and making the key codes
+    of the learned signal for what was prefilled since the message came, its reply included (``code_s``)."""
 
-    KEYS = ("recovery_s", "restore_s", "prefill_s")
+    KEYS = ("recovery_s", "restore_s", "prefill_s", "code_s")
 
     def __init__(self) -> None:
         self.turns: list[dict[str, float]] = []
@@ -65,12 +66,15 @@ class TurnCosts:
 
 def cost_medians(turns: list[dict[str, float]]) -> dict[str, float]:
     """Per-message medians in ms of :class:`TurnCosts` turns: ``recovery_ms_median``, ``restore_ms_median``,
-    ``prefill_ms_median`` (0 without turns), and ``recovery_over_prefill``, the median over the messages of
-    each message's recovery signal time over its own prefill time."""
+    ``prefill_ms_median``, ``code_ms_median`` (0 without turns), ``recovery_over_prefill``, the median over
+    the messages of each message's recovery signal time over its own prefill time, and
+    ``recovery_and_codes_over_prefill``, the same with its key codes' time added to the signal's."""
     out = {
         f"{key[:-2]}_ms_median": round(1000 * statistics.median(t[key] for t in turns), 3) if turns else 0.0
         for key in TurnCosts.KEYS
     }
     ratios = [t["recovery_s"] / t["prefill_s"] for t in turns if t["prefill_s"] > 0]
     out["recovery_over_prefill"] = round(statistics.median(ratios), 4) if ratios else 0.0
+    coded = [(t["recovery_s"] + t["code_s"]) / t["prefill_s"] for t in turns if t["prefill_s"] > 0]
+    out["recovery_and_codes_over_prefill"] = round(statistics.median(coded), 4) if coded else 0.0
     return out

@@ -22,6 +22,7 @@ from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import LexicalIndex
 from kvos.policy.planner import Eviction, Snapshot, affordable, plan_room, pressure_victim
+from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import ScoreContext
 from kvos.policy.signals import cosine
 from kvos.session.config import SessionConfig
@@ -67,6 +68,8 @@ class SessionMemory:
         # called with the message's chunks and its tapped queries before the "attention" signal scores
         # (kvos calibrate --retrieval watches the probe turns)
         self.queries_observer: Callable[[list[Chunk], torch.Tensor], None] | None = None
+        # called with a new user message's token ids before similarity recovery (kvos calibrate --retriever)
+        self.recovery_observer: Callable[[list[int]], None] | None = None
 
     # ------------------------------------------------------------------ budget
     def score_context(self) -> ScoreContext:
@@ -174,14 +177,17 @@ class SessionMemory:
         not a message (a message's chunks come back together either way), resident exchanges compete
         too, and a chosen exchange's resident chunks are protected for the turn, so making room for the
         new message cannot page out what its answer needs (nor half of an exchange brought back)."""
+        if self.recovery_observer is not None:
+            self.recovery_observer(ids)
         if self.config.backend == "discard" or self.config.recovery_top_k == 0:
             return
         if not any(self._recoverable(c) for c in self.chunks.values()):
             return
-        exchanges = self.config.recovery_signal in ("answer", "hybrid")
+        signal = self.config.signal
+        exchanges = signal in ("answer", "hybrid", "learned")
         eligible = self._eligible if exchanges else self._recoverable
         unit = exchange_units(self.chunks.values()) if exchanges else by_message
-        if exchanges:  # each candidate costs a forward pass over it: long messages go chunk by chunk
+        if signal in ("answer", "hybrid"):  # a forward pass over each candidate: long messages go in parts
             unit = bounded(unit, self.chunks.values(), self._answer_span())
         candidates = [c for c in self.chunks.values() if eligible(c)]
         similarity = self._similarity(ids, query, unit)
@@ -283,7 +289,10 @@ class SessionMemory:
         lexical for this turn if the pool has no room for its scratch passes), IDF-weighted token overlap
         over the session's chunks ("lexical") or the cosine of the embeddings ("embedding"; None without an
         embedding). None: not a candidate."""
-        signal = self.config.recovery_signal
+        signal = self.config.signal
+        if signal == "learned":
+            learned = self._learned_scores(ids)
+            return lambda c: learned.get(c.chunk_id)
         if signal in ("answer", "hybrid") and self.answer is not None:
             scores = self._answer_scores(ids, unit)
             if scores is not None:
@@ -298,6 +307,34 @@ class SessionMemory:
             return None if embedding is None else cosine(query, embedding)
 
         return similarity
+
+    def _learned_scores(self, ids: list[int]) -> dict[int, float]:
+        """The "learned" signal: chunk id -> :class:`~kvos.policy.retriever.Retriever` score of every
+        candidate chunk (:meth:`learned_candidates`) for the new message ``ids``: its last
+        ``query_window`` tokens' projected layer-0 queries come from the retriever's per-token table."""
+        retriever = self.config.retriever
+        assert retriever is not None
+        with torch.no_grad():
+            return self._learned_scores_of(retriever, ids)
+
+    def _learned_scores_of(self, retriever: Retriever, ids: list[int]) -> dict[int, float]:
+        chunks, codes, lexical = self.learned_candidates(ids)
+        if not chunks:
+            return {}
+        queries = retriever.token_queries(self.pager.engine.model, ids[-self.config.query_window :])
+        scores = retriever.combine(retriever.scores(queries, codes), torch.tensor(lexical))
+        return dict(zip((c.chunk_id for c in chunks), scores.tolist(), strict=True))
+
+    def learned_candidates(self, ids: list[int]) -> tuple[list[Chunk], list[torch.Tensor], list[float]]:
+        """What the "learned" signal reads of the session for the new message ``ids``: the candidate
+        chunks (recoverable, or resident and holdable), each one's key code (:meth:`Pager.key_codes`) and
+        lexical score. ``kvos calibrate --retriever`` reads the same with an identity retriever (codes that
+        are the raw keys)."""
+        chunks = [c for c in self.chunks.values() if self._eligible(c) and c.token_ids] if ids else []
+        if not chunks:
+            return [], [], []
+        index = LexicalIndex(c.token_ids for c in self.chunks.values())
+        return chunks, self.pager.key_codes(chunks), index.scores(ids, [c.token_ids for c in chunks])
 
     def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
         """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see
@@ -317,7 +354,9 @@ class SessionMemory:
         if not self.pager.engine.pool.can_allocate(-(-scratch // self.pager.engine.pool.layout.block_size)):
             self.journal.log(self.history.turn, "answer_signal_skipped", reason="pool_full")
             return None
-        if self.config.recovery_signal == "hybrid":
+        if self.config.signal == "hybrid" and self.config.retriever is not None:
+            return self._learned_shortlist_scores(ids, prefix, query, unit, candidates)
+        if self.config.signal == "hybrid":
             return self._hybrid_scores(prefix, query, unit, candidates)
         if len(candidates) > cap:
             index = LexicalIndex(c.token_ids for c in self.chunks.values())
@@ -340,6 +379,25 @@ class SessionMemory:
         shortlist = self._shortlist(query, sims, unit, set(candidates))
         chosen = {u: candidates[u] for u in sorted(shortlist)}
         return self.answer.scores(prefix, query, chosen, answer=answer)
+
+    def _learned_shortlist_scores(
+        self,
+        ids: list[int],
+        prefix: list[int],
+        query: list[int],
+        unit: Unit,
+        candidates: dict[int, list[int]],
+    ) -> dict[int, float]:
+        """The "hybrid" signal with a retriever: the ``recovery_shortlist`` units the learned signal scores
+        best (no forward pass) are scored by the answer signal (their passes packed). unit -> nats."""
+        assert self.answer is not None
+        best: dict[int, float] = {}
+        for chunk_id, score in self._learned_scores(ids).items():
+            key = unit(self.chunks[chunk_id])
+            if key in candidates:
+                best[key] = max(best.get(key, float("-inf")), score)
+        shortlist = sorted(best, key=lambda k: (best[k], k), reverse=True)[: self.config.recovery_shortlist]
+        return self.answer.scores(prefix, query, {u: candidates[u] for u in sorted(shortlist)})
 
     def _sink_tokens(self) -> list[int]:
         sinks = self.config.sink_count

@@ -18,7 +18,8 @@ from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError, CorruptChunkError
 from kvos.memory.store import ChunkStore, StoredChunk
 from kvos.policy.chunks import Chunk, ChunkState
-from kvos.policy.digest import KeyDigest, digest_keys
+from kvos.policy.digest import KeyDigest, digest_keys, unrotate
+from kvos.policy.retriever import Retriever
 
 PositionMode = Literal["compact", "sparse"]
 Backend = Literal["discard", "breadcrumb", "kv_restore"]
@@ -51,6 +52,7 @@ class Pager:
         self.digest_layers: tuple[
             int, ...
         ] = ()  # layers of the key digest a saved chunk keeps (none: no digest)
+        self.retriever: Retriever | None = None  # when set, a chunk leaving the pool keeps its key code
 
     @property
     def active_tokens(self) -> int:
@@ -84,6 +86,7 @@ class Pager:
         queries of layers ``tap`` go into ``queries``.
         All or nothing: if the pool runs out, the chunk leaves no trace and the error propagates."""
         seg = self.open(chunk, start)
+        chunk.key_code = None  # new K/V: a code made from the old ones no longer holds
         first = int(chunk.current_start or 0)
         positions = range(first, first + chunk.num_tokens)
         window = 32 if capture_layers else 0
@@ -127,11 +130,15 @@ class Pager:
                 k, v = self.engine.read_kv(seg)
                 if self.digest_layers:
                     chunk.digest = digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
+                if self.retriever is not None and chunk.key_code is None:
+                    chunk.key_code = self._code(k, seg.positions)
                 chunk.state = ChunkState.SAVED  # before put: a store over its caps may drop it at once
                 self.store.put(chunk.chunk_id, k, v, {"positions": seg.positions.tolist()}, copy=False)
             else:
                 if self.digest_layers and self.backend == "breadcrumb":
                     chunk.digest = self.digest(chunk, seg)
+                if self.retriever is not None and self.backend == "breadcrumb":
+                    self.key_code(chunk, seg)
                 chunk.state = ChunkState.DISCARDED
             freed += seg.num_tokens
             self.engine.evict(self.seq, seg)
@@ -158,6 +165,40 @@ class Pager:
         seg = seg if seg is not None else self.segments[chunk.chunk_id]
         k, _ = self.engine.read_kv(seg)
         return digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
+
+    def key_codes(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """The retriever's codes of these chunks' keys (:meth:`Retriever.code`, float16 ``[n, rank]``
+        each): kept on a chunk once made; the missing ones (resident chunks) made together from their keys
+        in the pool, one gather and one rotation for all. Needs :attr:`retriever`."""
+        missing = [c for c in chunks if c.key_code is None]
+        if missing:
+            assert self.retriever is not None
+            segs = [self.segments[c.chunk_id] for c in missing]
+            keys = self.engine.read_keys(torch.cat([s.slots for s in segs]), self.retriever.key_layers)
+            codes = self._code(keys, torch.cat([s.positions for s in segs]))
+            for chunk, code in zip(missing, codes.split([s.num_tokens for s in segs]), strict=True):
+                chunk.key_code = code.clone()
+        return [c.key_code for c in chunks]  # type: ignore[misc]
+
+    def key_code(self, chunk: Chunk, seg: Segment | None = None) -> torch.Tensor:
+        """One chunk's code (see :meth:`key_codes`; ``seg``: its segment, once it has left ``segments``)."""
+        if chunk.key_code is None:
+            assert self.retriever is not None
+            seg = seg if seg is not None else self.segments[chunk.chunk_id]
+            chunk.key_code = self._code(
+                self.engine.read_keys(seg.slots, self.retriever.key_layers), seg.positions
+            )
+        return chunk.key_code
+
+    def _code(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """k: ``[layers, n, kv_heads, head_dim]`` at ``positions`` (every layer, or the retriever's key
+        layers) -> the code, float16 ``[n, rank]``: every layer rotated back to position 0 at once."""
+        assert self.retriever is not None
+        chosen = k if k.shape[0] == len(self.retriever.key_layers) else k[list(self.retriever.key_layers)]
+        layers, n, kv, dim = chosen.shape
+        flat = chosen.permute(1, 0, 2, 3).reshape(n, layers * kv, dim)  # the layers as more heads
+        back = unrotate(flat, positions, self.engine.model.rope).reshape(n, -1)  # = Retriever.key_features
+        return self.retriever.project_keys(back).to(torch.float16)
 
     def restore(self, chunk: Chunk, at: Place = "end", before: int | None = None) -> None:
         """Splice a saved chunk back from the store with no forward pass: at the end of the cache, at its

@@ -80,7 +80,8 @@ class Session:
                 store = ChunkStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.history.chunks)
         answer = None
-        if config.recovery_signal in ("answer", "hybrid"):
+        signal = config.signal
+        if signal in ("answer", "hybrid"):
             capped = engine.pool.growth.max_bytes is not None  # then packs stay within the reservation
             pack = config.budget.max_active_tokens if capped else None
             answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids, pack_tokens=pack)
@@ -88,7 +89,12 @@ class Session:
         self.memory = SessionMemory(session_id, config, self.history, self.pager, relieve, answer, self.embed)
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
         self.pager.digest_layers = tapped
-        self.queries = QueryTap(tapped if config.recovery_signal == "attention" else (), engine.model.rope)
+        self.queries = QueryTap(tapped if signal == "attention" else (), engine.model.rope)
+        if signal == "learned" or (signal == "hybrid" and config.retriever is not None):
+            assert config.retriever is not None
+            c = engine.model.config
+            config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
+            self.pager.retriever = config.retriever
         self.capture = config.layers_to_capture(engine.model.config.num_layers)
         self.last_logits: torch.Tensor | None = None
         self.logits_at = -1  # history length at which last_logits were computed
@@ -237,6 +243,10 @@ class Session:
             self.logits_at = self.history.tokens
             made.append(chunk)
         self.memory.journal.seen(self.pager.active_tokens)
+        if self.pager.retriever is not None:  # the learned signal's codes, made while the keys are fresh
+            began = time.perf_counter()
+            self.pager.key_codes([c for c in made if c.resident])
+            self.memory.costs.add(code_s=time.perf_counter() - began)
         return made
 
     def _prefill(self, chunk: Chunk, observe: bool, tap: frozenset[int] = frozenset()) -> None:

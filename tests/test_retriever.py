@@ -1,0 +1,238 @@
+"""The "learned" recovery signal: layer-0 queries computed from the tokens alone are the model's own, a
+chunk's code does not depend on where it sat, the score is the mean over the queries of their best key,
+a planted chunk is found, files round-trip and refuse other models, calibration and the session compute
+the same scores, and on the built-in model (with the retriever it ships) the signal brings back a fact the
+question shares no word with, before the question is prefilled and with no forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_relevance import buried_fact_session
+
+from kvos.builtin import builtin_model_path
+from kvos.builtin.corpus import heldout_sessions
+from kvos.calibrate_retrieval import CALIBRATION_SEED
+from kvos.calibrate_retriever import above_threshold, chunk_scores, fact_rank, fit, session_features
+from kvos.engine.engine import Engine
+from kvos.engine.sampling import SamplingParams
+from kvos.errors import ConfigError
+from kvos.model.loader import load_model
+from kvos.model.rope import Rope
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.chunks import ChunkState
+from kvos.policy.digest import unrotate
+from kvos.policy.retriever import Retriever, find_retriever, retriever_path
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+
+
+def random_retriever(
+    query_width: int, key_layers: tuple[int, ...], key_width: int, rank: int = 8
+) -> Retriever:
+    g = torch.Generator().manual_seed(1)
+    return Retriever(
+        key_layers,
+        torch.randn(query_width, generator=g),
+        torch.rand(query_width, generator=g) + 0.5,
+        torch.randn(key_width, generator=g),
+        torch.rand(key_width, generator=g) + 0.5,
+        torch.randn(query_width, rank, generator=g),
+        torch.randn(key_width, rank, generator=g),
+        lexical_weight=3.0,
+        threshold=0.25,
+        info={"sessions": 1},
+    )
+
+
+def test_first_queries_are_the_prefills_layer_0_queries(model_dir: Path) -> None:
+    """What the signal reads before a prefill is what the prefill computes: the tapped layer-0 queries of
+    the same tokens at any position, rotated back to position 0."""
+    engine = Engine(load_model(model_dir), block_size=8)
+    tokens = [5, 17, 33, 64, 65, 66, 90, 12, 3]
+    seq = engine.new_sequence()
+    engine.extend(seq, [7, 8, 9, 10], list(range(4)))  # some context in front: layer 0 does not see it
+    taps: dict[int, torch.Tensor] = {}
+    positions = torch.arange(300, 300 + len(tokens))
+    engine.extend(seq, tokens, positions.tolist(), query_layers=frozenset({0}), queries=taps)
+    tapped = unrotate(taps[0], positions, engine.model.rope)
+    first = engine.model.first_queries(torch.tensor(tokens))
+    assert first.shape == (len(tokens), 4, 16) and first.dtype == torch.float32
+    assert torch.allclose(first, tapped, atol=1e-5)
+
+
+def test_scores_are_the_mean_over_queries_of_their_best_key() -> None:
+    g = torch.Generator().manual_seed(0)
+    r = random_retriever(8, (0,), 8, rank=5)
+    queries = torch.randn(6, 5, generator=g)
+    codes = [torch.randn(n, 5, generator=g).half() for n in (1, 7, 3, 12)]
+    expected = torch.stack([(queries @ c.float().T).amax(dim=1).mean() for c in codes])
+    assert torch.allclose(r.scores(queries, codes), expected, atol=1e-5)
+    assert r.scores(queries, []).numel() == 0
+    assert torch.allclose(r.combine(expected, torch.ones(4)), expected + 3.0)
+
+
+def test_a_planted_chunk_is_found() -> None:
+    """Twenty chunks of unrelated keys and one holding a key along a query: the planted chunk scores
+    highest, by a clear margin (projections that keep the features as they are)."""
+    g = torch.Generator().manual_seed(0)
+    dim = 16
+    r = Retriever(
+        (0,),
+        torch.zeros(dim),
+        torch.ones(dim),
+        torch.zeros(dim),
+        torch.ones(dim),
+        torch.eye(dim),
+        torch.eye(dim),
+    )
+    queries = torch.randn(4, 1, dim, generator=g)  # [n, heads, head_dim]
+    chunks = [torch.randn(1, 10, 1, dim, generator=g) for _ in range(20)]  # [layers, n, kv, D]
+    planted = 7
+    chunks[planted][0, 3, 0] = 3 * queries[2, 0] / queries[2, 0].norm() * dim**0.5
+    scores = r.scores(r.project_queries(queries), [r.code(c) for c in chunks])
+    assert int(scores.argmax()) == planted
+    others = scores[torch.arange(20) != planted]
+    assert scores[planted] - others.max() > 0.5 * (others.max() - others.min())
+
+
+def test_a_chunks_code_does_not_depend_on_where_it_sat() -> None:
+    rope = Rope(16, 10000.0)
+    g = torch.Generator().manual_seed(2)
+    content = torch.randn(2, 9, 2, 16, generator=g)  # [layers, n, kv, D] at position 0
+    r = random_retriever(32, (0, 1), 2 * 2 * 16)
+    codes = []
+    for start in (0, 4000):
+        positions = torch.arange(start, start + 9)
+        cos, sin = rope.cos_sin(positions, torch.float32, torch.device("cpu"))
+        stored = torch.stack([Rope.apply(content[i], cos, sin) for i in range(2)])
+        codes.append(r.code(torch.stack([unrotate(stored[i], positions, rope) for i in range(2)])))
+    assert codes[0].dtype == torch.float16 and codes[0].shape == (9, 8)
+    assert torch.allclose(codes[0].float(), codes[1].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_files_round_trip_and_refuse_what_they_are_not(tmp_path: Path) -> None:
+    r = random_retriever(64, (0, 2, 3), 3 * 2 * 16)
+    path = tmp_path / "r.safetensors"
+    r.save(path)
+    back = Retriever.load(path)
+    assert back.key_layers == (0, 2, 3) and back.lexical_weight == 3.0 and back.threshold == 0.25
+    assert back.info == {"sessions": 1} and back.rank == 8
+    for name in ("q_mean", "q_std", "k_mean", "k_std", "w_q", "w_k"):
+        assert torch.equal(getattr(back, name), getattr(r, name))
+    back.check_model(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ConfigError, match="another model"):
+        back.check_model(num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ConfigError, match="another model"):
+        back.check_model(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file of tensors")
+    with pytest.raises(ConfigError, match="not a kvos retriever"):
+        Retriever.load(tmp_path / "junk.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"w_q": torch.zeros(2, 2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ConfigError, match="not a kvos retriever"):
+        Retriever.load(tmp_path / "other.safetensors")
+
+
+def test_a_models_retriever_is_found_beside_it(tmp_path: Path) -> None:
+    model_file = tmp_path / "m.gguf"
+    assert retriever_path(model_file) == tmp_path / "m.gguf.retriever.safetensors"
+    assert retriever_path(tmp_path) == tmp_path / "retriever.safetensors"
+    assert find_retriever(model_file) is None
+    random_retriever(8, (0,), 8).save(retriever_path(model_file))
+    assert find_retriever(model_file) is not None
+    assert find_retriever(model_file, "none") is None
+
+
+def test_the_signal_needs_a_retriever_and_auto_picks_it() -> None:
+    with pytest.raises(ConfigError, match="needs a retriever"):
+        SessionConfig(recovery_signal="learned")
+    assert SessionConfig().signal == "lexical"  # no retriever: words
+    r = random_retriever(8, (0,), 8)
+    assert SessionConfig(retriever=r).signal == "learned"
+    assert SessionConfig(retriever=r).min_similarity() == 0.25
+    assert SessionConfig(retriever=r, recovery_signal="answer").signal == "answer"
+
+
+def test_the_built_in_model_ships_its_retriever() -> None:
+    path = builtin_model_path()
+    r = find_retriever(path)
+    assert r is not None and r.rank == 8
+    c = load_model(path).config
+    r.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
+    info = r.info or {}
+    assert info["seed"] == CALIBRATION_SEED and info["probes_measured"] >= 50
+    # its codes: 8 float16 numbers per token against 4 layers x K and V x 2 KV heads x 64 float32
+    saved_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    assert 2 * r.rank / saved_per_token < 0.005
+
+
+def test_calibration_and_the_session_score_alike() -> None:
+    """What calibration records is what the session reads, and the scores :func:`fit` optimises (raw keys
+    through the key projection, in float32) are the session's (codes stored in float16), to float16
+    rounding; fitting a few sessions runs and learns a threshold."""
+    path = builtin_model_path()
+    manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
+    layers = (0, 1, 2, 3)
+    found = [session_features(manager, chat, 0.25, layers) for chat in heldout_sessions(6, CALIBRATION_SEED)]
+    messages = [p for f in found for p in f]
+    probes = [p for p in messages if p.is_probe]
+    assert len(probes) >= 4 and len(messages) - len(probes) >= 6  # the probe and two other messages each
+    assert all(sum(p.is_probe for p in f) <= 1 and len(f) <= 3 for f in found)
+    for p in messages:
+        assert len(p.keys) == len(p.lexical) == len(p.exchange) == len(p.fact)
+        assert p.queries.shape[1] == 4 * 64 and p.keys[0].shape[1] == 4 * 2 * 64
+    r = fit(messages, layers, rank=4, epochs=2)
+    assert r.rank == 4 and r.threshold != 5.0  # the threshold moved from where fitting starts it
+    for p in messages:
+        codes = [r.project_keys(k).half() for k in p.keys]
+        session_way = r.combine(r.scores(r.project_queries(p.queries), codes), p.lexical)
+        assert torch.allclose(chunk_scores(r, p), session_way, rtol=1e-2, atol=5e-2)
+        assert above_threshold(r, p) == bool(chunk_scores(r, p).max() > r.threshold)
+    for p in probes:
+        assert 0 <= fact_rank(r, p) < len(set(p.exchange))
+
+
+def test_the_learned_signal_brings_back_a_fact_without_shared_words() -> None:
+    """The built-in model with its own retriever: "What is my job?" brings back "For a living I work as a
+    translator." (no content word in common: the lexical signal cannot, test_relevance.py), before the
+    question is prefilled (so no second prefill), and the scoring runs no forward pass."""
+    path = builtin_model_path()
+    manager, s, fact = buried_fact_session("learned", check=False, retriever=find_retriever(path))
+    exchange = [c for c in s.chunks.values() if c.message_index in (1, 2)]  # the fact and its reply
+    s.memory.page_out([c for c in exchange if c.resident])  # a filler turn may have brought it back
+    assert all(c.state is ChunkState.SAVED and c.key_code is not None for c in exchange)
+    passes = 0
+    real = s.engine.model.forward_batch
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal passes
+        passes += 1
+        return real(*args, **kwargs)
+
+    s.engine.model.forward_batch = counted  # type: ignore[method-assign]
+    during: list[int] = []
+    real_recover = s.memory.recover_similar
+
+    def recover(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        before = passes
+        scores = s.memory._learned_scores(ids)
+        best = max(scores, key=lambda i: scores[i])
+        assert s.chunks[best].message_index in (fact[0].message_index, fact[0].message_index + 1)
+        real_recover(ids, *args, **kwargs)
+        during.append(passes - before)
+
+    s.memory.recover_similar = recover  # type: ignore[method-assign]
+    question = s.add_message("user", "What is my job?")
+    assert during == [0]  # scoring and restoring: no forward pass
+    events = [e for e in s.memory.journal.events if e["turn"] == s.history.turn]
+    restored = [e["chunk"] for e in events if e["event"] == "restore"]
+    assert {c.chunk_id for c in fact} <= set(restored)
+    order = s.pager.order()
+    assert order[-len(question) :] == [c.chunk_id for c in question]  # prefilled once, behind the fact
+    reply = s.generate(SamplingParams(max_tokens=16))[0]
+    assert "translator" in reply
+    manager.close(s.session_id)

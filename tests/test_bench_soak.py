@@ -177,7 +177,9 @@ def test_a_worker_threads_freed_memory_goes_back_under_serves_arena_cap() -> Non
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt(M_ARENA_MAX) and malloc_trim are glibc's")
     assert kept_after_worker(SERVE_HEAP_ARENAS) < 8 << 20
-    assert kept_after_worker(2) > 30 << 20  # the control: the scenario is the one the cap fixes
+    # the control: the scenario is the one the cap fixes (of the 40 MiB freed, 39 stay resident alone on
+    # the machine, 28 when other processes were busy beside it)
+    assert kept_after_worker(2) > 20 << 20
 
 
 def test_expired_sessions_are_freed_on_the_engine_only() -> None:

@@ -201,7 +201,9 @@ def test_an_exchange_too_large_comes_back_as_its_whole_message() -> None:
     code's last character."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
-    config = SessionConfig(budget=Budget(max_active_tokens=64, policy="hard"), chunk_tokens=16)
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=64, policy="hard"), chunk_tokens=16, recovery_signal="answer"
+    )
     s = manager.session(config=config)
     s.add_message("system", "You are a helpful assistant.")
     fact = s.add_message("user", "Note this down: my access code is V1-BP4.")
@@ -221,7 +223,7 @@ def test_answer_signal_reads_bounded_spans_of_long_messages(monkeypatch: pytest.
     the query, are at most min(budget, 4 chunks) tokens (one pass over a 30,000-token message took 190 s)."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
-    config = SessionConfig(budget=Budget(max_active_tokens=256), chunk_tokens=32)
+    config = SessionConfig(budget=Budget(max_active_tokens=256), chunk_tokens=32, recovery_signal="answer")
     s = manager.session(config=config)
     seen: list[tuple[list[int], dict]] = []
     original = AnswerContrast.scores

@@ -454,15 +454,17 @@ def test_listing_and_metrics_while_a_session_runs(model_dir: Path) -> None:
         assert stats["evictions"] > 0 and stats["max_active_tokens_seen"] <= 256
 
 
-@pytest.mark.parametrize("signal", ["answer", "lexical"])
+@pytest.mark.parametrize("signal", ["auto", "answer", "lexical"])
 def test_serve_options_reach_the_session_config(model_dir: Path, signal: str) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["--model", str(model_dir), "--budget", "512", "--backend", "breadcrumb"]
-    args = parser.parse_args(argv + (["--recovery-signal", signal] if signal != "answer" else []))
+    args = parser.parse_args(argv + (["--recovery-signal", signal] if signal != "auto" else []))
     config = build_service(args).manager.config
     assert (config.recovery_signal, config.backend, config.budget.max_active_tokens) == (
         signal,
         "breadcrumb",
         512,
     )
+    assert config.retriever is None  # this model has none beside it: auto is lexical
+    assert config.signal == ("lexical" if signal == "auto" else signal)

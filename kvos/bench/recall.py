@@ -86,7 +86,7 @@ class Outcome:
     seconds: float
     session_tokens: int
     costs: list[dict[str, float]]  # per user message: recovery_s, restore_s, prefill_s
-    digest_ratio: float  # key digest bytes of the saved chunks over their K/V bytes (at the session's end)
+    digest_ratio: float  # key digest and code bytes of the saved chunks over their K/V bytes (at the end)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,7 +166,9 @@ def _play_one(
     played = play(session, chat, args.max_tokens)
     stats = session.stats()
     costs = session.memory.costs.turns
-    digests = sum(c.digest.nbytes for c in session.chunks.values() if c.digest is not None and not c.resident)
+    saved = [c for c in session.chunks.values() if not c.resident]
+    digests = sum(c.digest.nbytes for c in saved if c.digest is not None)
+    digests += sum(c.key_code.numel() * c.key_code.element_size() for c in saved if c.key_code is not None)
     raw = session.pager.store.stats()["raw_bytes"] if session.pager.store is not None else 0
     manager.close(session.session_id)
     recovered = stats["recoveries_restore"] + stats["recoveries_recompute"]

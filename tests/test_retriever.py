@@ -236,3 +236,22 @@ def test_the_learned_signal_brings_back_a_fact_without_shared_words() -> None:
     reply = s.generate(SamplingParams(max_tokens=16))[0]
     assert "translator" in reply
     manager.close(s.session_id)
+
+
+def test_chunks_without_codes_are_coded_from_the_pool_and_the_store() -> None:
+    """A session restored from a state directory keeps no codes: the saved chunks' are made from the store,
+    the resident ones' from the pool, and the scores are those of the codes made at write time (to float16
+    rounding)."""
+    path = builtin_model_path()
+    manager, s, _ = buried_fact_session("learned", check=False, retriever=find_retriever(path))
+    ids = s.tokenizer.encode("<|im_start|>user\nWhat is my job?<|im_end|>\n")
+    before = s.memory._learned_scores(ids)
+    states = {c.state for c in s.chunks.values() if c.chunk_id in before}
+    assert states == {ChunkState.SAVED, ChunkState.RESIDENT}  # both kinds of candidate
+    for c in s.chunks.values():
+        c.key_code = None
+    after = s.memory._learned_scores(ids)
+    assert after.keys() == before.keys()
+    for chunk_id, score in before.items():
+        assert abs(after[chunk_id] - score) < 1e-2 * max(1.0, abs(score))
+    manager.close(s.session_id)

@@ -327,14 +327,20 @@ class SessionMemory:
 
     def learned_candidates(self, ids: list[int]) -> tuple[list[Chunk], list[torch.Tensor], list[float]]:
         """What the "learned" signal reads of the session for the new message ``ids``: the candidate
-        chunks (recoverable, or resident and holdable), each one's key code (:meth:`Pager.key_codes`) and
-        lexical score. ``kvos calibrate --retriever`` reads the same with an identity retriever (codes that
-        are the raw keys)."""
+        chunks (recoverable, or resident and holdable, with K/V to score: a discarded chunk has none), each
+        one's key code (:meth:`Pager.key_codes`) and lexical score. ``kvos calibrate --retriever`` reads
+        the same with an identity retriever (codes that are the raw keys)."""
         chunks = [c for c in self.chunks.values() if self._eligible(c) and c.token_ids] if ids else []
         if not chunks:
             return [], [], []
+        coded = [
+            (c, code)
+            for c, code in zip(chunks, self.pager.key_codes(chunks), strict=True)
+            if code is not None
+        ]
         index = LexicalIndex(c.token_ids for c in self.chunks.values())
-        return chunks, self.pager.key_codes(chunks), index.scores(ids, [c.token_ids for c in chunks])
+        kept = [c for c, _ in coded]
+        return kept, [code for _, code in coded], index.scores(ids, [c.token_ids for c in kept])
 
     def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
         """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see

@@ -166,19 +166,29 @@ class Pager:
         k, _ = self.engine.read_kv(seg)
         return digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
 
-    def key_codes(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+    def key_codes(self, chunks: list[Chunk]) -> list[torch.Tensor | None]:
         """The retriever's codes of these chunks' keys (:meth:`Retriever.code`, float16 ``[n, rank]``
-        each): kept on a chunk once made; the missing ones (resident chunks) made together from their keys
-        in the pool, one gather and one rotation for all. Needs :attr:`retriever`."""
-        missing = [c for c in chunks if c.key_code is None]
-        if missing:
-            assert self.retriever is not None
-            segs = [self.segments[c.chunk_id] for c in missing]
+        each): kept on a chunk once made; the missing ones made now, the resident chunks' together from
+        their keys in the pool (one gather and one rotation for all), a saved chunk's from the store (a
+        session restored from a state directory keeps no codes). None for a chunk whose K/V are gone
+        (discarded): it cannot be scored. Needs :attr:`retriever`."""
+        assert self.retriever is not None
+        resident = [c for c in chunks if c.key_code is None and c.chunk_id in self.segments]
+        if resident:
+            segs = [self.segments[c.chunk_id] for c in resident]
             keys = self.engine.read_keys(torch.cat([s.slots for s in segs]), self.retriever.key_layers)
             codes = self._code(keys, torch.cat([s.positions for s in segs]))
-            for chunk, code in zip(missing, codes.split([s.num_tokens for s in segs]), strict=True):
+            for chunk, code in zip(resident, codes.split([s.num_tokens for s in segs]), strict=True):
                 chunk.key_code = code.clone()
-        return [c.key_code for c in chunks]  # type: ignore[misc]
+        for chunk in chunks:
+            if chunk.key_code is None and self.store is not None and chunk.chunk_id in self.store:
+                try:
+                    saved = self.store.get(chunk.chunk_id)
+                except CorruptChunkError as e:  # left unscored; restoring it will recompute it
+                    _log.warning("%s: not scored", e)
+                    continue
+                chunk.key_code = self._code(saved.k, saved.meta_int64("positions"))
+        return [c.key_code for c in chunks]
 
     def key_code(self, chunk: Chunk, seg: Segment | None = None) -> torch.Tensor:
         """One chunk's code (see :meth:`key_codes`; ``seg``: its segment, once it has left ``segments``)."""

@@ -39,8 +39,10 @@ from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
 from kvos.policy.chunks import Chunk
 from kvos.policy.digest import head_shares
+from kvos.session.config import RecoverySignal
 from kvos.session.manager import MemoryManager
 from kvos.session.memory import SessionMemory
+from kvos.session.session import Session
 from kvos.session.strategies import strategy
 
 CALIBRATION_SEED = HELDOUT_SEED + 1  # not the recall benchmark's sessions
@@ -78,19 +80,28 @@ def best_heads(top1: torch.Tensor, topk: torch.Tensor, layers: Sequence[int], co
     return [[layers[i], h] for i, h in order[:count]]
 
 
+def calibration_session(
+    manager: MemoryManager, chat: ChatSession, frac: float, max_tokens: int, signal: RecoverySignal
+) -> Session:
+    """A kv_restore session for playing ``chat`` at ``frac`` of its size (as ``kvos bench recall`` sizes
+    it: at least 64 tokens, chunks of a quarter of the budget within 8-128) with recovery ``signal``."""
+    template = ChatTemplate.from_tokenizer(manager.tokenizer)
+    tokens = max(64, int(session_tokens(chat, manager.tokenizer, template, max_tokens) * frac))
+    config = strategy(
+        "kvos-kv_restore", Budget(max_active_tokens=tokens, policy="hard"), max(8, min(128, tokens // 4))
+    )
+    config.recovery_signal = signal
+    return manager.session(config=config)
+
+
 def session_ranks(
     manager: MemoryManager, chat: ChatSession, frac: float, max_tokens: int
 ) -> tuple[torch.Tensor | None, tuple[int, ...], int]:
     """Play ``chat`` at ``frac`` of its size with the "attention" signal -> the :func:`fact_ranks` of its
     probe (None if the fact was no candidate), the tapped layers, the session's ``recovery_top_k``."""
-    template = ChatTemplate.from_tokenizer(manager.tokenizer)
     probe = chat.probes[0]
-    tokens = max(64, int(session_tokens(chat, manager.tokenizer, template, max_tokens) * frac))
-    config = strategy(
-        "kvos-kv_restore", Budget(max_active_tokens=tokens, policy="hard"), max(8, min(128, tokens // 4))
-    )
-    config.recovery_signal = "attention"
-    session = manager.session(config=config)
+    session = calibration_session(manager, chat, frac, max_tokens, "attention")
+    config = session.config
     found: list[torch.Tensor] = []
 
     def watch(message: list[Chunk], queries: torch.Tensor) -> None:

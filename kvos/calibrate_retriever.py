@@ -30,21 +30,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvos.bench.playback import play, session_tokens
+from kvos.bench.playback import play
 from kvos.builtin.corpus import ChatSession, heldout_sessions
+from kvos.calibrate_retrieval import PROBE_TOKENS, calibration_session
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
-from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import load_tokenizer
 from kvos.model.transformer import Transformer
-from kvos.policy.budget import Budget
 from kvos.policy.retriever import Retriever
 from kvos.session.manager import MemoryManager
-from kvos.session.strategies import strategy
 
-PROBE_TOKENS = 24  # the reply to a probe, as kvos bench recall lets it run (it sizes the budget)
 LEXICAL_START = 10.0  # the lexical weight fitting starts from (lexical scores lie in [0, 1])
-FACTS_KEPT = 0.0  # the threshold lets every fitted probe's fact through (quantile of their scores)
 THRESHOLD_MARGIN = 0.5  # below the lowest held-out fact's score
 
 
@@ -77,14 +73,9 @@ def session_features(
     model = manager.engine.model
     c = model.config
     identity = Retriever.identity(layers, c.num_heads * c.head_dim, len(layers) * c.num_kv_heads * c.head_dim)
-    template = ChatTemplate.from_tokenizer(manager.tokenizer)
     probe = chat.probes[0]
-    tokens = max(64, int(session_tokens(chat, manager.tokenizer, template, PROBE_TOKENS) * frac))
-    config = strategy(
-        "kvos-kv_restore", Budget(max_active_tokens=tokens, policy="hard"), max(8, min(128, tokens // 4))
-    )
-    config.recovery_signal = "lexical"
-    session = manager.session(config=config)
+    session = calibration_session(manager, chat, frac, PROBE_TOKENS, "lexical")
+    config = session.config
     session.pager.retriever = identity
     fact_messages = {probe.plant_index, probe.plant_index + 1}
     users = [i for i in range(3, probe.message_index) if chat.messages[i]["role"] == "user"]
@@ -169,7 +160,7 @@ def fit(
         layers, q_mean, q_std, k_mean, k_std, w_q.detach(), w_k.detach(), float(lexical.detach())
     )
     facts = torch.tensor([float(chunk_scores(done, p)[p.fact].max()) for p in probes if p.is_probe])
-    done.threshold = min(float(null.detach()), float(torch.quantile(facts, FACTS_KEPT)))
+    done.threshold = min(float(null.detach()), float(facts.min()))
     return done
 
 

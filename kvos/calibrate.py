@@ -76,12 +76,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--retrieval / --retriever: planted-fact sessions played (default 40 / 400)",
     )  # fmt: skip
     p.add_argument(
-        "--seed", type=int, default=None, help="--retrieval: their seed (default: a calibration seed)"
+        "--seed",
+        type=int,
+        default=None,
+        help="--retrieval / --retriever: their seed (default: a calibration seed)",
     )
-    p.add_argument("--fillers", type=int, default=None, help="--retrieval: filler turns per session")
     p.add_argument(
-        "--budget-frac", type=float, default=0.25, help="--retrieval: budget, a fraction of a session"
+        "--fillers", type=int, default=None, help="--retrieval / --retriever: filler turns per session"
     )
+    p.add_argument(
+        "--budget-frac",
+        type=float,
+        default=0.25,
+        help="--retrieval / --retriever: budget, a fraction of a session",
+    )
+    p.add_argument(
+        "--embedder", default="hidden", choices=["hidden", "tokens"],
+        help="--retrieval / --retriever: the sessions' task-focus embedder (as kvos bench recall --embedder)",
+    )  # fmt: skip
 
 
 def token_texts(

@@ -40,6 +40,7 @@ from kvos.policy.budget import Budget
 from kvos.policy.chunks import Chunk
 from kvos.policy.digest import head_shares
 from kvos.session.config import RecoverySignal
+from kvos.session.embedder import EmbedderName
 from kvos.session.manager import MemoryManager
 from kvos.session.memory import SessionMemory
 from kvos.session.session import Session
@@ -81,26 +82,33 @@ def best_heads(top1: torch.Tensor, topk: torch.Tensor, layers: Sequence[int], co
 
 
 def calibration_session(
-    manager: MemoryManager, chat: ChatSession, frac: float, max_tokens: int, signal: RecoverySignal
+    manager: MemoryManager,
+    chat: ChatSession,
+    frac: float,
+    max_tokens: int,
+    signal: RecoverySignal,
+    embedder: EmbedderName = "hidden",
 ) -> Session:
     """A kv_restore session for playing ``chat`` at ``frac`` of its size (as ``kvos bench recall`` sizes
-    it: at least 64 tokens, chunks of a quarter of the budget within 8-128) with recovery ``signal``."""
+    it: at least 64 tokens, chunks of a quarter of the budget within 8-128) with recovery ``signal`` and
+    the task-focus ``embedder`` (``kvos bench recall --embedder``)."""
     template = ChatTemplate.from_tokenizer(manager.tokenizer)
     tokens = max(64, int(session_tokens(chat, manager.tokenizer, template, max_tokens) * frac))
     config = strategy(
         "kvos-kv_restore", Budget(max_active_tokens=tokens, policy="hard"), max(8, min(128, tokens // 4))
     )
     config.recovery_signal = signal
+    config.embedder = embedder
     return manager.session(config=config)
 
 
 def session_ranks(
-    manager: MemoryManager, chat: ChatSession, frac: float, max_tokens: int
+    manager: MemoryManager, chat: ChatSession, frac: float, max_tokens: int, embedder: EmbedderName = "hidden"
 ) -> tuple[torch.Tensor | None, tuple[int, ...], int]:
     """Play ``chat`` at ``frac`` of its size with the "attention" signal -> the :func:`fact_ranks` of its
     probe (None if the fact was no candidate), the tapped layers, the session's ``recovery_top_k``."""
     probe = chat.probes[0]
-    session = calibration_session(manager, chat, frac, max_tokens, "attention")
+    session = calibration_session(manager, chat, frac, max_tokens, "attention", embedder)
     config = session.config
     found: list[torch.Tensor] = []
 
@@ -120,7 +128,11 @@ def session_ranks(
 
 
 def calibrate_heads(
-    manager: MemoryManager, chats: list[ChatSession], frac: float, max_tokens: int
+    manager: MemoryManager,
+    chats: list[ChatSession],
+    frac: float,
+    max_tokens: int,
+    embedder: EmbedderName = "hidden",
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...], int]:
     """:func:`session_ranks` over ``chats``, counted per (layer, head): the probes whose fact it ranks
     first and within the top k -> (top1, topk, probes scored, tapped layers, k)."""
@@ -128,7 +140,7 @@ def calibrate_heads(
     layers: tuple[int, ...] = ()
     scored = k = 0
     for chat in tqdm(chats, desc="retrieval heads", unit="session"):
-        ranks, layers, k = session_ranks(manager, chat, frac, max_tokens)
+        ranks, layers, k = session_ranks(manager, chat, frac, max_tokens, embedder)
         if ranks is None:
             continue
         first, hits = (ranks == 0).long(), (ranks < k).long()
@@ -145,7 +157,9 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     summary; exit status."""
     manager = MemoryManager(Engine(model), load_tokenizer(Path(model_info["path"])))
     chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
-    top1, topk, scored, layers, top_k = calibrate_heads(manager, chats, args.budget_frac, PROBE_TOKENS)
+    top1, topk, scored, layers, top_k = calibrate_heads(
+        manager, chats, args.budget_frac, PROBE_TOKENS, args.embedder
+    )
     heads = best_heads(top1, topk, layers, args.retrieval)
     result = {
         "model": model_info,
@@ -155,6 +169,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
             "seed": args.seed,
             "fillers": args.fillers,
             "budget_frac": args.budget_frac,
+            "embedder": args.embedder,
             "top_k": top_k,
         },
         "hits_top1": top1.tolist(),

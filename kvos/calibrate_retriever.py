@@ -38,6 +38,7 @@ from kvos.errors import ConfigError
 from kvos.model.tokenizer import load_tokenizer
 from kvos.model.transformer import Transformer
 from kvos.policy.retriever import Retriever
+from kvos.session.embedder import EmbedderName
 from kvos.session.manager import MemoryManager
 
 LEXICAL_START = 10.0  # the lexical weight fitting starts from (lexical scores lie in [0, 1])
@@ -64,7 +65,12 @@ class Probe:
 
 
 def session_features(
-    manager: MemoryManager, chat: ChatSession, frac: float, layers: tuple[int, ...], others: int = 2
+    manager: MemoryManager,
+    chat: ChatSession,
+    frac: float,
+    layers: tuple[int, ...],
+    others: int = 2,
+    embedder: EmbedderName = "hidden",
 ) -> list[Probe]:
     """Play ``chat`` at ``frac`` of its size (lexical signal) -> the learned signal's inputs at its probe
     (when the fact's exchange is a candidate) and at up to ``others`` other user messages drawn at random
@@ -74,7 +80,7 @@ def session_features(
     c = model.config
     identity = Retriever.identity(layers, c.num_heads * c.head_dim, len(layers) * c.num_kv_heads * c.head_dim)
     probe = chat.probes[0]
-    session = calibration_session(manager, chat, frac, PROBE_TOKENS, "lexical")
+    session = calibration_session(manager, chat, frac, PROBE_TOKENS, "lexical", embedder)
     config = session.config
     session.pager.retriever = identity
     fact_messages = {probe.plant_index, probe.plant_index + 1}
@@ -203,7 +209,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     layers = tuple(range(model.config.num_layers))
     chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
     per_session = [
-        session_features(manager, chat, args.budget_frac, layers)
+        session_features(manager, chat, args.budget_frac, layers, embedder=args.embedder)
         for chat in tqdm(chats, desc="retriever", unit="session")
     ]
     held = int(len(chats) * args.holdout) if len(chats) > 1 else 0
@@ -235,6 +241,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
         "seed": args.seed,
         "fillers": args.fillers,
         "budget_frac": args.budget_frac,
+        "embedder": args.embedder,
         "probes_fitted": sum(p.is_probe for p in fitted),
         "other_messages_fitted": sum(not p.is_probe for p in fitted),
         **summary,

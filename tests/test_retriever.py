@@ -14,7 +14,7 @@ from test_relevance import buried_fact_session
 
 from kvos.builtin import builtin_model_path
 from kvos.builtin.corpus import heldout_sessions
-from kvos.calibrate_retrieval import CALIBRATION_SEED
+from kvos.calibrate_retrieval import CALIBRATION_SEED, PROBE_TOKENS, calibration_session
 from kvos.calibrate_retriever import above_threshold, chunk_scores, fact_rank, fit, session_features
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
@@ -26,6 +26,7 @@ from kvos.policy.chunks import ChunkState
 from kvos.policy.digest import unrotate
 from kvos.policy.retriever import Retriever, find_retriever, retriever_path
 from kvos.session.config import SessionConfig
+from kvos.session.embedder import HiddenStateEmbedder, TokenEmbedder
 from kvos.session.manager import MemoryManager
 
 
@@ -194,6 +195,21 @@ def test_calibration_and_the_session_score_alike() -> None:
         assert above_threshold(r, p) == bool(chunk_scores(r, p).max() > r.threshold)
     for p in probes:
         assert 0 <= fact_rank(r, p) < len(set(p.exchange))
+
+
+def test_calibration_sessions_take_the_benchmark_embedder() -> None:
+    """``kvos calibrate --embedder tokens`` plays its sessions as ``kvos bench recall --embedder tokens``
+    does (the eviction order, and so the candidates, depend on it); hidden by default, as kvos serve."""
+    path = builtin_model_path()
+    manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
+    chat = heldout_sessions(1, CALIBRATION_SEED)[0]
+    for name, kind in (("tokens", TokenEmbedder), ("hidden", HiddenStateEmbedder)):
+        s = calibration_session(manager, chat, 0.25, PROBE_TOKENS, "lexical", name)  # type: ignore[arg-type]
+        assert s.config.embedder == name and isinstance(s.embed, kind)
+        assert s.config.recovery_signal == "lexical"
+        manager.close(s.session_id)
+    s = calibration_session(manager, chat, 0.25, PROBE_TOKENS, "lexical")
+    assert isinstance(s.embed, HiddenStateEmbedder)
 
 
 def test_the_learned_signal_brings_back_a_fact_without_shared_words() -> None:

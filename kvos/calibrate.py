@@ -91,6 +91,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--retrieval / --retriever: budget, a fraction of a session",
     )
     p.add_argument(
+        "--key-layers", type=int, default=8, metavar="N",
+        help="--retriever: the keys of N layers spread over the model (first and last among them; default "
+        "8, every layer of a smaller model) make the key codes",
+    )  # fmt: skip
+    p.add_argument(
+        "--features", metavar="FILE",
+        help="--retriever: the sessions' recorded inputs: read from FILE when it holds them, else written "
+        "there after playing (fit again with another --rank, --epochs or --holdout without playing)",
+    )  # fmt: skip
+    p.add_argument(
         "--embedder", default="hidden", choices=["hidden", "tokens"],
         help="--retrieval / --retriever: the sessions' task-focus embedder (as kvos bench recall --embedder)",
     )  # fmt: skip

@@ -203,18 +203,59 @@ def above_threshold(retriever: Retriever, probe: Probe) -> bool:
         return bool(chunk_scores(retriever, probe).max() > retriever.threshold)
 
 
-def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]) -> int:
-    """``kvos calibrate --retriever``: play, fit, measure, write ``args.out`` (safetensors)."""
-    manager = MemoryManager(Engine(model), load_tokenizer(Path(model_info["path"])))
-    layers = tuple(range(model.config.num_layers))
+def spread_layers(num_layers: int, count: int) -> tuple[int, ...]:
+    """``count`` layers spread evenly over ``num_layers``, the first and the last among them (every layer
+    when ``count >= num_layers``): the key layers of a retriever, whose key codes read and whose
+    calibration records that many layers' keys per token."""
+    if count < 1:
+        raise ConfigError(f"--key-layers must be at least 1, got {count}")
+    if count >= num_layers:
+        return tuple(range(num_layers))
+    if count == 1:
+        return (0,)
+    return tuple(sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)}))
+
+
+def recorded_sessions(
+    manager: MemoryManager, args: argparse.Namespace, layers: tuple[int, ...], model_info: dict[str, Any]
+) -> list[list[Probe]]:
+    """:func:`session_features` of each calibration session ``args`` names, or, with ``args.features``,
+    read from that file when it was recorded for the same model and sessions (written after playing
+    otherwise): fitting again with another rank, epochs or holdout then costs no session."""
+    recipe = {
+        "model": Path(model_info["path"]).name,
+        "layers": list(layers),
+        **{k: getattr(args, k) for k in ("sessions", "seed", "fillers", "budget_frac", "embedder")},
+    }
+    cache = Path(args.features) if args.features else None
+    if cache is not None and cache.exists():
+        saved = torch.load(cache, weights_only=True)
+        if not isinstance(saved, dict) or saved.get("recipe") != recipe:
+            raise ConfigError(
+                f"{cache} was recorded for other sessions or another model: {saved.get('recipe')}"
+            )
+        return [[Probe(**p) for p in session] for session in saved["sessions"]]
     chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
     per_session = [
         session_features(manager, chat, args.budget_frac, layers, embedder=args.embedder)
         for chat in tqdm(chats, desc="retriever", unit="session")
     ]
-    held = int(len(chats) * args.holdout) if len(chats) > 1 else 0
-    fitted = [p for f in per_session[: len(chats) - held] for p in f]
-    measured = [p for f in per_session[len(chats) - held :] for p in f]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        sessions = [[vars(p) for p in session] for session in per_session]
+        torch.save({"recipe": recipe, "sessions": sessions}, cache)
+    return per_session
+
+
+def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]) -> int:
+    """``kvos calibrate --retriever``: play (or read ``args.features``), fit, measure, write ``args.out``
+    (safetensors)."""
+    manager = MemoryManager(Engine(model), load_tokenizer(Path(model_info["path"])))
+    layers = spread_layers(model.config.num_layers, args.key_layers)
+    per_session = recorded_sessions(manager, args, layers, model_info)
+    held = int(len(per_session) * args.holdout) if len(per_session) > 1 else 0
+    fitted = [p for f in per_session[: len(per_session) - held] for p in f]
+    measured = [p for f in per_session[len(per_session) - held :] for p in f]
     retriever = fit(fitted, layers, rank=args.rank, epochs=args.epochs)
     probes = [p for p in measured if p.is_probe]
     others = [p for p in measured if not p.is_probe]
@@ -237,7 +278,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     }
     retriever.info = {
         "model": {**model_info, "path": Path(model_info["path"]).name},  # no local directories in the file
-        "sessions": len(chats),
+        "sessions": len(per_session),
         "seed": args.seed,
         "fillers": args.fillers,
         "budget_frac": args.budget_frac,

@@ -6,6 +6,7 @@ question shares no word with, before the question is prefilled and with no forwa
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,15 @@ from test_relevance import buried_fact_session
 from kvos.builtin import builtin_model_path
 from kvos.builtin.corpus import heldout_sessions
 from kvos.calibrate_retrieval import CALIBRATION_SEED, PROBE_TOKENS, calibration_session
-from kvos.calibrate_retriever import above_threshold, chunk_scores, fact_rank, fit, session_features
+from kvos.calibrate_retriever import (
+    above_threshold,
+    chunk_scores,
+    fact_rank,
+    fit,
+    recorded_sessions,
+    session_features,
+    spread_layers,
+)
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
@@ -210,6 +219,43 @@ def test_calibration_sessions_take_the_benchmark_embedder() -> None:
         manager.close(s.session_id)
     s = calibration_session(manager, chat, 0.25, PROBE_TOKENS, "lexical")
     assert isinstance(s.embed, HiddenStateEmbedder)
+
+
+def test_key_layers_spread_over_the_model() -> None:
+    assert spread_layers(30, 8) == (0, 4, 8, 12, 17, 21, 25, 29)  # SmolLM2-135M
+    assert spread_layers(4, 8) == (0, 1, 2, 3)  # the built-in model: every layer
+    assert spread_layers(30, 2) == (0, 29) and spread_layers(30, 1) == (0,)
+    with pytest.raises(ConfigError):
+        spread_layers(30, 0)
+
+
+def test_recorded_calibration_sessions_are_read_back_for_the_same_recipe(tmp_path: Path) -> None:
+    """``--features FILE``: the sessions' recorded inputs are written once and read back as they were
+    (fitting again plays nothing); a file recorded for other sessions is refused, not silently reused."""
+    path = builtin_model_path()
+    manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
+    cache = tmp_path / "features.pt"
+    args = argparse.Namespace(
+        sessions=2,
+        seed=CALIBRATION_SEED,
+        fillers=None,
+        budget_frac=0.25,
+        embedder="tokens",
+        features=str(cache),
+    )
+    info = {"path": str(path)}
+    played = recorded_sessions(manager, args, (0, 3), info)
+    assert cache.exists() and len(played) == 2
+    read = recorded_sessions(None, args, (0, 3), info)  # type: ignore[arg-type]  # no manager: nothing played
+    assert len(read) == 2 and sum(map(len, read)) == sum(map(len, played)) > 0
+    for a, b in zip((p for f in played for p in f), (p for f in read for p in f), strict=True):
+        assert torch.equal(a.queries, b.queries) and torch.equal(a.lexical, b.lexical)
+        assert torch.equal(a.fact, b.fact) and a.exchange == b.exchange
+        assert all(torch.equal(x, y) for x, y in zip(a.keys, b.keys, strict=True))
+        assert a.keys[0].shape[1] == 2 * 2 * 64  # layers 0 and 3, 2 KV heads of 64
+    args.sessions = 3
+    with pytest.raises(ConfigError, match="other sessions"):
+        recorded_sessions(None, args, (0, 3), info)  # type: ignore[arg-type]
 
 
 def test_the_learned_signal_brings_back_a_fact_without_shared_words() -> None:

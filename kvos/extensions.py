@@ -3,13 +3,22 @@
 Every kvos kernel has a torch fallback with the same results, so a missing compiler or
 ``KVOS_NO_EXTENSIONS=1`` costs speed, never correctness: :func:`build` then returns None (with a warning
 saying why, when it failed).
+
+Builds of one kernel are serialised across processes by an advisory lock (``kvos.flock`` in its build
+directory) that the operating system releases when its holder dies. torch's own build lock (a ``lock``
+file it deletes when done) outlives a build that was killed, and every later load then waits on it
+forever; holding the advisory lock, kvos knows such a file is stale (no live kvos process is building)
+and removes it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -23,15 +32,43 @@ def build(
     try:
         from torch.utils.cpp_extension import load_inline
 
-        return load_inline(
-            name=name,
-            cpp_sources=[source],
-            functions=list(functions),
-            # -fopenmp: at::parallel_for is inline OpenMP, serial without it (torch's libgomp is reused)
-            extra_cflags=[*cflags, "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _build_lock(name):
+            return load_inline(
+                name=name,
+                cpp_sources=[source],
+                functions=list(functions),
+                # -fopenmp: at::parallel_for is inline OpenMP, serial without it (torch's libgomp is reused)
+                extra_cflags=[*cflags, "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, headers missing: the torch path still works
         warnings.warn(f"kvos: {name} kernel unavailable, using {fallback} ({exc})", stacklevel=3)
         return None
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds and caches extension ``name`` (``TORCH_EXTENSIONS_DIR`` or its default; made if
+    missing)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+@contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Hold ``name``'s advisory build lock; remove torch's ``lock`` file if one is left behind (see the
+    module docstring)."""
+    directory = build_directory(name)
+    with open(directory / "kvos.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                warnings.warn(
+                    f"kvos: removed {stale}, left by a build of {name} that was stopped", stacklevel=4
+                )
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -455,7 +455,9 @@ def test_listing_and_metrics_while_a_session_runs(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("signal", ["auto", "answer", "lexical"])
-def test_serve_options_reach_the_session_config(model_dir: Path, signal: str) -> None:
+def test_serve_options_reach_the_session_config(
+    model_dir: Path, signal: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = ["--model", str(model_dir), "--budget", "512", "--backend", "breadcrumb"]
@@ -468,3 +470,5 @@ def test_serve_options_reach_the_session_config(model_dir: Path, signal: str) ->
     )
     assert config.retriever is None  # this model has none beside it: auto is lexical
     assert config.signal == ("lexical" if signal == "auto" else signal)
+    hint = f"no retriever at {model_dir / 'retriever.safetensors'}: `kvos calibrate --retriever"
+    assert (hint in capsys.readouterr().err) == (signal == "auto")

@@ -22,7 +22,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
-from kvos.policy.retriever import find_retriever
+from kvos.policy.retriever import find_retriever, retriever_path
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
 from kvos.session.config import SIGNALS, SessionConfig
@@ -271,6 +271,12 @@ def build_service(args: argparse.Namespace) -> ChatService:
         c = model.config
         config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
     print(f"[kvos] recovery signal: {config.signal} ({args.recovery_signal})", file=sys.stderr)
+    if args.recovery_signal == "auto" and config.retriever is None and args.retriever != "none":
+        print(
+            f"[kvos] no retriever at {retriever_path(path)}: `kvos calibrate --retriever --model {path}` "
+            "fits one for the learned signal",
+            file=sys.stderr,
+        )
     if args.retrieval_heads:
         from kvos.calibrate_retrieval import load_retrieval_heads
         from kvos.policy.digest import head_mask

@@ -20,7 +20,7 @@ from kvos.policy.attention import AttentionTracker, chunk_masses
 from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
-from kvos.policy.lexical import LexicalIndex
+from kvos.policy.lexical import ChunkLexicon, overlap
 from kvos.policy.planner import Eviction, Snapshot, affordable, plan_room, pressure_victim
 from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import ScoreContext
@@ -65,6 +65,7 @@ class SessionMemory:
         self.focus = TaskFocus()
         self.journal = Journal()
         self.costs = TurnCosts()
+        self.lexicon = ChunkLexicon()  # the lexical signal's IDF over self.chunks, kept up to date
         # called with the message's chunks and its tapped queries before the "attention" signal scores
         # (kvos calibrate --retrieval watches the probe turns)
         self.queries_observer: Callable[[list[Chunk], torch.Tensor], None] | None = None
@@ -299,14 +300,19 @@ class SessionMemory:
                 return lambda c: scores.get(unit(c))
             signal = "lexical"
         if signal in ("lexical", "answer", "hybrid"):
-            index = LexicalIndex(c.token_ids for c in self.chunks.values())
-            return lambda c: index.score(ids, c.token_ids)
+            weights = self.lexical_weights(ids)
+            return lambda c: overlap(weights, self.lexicon.tokens(c))
 
         def similarity(chunk: Chunk) -> float | None:
             embedding = self.embedding_of(chunk)
             return None if embedding is None else cosine(query, embedding)
 
         return similarity
+
+    def lexical_weights(self, ids: list[int]) -> dict[int, float]:
+        """The new message ``ids``'s token weights for the lexical score (:func:`overlap` with a chunk's
+        distinct tokens, :meth:`ChunkLexicon.tokens`), from the IDF over every chunk of the session."""
+        return self.lexicon.sync(self.chunks).weights(ids)
 
     def _learned_scores(self, ids: list[int]) -> dict[int, float]:
         """The "learned" signal: chunk id -> :class:`~kvos.policy.retriever.Retriever` score of every
@@ -338,9 +344,9 @@ class SessionMemory:
             for c, code in zip(chunks, self.pager.key_codes(chunks), strict=True)
             if code is not None
         ]
-        index = LexicalIndex(c.token_ids for c in self.chunks.values())
+        weights = self.lexical_weights(ids)
         kept = [c for c, _ in coded]
-        return kept, [code for _, code in coded], index.scores(ids, [c.token_ids for c in kept])
+        return kept, [code for _, code in coded], [overlap(weights, self.lexicon.tokens(c)) for c in kept]
 
     def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
         """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see
@@ -365,8 +371,8 @@ class SessionMemory:
         if self.config.signal == "hybrid":
             return self._hybrid_scores(prefix, query, unit, candidates)
         if len(candidates) > cap:
-            index = LexicalIndex(c.token_ids for c in self.chunks.values())
-            lexical = {u: index.score(ids, tokens) for u, tokens in candidates.items()}
+            weights = self.lexical_weights(ids)
+            lexical = {u: overlap(weights, frozenset(tokens)) for u, tokens in candidates.items()}
             kept = sorted(candidates, key=lambda u: (lexical[u], u), reverse=True)[:cap]
             candidates = {u: candidates[u] for u in kept}
         return self.answer.scores(prefix, query, candidates)
@@ -419,9 +425,9 @@ class SessionMemory:
             key = unit(self.chunks[chunk_id])
             if key in units:
                 by_attention[key] = max(by_attention[key], share)
-        index = LexicalIndex(c.token_ids for c in self.chunks.values())
+        weights = self.lexical_weights(ids)
         texts = unit_texts(self.chunks.values(), unit)
-        by_words = {key: index.score(ids, texts[key]) for key in units}
+        by_words = {key: overlap(weights, frozenset(texts[key])) for key in units}
         m = self.config.recovery_shortlist
         best = (sorted(s, key=lambda k: (s[k], k), reverse=True)[:m] for s in (by_attention, by_words))
         return set().union(*best)

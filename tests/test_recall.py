@@ -44,6 +44,8 @@ def test_recall_bench_contract(model_dir: Path, tmp_path: Path) -> None:
         assert {"pass_rate", "ci_low", "ci_high", "mean_evictions", "mean_recoveries"} <= row.keys()
         assert 0.0 <= row["ci_low"] <= row["pass_rate"] <= row["ci_high"] <= 1.0
     assert rows[("full", 0.25)]["mean_evictions"] == 0 == rows[("kvos-kv_restore", 1.0)]["mean_evictions"]
+    # nothing evicted: the planted fact is in the cache at every probe, whatever the random model answers
+    assert rows[("full", 0.25)]["fact_in_cache"] == 1.0 == rows[("kvos-kv_restore", 1.0)]["fact_in_cache"]
     assert (
         rows[("streaming_llm", 0.25)]["mean_evictions"] > 0
         and rows[("streaming_llm", 0.25)]["mean_recoveries"] == 0

@@ -22,6 +22,7 @@ class Played:
     expected: str
     recalled: bool
     turns: list[dict[str, Any]] = field(default_factory=list)
+    fact_in_cache: bool = False  # every chunk of the message that planted the fact was resident at the probe
 
 
 def session_tokens(chat: ChatSession, tokenizer: Tokenizer, template: ChatTemplate, max_tokens: int) -> int:
@@ -36,17 +37,21 @@ def play(
     max_tokens: int = 24,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
 ) -> Played:
-    """Run the conversation up to its probe; per user turn record the session's memory counters."""
+    """Run the conversation up to its probe; per user turn record the session's memory counters; whether
+    the fact was in the cache when the probe was answered (what the memory did, whatever the model then
+    answers)."""
     probe = chat.probes[0]
     first = chat.messages[0]
     session.add_message(first["role"], first["content"])
-    reply, turns = "", []
+    reply, turns, fact_in_cache = "", [], False
     for index in range(1, probe.message_index + 1):
         message = chat.messages[index]
         if message["role"] != "user":
             continue
         session.add_message("user", message["content"])
         if index == probe.message_index:
+            planted = [c for c in session.chunks.values() if c.message_index == probe.plant_index]
+            fact_in_cache = bool(planted) and all(c.resident for c in planted)
             reply = session.generate(SamplingParams(max_tokens=max_tokens))[0]
         else:
             session.add_message("assistant", chat.messages[index + 1]["content"])
@@ -67,4 +72,4 @@ def play(
         turns.append(record)
         if on_turn is not None:
             on_turn(record)
-    return Played(reply, probe.expected, answered(reply, probe.expected), turns)
+    return Played(reply, probe.expected, answered(reply, probe.expected), turns, fact_in_cache)

@@ -87,6 +87,7 @@ class Outcome:
     session_tokens: int
     costs: list[dict[str, float]]  # per user message: recovery_s, restore_s, prefill_s
     digest_ratio: float  # key digest and code bytes of the saved chunks over their K/V bytes (at the end)
+    fact_in_cache: bool = False  # the planting message resident when the probe was answered
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,7 +175,9 @@ def _play_one(
     recovered = stats["recoveries_restore"] + stats["recoveries_recompute"]
     seconds = time.perf_counter() - started
     ratio = digests / raw if raw else 0.0
-    return Outcome(played.recalled, stats["evictions"], recovered, seconds, size, costs, ratio)
+    return Outcome(
+        played.recalled, stats["evictions"], recovered, seconds, size, costs, ratio, played.fact_in_cache
+    )
 
 
 def _result(
@@ -203,7 +206,7 @@ def _result(
 
 def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Print the table and draw the plot (next to --json unless --png names it)."""
-    columns = ["strategy", "budget_frac", "pass_rate", "ci_low", "ci_high", "mean_evictions"]
+    columns = ["strategy", "budget_frac", "pass_rate", "ci_low", "ci_high", "fact_in_cache", "mean_evictions"]
     costs = [
         "recovery_ms_median",
         "code_ms_median",
@@ -238,6 +241,7 @@ def _row(name: str, frac: float, results: list[Outcome]) -> dict[str, Any]:
         "pass_rate": passed / n,
         "ci_low": low,
         "ci_high": high,
+        "fact_in_cache": sum(r.fact_in_cache for r in results) / n,
         "mean_evictions": sum(r.evictions for r in results) / n,
         "mean_recoveries": sum(r.recoveries for r in results) / n,
         "mean_seconds": round(sum(r.seconds for r in results) / n, 2),

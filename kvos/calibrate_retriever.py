@@ -230,10 +230,9 @@ def recorded_sessions(
     cache = Path(args.features) if args.features else None
     if cache is not None and cache.exists():
         saved = torch.load(cache, weights_only=True)
-        if not isinstance(saved, dict) or saved.get("recipe") != recipe:
-            raise ConfigError(
-                f"{cache} was recorded for other sessions or another model: {saved.get('recipe')}"
-            )
+        found = saved.get("recipe") if isinstance(saved, dict) else None
+        if found != recipe:
+            raise ConfigError(f"{cache} was recorded for other sessions or another model: {found}")
         return [[Probe(**p) for p in session] for session in saved["sessions"]]
     chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
     per_session = [

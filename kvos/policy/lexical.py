@@ -84,9 +84,9 @@ class ChunkLexicon:
         for gone in [i for i in self._seen if i not in chunks]:
             self.index.remove(self._seen.pop(gone)[2])
         for chunk_id, chunk in chunks.items():
-            seen = self._seen.get(chunk_id)
-            if seen is not None and seen[0] is chunk and seen[1] == len(chunk.token_ids):
+            if self._fresh(chunk_id, chunk):
                 continue
+            seen = self._seen.get(chunk_id)
             if seen is not None:
                 self.index.remove(seen[2])
             tokens = frozenset(chunk.token_ids)
@@ -96,7 +96,11 @@ class ChunkLexicon:
 
     def tokens(self, chunk: Chunk) -> frozenset[int]:
         """``chunk``'s distinct tokens (as of the last :meth:`sync`, computed if it was not there)."""
-        seen = self._seen.get(chunk.chunk_id)
-        if seen is not None and seen[0] is chunk and seen[1] == len(chunk.token_ids):
-            return seen[2]
+        if self._fresh(chunk.chunk_id, chunk):
+            return self._seen[chunk.chunk_id][2]
         return frozenset(chunk.token_ids)
+
+    def _fresh(self, chunk_id: int, chunk: Chunk) -> bool:
+        """Whether ``chunk`` is counted as it is now (the same object, the same number of tokens)."""
+        seen = self._seen.get(chunk_id)
+        return seen is not None and seen[0] is chunk and seen[1] == len(chunk.token_ids)

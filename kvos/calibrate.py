@@ -32,6 +32,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer
 from kvos.policy.entropy import QUERY_FRACTIONS, entropy_bits, query_indices, summarize
 from kvos.policy.retriever import retriever_path
+from kvos.session.embedder import DEFAULT_EMBEDDER, EMBEDDERS
 
 CHUNK_TOKENS = 500
 MIN_CHUNK_TOKENS = 16  # a file's last chunk shorter than this is left out (unless it is the only one)
@@ -101,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "there after playing (fit again with another --rank, --epochs or --holdout without playing)",
     )  # fmt: skip
     p.add_argument(
-        "--embedder", default="hidden", choices=["hidden", "tokens"],
+        "--embedder", default=DEFAULT_EMBEDDER, choices=EMBEDDERS,
         help="--retrieval / --retriever: the sessions' task-focus embedder (as kvos bench recall --embedder)",
     )  # fmt: skip
 

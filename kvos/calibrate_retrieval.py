@@ -40,7 +40,7 @@ from kvos.policy.budget import Budget
 from kvos.policy.chunks import Chunk
 from kvos.policy.digest import head_shares
 from kvos.session.config import RecoverySignal
-from kvos.session.embedder import EmbedderName
+from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.manager import MemoryManager
 from kvos.session.memory import SessionMemory
 from kvos.session.session import Session
@@ -87,7 +87,7 @@ def calibration_session(
     frac: float,
     max_tokens: int,
     signal: RecoverySignal,
-    embedder: EmbedderName = "hidden",
+    embedder: EmbedderName = DEFAULT_EMBEDDER,
 ) -> Session:
     """A kv_restore session for playing ``chat`` at ``frac`` of its size (as ``kvos bench recall`` sizes
     it: at least 64 tokens, chunks of a quarter of the budget within 8-128) with recovery ``signal`` and
@@ -103,7 +103,11 @@ def calibration_session(
 
 
 def session_ranks(
-    manager: MemoryManager, chat: ChatSession, frac: float, max_tokens: int, embedder: EmbedderName = "hidden"
+    manager: MemoryManager,
+    chat: ChatSession,
+    frac: float,
+    max_tokens: int,
+    embedder: EmbedderName = DEFAULT_EMBEDDER,
 ) -> tuple[torch.Tensor | None, tuple[int, ...], int]:
     """Play ``chat`` at ``frac`` of its size with the "attention" signal -> the :func:`fact_ranks` of its
     probe (None if the fact was no candidate), the tapped layers, the session's ``recovery_top_k``."""
@@ -132,7 +136,7 @@ def calibrate_heads(
     chats: list[ChatSession],
     frac: float,
     max_tokens: int,
-    embedder: EmbedderName = "hidden",
+    embedder: EmbedderName = DEFAULT_EMBEDDER,
 ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...], int]:
     """:func:`session_ranks` over ``chats``, counted per (layer, head): the probes whose fact it ranks
     first and within the top k -> (top1, topk, probes scored, tapped layers, k)."""

@@ -38,7 +38,7 @@ from kvos.errors import ConfigError
 from kvos.model.tokenizer import load_tokenizer
 from kvos.model.transformer import Transformer
 from kvos.policy.retriever import Retriever
-from kvos.session.embedder import EmbedderName
+from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.manager import MemoryManager
 
 LEXICAL_START = 10.0  # the lexical weight fitting starts from (lexical scores lie in [0, 1])
@@ -70,7 +70,7 @@ def session_features(
     frac: float,
     layers: tuple[int, ...],
     others: int = 2,
-    embedder: EmbedderName = "hidden",
+    embedder: EmbedderName = DEFAULT_EMBEDDER,
 ) -> list[Probe]:
     """Play ``chat`` at ``frac`` of its size (lexical signal) -> the learned signal's inputs at its probe
     (when the fact's exchange is a candidate) and at up to ``others`` other user messages drawn at random

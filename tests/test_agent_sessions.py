@@ -10,16 +10,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import torch
 from openai import OpenAI
 from server_harness import MODEL_NAME, running_server
 
 from kvos.builtin import MODEL_DIR
+from kvos.engine.engine import Engine
 from kvos.model.tokenizer import load_tokenizer
 
 CONTEXT = 1024  # the built-in model's positions
@@ -153,6 +155,28 @@ def test_agent_shaped_first_request_is_answered_then_reused(default_url: str) ->
     u2 = usage(second)
     assert u2["reused_tokens"] >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert u2["active_tokens"] <= 768
+
+
+@pytest.mark.parametrize("argv", [(), ("--embedder", "hidden")])
+def test_evicting_runs_no_forward_pass_to_embed_by_default(
+    monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...]
+) -> None:
+    """The turn that first evicts scores every resident chunk's coherence with the task focus: with the
+    default (token) embedder that costs no forward pass; the hidden-state embedder, still selectable, ran
+    one per chunk and per user message (on SmolLM2 22 of the 25 s of that turn)."""
+    forward = Engine.hidden_states
+    passes: list[int] = []
+
+    def counted(engine: Engine, token_ids: Sequence[int]) -> torch.Tensor:
+        passes.append(len(token_ids))
+        return forward(engine, token_ids)
+
+    monkeypatch.setattr(Engine, "hidden_states", counted)
+    with running_server(MODEL_DIR, *argv) as url:
+        messages, tools = agent_request()
+        u = usage(ask(client(url), messages, "agent", tools=tools))
+    assert u["evictions"] > 0
+    assert (passes != []) == bool(argv)  # hidden: the user message and the resident chunks scored
 
 
 def open_stream(url: str, sid: str, messages: list[dict[str, Any]]) -> httpx.Response:

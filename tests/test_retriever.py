@@ -208,7 +208,7 @@ def test_calibration_and_the_session_score_alike() -> None:
 
 def test_calibration_sessions_take_the_benchmark_embedder() -> None:
     """``kvos calibrate --embedder tokens`` plays its sessions as ``kvos bench recall --embedder tokens``
-    does (the eviction order, and so the candidates, depend on it); hidden by default, as kvos serve."""
+    does (the eviction order, and so the candidates, depend on it); tokens by default, as kvos serve."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
     chat = heldout_sessions(1, CALIBRATION_SEED)[0]
@@ -218,7 +218,7 @@ def test_calibration_sessions_take_the_benchmark_embedder() -> None:
         assert s.config.recovery_signal == "lexical"
         manager.close(s.session_id)
     s = calibration_session(manager, chat, 0.25, PROBE_TOKENS, "lexical")
-    assert isinstance(s.embed, HiddenStateEmbedder)
+    assert isinstance(s.embed, TokenEmbedder) and s.config.embedder == SessionConfig().embedder
 
 
 def test_key_layers_spread_over_the_model() -> None:

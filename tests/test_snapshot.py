@@ -22,6 +22,7 @@ from kvos.policy.budget import Budget
 from kvos.policy.chunks import ChunkState
 from kvos.session import fields, snapshot
 from kvos.session.config import SessionConfig
+from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.manager import MemoryManager
 from kvos.session.session import Session
 
@@ -35,13 +36,18 @@ def durable(directory: Path) -> Callable[[str, Callable[[Hashable], None]], Chun
 
 
 def manager(
-    model_dir: Path, directory: Path, mode: str = "compact", signal: str = "lexical"
+    model_dir: Path,
+    directory: Path,
+    mode: str = "compact",
+    signal: str = "lexical",
+    embedder: EmbedderName = DEFAULT_EMBEDDER,
 ) -> MemoryManager:
     config = SessionConfig(
         budget=Budget(max_active_tokens=160, policy="watermark"),
         chunk_tokens=24,
         position_mode=mode,  # type: ignore[arg-type]
         recovery_signal=signal,  # type: ignore[arg-type]
+        embedder=embedder,
     )
     engine = Engine(load_model(model_dir), block_size=8)
     return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=durable(directory))
@@ -110,6 +116,35 @@ def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
     for s in (original, copy):
         s.add_message("user", "which crate holds the lanterns? " + FILLER)
     assert copy.generate(GREEDY) == original.generate(GREEDY)
+
+
+@pytest.mark.parametrize("written", ["hidden", None])  # None: a snapshot from before the key, by kvos serve
+def test_embeddings_of_another_embedder_are_made_again_not_compared(
+    model_dir: Path, tmp_path: Path, written: str | None
+) -> None:
+    original = manager(model_dir, tmp_path / "a", embedder="hidden").session("s")
+    conversation(original, 5)
+    assert original.memory.focus.vector is not None
+    assert any(c.embedding is not None for c in original.chunks.values())
+    snap = snapshot.save(original, tmp_path / "a", "s-1.snap")
+    if written is None:
+        del snap.header["memory"]["embedder"]
+        container.write_atomic(tmp_path / "a" / "s-1.snap", container.pack(snapshot.MAGIC, snapshot.VERSION,
+                               snap.header, snap.table.specs_and_buffers()[1]))  # fmt: skip
+
+    copy = restored(model_dir, tmp_path / "a", tmp_path / "b")  # the default embedder: tokens
+    assert copy.config.embedder == "tokens" != original.config.embedder
+    assert copy.memory.focus.vector is None
+    assert all(c.embedding is None for c in copy.chunks.values())
+    assert copy.history.token_ids() == original.history.token_ids()
+    copy.swap_in()
+    copy.add_message("user", "which crate holds the lanterns? " + FILLER)
+    copy.generate(GREEDY)  # evicts again, scoring chunks embedded by its own embedder
+    embedded = [c.embedding for c in copy.chunks.values() if c.embedding is not None]
+    assert embedded and copy.memory.focus.vector is not None
+    for chunk in copy.chunks.values():
+        if chunk.embedding is not None:
+            assert torch.equal(chunk.embedding, copy.embed(chunk.token_ids))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from kvos.policy.retriever import find_retriever, retriever_path
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
 from kvos.session.config import SIGNALS, SessionConfig
+from kvos.session.embedder import DEFAULT_EMBEDDER, EMBEDDER_HELP, EMBEDDERS
 from kvos.session.manager import MemoryManager
 
 if TYPE_CHECKING:
@@ -102,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=["watermark", "hard"], default="watermark")
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
+    p.add_argument(
+        "--embedder",
+        choices=EMBEDDERS,
+        default=DEFAULT_EMBEDDER,
+        help=EMBEDDER_HELP,
+    )
     p.add_argument(
         "--recovery-signal",
         choices=SIGNALS,
@@ -262,6 +269,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         budget=Budget(max_active_tokens=budget, policy=args.policy),
         backend=args.backend,
         position_mode=args.position_mode,
+        embedder=args.embedder,
         recovery_signal=args.recovery_signal,
         retriever=find_retriever(path, args.retriever),
         store_ram_bytes=args.store_ram_bytes,

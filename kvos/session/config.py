@@ -11,7 +11,7 @@ from kvos.policy.attention import AttentionTracker
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import Scorer
-from kvos.session.embedder import EmbedderName
+from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.pager import Backend, PositionMode
 
 RecoverySignal = Literal["auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid"]
@@ -23,6 +23,9 @@ class SessionConfig:
     """How one session keeps within its budget and gets its chunks back.
 
     chunk_tokens: the most tokens of one chunk (a message is one chunk; a longer one is cut into several).
+    embedder: how chunks and user messages are embedded for task focus (coherence) and the "embedding"
+        signal: "tokens" (the default: the mean of their input embedding rows, no forward pass) or
+        "hidden" (the mean of the model's final hidden states, a forward pass per chunk and message).
     capture_layers: layers whose decode attention feeds the attention signal; None picks a few middle and
         late layers (at most 16).
     retrieval_heads: the (layer, query head) pairs whose attention the "attention" and "hybrid" signals read
@@ -58,7 +61,7 @@ class SessionConfig:
     scorer: Scorer = field(default_factory=Scorer)
     attention_mode: str = "ewma"
     capture_layers: tuple[int, ...] | None = None
-    embedder: EmbedderName = "hidden"
+    embedder: EmbedderName = DEFAULT_EMBEDDER
     recovery_signal: RecoverySignal = "auto"
     retriever: Retriever | None = None
     recovery_candidates: int = 32

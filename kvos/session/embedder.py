@@ -17,6 +17,16 @@ from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 
 EmbedderName = Literal["hidden", "tokens"]
+EMBEDDERS: tuple[EmbedderName, ...] = ("hidden", "tokens")
+# The default: the token embedder, which costs no forward pass. The hidden-state one ran a forward pass over
+# each chunk's last 256 tokens the first time it was scored and over every user message: on SmolLM2-135M
+# behind `kvos serve`, 22 of the 25 s of the turn that first evicted and ~0.6 s of every ~3 s turn, for
+# the same recall on the built-in model (99% / 100% at 25% / 50%; docs/benchmarks.md).
+DEFAULT_EMBEDDER: EmbedderName = "tokens"
+EMBEDDER_HELP = (
+    "how chunks and user messages are embedded for task focus: tokens (the default: their input embedding "
+    "rows, no forward pass) or hidden (the model's final hidden states: a forward pass per chunk and message)"
+)
 
 
 class Embedder(Protocol):
@@ -49,6 +59,7 @@ class TokenEmbedder:
 
 
 def make_embedder(name: EmbedderName, engine: Engine) -> Embedder:
+    """The embedder called ``name`` (:data:`EMBEDDERS`) over ``engine``'s model."""
     if name == "hidden":
         return HiddenStateEmbedder(engine)
     if name == "tokens":

@@ -203,6 +203,7 @@ def _memory_state(session: Session, table: TensorTable) -> dict[str, Any]:
         "turn": history.turn,
         "history_tokens": history.tokens,
         "protected": sorted(history.protected),
+        "embedder": session.config.embedder,
         "focus": {
             "snap_below": memory.focus.snap_below,
             "keep": memory.focus.keep,
@@ -222,10 +223,27 @@ def _load_memory(session: Session, state: dict[str, Any], table: TensorTable) ->
     memory.focus = TaskFocus(float(focus["snap_below"]), float(focus["keep"]))
     if focus["vector"] is not None:  # as saved, not renormalised: bit for bit
         memory.focus.vector = table.get(focus["vector"])
+    if state.get("embedder", "hidden") != session.config.embedder:
+        _forget_embeddings(session, str(state.get("embedder", "hidden")))
     fields.load_tracker(memory.tracker, state["tracker"])
     memory.journal.counts.clear()
     memory.journal.counts.update({str(k): int(v) for k, v in state["counts"].items()})
     memory.journal.max_active = int(state["max_active"])
+
+
+def _forget_embeddings(session: Session, saved_with: str) -> None:
+    """The snapshot's embeddings come from another embedder (one without the key was written by a kvos
+    whose only embedder in ``kvos serve`` was "hidden"): cosines against this session's would mean nothing,
+    so its chunks are embedded again when next scored and the task focus starts afresh."""
+    _log.info(
+        "session %s: embedded with %r, now %r: its chunks are embedded again when needed",
+        session.session_id,
+        saved_with,
+        session.config.embedder,
+    )
+    session.memory.focus.vector = None
+    for chunk in session.chunks.values():
+        chunk.embedding = None
 
 
 def _session_state(session: Session, table: TensorTable) -> dict[str, Any]:

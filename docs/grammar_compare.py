@@ -13,6 +13,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
-from kvos.model.vocab import byte_level_bytes, vocab_of  # noqa: E402
 from kvos.model.tokenizer import load_tokenizer  # noqa: E402
+from kvos.model.vocab import byte_level_bytes, vocab_of  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -194,11 +196,12 @@ def main() -> None:
     for name, (tokens, eos, kind) in vocabularies().items():
         path = greedy_path(tokens, text)
         for schema_name, schema in [("schema", SCHEMA), ("json_object", None)]:
-            for lib, fn in [
-                ("llguidance", lambda s: run_llguidance(tokens, eos, path, s)),
-                ("xgrammar", lambda s: run_xgrammar(tokens, eos, path, kind, s)),
-                ("outlines-core", lambda s: run_outlines(tokens, eos, path, s)),
-            ]:
+            runs: list[tuple[str, Callable[[Any], tuple[float, list[float]]]]] = [
+                ("llguidance", partial(run_llguidance, tokens, eos, path)),
+                ("xgrammar", partial(run_xgrammar, tokens, eos, path, kind)),
+                ("outlines-core", partial(run_outlines, tokens, eos, path)),
+            ]
+            for lib, fn in runs:
                 if schema is None and lib == "outlines-core":
                     rows.append(
                         (

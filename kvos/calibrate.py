@@ -32,7 +32,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer
 from kvos.policy.entropy import QUERY_FRACTIONS, entropy_bits, query_indices, summarize
 from kvos.policy.retriever import retriever_path
-from kvos.session.embedder import DEFAULT_EMBEDDER, EMBEDDERS
+from kvos.session.embedder import add_embedder_argument
 
 CHUNK_TOKENS = 500
 MIN_CHUNK_TOKENS = 16  # a file's last chunk shorter than this is left out (unless it is the only one)
@@ -101,10 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--retriever: the sessions' recorded inputs: read from FILE when it holds them, else written "
         "there after playing (fit again with another --rank, --epochs or --holdout without playing)",
     )  # fmt: skip
-    p.add_argument(
-        "--embedder", default=DEFAULT_EMBEDDER, choices=EMBEDDERS,
-        help="--retrieval / --retriever: the sessions' task-focus embedder (as kvos bench recall --embedder)",
-    )  # fmt: skip
+    add_embedder_argument(
+        p,
+        "--retrieval / --retriever: the sessions' task-focus embedder (as kvos bench recall --embedder)",
+    )
 
 
 def token_texts(

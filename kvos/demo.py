@@ -22,7 +22,7 @@ from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever
 from kvos.server.main import default_model
-from kvos.session.embedder import DEFAULT_EMBEDDER, EMBEDDER_HELP, EMBEDDERS
+from kvos.session.embedder import add_embedder_argument
 from kvos.session.manager import MemoryManager
 from kvos.session.strategies import strategy
 
@@ -33,12 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["discard", "breadcrumb", "kv_restore"], default="kv_restore")
     p.add_argument("--budget", type=int, help="max active tokens (default: 40%% of the session's size)")
     p.add_argument("--seed", type=int, default=DEMO_SEED, help="which demo session (its fact and fillers)")
-    p.add_argument(
-        "--embedder",
-        choices=EMBEDDERS,
-        default=DEFAULT_EMBEDDER,
-        help=EMBEDDER_HELP,
-    )
+    add_embedder_argument(p)
     p.add_argument("--json", help="write the result as JSON")
 
 

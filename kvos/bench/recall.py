@@ -27,7 +27,7 @@ from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
 from kvos.server.main import default_model
 from kvos.session.config import SIGNALS, SessionConfig
-from kvos.session.embedder import DEFAULT_EMBEDDER, EMBEDDER_HELP, EMBEDDERS
+from kvos.session.embedder import add_embedder_argument
 from kvos.session.journal import cost_medians
 from kvos.session.manager import MemoryManager
 from kvos.session.strategies import STRATEGIES, strategy
@@ -47,12 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument(
-        "--embedder",
-        choices=EMBEDDERS,
-        default=DEFAULT_EMBEDDER,
-        help=EMBEDDER_HELP,
-    )
+    add_embedder_argument(p)
     p.add_argument("--signal", choices=SIGNALS, default=SessionConfig.recovery_signal, help="recovery signal")
     p.add_argument(
         "--bar",

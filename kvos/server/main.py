@@ -26,7 +26,7 @@ from kvos.policy.retriever import find_retriever, retriever_path
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
 from kvos.session.config import SIGNALS, SessionConfig
-from kvos.session.embedder import DEFAULT_EMBEDDER, EMBEDDER_HELP, EMBEDDERS
+from kvos.session.embedder import add_embedder_argument
 from kvos.session.manager import MemoryManager
 
 if TYPE_CHECKING:
@@ -103,12 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=["watermark", "hard"], default="watermark")
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
-    p.add_argument(
-        "--embedder",
-        choices=EMBEDDERS,
-        default=DEFAULT_EMBEDDER,
-        help=EMBEDDER_HELP,
-    )
+    add_embedder_argument(p)
     p.add_argument(
         "--recovery-signal",
         choices=SIGNALS,

@@ -7,6 +7,7 @@ recovery restores chunks before the new tail goes through the model).
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -27,6 +28,11 @@ EMBEDDER_HELP = (
     "how chunks and user messages are embedded for task focus: tokens (the default: their input embedding "
     "rows, no forward pass) or hidden (the model's final hidden states: a forward pass per chunk and message)"
 )
+
+
+def add_embedder_argument(p: argparse.ArgumentParser, help_text: str = EMBEDDER_HELP) -> None:
+    """The ``--embedder`` option of every command that plays sessions (default :data:`DEFAULT_EMBEDDER`)."""
+    p.add_argument("--embedder", choices=EMBEDDERS, default=DEFAULT_EMBEDDER, help=help_text)
 
 
 class Embedder(Protocol):

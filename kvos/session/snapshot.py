@@ -223,8 +223,9 @@ def _load_memory(session: Session, state: dict[str, Any], table: TensorTable) ->
     memory.focus = TaskFocus(float(focus["snap_below"]), float(focus["keep"]))
     if focus["vector"] is not None:  # as saved, not renormalised: bit for bit
         memory.focus.vector = table.get(focus["vector"])
-    if state.get("embedder", "hidden") != session.config.embedder:
-        _forget_embeddings(session, str(state.get("embedder", "hidden")))
+    saved_with = str(state.get("embedder", "hidden"))  # no key: kvos serve's only embedder was "hidden"
+    if saved_with != session.config.embedder:
+        _forget_embeddings(session, saved_with)
     fields.load_tracker(memory.tracker, state["tracker"])
     memory.journal.counts.clear()
     memory.journal.counts.update({str(k): int(v) for k, v in state["counts"].items()})
@@ -232,9 +233,8 @@ def _load_memory(session: Session, state: dict[str, Any], table: TensorTable) ->
 
 
 def _forget_embeddings(session: Session, saved_with: str) -> None:
-    """The snapshot's embeddings come from another embedder (one without the key was written by a kvos
-    whose only embedder in ``kvos serve`` was "hidden"): cosines against this session's would mean nothing,
-    so its chunks are embedded again when next scored and the task focus starts afresh."""
+    """The snapshot's embeddings come from another embedder: cosines against this session's would mean
+    nothing, so its chunks are embedded again when next scored and the task focus starts afresh."""
     _log.info(
         "session %s: embedded with %r, now %r: its chunks are embedded again when needed",
         session.session_id,

@@ -27,6 +27,7 @@ from kvos.builtin.texts import calibration_texts
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.generate_cli import find_tokenizer
+from kvos.model.catalogue import add_model_argument
 from kvos.model.config import ModelConfig
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer
@@ -40,9 +41,7 @@ BUILTIN_MODEL = Path(__file__).resolve().parent / "builtin" / "model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", help="HF model directory, .gguf file or llama2.c .bin (default: the built-in model)"
-    )
+    add_model_argument(p, "the built-in model")
     p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
     p.add_argument(
         "--text", action="append", default=[], metavar="FILE",
@@ -174,7 +173,7 @@ def model_info(config: ModelConfig, path: str | Path) -> dict[str, Any]:
     }
 
 
-def _model_path(arg: str | None) -> Path:
+def _model_path(arg: str | Path | None) -> Path:
     if arg:
         return Path(arg)
     if not (BUILTIN_MODEL / "config.json").exists():

@@ -1,4 +1,4 @@
-"""The ``kvos`` command line: generate, bench."""
+"""The ``kvos`` command line: pull, generate, demo, calibrate, serve, bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvos.errors import KvosError
+from kvos.model.catalogue import add_model_argument
 
 BENCHMARKS = {
     "decode": ("kvos.bench.decode", "decode tokens/s of kvos vs transformers' generate"),
@@ -24,11 +25,15 @@ BENCHMARKS = {
 }
 
 
+def _add_pull(sub: argparse._SubParsersAction) -> None:
+    from kvos.pull_cli import add_arguments
+
+    add_arguments(sub.add_parser("pull", help="download a model by name (no name: list the catalogue)"))
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument(
-        "--model", help="HF model directory, .gguf file or llama2.c .bin (default: the built-in model)"
-    )
+    add_model_argument(p, "the built-in model")
     p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -88,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvos", description="kvos: an operating system for the LLM KV cache"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_pull(sub)
     _add_generate(sub)
     _add_demo(sub)
     _add_calibrate(sub)
@@ -108,8 +114,12 @@ def server_environment(argv: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     server_environment(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # in the try: --model's type raises kvos's errors
+        if args.command == "pull":
+            from kvos.pull_cli import run_pull
+
+            return run_pull(args)
         if args.command == "generate":
             from kvos.generate_cli import run_generate
 

@@ -16,6 +16,7 @@ from typing import Any
 from kvos.bench.playback import Played, play, session_tokens
 from kvos.builtin.corpus import DEMO_SEED, demo_session
 from kvos.engine.engine import Engine
+from kvos.model.catalogue import add_model_argument
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
@@ -28,7 +29,7 @@ from kvos.session.strategies import strategy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory, .gguf file or llama2.c .bin (default: built-in)")
+    add_model_argument(p, "the built-in model")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--backend", choices=["discard", "breadcrumb", "kv_restore"], default="kv_restore")
     p.add_argument("--budget", type=int, help="max active tokens (default: 40%% of the session's size)")

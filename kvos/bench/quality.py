@@ -56,6 +56,7 @@ from kvos.calibrate import calibrate
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.generate_cli import find_tokenizer
+from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.policy import budgeted
 from kvos.policy.entropy import HeadMap, kv_head_entropies
@@ -96,10 +97,9 @@ COLUMNS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", action="append", default=[],
-        help="HF directory or llama2.c .bin (repeatable; default: stories260K from ../shared when present, "
-        "and the built-in model)",
+    add_model_argument(
+        p, "stories260K from ../shared when present, and the built-in model (repeatable)",
+        action="append", default=[],
     )  # fmt: skip
     p.add_argument("--text", help="evaluation text file for every model (default: per model, see the docs)")
     p.add_argument("--tokens", type=int, help="tokens per window (default: the model's native context)")

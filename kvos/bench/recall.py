@@ -19,6 +19,7 @@ from kvos.builtin.evaluate import wilson_interval
 from kvos.calibrate_retrieval import load_retrieval_heads
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
+from kvos.model.catalogue import add_model_argument
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
@@ -36,7 +37,7 @@ FRACTIONS = (0.25, 0.5, 1.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF model directory, .gguf file or llama2.c .bin (default: built-in)")
+    add_model_argument(p, "the built-in model")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--sessions", type=int, default=100)
     p.add_argument(

@@ -29,6 +29,7 @@ import httpx
 from kvos.bench.common import header, median, print_table, write_json
 from kvos.bench.soak_server import ServerProcess
 from kvos.errors import ConfigError
+from kvos.model.catalogue import add_model_argument
 from kvos.server.layout import MANIFEST, read_manifest
 
 MODEL = "kvos-bench"
@@ -36,7 +37,7 @@ SID = "long"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model for kvos serve --model (default: the built-in model)")
+    add_model_argument(parser, "the built-in model")
     parser.add_argument("--tokens", type=int, default=3000, help="conversation length to reach, in tokens")
     parser.add_argument("--budget", type=int, help="kvos serve --budget (default: kvos serve's)")
     parser.add_argument("--repeats", type=int, default=3, help="restarted and cold servers, alternating")
@@ -220,7 +221,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     reused, prompt = usage["kvos"]["reused_tokens"], usage["prompt_tokens"]
     ttft = {k: median([x["ttft_s"] for x in v]) for k, v in runs.items()}
     result = {
-        **header("restart", args.model or "kvos builtin"),
+        **header("restart", str(args.model or "kvos builtin")),
         "budget": stats["budget"],
         "history_tokens": history,
         "saved_chunks": stats["chunks"]["saved"],

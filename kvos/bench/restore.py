@@ -36,6 +36,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError
 from kvos.memory.store import ChunkStore
+from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 
@@ -60,7 +61,7 @@ TIMED = ("save", "load", "load_same_pos", "reprefill", "copy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=f"HF model directory (default: the random {DEFAULT_MODEL!r} preset)")
+    add_model_argument(parser, f"the random {DEFAULT_MODEL!r} preset")
     parser.add_argument(
         "--sizes", default=DEFAULT_SIZES, help=f"chunk sizes in tokens, comma-separated ({DEFAULT_SIZES})"
     )

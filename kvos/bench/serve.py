@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--models",
         default=DEFAULT_MODELS,
         help="comma-separated: builtin, a random preset (qwen2.5-0.5b-shape, tiny), smollm2 (skipped when "
-        f"{SMOLLM2} is absent) or a model path (default: {DEFAULT_MODELS})",
+        f"{SMOLLM2} is absent), a model path or a pulled model's name (default: {DEFAULT_MODELS})",
     )
     parser.add_argument("--clients", default="1,2,4,8,16", help="comma-separated concurrent client counts")
     parser.add_argument("--turns", type=int, default=4, help="turns per client")
@@ -146,6 +146,7 @@ def client_counts(text: str) -> list[int]:
 def resolve_models(text: str) -> list[tuple[str, Path | None]]:
     """(name, path for ``--model``; None for the built-in model) per name in ``text``; SmolLM2 is dropped
     with a printed reason when its file is absent."""
+    from kvos.model.catalogue import resolve_model
     from kvos.model.random_init import PRESETS, ensure_random_model
 
     models: list[tuple[str, Path | None]] = []
@@ -159,8 +160,8 @@ def resolve_models(text: str) -> list[tuple[str, Path | None]]:
                 print(f"[serve] skipping smollm2: {SMOLLM2} is absent (see README: Run a real model)")
         elif name in PRESETS:
             models.append((name, ensure_random_model(name)))  # cached: written once (float32)
-        elif Path(name).exists():
-            models.append((name, Path(name)))
+        elif (path := resolve_model(name)).exists():  # a path or a pulled model's name (or a typed error)
+            models.append((name, path))
         else:
             raise ConfigError(f"--models: {name!r} is neither builtin, smollm2, a preset nor a path")
     return models

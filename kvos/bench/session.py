@@ -34,6 +34,7 @@ from kvos.bench.common import header, print_table, write_json
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
+from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 from kvos.model.tokenizer import load_tokenizer
@@ -88,7 +89,7 @@ ROW_COLUMNS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=f"HF model directory (default: the random {DEFAULT_MODEL!r} preset)")
+    add_model_argument(parser, f"the random {DEFAULT_MODEL!r} preset")
     parser.add_argument("--budget", type=int, default=512, help="max_active_tokens of the session")
     parser.add_argument("--factor", type=int, default=100, help="grow the history to factor x budget tokens")
     parser.add_argument(

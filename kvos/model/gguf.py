@@ -25,13 +25,18 @@ from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.memory.heap import release_free_heap
 from kvos.model.config import ModelConfig
 from kvos.model.gguf_config import PERMUTED_ARCHITECTURES, architecture, config_from_metadata, hf_name
+from kvos.model.gguf_kernel import TYPE_IDS
+from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import Weight
 from kvos.model.quant import KEPT_TYPES, QuantizedWeight
 from kvos.model.transformer import Transformer
 
 QType = gguf.GGMLQuantizationType
 # The tensor types kvos reads, by GGUF type name.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+)  # fmt: skip
 _FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16}
 
 
@@ -232,13 +237,17 @@ def dequantized(dtype: torch.dtype, device: torch.device) -> WeightMaker:
 
 
 def kept_quantized(device: torch.device) -> WeightMaker:
-    """The weight maker that keeps Q8_0/Q4_0/Q4_1/Q4_K matrices quantized (:class:`QuantizedWeight`) and
-    dequantizes every other tensor to float32, once."""
+    """The weight maker that keeps every quantized matrix quantized: Q8_0/Q4_0/Q4_1/Q4_K repacked into
+    groups of 32 (:class:`QuantizedWeight`, the fastest kernels), every other block type in the file's own
+    blocks (:class:`GGUFWeight`, the file's size); vectors and float matrices are float32."""
 
     def make(tensor: GGUFTensor) -> Weight:
-        if tensor.qtype in KEPT_TYPES and len(tensor.shape) == 2:
+        if len(tensor.shape) == 2:
             rows, cols = tensor.shape
-            return QuantizedWeight.from_gguf(tensor.qtype, tensor.raw, (rows, cols)).to(device)
+            if tensor.qtype in KEPT_TYPES:
+                return QuantizedWeight.from_gguf(tensor.qtype, tensor.raw, (rows, cols)).to(device)
+            if tensor.qtype in TYPE_IDS:
+                return GGUFWeight.from_gguf(tensor.qtype, tensor.raw, (rows, cols)).to(device)
         return tensor.dequantize(torch.float32).to(device)
 
     return make
@@ -247,8 +256,9 @@ def kept_quantized(device: torch.device) -> WeightMaker:
 def load_gguf(
     path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Load a GGUF file as a :class:`Transformer`. ``dtype`` None keeps the Q8_0/Q4_0/Q4_1/Q4_K matrices
-    quantized (float32 compute, everything else dequantized once); a ``dtype`` dequantizes every weight."""
+    """Load a GGUF file as a :class:`Transformer`. ``dtype`` None keeps the quantized matrices quantized
+    (:func:`kept_quantized`: float32 compute, vectors and float matrices dequantized once); a ``dtype``
+    dequantizes every weight."""
     from kvos.model.loader import resolve_dtype
 
     config, tensors, _ = read_gguf(path)

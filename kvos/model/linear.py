@@ -1,4 +1,6 @@
-"""The projection seam: a model weight is either a dense tensor or a :class:`QuantizedWeight`.
+"""The projection seam: a model weight is a dense tensor, a :class:`QuantizedWeight` (repacked groups), a
+:class:`GGUFWeight` (the file's own blocks) or a :class:`RowStack` of those (a fused projection whose parts
+have different types).
 
 Both are kept as torch lays them out, [out, in], rows contiguous. A dense projection of a few activation rows
 (a decode step, batched or not: at most :data:`~kvos.model.dense_kernel.SMALL_N`) in float32 runs on
@@ -12,14 +14,71 @@ to stay indifferent to which one it holds.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvos.model import dense_kernel
+from kvos.model.gguf_kernel import TYPE_IDS
+from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.quant import QuantizedWeight
 
-Weight = torch.Tensor | QuantizedWeight
+Packed = QuantizedWeight | GGUFWeight
+
+
+@dataclass(frozen=True, eq=False)
+class RowStack:
+    """Quantized projections of different types stacked by rows: [sum of out_i, in], each part computed in
+    its own type and the outputs concatenated (e.g. Q5_0 q/k with a Q8_0 v, as llama.cpp's Q4_K_M files
+    have them)."""
+
+    parts: tuple[Packed, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` [n] as float32 [n, in], each read from the part that holds it (dim 0 only)."""
+        if dim != 0:
+            raise ValueError("a quantized weight selects rows only (dim 0)")
+        out = torch.empty(index.numel(), self.shape[1], dtype=torch.float32, device=self.device)
+        start = 0
+        for part in self.parts:
+            end = start + part.shape[0]
+            mine = ((index >= start) & (index < end)).nonzero().flatten()
+            if mine.numel():
+                out[mine] = part.index_select(0, index[mine] - start)
+            start = end
+        return out
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] -> x @ W.T [n, out]."""
+        return torch.cat([p.mm(x) for p in self.parts], dim=1)
+
+    def addmm(self, c: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T."""
+        out = self.mm(x)
+        return out if c is None else out + c
+
+
+Weight = torch.Tensor | QuantizedWeight | GGUFWeight | RowStack
 """A projection or an embedding table: dense [out, in] (contiguous) or quantized [out, in]."""
 
 _EMPTY = torch.empty(0)
@@ -53,13 +112,31 @@ def _dense(c: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor) -> torch.Te
 
 def fuse(rows: Sequence[Weight]) -> Weight:
     """Projections given as torch weights [out_i, in] (dense or quantized) -> one projection of
-    sum(out_i) outputs, [sum out_i, in]. Quantized parts of one layout stay quantized (their rows
-    concatenate exactly); a mix is dequantized to float32."""
-    quantized = [w for w in rows if isinstance(w, QuantizedWeight)]
-    if len(quantized) == len(rows) and len({w.bits for w in quantized}) == 1:
-        return QuantizedWeight.cat(quantized)
-    dense = [w if isinstance(w, torch.Tensor) else w.dequantize() for w in rows]
-    return torch.cat(dense)
+    sum(out_i) outputs, [sum out_i, in]. Quantized parts stay quantized: neighbours of one layout are
+    joined into one weight (their rows concatenate exactly), and parts of several layouts are kept side by
+    side (:class:`RowStack`); a mix with dense parts is dense."""
+    if not all(isinstance(w, QuantizedWeight | GGUFWeight) for w in rows):
+        return torch.cat([w if isinstance(w, torch.Tensor) else w.dequantize() for w in rows])
+    runs: list[list[Packed]] = []
+    for w in rows:
+        assert isinstance(w, QuantizedWeight | GGUFWeight)
+        if runs and _layout(runs[-1][-1]) == _layout(w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    joined = [_join(run) for run in runs]
+    return joined[0] if len(joined) == 1 else RowStack(tuple(joined))
+
+
+def _layout(w: Packed) -> tuple[str, int]:
+    """What must agree for rows to concatenate: the class and its bits or GGUF type."""
+    return ("repacked", w.bits) if isinstance(w, QuantizedWeight) else ("gguf", TYPE_IDS[w.qtype])
+
+
+def _join(run: list[Packed]) -> Packed:
+    if isinstance(run[0], QuantizedWeight):
+        return QuantizedWeight.cat([w for w in run if isinstance(w, QuantizedWeight)])
+    return GGUFWeight.cat([w for w in run if isinstance(w, GGUFWeight)])
 
 
 def stored(w: Weight) -> Weight:

@@ -1,0 +1,575 @@
+"""CPU kernels over GGUF's own quantized blocks: a matmul for a few activation rows and a row dequantizer.
+
+A weight is its file's bytes, uint8 [N, row_bytes]: each row ``K / block_values`` blocks of one type, exactly
+as llama.cpp lays them out, so it takes no more memory than the file. Every type is read through one
+interface: a decoder turns the 32 weights of group ``g`` of a row into 32 small integers ``q`` (int8), a
+scale for each half of 16 and, for the types with a minimum, a min for each half: w = scale * q (+ min). The
+32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) have one group a block; the K-quants and IQ4_XS have 8
+groups in a super-block of 256, with 6- or 8-bit sub-scales (16 values each for Q2_K, Q3_K and Q6_K). Type
+ids follow :data:`TYPE_IDS`.
+
+``mm(x, w, type, c)`` computes c + x [n, K] @ w.T for small n: each group is decoded once per 4 activation
+rows, its dot products summed per half in float32 and scaled once, and the mins enter as min * sum(x over the
+half). ``dequantize(w, type, K)`` writes float32 rows with the decoders' exact products (scale * q is the
+product gguf.quants forms, and the min is added once), bit-identical to ``gguf.quants.dequantize``.
+Compiled on first use (AVX2/FMA intrinsics for the products where the CPU has them, portable loops otherwise);
+without a compiler, or with ``KVOS_NO_EXTENSIONS=1``, :mod:`kvos.model.gguf_weight` falls back to
+gguf.quants and torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from kvos.extensions import build
+
+TYPE_IDS = {
+    "Q4_0": 0,
+    "Q4_1": 1,
+    "Q5_0": 2,
+    "Q5_1": 3,
+    "Q8_0": 4,
+    "Q2_K": 5,
+    "Q3_K": 6,
+    "Q4_K": 7,
+    "Q5_K": 8,
+    "Q6_K": 9,
+    "IQ4_NL": 10,
+    "IQ4_XS": 11,
+}
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVOS_PORTABLE)
+#include <immintrin.h>
+#define KVOS_AVX2 1
+#endif
+
+enum Type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS };
+
+// 32 weights: w[j] = s[j / 16] * q[j] + m[j / 16] (m only for the types with a minimum).
+struct Group {
+  alignas(32) int8_t q[32];
+  float s[2];
+  float m[2];
+};
+
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if KVOS_AVX2
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+static inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Values and bytes of one block, and whether its weights have a minimum term.
+template <int T> struct Layout;
+#define LAYOUT(T, V, B, M)                   \
+  template <> struct Layout<T> {             \
+    static constexpr int64_t VALUES = V;     \
+    static constexpr int64_t BYTES = B;      \
+    static constexpr bool MIN = M;           \
+  };
+LAYOUT(Q4_0, 32, 18, false)
+LAYOUT(Q4_1, 32, 20, true)
+LAYOUT(Q5_0, 32, 22, false)
+LAYOUT(Q5_1, 32, 24, true)
+LAYOUT(Q8_0, 32, 34, false)
+LAYOUT(Q2_K, 256, 84, true)
+LAYOUT(Q3_K, 256, 110, false)
+LAYOUT(Q4_K, 256, 144, true)
+LAYOUT(Q5_K, 256, 176, true)
+LAYOUT(Q6_K, 256, 210, false)
+LAYOUT(IQ4_NL, 32, 18, false)
+LAYOUT(IQ4_XS, 256, 136, false)
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
+static inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The block holding group g of a row, and g's index within it.
+template <int T>
+static inline const uint8_t* block_of(const uint8_t* row, int64_t g, int& j) {
+  constexpr int64_t per = Layout<T>::VALUES / 32;
+  j = static_cast<int>(g % per);
+  return row + (g / per) * Layout<T>::BYTES;
+}
+
+template <int T> static inline void decode(const uint8_t* row, int64_t g, Group& G);
+
+template <> inline void decode<Q4_0>(const uint8_t* row, int64_t g, Group& G) {
+  const uint8_t* b = row + g * 18;
+  G.s[0] = G.s[1] = f16(b);
+  for (int l = 0; l < 16; ++l) {
+    G.q[l] = static_cast<int8_t>((b[2 + l] & 0x0F) - 8);
+    G.q[l + 16] = static_cast<int8_t>((b[2 + l] >> 4) - 8);
+  }
+}
+
+template <> inline void decode<Q4_1>(const uint8_t* row, int64_t g, Group& G) {
+  const uint8_t* b = row + g * 20;
+  G.s[0] = G.s[1] = f16(b);
+  G.m[0] = G.m[1] = f16(b + 2);
+  for (int l = 0; l < 16; ++l) {
+    G.q[l] = static_cast<int8_t>(b[4 + l] & 0x0F);
+    G.q[l + 16] = static_cast<int8_t>(b[4 + l] >> 4);
+  }
+}
+
+template <bool OFFSET>
+static inline void decode_q5(const uint8_t* qs, uint32_t qh, Group& G) {
+  const int off = OFFSET ? 16 : 0;
+  for (int l = 0; l < 16; ++l) {
+    G.q[l] = static_cast<int8_t>(((qs[l] & 0x0F) | (((qh >> l) & 1) << 4)) - off);
+    G.q[l + 16] = static_cast<int8_t>(((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - off);
+  }
+}
+
+template <> inline void decode<Q5_0>(const uint8_t* row, int64_t g, Group& G) {
+  const uint8_t* b = row + g * 22;
+  G.s[0] = G.s[1] = f16(b);
+  decode_q5<true>(b + 6, u32(b + 2), G);
+}
+
+template <> inline void decode<Q5_1>(const uint8_t* row, int64_t g, Group& G) {
+  const uint8_t* b = row + g * 24;
+  G.s[0] = G.s[1] = f16(b);
+  G.m[0] = G.m[1] = f16(b + 2);
+  decode_q5<false>(b + 8, u32(b + 4), G);
+}
+
+template <> inline void decode<Q8_0>(const uint8_t* row, int64_t g, Group& G) {
+  const uint8_t* b = row + g * 34;
+  G.s[0] = G.s[1] = f16(b);
+  std::memcpy(G.q, b + 2, 32);
+}
+
+template <> inline void decode<IQ4_NL>(const uint8_t* row, int64_t g, Group& G) {
+  const uint8_t* b = row + g * 18;
+  G.s[0] = G.s[1] = f16(b);
+  for (int l = 0; l < 16; ++l) {
+    G.q[l] = KVALUES[b[2 + l] & 0x0F];
+    G.q[l + 16] = KVALUES[b[2 + l] >> 4];
+  }
+}
+
+// Q2_K: scales[16] (4-bit scale, 4-bit min), qs[64] (2 bits), d, dmin.
+// Group j: 128-chunk j / 4, shift 2 (j % 4).
+template <> inline void decode<Q2_K>(const uint8_t* row, int64_t g, Group& G) {
+  int j;
+  const uint8_t* b = block_of<Q2_K>(row, g, j);
+  const float d = f16(b + 80), dmin = f16(b + 82);
+  const int n = j / 4, shift = 2 * (j % 4);
+  const uint8_t* q = b + 16 + n * 32;
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t sc = b[n * 8 + 2 * (j % 4) + h];
+    G.s[h] = d * static_cast<float>(sc & 0x0F);
+    G.m[h] = -(dmin * static_cast<float>(sc >> 4));
+  }
+  for (int l = 0; l < 32; ++l) G.q[l] = static_cast<int8_t>((q[l] >> shift) & 3);
+}
+
+// Q3_K: hmask[32], qs[64], scales[12] (16 6-bit scales, offset 32), d.
+template <> inline void decode<Q3_K>(const uint8_t* row, int64_t g, Group& G) {
+  int j;
+  const uint8_t* b = block_of<Q3_K>(row, g, j);
+  const float d = f16(b + 108);
+  uint32_t aux[4];
+  std::memcpy(aux, b + 96, 12);
+  const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+  aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+  aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+  aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+  const int8_t* scales = reinterpret_cast<const int8_t*>(aux);
+  const int n = j / 4, k = j % 4, shift = 2 * k;
+  const uint8_t mask = static_cast<uint8_t>(1u << (4 * n + k));
+  const uint8_t* q = b + 32 + n * 32;
+  for (int h = 0; h < 2; ++h) G.s[h] = d * static_cast<float>(scales[n * 8 + 2 * k + h] - 32);
+  for (int l = 0; l < 32; ++l)
+    G.q[l] = static_cast<int8_t>(((q[l] >> shift) & 3) - ((b[l] & mask) ? 0 : 4));
+}
+
+// Q4_K: d, dmin, scales[12] (8 6-bit scales and mins), qs[128]: sub-block j is 64-chunk j / 2's low or
+// high nibbles.
+template <> inline void decode<Q4_K>(const uint8_t* row, int64_t g, Group& G) {
+  int j;
+  const uint8_t* b = block_of<Q4_K>(row, g, j);
+  int sc, mn;
+  scale_min_k4(j, b + 4, sc, mn);
+  G.s[0] = G.s[1] = f16(b) * static_cast<float>(sc);
+  G.m[0] = G.m[1] = -(f16(b + 2) * static_cast<float>(mn));
+  const uint8_t* q = b + 16 + (j / 2) * 32;
+  const int shift = 4 * (j % 2);
+  for (int l = 0; l < 32; ++l) G.q[l] = static_cast<int8_t>((q[l] >> shift) & 0x0F);
+}
+
+// Q5_K: d, dmin, scales[12], qh[32], qs[128]: as Q4_K with a fifth bit from qh (bit j of each byte).
+template <> inline void decode<Q5_K>(const uint8_t* row, int64_t g, Group& G) {
+  int j;
+  const uint8_t* b = block_of<Q5_K>(row, g, j);
+  int sc, mn;
+  scale_min_k4(j, b + 4, sc, mn);
+  G.s[0] = G.s[1] = f16(b) * static_cast<float>(sc);
+  G.m[0] = G.m[1] = -(f16(b + 2) * static_cast<float>(mn));
+  const uint8_t* qh = b + 16;
+  const uint8_t* q = b + 48 + (j / 2) * 32;
+  const int shift = 4 * (j % 2);
+  for (int l = 0; l < 32; ++l)
+    G.q[l] = static_cast<int8_t>(((q[l] >> shift) & 0x0F) | (((qh[l] >> j) & 1) << 4));
+}
+
+// Q6_K: ql[128], qh[64], int8 scales[16], d: group j is 128-chunk j / 4, quadrant j % 4.
+template <> inline void decode<Q6_K>(const uint8_t* row, int64_t g, Group& G) {
+  int j;
+  const uint8_t* b = block_of<Q6_K>(row, g, j);
+  const float d = f16(b + 208);
+  const int n = j / 4, k = j % 4;
+  const uint8_t* ql = b + n * 64 + (k % 2) * 32;
+  const uint8_t* qh = b + 128 + n * 32;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + n * 8 + 2 * k;
+  const int lshift = 4 * (k / 2), hshift = 2 * k;
+  for (int h = 0; h < 2; ++h) G.s[h] = d * static_cast<float>(sc[h]);
+  for (int l = 0; l < 32; ++l)
+    G.q[l] = static_cast<int8_t>((((ql[l] >> lshift) & 0x0F) | (((qh[l] >> hshift) & 3) << 4)) - 32);
+}
+
+// IQ4_XS: d, scales_h (16 bits), scales_l[4], qs[128]: group j has a 6-bit scale (offset 32) and 16 bytes
+// of 4-bit indices into KVALUES.
+template <> inline void decode<IQ4_XS>(const uint8_t* row, int64_t g, Group& G) {
+  int j;
+  const uint8_t* b = block_of<IQ4_XS>(row, g, j);
+  uint16_t high;
+  std::memcpy(&high, b + 2, 2);
+  const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+  G.s[0] = G.s[1] = f16(b) * static_cast<float>(ls - 32);
+  const uint8_t* q = b + 8 + j * 16;
+  for (int l = 0; l < 16; ++l) {
+    G.q[l] = KVALUES[q[l] & 0x0F];
+    G.q[l + 16] = KVALUES[q[l] >> 4];
+  }
+}
+
+// Every group of the block at b (1 for the 32-value types, 8 for the 256-value ones) into G[0..].
+template <int T>
+static inline void decode_block(const uint8_t* b, Group* G) {
+  constexpr int per = static_cast<int>(Layout<T>::VALUES / 32);
+  for (int j = 0; j < per; ++j) decode<T>(b, j, G[j]);
+}
+
+#if KVOS_AVX2
+// Bit l of `bits` as byte l: 0xFF where set, 0 where clear.
+static inline __m256i spread_bits(uint32_t bits) {
+  const __m256i rep = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(rep, sel), sel);
+}
+
+// 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0-15), then the high ones (16-31).
+static inline __m256i nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+static inline __m256i bits_at(const uint8_t* p, int shift, int mask) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+static inline void put(Group& G, __m256i q) { _mm256_store_si256(reinterpret_cast<__m256i*>(G.q), q); }
+
+static inline __m256i kvalues(__m256i idx) {
+  const __m128i lanes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(KVALUES));
+  const __m256i table = _mm256_broadcastsi128_si256(lanes);
+  return _mm256_shuffle_epi8(table, idx);
+}
+
+template <> inline void decode_block<Q4_0>(const uint8_t* b, Group* G) {
+  G[0].s[0] = G[0].s[1] = f16(b);
+  put(G[0], _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8)));
+}
+
+template <> inline void decode_block<Q4_1>(const uint8_t* b, Group* G) {
+  G[0].s[0] = G[0].s[1] = f16(b);
+  G[0].m[0] = G[0].m[1] = f16(b + 2);
+  put(G[0], nibbles(b + 4));
+}
+
+template <> inline void decode_block<Q5_0>(const uint8_t* b, Group* G) {
+  G[0].s[0] = G[0].s[1] = f16(b);
+  const __m256i high = _mm256_and_si256(spread_bits(u32(b + 2)), _mm256_set1_epi8(0x10));
+  put(G[0], _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), high), _mm256_set1_epi8(16)));
+}
+
+template <> inline void decode_block<Q5_1>(const uint8_t* b, Group* G) {
+  G[0].s[0] = G[0].s[1] = f16(b);
+  G[0].m[0] = G[0].m[1] = f16(b + 2);
+  const __m256i high = _mm256_and_si256(spread_bits(u32(b + 4)), _mm256_set1_epi8(0x10));
+  put(G[0], _mm256_or_si256(nibbles(b + 8), high));
+}
+
+template <> inline void decode_block<IQ4_NL>(const uint8_t* b, Group* G) {
+  G[0].s[0] = G[0].s[1] = f16(b);
+  put(G[0], kvalues(nibbles(b + 2)));
+}
+
+template <> inline void decode_block<IQ4_XS>(const uint8_t* b, Group* G) {
+  const float d = f16(b);
+  uint16_t high;
+  std::memcpy(&high, b + 2, 2);
+  for (int j = 0; j < 8; ++j) {
+    const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+    G[j].s[0] = G[j].s[1] = d * static_cast<float>(ls - 32);
+    put(G[j], kvalues(nibbles(b + 8 + j * 16)));
+  }
+}
+
+template <bool FIFTH>
+static inline void decode_k4(const uint8_t* b, Group* G) {
+  const float d = f16(b), dmin = f16(b + 2);
+  const uint8_t* q = b + (FIFTH ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    scale_min_k4(j, b + 4, sc, mn);
+    G[j].s[0] = G[j].s[1] = d * static_cast<float>(sc);
+    G[j].m[0] = G[j].m[1] = -(dmin * static_cast<float>(mn));
+    __m256i v = bits_at(q + (j / 2) * 32, 4 * (j % 2), 0x0F);
+    if (FIFTH) v = _mm256_or_si256(v, _mm256_slli_epi16(bits_at(b + 16, j, 1), 4));
+    put(G[j], v);
+  }
+}
+
+template <> inline void decode_block<Q4_K>(const uint8_t* b, Group* G) { decode_k4<false>(b, G); }
+template <> inline void decode_block<Q5_K>(const uint8_t* b, Group* G) { decode_k4<true>(b, G); }
+
+template <> inline void decode_block<Q6_K>(const uint8_t* b, Group* G) {
+  const float d = f16(b + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  for (int j = 0; j < 8; ++j) {
+    const int n = j / 4, k = j % 4;
+    const __m256i lo = bits_at(b + n * 64 + (k % 2) * 32, 4 * (k / 2), 0x0F);
+    const __m256i hi = _mm256_slli_epi16(bits_at(b + 128 + n * 32, 2 * k, 3), 4);
+    for (int h = 0; h < 2; ++h) G[j].s[h] = d * static_cast<float>(sc[n * 8 + 2 * k + h]);
+    put(G[j], _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)));
+  }
+}
+#endif
+
+#if KVOS_AVX2
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline __m256 widen(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+#endif
+
+// total[i] = x_i . w_r for the R (<= 4) rows of x starting at x, from row w_r's bytes.
+template <int T, int R>
+static inline void tile(const float* x, const float* xsum, int64_t K, const uint8_t* wr, float* total) {
+  constexpr int per = static_cast<int>(Layout<T>::VALUES / 32);
+  const int64_t groups = K / 32;
+  Group G[per];
+  for (int j = 0; j < per; ++j) G[j].m[0] = G[j].m[1] = 0.0f;
+  float mins[R];
+  for (int i = 0; i < R; ++i) mins[i] = 0.0f;
+#if KVOS_AVX2
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+#else
+  float acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+#endif
+  for (int64_t g0 = 0; g0 < groups; g0 += per) {
+    decode_block<T>(wr + (g0 / per) * Layout<T>::BYTES, G);
+    for (int j = 0; j < per; ++j) {
+      const Group& Gj = G[j];
+      const int64_t g = g0 + j;
+#if KVOS_AVX2
+      const __m256 v0 = widen(Gj.q), v1 = widen(Gj.q + 8), v2 = widen(Gj.q + 16), v3 = widen(Gj.q + 24);
+      const __m256 s0 = _mm256_set1_ps(Gj.s[0]), s1 = _mm256_set1_ps(Gj.s[1]);
+#endif
+      for (int i = 0; i < R; ++i) {
+        const float* xg = x + i * K + g * 32;
+#if KVOS_AVX2
+        const __m256 a = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xg + 8), _mm256_mul_ps(v0, _mm256_loadu_ps(xg)));
+        const __m256 c =
+            _mm256_fmadd_ps(v3, _mm256_loadu_ps(xg + 24), _mm256_mul_ps(v2, _mm256_loadu_ps(xg + 16)));
+        acc[i] = _mm256_fmadd_ps(c, s1, _mm256_fmadd_ps(a, s0, acc[i]));
+#else
+        float a = 0.0f, c = 0.0f;
+        for (int l = 0; l < 16; ++l) {
+          a += static_cast<float>(Gj.q[l]) * xg[l];
+          c += static_cast<float>(Gj.q[l + 16]) * xg[l + 16];
+        }
+        acc[i] += a * Gj.s[0] + c * Gj.s[1];
+#endif
+        if (Layout<T>::MIN)
+          mins[i] += Gj.m[0] * xsum[(i * groups + g) * 2] + Gj.m[1] * xsum[(i * groups + g) * 2 + 1];
+      }
+    }
+  }
+#if KVOS_AVX2
+  for (int i = 0; i < R; ++i) total[i] = hsum256(acc[i]) + mins[i];
+#else
+  for (int i = 0; i < R; ++i) total[i] = acc[i] + mins[i];
+#endif
+}
+
+// out[:, r0:r1] for every row of x, four rows of x at a time.
+template <int T>
+static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, const uint8_t* w,
+                    int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
+  const int64_t groups = K / 32;
+  float total[4];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    for (int64_t i0 = 0; i0 < n; i0 += 4) {
+      const int64_t t = std::min<int64_t>(4, n - i0);
+      const float* xi = x + i0 * K;
+      const float* si = xsum + i0 * groups * 2;
+      switch (t) {
+        case 1: tile<T, 1>(xi, si, K, wr, total); break;
+        case 2: tile<T, 2>(xi, si, K, wr, total); break;
+        case 3: tile<T, 3>(xi, si, K, wr, total); break;
+        default: tile<T, 4>(xi, si, K, wr, total); break;
+      }
+      for (int64_t i = 0; i < t; ++i) {
+        float* o = out + (i0 + i) * N + r;
+        *o = add ? *o + total[i] : total[i];
+      }
+    }
+  }
+}
+
+template <int T>
+static void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out, int64_t r0,
+                            int64_t r1) {
+  constexpr int per = static_cast<int>(Layout<T>::VALUES / 32);
+  Group G[per];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    for (int64_t g0 = 0; g0 < K / 32; g0 += per) {
+      decode_block<T>(wr + (g0 / per) * Layout<T>::BYTES, G);
+      for (int j = 0; j < per; ++j) {
+        float* o = out + r * K + (g0 + j) * 32;
+        for (int l = 0; l < 32; ++l) {
+          const float v = G[j].s[l / 16] * static_cast<float>(G[j].q[l]);
+          o[l] = Layout<T>::MIN ? v + G[j].m[l / 16] : v;
+        }
+      }
+    }
+  }
+}
+
+template <int T>
+static int64_t row_bytes_of(int64_t K) {
+  TORCH_CHECK(K % Layout<T>::VALUES == 0, "the row length is not a whole number of blocks");
+  return K / Layout<T>::VALUES * Layout<T>::BYTES;
+}
+
+#define KVOS_DISPATCH(type, CALL)                                    \
+  switch (type) {                                                    \
+    case Q4_0: { constexpr int T = Q4_0; CALL; break; }              \
+    case Q4_1: { constexpr int T = Q4_1; CALL; break; }              \
+    case Q5_0: { constexpr int T = Q5_0; CALL; break; }              \
+    case Q5_1: { constexpr int T = Q5_1; CALL; break; }              \
+    case Q8_0: { constexpr int T = Q8_0; CALL; break; }              \
+    case Q2_K: { constexpr int T = Q2_K; CALL; break; }              \
+    case Q3_K: { constexpr int T = Q3_K; CALL; break; }              \
+    case Q4_K: { constexpr int T = Q4_K; CALL; break; }              \
+    case Q5_K: { constexpr int T = Q5_K; CALL; break; }              \
+    case Q6_K: { constexpr int T = Q6_K; CALL; break; }              \
+    case IQ4_NL: { constexpr int T = IQ4_NL; CALL; break; }          \
+    case IQ4_XS: { constexpr int T = IQ4_XS; CALL; break; }          \
+    default: TORCH_CHECK(false, "unknown GGUF type id ", type);      \
+  }
+
+// c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32; w uint8 [N, row_bytes] of blocks of `type`.
+torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c) {
+  const int64_t n = x.size(0), K = x.size(1), N = w.size(0), groups = K / 32;
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "w must be contiguous uint8");
+  int64_t rb = 0;
+  KVOS_DISPATCH(type, rb = row_bytes_of<T>(K));
+  TORCH_CHECK(w.size(1) == rb, "x's columns do not match the weight's rows");
+  const bool add = c.numel() > 0;
+  TORCH_CHECK(!add || (c.is_contiguous() && c.scalar_type() == torch::kFloat32 && c.size(0) == n &&
+                       c.size(1) == N), "c must be contiguous float32 [n, N]");
+  auto out = add ? c.clone() : torch::empty({n, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xsum(n * groups * 2);  // each half-group's sum of x, for the mins
+  for (size_t b = 0; b < xsum.size(); ++b) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < 16; ++j) acc += xp[b * 16 + j];
+    xsum[b] = acc;
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    KVOS_DISPATCH(type, mm_rows<T>(xp, xsum.data(), n, K, wp, rb, op, N, r0, r1, add));
+  });
+  return out;
+}
+
+// The rows of w as float32 [N, K].
+torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "w must be contiguous uint8");
+  const int64_t N = w.size(0);
+  int64_t rb = 0;
+  KVOS_DISPATCH(type, rb = row_bytes_of<T>(K));
+  TORCH_CHECK(w.size(1) == rb, "the rows are not K values of this type");
+  auto out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    KVOS_DISPATCH(type, dequantize_rows<T>(wp, rb, K, op, r0, r1));
+  });
+  return out;
+}
+"""
+
+
+@functools.cache
+def kernel() -> Any | None:
+    """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
+    return build("kvos_gguf_v2", _SOURCE, ["mm", "dequantize"], ["-O3", "-march=native"], "gguf.quants")
+
+
+@functools.cache
+def portable_kernel() -> Any | None:
+    """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA/F16C), for tests."""
+    return build(
+        "kvos_gguf_portable_v2", _SOURCE, ["mm", "dequantize"], ["-O3", "-DKVOS_PORTABLE"], "gguf.quants"
+    )

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvos.bench.playback import play, session_tokens
 from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
+from kvos.builtin.playback import play, session_tokens
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.chat_template import ChatTemplate

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvos.bench.playback import play
 from kvos.builtin.corpus import ChatSession, heldout_sessions
+from kvos.builtin.playback import play
 from kvos.calibrate_retrieval import PROBE_TOKENS, calibration_session
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvos.bench.playback import Played, play, session_tokens
 from kvos.builtin.corpus import DEMO_SEED, demo_session
+from kvos.builtin.playback import Played, play, session_tokens
 from kvos.engine.engine import Engine
 from kvos.model.catalogue import add_model_argument
 from kvos.model.chat_template import ChatTemplate

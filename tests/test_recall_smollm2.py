@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvos.bench.playback import play, session_tokens
 from kvos.bench.recall import auto_fillers
 from kvos.builtin.corpus import heldout_sessions
+from kvos.builtin.playback import play, session_tokens
 from kvos.cli import main
 from kvos.engine.engine import Engine
 from kvos.model.chat_template import ChatTemplate

@@ -12,10 +12,10 @@ from typing import Any
 from tqdm import tqdm
 
 from kvos.bench.common import header, print_table, write_json
-from kvos.bench.playback import play, session_tokens
 from kvos.bench.plot import png_figure
 from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
 from kvos.builtin.evaluate import wilson_interval
+from kvos.builtin.playback import play, session_tokens
 from kvos.calibrate_retrieval import load_retrieval_heads
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError

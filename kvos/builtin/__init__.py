@@ -1,5 +1,7 @@
 """kvos's built-in chat model: the synthetic corpus it learns from, its training script, its evaluation,
-and the committed checkpoint (``kvos/builtin/model``), a small Llama whose skill is answering from context."""
+the playback of corpus sessions through a memory-managed session (shared by ``kvos demo``, calibration and
+``kvos bench recall``), and the committed checkpoint (``kvos/builtin/model``), a small Llama whose skill is
+answering from context."""
 
 from __future__ import annotations
 

@@ -1,0 +1,177 @@
+"""Planted-fact sessions for pretrained chat models: a personal fact, general-knowledge questions, the probe.
+
+The built-in corpus (:mod:`kvos.builtin.corpus`) was written for kvos's own small model: its filler replies
+are short and formulaic. These sessions are what a user of a pretrained assistant types: at turn 1 a fact
+about themselves ("My favourite number is 4242."), then ``questions`` unrelated general-knowledge questions
+(:mod:`kvos.builtin.knowledge_pool`, each with a 2-5 sentence reference answer), then the probe ("What is my
+favourite number?"), whose reference answer quotes the fact. With the default 12 questions that is the
+14-turn protocol of the original demonstration, about 1,150-1,650 tokens in a common BPE tokenizer.
+
+The fact kinds are ones a pretrained assistant answers from a full cache: personal details, never codes,
+passwords or secrets (Qwen2.5-Coder-0.5B-Instruct refuses those once a session passes ~1,400 tokens).
+Everything is drawn from one ``random.Random(seed)``: another seed gives other values and other questions.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvos.builtin.corpus import (
+    CITIES,
+    DEMO_SEED,
+    MONTHS,
+    NAMES,
+    PET_NAMES,
+    SPECIES,
+    ChatSession,
+    Message,
+    Probe,
+)
+from kvos.builtin.knowledge_pool import QUESTIONS
+
+KNOWLEDGE_SEED = 20_261_125  # the recall benchmark's sessions; the demo's is corpus.DEMO_SEED
+QUESTIONS_PER_SESSION = 12
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a friendly, knowledgeable assistant.",
+    "You are a helpful assistant. Keep your answers short and clear.",
+)
+ACKS = (
+    "Got it, I'll remember that.",
+    "Thanks for telling me! I'll keep that in mind.",
+    "Noted. What would you like to talk about?",
+)
+
+Fields = dict[str, str]  # "v": the value an answer must quote; other keys fill the templates
+
+
+@dataclass(frozen=True)
+class FactKind:
+    """How one kind of personal fact is drawn, planted, asked for and answered; the templates take the
+    fields :attr:`draw` returns."""
+
+    draw: Callable[[random.Random], Fields]
+    plants: tuple[str, ...]
+    probes: tuple[str, ...]
+    answer: str
+
+
+def _number(rng: random.Random) -> Fields:
+    return {"v": str(rng.randint(1000, 9999))}
+
+
+def _parking(rng: random.Random) -> Fields:
+    return {"v": str(rng.randint(10, 199)), "level": str(rng.randint(1, 9))}
+
+
+def _pet(rng: random.Random) -> Fields:
+    return {"v": rng.choice(PET_NAMES), "species": rng.choice(SPECIES)}
+
+
+def _birthday(rng: random.Random) -> Fields:
+    return {"v": f"{rng.choice(MONTHS)} {rng.randint(1, 28)}"}
+
+
+FACT_KINDS: dict[str, FactKind] = {
+    "number": FactKind(
+        _number,
+        ("My favourite number is {v}.", "Before we start, something about me: my favourite number is {v}.",
+         "Please remember that my favourite number is {v}."),
+        ("What is my favourite number?", "Do you remember my favourite number?"),
+        "Your favourite number is {v}.",
+    ),
+    "parking": FactKind(
+        _parking,
+        ("I just parked my car on level {level}, spot {v}.",
+         "Quick note before my questions: I parked on level {level}, spot {v}."),
+        ("Where did I park my car?", "Which level and spot did I park in?"),
+        "You parked on level {level}, spot {v}.",
+    ),
+    "pet": FactKind(
+        _pet,
+        ("My {species} is called {v}.", "I have a {species} at home, and she is called {v}."),
+        ("What is my {species} called?", "What is the name of my {species}?"),
+        "Your {species} is called {v}.",
+    ),
+    "city": FactKind(
+        lambda r: {"v": r.choice(CITIES)},
+        ("I live in {v}.", "A little about me: I live in {v}."),
+        ("Which city do I live in?", "Where do I live?"),
+        "You live in {v}.",
+    ),
+    "name": FactKind(
+        lambda r: {"v": r.choice(NAMES)},
+        ("Hi! My name is {v}.", "Hello, I'm {v}. Nice to meet you."),
+        ("What is my name?", "Do you remember my name?"),
+        "Your name is {v}.",
+    ),
+    "birthday": FactKind(
+        _birthday,
+        ("My birthday is on {v}.", "By the way, my birthday is on {v}."),
+        ("When is my birthday?", "On which day is my birthday?"),
+        "Your birthday is on {v}.",
+    ),
+    "room": FactKind(
+        lambda r: {"v": str(r.randint(100, 999))},
+        ("I'm staying at a hotel this week, in room {v}.", "My hotel room number is {v}."),
+        ("What is my hotel room number?", "Which room am I staying in?"),
+        "You are staying in room {v}.",
+    ),
+    "locker": FactKind(
+        lambda r: {"v": str(r.randint(10, 399))},
+        ("My locker at the gym is number {v}.", "At the gym I always use locker {v}."),
+        ("What is my gym locker number?", "Which locker do I use at the gym?"),
+        "Your gym locker is number {v}.",
+    ),
+    "sister": FactKind(
+        lambda r: {"v": r.choice(NAMES)},
+        ("My sister's name is {v}.", "I have a sister called {v}."),
+        ("What is my sister's name?", "What is my sister called?"),
+        "Your sister's name is {v}.",
+    ),
+}  # fmt: skip
+BENCH_KINDS: tuple[str, ...] = tuple(FACT_KINDS)  # the kinds kvos bench recall draws from
+
+
+def _turn(user: str, assistant: str) -> list[Message]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
+def knowledge_session(rng: random.Random, kind: str, questions: int = QUESTIONS_PER_SESSION) -> ChatSession:
+    """One session: a fact of ``kind`` planted at turn 1, ``questions`` distinct knowledge questions with
+    their reference answers, then the probe (``probes[0]``), whose answer must quote the fact's value."""
+    if not 0 <= questions <= len(QUESTIONS):
+        raise ValueError(f"questions must be 0-{len(QUESTIONS)}, got {questions}")
+    fact = FACT_KINDS[kind]
+    fields = fact.draw(rng)
+    answer = fact.answer.format(**fields)
+    ack = rng.choice(ACKS) if rng.random() < 0.5 else f"Got it! {answer}"
+    messages: list[Message] = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
+    messages += _turn(rng.choice(fact.plants).format(**fields), ack)
+    for question, reference in rng.sample(QUESTIONS, questions):
+        messages += _turn(question, reference)
+    messages += _turn(rng.choice(fact.probes).format(**fields), answer)
+    probe = Probe(len(messages) - 2, 1, kind, fields["v"], questions)
+    return ChatSession(messages, [probe])
+
+
+def knowledge_sessions(
+    n: int,
+    seed: int = KNOWLEDGE_SEED,
+    questions: int = QUESTIONS_PER_SESSION,
+    kinds: tuple[str, ...] = BENCH_KINDS,
+) -> list[ChatSession]:
+    """``n`` sessions drawn from ``random.Random(seed)``, each with a fact of one of ``kinds`` (drawn in
+    turn, in a shuffled order) and ``questions`` knowledge questions."""
+    rng = random.Random(seed)
+    order = list(kinds)
+    rng.shuffle(order)
+    return [knowledge_session(rng, order[i % len(order)], questions) for i in range(n)]
+
+
+def knowledge_demo_session(seed: int = DEMO_SEED, questions: int = QUESTIONS_PER_SESSION) -> ChatSession:
+    """The demo on a pretrained model: the user's favourite number (4 digits) at turn 1, ``questions``
+    knowledge questions, the probe at the last turn (turn 14 with the default 12)."""
+    return knowledge_session(random.Random(seed), "number", questions)

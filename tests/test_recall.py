@@ -4,7 +4,9 @@ is tested in test_builtin.py)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,31 +59,42 @@ def test_recall_bench_contract(model_dir: Path, tmp_path: Path) -> None:
     assert (tmp_path / "recall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _demo(argv: list[str], out: Path) -> dict[str, Any]:
+    assert main(["demo", *argv, "--embedder", "tokens", "--json", str(out)]) == 0
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert {"budget", "turns", "evictions", "recoveries", "answer", "expected", "recalled"} <= result.keys()
+    assert len(result["turns"]) == 14 and result["turns"][-1]["answer"] == result["answer"]
+    return result
+
+
 @pytest.mark.parametrize("backend", ["kv_restore", "discard"])
 def test_demo_contract(
     model_dir: Path, tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "demo.json"
-    assert (
-        main(
-            [
-                "demo",
-                "--model",
-                str(model_dir),
-                "--backend",
-                backend,
-                "--embedder",
-                "tokens",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    result = json.loads(out.read_text())
-    assert {"budget", "turns", "evictions", "recoveries", "answer", "expected", "recalled"} <= result.keys()
-    assert len(result["turns"]) == 14 and result["evictions"] > 0
+    """On a model other than the built-in one, the pretrained-model protocol: the favourite number, 12
+    knowledge questions the model answers itself, the probe; with a tiny budget the session evicts."""
+    model = ["--model", str(model_dir), "--backend", backend, "--budget", "256", "--reply-tokens", "12"]
+    result = _demo(model, tmp_path / "demo.json")
+    assert result["evictions"] > 0 and result["history_tokens"] > 2 * result["budget"] == 512
     assert max(t["active_tokens"] for t in result["turns"]) <= result["budget"]
+    assert all(isinstance(t["reply"], str) for t in result["turns"][:-1])  # the model wrote each reply
+    assert re.fullmatch(r"\d{4}", result["expected"]) and result["reply_tokens"] == 12
     if backend == "discard":
         assert result["recoveries"] == 0
-    assert "expected" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "expected" in out and "evictions" in out
+
+
+def test_demo_full_cache(model_dir: Path, tmp_path: Path) -> None:
+    """--budget 0: the full cache, the comparison that never evicts; the fact is in the cache at the probe."""
+    model = ["--model", str(model_dir), "--budget", "0", "--reply-tokens", "4"]
+    result = _demo(model, tmp_path / "demo.json")
+    assert result["backend"] == "full" and result["evictions"] == 0 == result["recoveries"]
+    assert result["fact_in_cache"]
+
+
+def test_demo_builtin_model_unchanged(tmp_path: Path) -> None:
+    """Without --model: the built-in corpus' demo, reference replies fed, at 40% of the session's size."""
+    result = _demo([], tmp_path / "demo.json")
+    assert result["reply_tokens"] is None and result["budget"] == int(0.4 * result["session_tokens"])
+    assert result["evictions"] > 0 and "reply" not in result["turns"][0]

@@ -1,6 +1,7 @@
 """Play a corpus conversation through a memory-managed session: the reference replies are fed as they are
 (teacher forcing) and the model answers only the scored probe, so a probe is answered if and only if the
-memory kept, or brought back, what the answer needs."""
+memory kept, or brought back, what the answer needs. Live, the model writes every reply itself instead, as
+in a real chat (``kvos demo`` on a pretrained model)."""
 
 from __future__ import annotations
 
@@ -31,15 +32,28 @@ def session_tokens(chat: ChatSession, tokenizer: Tokenizer, template: ChatTempla
     return len(tokenizer.encode(template.render(messages, add_generation_prompt=True))) + max_tokens
 
 
+COUNTERS = (
+    "turn",
+    "active_tokens",
+    "cached_tokens",
+    "history_tokens",
+    "evictions",
+    "recoveries_restore",
+    "recoveries_recompute",
+)  # the session's memory counters recorded after every user turn
+
+
 def play(
     session: Session,
     chat: ChatSession,
     max_tokens: int = 24,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
+    reply_tokens: int | None = None,
 ) -> Played:
     """Run the conversation up to its probe; per user turn record the session's memory counters; whether
     the fact was in the cache when the probe was answered (what the memory did, whatever the model then
-    answers)."""
+    answers). ``reply_tokens``: live, the model writes each reply before the probe, at most that many
+    tokens (its text in each turn's ``reply``); None: the reference replies are fed."""
     probe = chat.probes[0]
     first = chat.messages[0]
     session.add_message(first["role"], first["content"])
@@ -53,23 +67,21 @@ def play(
             planted = [c for c in session.chunks.values() if c.message_index == probe.plant_index]
             fact_in_cache = bool(planted) and all(c.resident for c in planted)
             reply = session.generate(SamplingParams(max_tokens=max_tokens))[0]
+            extra: dict[str, Any] = {"answer": reply}
         else:
-            session.add_message("assistant", chat.messages[index + 1]["content"])
+            extra = {"answer": None, **_reply(session, chat.messages[index + 1]["content"], reply_tokens)}
         stats = session.stats()
-        record = {
-            k: stats[k]
-            for k in (
-                "turn",
-                "active_tokens",
-                "cached_tokens",
-                "history_tokens",
-                "evictions",
-                "recoveries_restore",
-                "recoveries_recompute",
-            )
-        }
-        record["answer"] = reply if index == probe.message_index else None
+        record = {**{k: stats[k] for k in COUNTERS}, **extra}
         turns.append(record)
         if on_turn is not None:
             on_turn(record)
     return Played(reply, probe.expected, answered(reply, probe.expected), turns, fact_in_cache)
+
+
+def _reply(session: Session, reference: str, reply_tokens: int | None) -> dict[str, str]:
+    """The assistant's turn before the probe: the reference fed as it is (``reply_tokens`` None; returns
+    {}), or the model's own reply of at most ``reply_tokens`` tokens (returns {"reply": its text})."""
+    if reply_tokens is None:
+        session.add_message("assistant", reference)
+        return {}
+    return {"reply": session.generate(SamplingParams(max_tokens=reply_tokens))[0]}

@@ -26,7 +26,7 @@ from kvos.errors import (
 )
 from kvos.flock import exclusive
 from kvos.model import catalogue
-from kvos.model.catalogue import CatalogueEntry, model_file, part_series, resolve_model
+from kvos.model.catalogue import CatalogueEntry, model_file, model_name, part_series, resolve_model
 from kvos.model.pull import pull
 
 NAME = "test-model"
@@ -191,6 +191,8 @@ def test_resolve_model(entry: CatalogueEntry, tmp_path: Path) -> None:
     model_file(entry).parent.mkdir(parents=True)
     model_file(entry).write_bytes(b"x" * entry.size)
     assert resolve_model(NAME) == model_file(entry)
+    assert model_name(resolve_model(NAME)) == NAME  # served under the name the user typed
+    assert model_name(existing) == "weights"
 
 
 def test_cli_errors_are_one_line(entry: CatalogueEntry, capsys: pytest.CaptureFixture[str]) -> None:

@@ -161,3 +161,13 @@ def add_model_argument(p: argparse.ArgumentParser, default_text: str, **options:
         f"(kvos pull --list); default: {default_text}",
         **options,
     )
+
+
+def model_name(path: Path, catalogue: Mapping[str, CatalogueEntry] | None = None) -> str:
+    """What to call the model at ``path``: its catalogue name when it is a pulled catalogue file (what the
+    user typed after ``--model``), else the file or directory's name."""
+    entries = CATALOGUE if catalogue is None else catalogue
+    for entry in entries.values():
+        if path.name == entry.file and path.parent.name == entry.name:
+            return entry.name
+    return path.name

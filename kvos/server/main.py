@@ -17,8 +17,8 @@ from kvos.engine.engine import Engine
 from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
-from kvos.model import decode_kernel, dense_kernel, quant_kernel
-from kvos.model.catalogue import add_model_argument
+from kvos.model import decode_kernel, dense_kernel, gguf_kernel, quant_kernel
+from kvos.model.catalogue import add_model_argument, model_name
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.model.transformer import Transformer
@@ -88,7 +88,10 @@ def byte_size(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p, "the built-in model")
-    p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    p.add_argument(
+        "--served-model-name",
+        help="the model id clients send (default: the pulled model's name, else the file or directory name)",
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"
     )
@@ -293,7 +296,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
     check_kv_memory(engine, config, args.kv_memory)
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
     prepare_kernels()
-    name = args.served_model_name or path.name
+    name = args.served_model_name or model_name(path)
     return ChatService(
         manager,
         ServiceConfig(
@@ -351,7 +354,7 @@ def open_state(
 
 def prepare_kernels() -> None:
     """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode
-    attention, the dense and the quantized products; say so when it takes a while (the first start
+    attention, the dense, quantized and GGUF block products; say so when it takes a while (the first start
     compiles them, about 30 s each)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
     kernels = (
@@ -359,6 +362,7 @@ def prepare_kernels() -> None:
         ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),
         ("dense product", dense_kernel.kernel, "products use torch's matmul"),
         ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),
+        ("GGUF block product", gguf_kernel.kernel, "GGUF block products dequantize with gguf.quants"),
     )
     for name, build, fallback in kernels:
         began = time.perf_counter()

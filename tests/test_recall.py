@@ -1,8 +1,9 @@
 """kvos demo and kvos bench recall: their contracts, on a small random model (the built-in model's quality
-is tested in test_builtin.py)."""
+is tested in test_builtin.py), and the sessions kvos bench recall picks for each kind of model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvos.bench.recall import sessions
+from kvos.builtin.knowledge import KNOWLEDGE_SEED
 from kvos.cli import main
 
 
@@ -98,3 +101,25 @@ def test_demo_builtin_model_unchanged(tmp_path: Path) -> None:
     result = _demo([], tmp_path / "demo.json")
     assert result["reply_tokens"] is None and result["budget"] == int(0.4 * result["session_tokens"])
     assert result["evictions"] > 0 and "reply" not in result["turns"][0]
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(corpus=None, quick=False, sessions=100, fillers=None, seed=None, min_distance=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_recall_shapes_for_a_gguf_file() -> None:
+    """A .gguf model gets knowledge sessions; --quick means 2 short ones; the built-in corpus is kept for
+    other models and on request (its context-filling fillers asked for only then)."""
+
+    def no_fill() -> int:
+        raise AssertionError("the knowledge corpus does not size sessions by the context")
+
+    chats, meta = sessions(_args(), Path("m.gguf"), no_fill)
+    assert len(chats) == 100 and meta == {"corpus": "knowledge", "seed": KNOWLEDGE_SEED, "fillers": 12}
+    quick, meta = sessions(_args(quick=True), Path("m.gguf"), no_fill)
+    assert len(quick) == 2 and meta["fillers"] == 4 and all(c.turns == 6 for c in quick)
+    _, meta = sessions(_args(corpus="builtin"), Path("m.gguf"), lambda: 7)
+    assert meta["corpus"] == "builtin" and meta["fillers"] == 7
+    chats, meta = sessions(_args(quick=True), Path("model_dir"), no_fill)
+    assert len(chats) == 8 and meta["corpus"] == "builtin" and meta["fillers"] is None

@@ -1,4 +1,11 @@
-"""kvos bench recall: probe pass rate of memory strategies at budgets below the session's size."""
+"""kvos bench recall: probe pass rate of memory strategies at budgets below the session's size.
+
+Two corpora: the built-in model's (:mod:`kvos.builtin.corpus`: formulaic filler turns; for a .gguf file
+with ``--corpus builtin``, enough of them to fill about 3/4 of the model's context), and, by default for a
+.gguf file (a pretrained chat model), :mod:`kvos.builtin.knowledge`: a personal fact, general-knowledge
+questions with 2-5 sentence reference answers, the probe. Either way the reference replies are fed as they
+are, so every strategy sees the same sessions and the model writes only the probe's answer.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from kvos.bench.common import header, print_table, write_json
 from kvos.bench.plot import png_figure
 from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
 from kvos.builtin.evaluate import wilson_interval
+from kvos.builtin.knowledge import KNOWLEDGE_SEED, QUESTIONS_PER_SESSION, knowledge_sessions
 from kvos.builtin.playback import play, session_tokens
 from kvos.calibrate_retrieval import load_retrieval_heads
 from kvos.engine.engine import Engine
@@ -34,6 +42,9 @@ from kvos.session.manager import MemoryManager
 from kvos.session.strategies import STRATEGIES, strategy
 
 FRACTIONS = (0.25, 0.5, 1.0)
+CORPORA = ("builtin", "knowledge")
+QUICK_SESSIONS = {"builtin": 8, "knowledge": 2}
+QUICK_QUESTIONS = 4  # --quick with the knowledge corpus: 2 sessions of 4 questions (minutes on 2 cores)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,10 +52,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--sessions", type=int, default=100)
     p.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        help="the sessions: knowledge (a personal fact, general-knowledge questions, the probe; the "
+        "default for a .gguf file) or builtin (the built-in model's corpus; the default for any other model)",
+    )
+    p.add_argument(
         "--fillers",
         type=int,
-        help="filler turns per session (default: for a .gguf file, enough to fill about 3/4 of the "
-        "model's context; else the built-in corpus' held-out sessions, probe 0-14 turns after the fact)",
+        help="turns between the fact and the probe: knowledge questions (default "
+        f"{QUESTIONS_PER_SESSION}), or built-in filler turns (default: for a .gguf file, enough to fill "
+        "about 3/4 of the model's context; else the held-out sessions, probe 0-14 turns after the fact)",
     )
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -66,10 +84,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the learned signal's retriever (kvos calibrate --retriever; default: the model's own, beside "
         "it; 'none': without one, the auto signal is lexical)",
     )
-    p.add_argument("--seed", type=int, default=HELDOUT_SEED)
-    p.add_argument("--min-distance", type=int, default=0, help="fewest turns between plant and probe")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help=f"the sessions' seed (default: {KNOWLEDGE_SEED} for knowledge, {HELDOUT_SEED} for builtin)",
+    )
+    p.add_argument(
+        "--min-distance", type=int, default=0, help="fewest turns between plant and probe (builtin corpus)"
+    )
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--quick", action="store_true", help="CI-sized: 8 sessions")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"minutes on 2 cores: {QUICK_SESSIONS['builtin']} sessions of the built-in corpus, or "
+        f"{QUICK_SESSIONS['knowledge']} knowledge sessions of {QUICK_QUESTIONS} questions",
+    )
     p.add_argument("--png", help="plot path (default: next to --json)")
     p.add_argument(
         "--weights",
@@ -90,6 +119,7 @@ class Outcome:
     costs: list[dict[str, float]]  # per user message: recovery_s, restore_s, prefill_s
     digest_ratio: float  # key digest and code bytes of the saved chunks over their K/V bytes (at the end)
     fact_in_cache: bool = False  # the planting message resident when the probe was answered
+    kind: str = ""  # the kind of the probed fact
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,12 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     template = ChatTemplate.from_tokenizer(tokenizer)
     manager = MemoryManager(Engine(load_model(path, dtype=args.dtype)), tokenizer)
     args.loaded_retriever = find_retriever(path, args.retriever)
-    fillers = args.fillers
-    if fillers is None and path.suffix == ".gguf":
-        context = manager.engine.model.config.max_position_embeddings
-        fillers = auto_fillers(context, tokenizer, template, args.max_tokens)
-    n = 8 if args.quick else args.sessions
-    chats = heldout_sessions(n, args.seed, min_distance=args.min_distance, fillers=fillers)
+    context = manager.engine.model.config.max_position_embeddings
+    chats, meta = sessions(args, path, lambda: auto_fillers(context, tokenizer, template, args.max_tokens))
     cells = [(name, float(f)) for f in args.budgets.split(",") for name in args.strategies.split(",")]
     outcomes: dict[tuple[str, float], list[Outcome]] = {}
     started, result = time.perf_counter(), {}
@@ -111,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for done, chat in enumerate(chats, 1):
             for key, outcome in _play_chat(manager, chat, cells, args, bar.update).items():
                 outcomes.setdefault(key, []).append(outcome)
-            meta = {"fillers": fillers, "wall_s": round(time.perf_counter() - started, 1)}
+            meta["wall_s"] = round(time.perf_counter() - started, 1)
             result = _result(args, path, outcomes, done, meta)
             write_json(args.json, result)  # after every session: a cut-short run keeps what it measured
     _report(args, result)
@@ -135,6 +161,26 @@ def _play_chat(
         out[(name, frac)] = full or _play_one(manager, chat, name, frac, size, args)
         tick()
     return out
+
+
+def sessions(
+    args: argparse.Namespace, path: Path, fill_context: Callable[[], int]
+) -> tuple[list[ChatSession], dict[str, Any]]:
+    """The sessions to play and what they are (corpus, seed, fillers). ``fill_context``: the built-in
+    corpus' filler turns that fill a .gguf model's context (called only when needed)."""
+    corpus = args.corpus or ("knowledge" if path.suffix == ".gguf" else "builtin")
+    n = QUICK_SESSIONS[corpus] if args.quick else args.sessions
+    if corpus == "knowledge":
+        seed = KNOWLEDGE_SEED if args.seed is None else args.seed
+        default = QUICK_QUESTIONS if args.quick else QUESTIONS_PER_SESSION
+        questions = default if args.fillers is None else args.fillers
+        return knowledge_sessions(n, seed, questions), {"corpus": corpus, "seed": seed, "fillers": questions}
+    seed = HELDOUT_SEED if args.seed is None else args.seed
+    fillers = args.fillers
+    if fillers is None and path.suffix == ".gguf":
+        fillers = fill_context()
+    chats = heldout_sessions(n, seed, min_distance=args.min_distance, fillers=fillers)
+    return chats, {"corpus": corpus, "seed": seed, "fillers": fillers}
 
 
 def auto_fillers(context: int, tokenizer: Tokenizer, template: ChatTemplate, max_tokens: int) -> int:
@@ -178,7 +224,15 @@ def _play_one(
     seconds = time.perf_counter() - started
     ratio = digests / raw if raw else 0.0
     return Outcome(
-        played.recalled, stats["evictions"], recovered, seconds, size, costs, ratio, played.fact_in_cache
+        played.recalled,
+        stats["evictions"],
+        recovered,
+        seconds,
+        size,
+        costs,
+        ratio,
+        played.fact_in_cache,
+        chat.probes[0].kind,
     )
 
 
@@ -250,8 +304,19 @@ def _row(name: str, frac: float, results: list[Outcome]) -> dict[str, Any]:
         "mean_session_tokens": sum(r.session_tokens for r in results) / n,
         **cost_medians([turn for r in results for turn in r.costs]),
         "digest_over_saved": round(sum(r.digest_ratio for r in results) / n, 5),
+        "by_kind": _by_kind(results),
         "n": n,
     }
+
+
+def _by_kind(results: list[Outcome]) -> dict[str, list[int]]:
+    """Per kind of probed fact: [probes answered, probes]."""
+    out: dict[str, list[int]] = {}
+    for r in results:
+        counts = out.setdefault(r.kind, [0, 0])
+        counts[0] += r.recalled
+        counts[1] += 1
+    return dict(sorted(out.items()))
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:

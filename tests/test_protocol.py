@@ -311,3 +311,17 @@ def test_held_back_text_is_only_what_may_be_a_tool_call() -> None:
     tail.feed("a <tool")
     assert tail.rest("a <tool") == "<tool"
     assert ToolCallHold(False).feed("<tool_call>") == "<tool_call>"
+
+
+def test_a_reply_that_may_be_a_bare_call_is_held_until_it_shows_it_is_not() -> None:
+    """A reply opening with a JSON object or a ```json fence may be a call without its tags: held (the
+    parsed reply decides at the end); a code fence of another language or plain text streams at once."""
+    bare = ToolCallHold(True)
+    assert [bare.feed(t) for t in [" ", '{"name": "read", ', '"arguments": {}}']] == ["", "", ""]
+    assert bare.rest("") == ""  # it was a call: nothing goes out as content
+    fence = ToolCallHold(True)
+    assert [fence.feed(t) for t in ["``", "`js", "on\n{", "}"]] == ["", "", "", ""]
+    assert fence.rest("```json\n{}") == "```json\n{}"  # not a call after all: all of it at the end
+    code = ToolCallHold(True)
+    assert [code.feed(t) for t in ["``", "`python\nx = 1"]] == ["", "```python\nx = 1"]
+    assert ToolCallHold(True).feed("Sure, {x}") == "Sure, {x}"

@@ -138,6 +138,25 @@ def test_tool_calls_are_parsed_from_the_reply() -> None:
     assert parse_reply(broken) == (broken, None, [])
 
 
+def test_a_reply_that_is_only_a_call_object_is_a_call() -> None:
+    """Small models (Qwen2.5-Coder-0.5B under opencode) write the call without its tags: a reply that is,
+    whole, a call object (or a list, or a ```json fence of one) naming an offered tool is that call; text
+    around it, or a name not offered, leaves the reply as content."""
+    names = ["read", "write"]
+    for text in ('{"name": "read", "arguments": {"path": "a.py"}}',
+                 '```json\n{"name": "read", "arguments": {"path": "a.py"}}\n```'):  # fmt: skip
+        content, _, calls = parse_reply(text, names=names)
+        assert content == "" and len(calls) == 1
+        assert calls[0]["function"] == {"name": "read", "arguments": '{"path": "a.py"}'}
+    pair = '[{"name": "read", "arguments": {}}, {"name": "write", "arguments": {"path": "b"}}]'
+    assert [c["function"]["name"] for c in parse_reply(pair, names=names)[2]] == ["read", "write"]
+    assert len(parse_reply(pair, names=names, parallel=False)[2]) == 1
+    for text in ('Run {"name": "read", "arguments": {}}', '{"name": "delete", "arguments": {}}',
+                 '{"name": "read", "arguments": 3}', '{"answer": 42}'):  # fmt: skip
+        assert parse_reply(text, names=names) == (text, None, [])
+    assert parse_reply('{"name": "read", "arguments": {}}') == ('{"name": "read", "arguments": {}}', None, [])
+
+
 def test_header_routing_keeps_sessions_apart(base: str) -> None:
     c = client(base)
     msgs = [SYSTEM, {"role": "user", "content": "same opening line for both sessions " * 4}]

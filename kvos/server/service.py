@@ -189,7 +189,11 @@ class ChatService:
         unless kept, tool calls as returned), so that turn reuses every token."""
         plan = plan_tools(req)
         content, reasoning, calls = parse_reply(
-            outcome.text, self.config.keep_thinking, bool(plan.offered), plan.parallel
+            outcome.text,
+            self.config.keep_thinking,
+            bool(plan.offered),
+            plan.parallel,
+            names=[fn["name"] for fn in plan.offered],
         )
         outcome.text, outcome.reasoning, outcome.tool_calls = content, reasoning, calls
         if calls and outcome.finish_reason == "stop":

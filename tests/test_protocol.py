@@ -325,3 +325,42 @@ def test_a_reply_that_may_be_a_bare_call_is_held_until_it_shows_it_is_not() -> N
     code = ToolCallHold(True)
     assert [code.feed(t) for t in ["``", "`python\nx = 1"]] == ["", "```python\nx = 1"]
     assert ToolCallHold(True).feed("Sure, {x}") == "Sure, {x}"
+
+
+def test_a_stream_that_waits_sends_keep_alive_comments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prefill sends nothing for minutes: the stream sends an SSE comment every KEEPALIVE_S seconds
+    until the first event, then the events as before (clients skip comments; opencode's 300 s idle-stream
+    timeout cut a 6,931-token first prompt otherwise)."""
+    import asyncio
+    import threading
+    import time
+    from collections.abc import Generator
+
+    from kvos.engine.generate import StreamEvent
+    from kvos.server import lifecycle
+    from kvos.server.schemas import CompletionRequest
+    from kvos.server.service import Outcome
+
+    monkeypatch.setattr(lifecycle, "KEEPALIVE_S", 0.05)
+
+    def work() -> Generator[StreamEvent, None, Outcome]:
+        time.sleep(0.4)  # the prefill
+        yield StreamEvent("hi", 7)
+        return Outcome(text="hi")
+
+    class Record:
+        def log(self, status: int, outcome: Outcome | None) -> None:
+            self.status = status
+
+    async def collect() -> list[str]:
+        start = lambda fn: threading.Thread(target=fn).start()  # noqa: E731
+        req = CompletionRequest(model="m", prompt="x")
+        stream = lifecycle.sse(start, work, threading.Event(), req, "completion", "m", Record())  # type: ignore[arg-type]
+        return [part async for part in stream]
+
+    parts = asyncio.run(collect())
+    comments = [p for p in parts if p.startswith(":")]
+    events = [p for p in parts if p.startswith("data: ")]
+    assert len(comments) >= 3 and all(p == ": keep-alive\n\n" for p in comments)
+    assert parts.index(comments[0]) < parts.index(events[0])  # while waiting, before any event
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "hi" and events[-1] == "data: [DONE]\n\n"

@@ -29,6 +29,9 @@ from kvos.server.service import Outcome
 from kvos.server.tools import plan_tools
 
 DONE = object()
+# Seconds without an event after which a stream sends an SSE comment: a long prefill (minutes on a CPU for
+# an agent's first prompt) would otherwise send nothing, and clients time out idle streams (opencode: 300 s)
+KEEPALIVE_S = 15.0
 _log = logging.getLogger("kvos.server")
 
 
@@ -103,6 +106,9 @@ async def sse(
 ) -> AsyncIterator[str]:
     """Server-sent events: the engine thread pushes events into a queue that this coroutine drains.
 
+    While nothing happens (a long prefill) a comment goes out every :data:`KEEPALIVE_S` seconds, so that
+    clients that time out idle streams keep waiting.
+
     The engine thread owns the request from start to end: it stops within one decode step once ``cancel``
     is set (the client went away: this coroutine is then closed or cancelled, and only sets the flag,
     which needs no await) and releases the session itself, so a dropped connection never leaves the
@@ -141,7 +147,11 @@ async def sse(
         if kind == "chat":
             yield chunk(kind, cid, model, {"role": "assistant", "content": ""}, None)
         while True:
-            item = await queue.get()
+            try:
+                item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+            except TimeoutError:
+                yield ": keep-alive\n\n"  # a comment: SSE parsers skip it
+                continue
             if isinstance(item, BaseException):
                 error = (
                     item

@@ -15,6 +15,7 @@ from kvos.builtin import builtin_model_path
 from kvos.builtin.corpus import DEMO_SEED
 from kvos.builtin.evaluate import answered
 from kvos.builtin.knowledge import (
+    BENCH_KINDS,
     FACT_KINDS,
     KNOWLEDGE_SEED,
     QUESTIONS_PER_SESSION,
@@ -69,7 +70,7 @@ def test_other_seeds_other_facts_and_questions() -> None:
     assert len(set(asked)) == 8
     assert asked[0] != asked[1] and len(asked[0] & asked[1]) < QUESTIONS_PER_SESSION
     bench = knowledge_sessions(20, KNOWLEDGE_SEED)
-    assert {c.probes[0].kind for c in bench} == set(FACT_KINDS)  # the kinds are drawn in turn
+    assert {c.probes[0].kind for c in bench} == set(BENCH_KINDS)  # the kinds are drawn in turn
 
 
 def test_demo_session_is_the_14_turn_protocol() -> None:

@@ -113,12 +113,6 @@ FACT_KINDS: dict[str, FactKind] = {
         ("When is my birthday?", "On which day is my birthday?"),
         "Your birthday is on {v}.",
     ),
-    "room": FactKind(
-        lambda r: {"v": str(r.randint(100, 999))},
-        ("I'm staying at a hotel this week, in room {v}.", "My hotel room number is {v}."),
-        ("What is my hotel room number?", "Which room am I staying in?"),
-        "You are staying in room {v}.",
-    ),
     "locker": FactKind(
         lambda r: {"v": str(r.randint(10, 399))},
         ("My locker at the gym is number {v}.", "At the gym I always use locker {v}."),
@@ -132,7 +126,12 @@ FACT_KINDS: dict[str, FactKind] = {
         "Your sister's name is {v}.",
     ),
 }  # fmt: skip
-BENCH_KINDS: tuple[str, ...] = tuple(FACT_KINDS)  # the kinds kvos bench recall draws from
+# The kinds kvos bench recall draws from: all of the above, answered by Qwen2.5-Coder-0.5B-Instruct from a
+# full cache in 26 of 26 screening sessions. Dropped there: a hotel room number ("My hotel room number is
+# 716."), declined in 3 of 4 sessions with the number in the context ("I'm sorry, but I don't have enough
+# information to answer your question. Could you please provide more context or information about your
+# hotel room number?").
+BENCH_KINDS: tuple[str, ...] = tuple(FACT_KINDS)
 
 
 def _turn(user: str, assistant: str) -> list[Message]:

@@ -37,7 +37,7 @@ from kvos.session.manager import MemoryManager
 from kvos.session.strategies import strategy
 
 PRETRAINED_BUDGET = 1024  # the original demonstration's budget (Qwen 2.5: 40 evictions, 13 recoveries)
-REPLY_TOKENS = 96
+REPLY_TOKENS = 128
 PROBE_TOKENS = 24  # the answer to the probe (as kvos bench recall lets it run)
 
 

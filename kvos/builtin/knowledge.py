@@ -38,6 +38,9 @@ SYSTEM_PROMPTS = (
     "You are a friendly, knowledgeable assistant.",
     "You are a helpful assistant. Keep your answers short and clear.",
 )
+# The demo's: the model writes its own replies there, and asked for detail they fill their length cap, so the
+# session grows past the budget (Qwen2.5-Coder-0.5B's replies are ~60-80 tokens when not asked).
+DEMO_SYSTEM_PROMPT = "You are a knowledgeable assistant. Answer every question in detail, with examples."
 ACKS = (
     "Got it, I'll remember that.",
     "Thanks for telling me! I'll keep that in mind.",
@@ -138,16 +141,20 @@ def _turn(user: str, assistant: str) -> list[Message]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
 
 
-def knowledge_session(rng: random.Random, kind: str, questions: int = QUESTIONS_PER_SESSION) -> ChatSession:
+def knowledge_session(
+    rng: random.Random, kind: str, questions: int = QUESTIONS_PER_SESSION, system: str | None = None
+) -> ChatSession:
     """One session: a fact of ``kind`` planted at turn 1, ``questions`` distinct knowledge questions with
-    their reference answers, then the probe (``probes[0]``), whose answer must quote the fact's value."""
+    their reference answers, then the probe (``probes[0]``), whose answer must quote the fact's value.
+    ``system``: the system prompt (default: one drawn from :data:`SYSTEM_PROMPTS`)."""
     if not 0 <= questions <= len(QUESTIONS):
         raise ValueError(f"questions must be 0-{len(QUESTIONS)}, got {questions}")
     fact = FACT_KINDS[kind]
     fields = fact.draw(rng)
     answer = fact.answer.format(**fields)
     ack = rng.choice(ACKS) if rng.random() < 0.5 else f"Got it! {answer}"
-    messages: list[Message] = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
+    drawn = rng.choice(SYSTEM_PROMPTS)
+    messages: list[Message] = [{"role": "system", "content": drawn if system is None else system}]
     messages += _turn(rng.choice(fact.plants).format(**fields), ack)
     for question, reference in rng.sample(QUESTIONS, questions):
         messages += _turn(question, reference)
@@ -172,5 +179,6 @@ def knowledge_sessions(
 
 def knowledge_demo_session(seed: int = DEMO_SEED, questions: int = QUESTIONS_PER_SESSION) -> ChatSession:
     """The demo on a pretrained model: the user's favourite number (4 digits) at turn 1, ``questions``
-    knowledge questions, the probe at the last turn (turn 14 with the default 12)."""
-    return knowledge_session(random.Random(seed), "number", questions)
+    knowledge questions, the probe at the last turn (turn 14 with the default 12); the system prompt asks
+    for detailed answers (:data:`DEMO_SYSTEM_PROMPT`)."""
+    return knowledge_session(random.Random(seed), "number", questions, DEMO_SYSTEM_PROMPT)

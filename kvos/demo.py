@@ -34,6 +34,7 @@ from kvos.server.main import default_model
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.manager import MemoryManager
+from kvos.session.session import Session
 from kvos.session.strategies import strategy
 
 PRETRAINED_BUDGET = 1024  # the original demonstration's budget (Qwen 2.5: 40 evictions, 13 recoveries)
@@ -119,9 +120,31 @@ def run_demo(args: argparse.Namespace) -> int:
         f"expected {played.expected!r}: {verdict} ({stats['evictions']} evictions, {recoveries} recoveries, "
         f"{stats['history_tokens']} tokens in the session)"
     )
+    events = fact_events(session, demo.chat.probes[0].plant_index)
+    print(f"the fact's message (turn 1): {_describe(events)}")
     if args.json:
-        _write_json(args, path.name, played, stats, demo)
+        _write_json(args, path.name, played, {**stats, "fact_events": events}, demo)
     return 0
+
+
+def fact_events(session: Session, plant_index: int) -> list[dict[str, Any]]:
+    """The journal's paging events (evict, restore, recompute) of the chunks of message ``plant_index``."""
+    chunks = {c.chunk_id for c in session.chunks.values() if c.message_index == plant_index}
+    kinds = ("evict", "restore", "recompute")
+    events = session.memory.journal.events
+    return [
+        {"turn": e["turn"], "event": e["event"]}
+        for e in events
+        if e["event"] in kinds and e.get("chunk") in chunks
+    ]
+
+
+def _describe(events: list[dict[str, Any]]) -> str:
+    """ "never paged out", or its events in order ("evicted at turn 9, restored at turn 14")."""
+    if not events:
+        return "never paged out"
+    words = {"evict": "evicted", "restore": "restored", "recompute": "recomputed"}
+    return ", ".join(f"{words[e['event']]} at turn {e['turn']}" for e in events)
 
 
 def _print_header(path: Path, demo: Plan, backend: str, signal: str) -> None:
@@ -160,6 +183,7 @@ def _write_json(
         "expected": played.expected,
         "recalled": played.recalled,
         "fact_in_cache": played.fact_in_cache,
+        "fact_events": stats["fact_events"],
         "backend": "full" if demo.budget == 0 else args.backend,
         "seed": args.seed,
         "model": model,

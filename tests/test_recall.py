@@ -82,10 +82,12 @@ def test_demo_contract(
     assert max(t["active_tokens"] for t in result["turns"]) <= result["budget"]
     assert all(isinstance(t["reply"], str) for t in result["turns"][:-1])  # the model wrote each reply
     assert re.fullmatch(r"\d{4}", result["expected"]) and result["reply_tokens"] == 12
+    events = {e["event"] for e in result["fact_events"]}  # what happened to the fact's message
+    assert events <= {"evict", "restore", "recompute"}
     if backend == "discard":
-        assert result["recoveries"] == 0
+        assert result["recoveries"] == 0 and events <= {"evict"}
     out = capsys.readouterr().out
-    assert "expected" in out and "evictions" in out
+    assert "expected" in out and "evictions" in out and "the fact's message (turn 1):" in out
 
 
 def test_demo_full_cache(model_dir: Path, tmp_path: Path) -> None:

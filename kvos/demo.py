@@ -24,6 +24,7 @@ from kvos.builtin.corpus import DEMO_SEED, ChatSession, demo_session
 from kvos.builtin.knowledge import knowledge_demo_session
 from kvos.builtin.playback import Played, play, session_tokens
 from kvos.engine.engine import Engine
+from kvos.engine.sampling import SamplingParams
 from kvos.model.catalogue import add_model_argument
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
@@ -88,6 +89,14 @@ def plan(args: argparse.Namespace, path: Path, tokenizer: Tokenizer) -> Plan:
     return Plan(chat, size, budget, args.reply_tokens)
 
 
+def reply_sampling(max_tokens: int, seed: int) -> SamplingParams:
+    """How the model writes its own replies: sampled as Qwen2.5's generation config recommends (chat front
+    ends sample too), seeded so that a run repeats. Greedy, a 0.5B model falls into loops ("The wind can
+    cause the mountains to change color, which is why they change color in autumn. The wind can ...") that
+    carry over into its later replies. The probe's answer stays greedy."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.8, top_k=20, seed=seed)
+
+
 def session_config(args: argparse.Namespace, path: Path, budget: int, context: int) -> SessionConfig:
     """The memory strategy: ``kvos-BACKEND`` inside ``budget`` active tokens, or (``budget`` 0) the full
     cache, whose budget is the model's ``context``."""
@@ -112,7 +121,8 @@ def run_demo(args: argparse.Namespace) -> int:
     session = MemoryManager(engine, tokenizer).session("demo", config)
     _print_header(path, demo, args.backend, config.signal)
     print(f"{'turn':>4} {'active':>7} {'cached':>7} {'history':>8} {'evict':>6} {'recov':>6}  answer")
-    played = play(session, demo.chat, PROBE_TOKENS, on_turn=_print_turn, reply_tokens=demo.reply_tokens)
+    replies = None if demo.reply_tokens is None else reply_sampling(demo.reply_tokens, args.seed)
+    played = play(session, demo.chat, PROBE_TOKENS, on_turn=_print_turn, replies=replies)
     stats = session.stats()
     recoveries = stats["recoveries_restore"] + stats["recoveries_recompute"]
     verdict = "recalled" if played.recalled else "NOT recalled"

@@ -82,7 +82,7 @@ FACT_KINDS: dict[str, FactKind] = {
         _number,
         ("My favourite number is {v}.", "Before we start, something about me: my favourite number is {v}.",
          "Please remember that my favourite number is {v}."),
-        ("What is my favourite number?", "Do you remember my favourite number?"),
+        ("What is my favourite number?", "What did I say my favourite number is?"),
         "Your favourite number is {v}.",
     ),
     "parking": FactKind(
@@ -107,7 +107,7 @@ FACT_KINDS: dict[str, FactKind] = {
     "name": FactKind(
         lambda r: {"v": r.choice(NAMES)},
         ("Hi! My name is {v}.", "Hello, I'm {v}. Nice to meet you."),
-        ("What is my name?", "Do you remember my name?"),
+        ("What is my name?", "What did I tell you my name is?"),
         "Your name is {v}.",
     ),
     "birthday": FactKind(

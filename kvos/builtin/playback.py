@@ -48,12 +48,13 @@ def play(
     chat: ChatSession,
     max_tokens: int = 24,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
-    reply_tokens: int | None = None,
+    replies: SamplingParams | None = None,
 ) -> Played:
     """Run the conversation up to its probe; per user turn record the session's memory counters; whether
     the fact was in the cache when the probe was answered (what the memory did, whatever the model then
-    answers). ``reply_tokens``: live, the model writes each reply before the probe, at most that many
-    tokens (its text in each turn's ``reply``); None: the reference replies are fed."""
+    answers). ``replies``: live, the model writes each reply before the probe, sampled with these
+    parameters (its text in each turn's ``reply``); None: the reference replies are fed. The probe's answer
+    is greedy, at most ``max_tokens``."""
     probe = chat.probes[0]
     first = chat.messages[0]
     session.add_message(first["role"], first["content"])
@@ -69,7 +70,7 @@ def play(
             reply = session.generate(SamplingParams(max_tokens=max_tokens))[0]
             extra: dict[str, Any] = {"answer": reply}
         else:
-            extra = {"answer": None, **_reply(session, chat.messages[index + 1]["content"], reply_tokens)}
+            extra = {"answer": None, **_reply(session, chat.messages[index + 1]["content"], replies)}
         stats = session.stats()
         record = {**{k: stats[k] for k in COUNTERS}, **extra}
         turns.append(record)
@@ -78,10 +79,10 @@ def play(
     return Played(reply, probe.expected, answered(reply, probe.expected), turns, fact_in_cache)
 
 
-def _reply(session: Session, reference: str, reply_tokens: int | None) -> dict[str, str]:
-    """The assistant's turn before the probe: the reference fed as it is (``reply_tokens`` None; returns
-    {}), or the model's own reply of at most ``reply_tokens`` tokens (returns {"reply": its text})."""
-    if reply_tokens is None:
+def _reply(session: Session, reference: str, replies: SamplingParams | None) -> dict[str, str]:
+    """The assistant's turn before the probe: the reference fed as it is (``replies`` None; returns {}), or
+    the model's own reply sampled with ``replies`` (returns {"reply": its text})."""
+    if replies is None:
         session.add_message("assistant", reference)
         return {}
-    return {"reply": session.generate(SamplingParams(max_tokens=reply_tokens))[0]}
+    return {"reply": session.generate(replies)[0]}

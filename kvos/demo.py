@@ -3,11 +3,11 @@
 A fact is planted at turn 1, twelve unrelated turns follow, and turn 14 asks for the fact. On the built-in
 model the session is its corpus' demo (formulaic filler turns, reference replies fed as they are) at 40% of
 its tokens. On any other model (a pretrained chat model, e.g. ``--model qwen2.5-coder-0.5b-instruct``) it
-is the protocol of the original demonstration: the user's favourite number, twelve general-knowledge
-questions that the model answers itself (at most ``--reply-tokens`` each, so the session grows past the
-budget), the probe, inside 1,024 active tokens. Whether the answer is right depends on the memory policy
-keeping the fact or bringing it back; ``--backend discard`` and ``--budget 0`` (the full cache) are the
-comparisons.
+is the protocol of the original demonstration: the user's favourite number (acknowledged by a scripted
+reply), twelve general-knowledge questions that the model answers itself (sampled, at most
+``--reply-tokens`` each, so the session grows past the budget), the probe, inside 1,024 active tokens.
+Whether the answer is right depends on the memory policy keeping the fact or bringing it back;
+``--backend discard`` and ``--budget 0`` (the full cache) are the comparisons.
 """
 
 from __future__ import annotations

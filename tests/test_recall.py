@@ -80,7 +80,8 @@ def test_demo_contract(
     result = _demo(model, tmp_path / "demo.json")
     assert result["evictions"] > 0 and result["history_tokens"] > 2 * result["budget"] == 512
     assert max(t["active_tokens"] for t in result["turns"]) <= result["budget"]
-    assert all(isinstance(t["reply"], str) for t in result["turns"][:-1])  # the model wrote each reply
+    assert "reply" not in result["turns"][0]  # the plant's reference acknowledgement
+    assert all(isinstance(t["reply"], str) for t in result["turns"][1:-1])  # the model answered each question
     assert re.fullmatch(r"\d{4}", result["expected"]) and result["reply_tokens"] == 12
     events = {e["event"] for e in result["fact_events"]}  # what happened to the fact's message
     assert events <= {"evict", "restore", "recompute"}

@@ -41,6 +41,11 @@ SYSTEM_PROMPTS = (
 # The demo's: the model writes its own replies there, and asked for detail they fill their length cap, so the
 # session grows past the budget (Qwen2.5-Coder-0.5B's replies are ~60-80 tokens when not asked).
 DEMO_SYSTEM_PROMPT = "You are a knowledgeable assistant. Answer every question in detail, with examples."
+# The demo's acknowledgement of the fact (fed, not written by the model: Qwen2.5-Coder-0.5B answered "My
+# favourite number is 8701." with "As an AI language model, I don't have personal preferences ... so I don't
+# have a favorite number." and gave that answer again at the probe, from a full cache). It does not repeat the
+# number, so the fact lives in one message.
+DEMO_ACK = "Got it, I'll remember that."
 ACKS = (
     "Got it, I'll remember that.",
     "Thanks for telling me! I'll keep that in mind.",
@@ -180,5 +185,7 @@ def knowledge_sessions(
 def knowledge_demo_session(seed: int = DEMO_SEED, questions: int = QUESTIONS_PER_SESSION) -> ChatSession:
     """The demo on a pretrained model: the user's favourite number (4 digits) at turn 1, ``questions``
     knowledge questions, the probe at the last turn (turn 14 with the default 12); the system prompt asks
-    for detailed answers (:data:`DEMO_SYSTEM_PROMPT`)."""
-    return knowledge_session(random.Random(seed), "number", questions, DEMO_SYSTEM_PROMPT)
+    for detailed answers (:data:`DEMO_SYSTEM_PROMPT`) and the fact is acknowledged with :data:`DEMO_ACK`."""
+    chat = knowledge_session(random.Random(seed), "number", questions, DEMO_SYSTEM_PROMPT)
+    chat.messages[2] = {"role": "assistant", "content": DEMO_ACK}
+    return chat

@@ -52,9 +52,9 @@ def play(
 ) -> Played:
     """Run the conversation up to its probe; per user turn record the session's memory counters; whether
     the fact was in the cache when the probe was answered (what the memory did, whatever the model then
-    answers). ``replies``: live, the model writes each reply before the probe, sampled with these
-    parameters (its text in each turn's ``reply``); None: the reference replies are fed. The probe's answer
-    is greedy, at most ``max_tokens``."""
+    answers). ``replies``: live, the model writes each reply between the plant and the probe, sampled
+    with these parameters (its text in each turn's ``reply``), and the plant's reference acknowledgement is
+    fed; None: every reference reply is fed. The probe's answer is greedy, at most ``max_tokens``."""
     probe = chat.probes[0]
     first = chat.messages[0]
     session.add_message(first["role"], first["content"])
@@ -70,7 +70,8 @@ def play(
             reply = session.generate(SamplingParams(max_tokens=max_tokens))[0]
             extra: dict[str, Any] = {"answer": reply}
         else:
-            extra = {"answer": None, **_reply(session, chat.messages[index + 1]["content"], replies)}
+            live = None if index == probe.plant_index else replies
+            extra = {"answer": None, **_reply(session, chat.messages[index + 1]["content"], live)}
         stats = session.stats()
         record = {**{k: stats[k] for k in COUNTERS}, **extra}
         turns.append(record)

@@ -128,12 +128,21 @@ def test_deleted_session_is_freed_at_once() -> None:
             else:
                 messages.append({"role": "assistant", "content": drain(run, threading.Event()).text})
         service.registry.release(entry)
+        # a second session beside it: the two outgrow the pool's start (one session alone fills it only to
+        # within a block or two, however its replies tokenize), so the pool grew before the deletes
+        other = service.registry.acquire("local", "beside", None)
+        text = " ".join(rng.choice(WORDS) for _ in range(120))
+        req = ChatRequest.model_validate({**body, "messages": [{"role": "user", "content": text}]})
+        drain(service.run(other, service.prepare_chat(other, req), req, req), threading.Event())
+        service.registry.release(other)
         grown_bytes = pool.nbytes
-        session = weakref.ref(entry.session)
+        sessions = [weakref.ref(entry.session), weakref.ref(other.session)]
         evictions = entry.session.stats()["evictions"]
-        del entry, run
+        del entry, other, run
         service.registry.delete("local", "freed")
-        freed = session() is None
+        assert pool.nbytes == grown_bytes  # not empty yet: the pool keeps its size
+        service.registry.delete("local", "beside")
+        freed = all(session() is None for session in sessions)
     finally:
         gc.enable()
     assert evictions > 0  # the session outgrew its budget: it had saved chunks to free

@@ -1,5 +1,6 @@
 """kvos bench recall on a real model (SmolLM2-135M-Instruct, Q4_1 GGUF from ../shared): the sessions are
-rendered with the model's own ChatML template, sized by its context, and a CI-sized run writes its rows."""
+rendered with the model's own ChatML template; the built-in corpus sized by its context, the knowledge
+corpus by default; a CI-sized run writes its rows and --quick plays two short sessions."""
 
 from __future__ import annotations
 
@@ -96,3 +97,15 @@ def test_recall_bench_ci_sized(gguf: Path, tmp_path: Path) -> None:
     assert 0.0 <= row["ci_low"] <= row["pass_rate"] <= row["ci_high"] <= 1.0
     assert row["mean_evictions"] > 0 and row["mean_recoveries"] == 0  # a baseline evicts and never recovers
     assert row["mean_seconds"] > 0 and row["mean_session_tokens"] > 100
+
+
+def test_recall_bench_quick_plays_few_short_sessions(gguf: Path, tmp_path: Path) -> None:
+    """--quick on a GGUF chat model: 2 knowledge sessions of 4 questions (minutes on 2 cores for any model),
+    not sessions sized to the context."""
+    out = tmp_path / "recall.json"
+    argv = ["bench", "recall", "--model", str(gguf), "--quick", "--budgets", "0.5", "--strategies"]
+    assert main([*argv, "streaming_llm", "--max-tokens", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["corpus"], result["sessions"], result["fillers"]) == ("knowledge", 2, 4)
+    [row] = result["rows"]
+    assert row["n"] == 2 and row["mean_session_tokens"] < 700 and row["mean_evictions"] > 0

@@ -118,6 +118,12 @@ class BudgetError(KvosError):
     """A session cannot fit new tokens in its budget: what remains resident is pinned, sinks or protected."""
 
 
+class PrefillCancelled(KvosError):
+    """A request was cancelled (its client went away, or DELETE) while its prompt was being prefilled. The
+    prefill stops at a chunk boundary; the chunks already prefilled stay, a prefix of the prompt that a retry
+    reuses."""
+
+
 class SnapshotError(KvosError):
     """A session snapshot or state file that cannot be used: unreadable, corrupt (checksum), of another
     format version, or describing a session that does not hold together. The session is then rebuilt from

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 
 from kvos.engine.generate import StreamEvent
+from kvos.errors import PrefillCancelled
 from kvos.server.bodies import chunk, from_outcome
 from kvos.server.errors import APIError
 from kvos.server.registry import Entry
@@ -84,6 +85,8 @@ def drain(gen: Generator[StreamEvent, None, Outcome], cancel: threading.Event) -
         except StopIteration as stop:
             outcome: Outcome = stop.value
             return outcome
+        except PrefillCancelled as exc:  # cancelled during the prompt's prefill (the prefilled part stays)
+            raise Cancelled() from exc
 
 
 async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
@@ -120,21 +123,25 @@ async def sse(
         with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def cancelled() -> None:
+        record.log(499, None)
+        put(APIError(499, "the request was cancelled", "cancelled"))  # DELETE, or nobody reads
+
     def produce() -> None:
         gen = work()
         try:
             while True:
                 if cancel.is_set():
                     gen.close()
-                    record.log(499, None)
-                    put(APIError(499, "the request was cancelled", "cancelled"))  # DELETE, or nobody reads
-                    return
+                    return cancelled()
                 try:
                     put(next(gen))
                 except StopIteration as done:
                     record.log(200, done.value)
                     put((DONE, done.value))
                     return
+                except PrefillCancelled:  # the flag was set during the prompt's prefill
+                    return cancelled()
         except BaseException as exc:  # reported to the client as an error event
             gen.close()
             record.log(getattr(exc, "status", 500), None)

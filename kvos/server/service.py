@@ -13,7 +13,7 @@ from typing import Any
 
 from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams, TokenLogprob
-from kvos.errors import KvosError
+from kvos.errors import KvosError, PrefillCancelled
 from kvos.policy.chunks import ChunkKind
 from kvos.server.autosave import Autosave
 from kvos.server.errors import APIError, bad_request, not_found
@@ -152,7 +152,13 @@ class ChatService:
         counts = dict(session.memory.journal.counts)  # before a swap-in: its recomputes are this request's
         self.registry.make_resident(entry)
         entry.served += 1
-        synced = session.sync(spans, hints.priority, hints.pinned, hints.task_boundary)
+        try:
+            synced = session.sync(
+                spans, hints.priority, hints.pinned, hints.task_boundary, cancel=entry.cancel
+            )
+        except PrefillCancelled:
+            session.memory.journal.log(session.history.turn, "cancel", tokens=0)
+            raise
         outcome, finished = Outcome(logprobs=None if params.logprobs is None else []), False
         room = session.reply_room()
         if params.max_tokens > room:

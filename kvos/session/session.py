@@ -8,6 +8,7 @@ prefilled. Generation captures decode attention, which feeds the attention signa
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 from kvos.engine.engine import Engine
 from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams
-from kvos.errors import ConfigError
+from kvos.errors import ConfigError, PrefillCancelled
 from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
@@ -100,6 +101,7 @@ class Session:
         self.logits_at = -1  # history length at which last_logits were computed
         self._swapped: list[tuple[int, list[int]]] = []
         self.writer = ReplyWriter(self)
+        self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
 
     @property
     def chunks(self) -> dict[int, Chunk]:
@@ -223,6 +225,10 @@ class Session:
         layers go to :attr:`queries`."""
         made = []
         for lo in range(0, len(ids), self.config.chunk_tokens):
+            if self.cancel is not None and self.cancel.is_set():
+                raise PrefillCancelled(
+                    f"cancelled after {self.history.tokens} tokens of the prompt were prefilled"
+                )
             part = ids[lo : lo + self.config.chunk_tokens]
             chunk = Chunk(
                 chunk_id=self.history.new_chunk_id(),
@@ -286,6 +292,7 @@ class Session:
         pinned: bool = False,
         task_boundary: bool = False,
         need_logits: bool = True,
+        cancel: threading.Event | None = None,
     ) -> SyncResult:
         """Make the history equal to a whole prompt, decoding only what is new.
 
@@ -293,8 +300,20 @@ class Session:
         chunks the client re-sent come back only while the budget has headroom (so re-sending a whole
         conversation never thrashes). A new user message in the tail starts a turn (similarity recovery
         first), then the tail is prefilled as chunks typed by their spans. With ``need_logits`` at least the
-        last token is decoded, so generation has logits to start from.
+        last token is decoded, so generation has logits to start from. Once ``cancel`` is set the prefill
+        stops before its next chunk with :class:`PrefillCancelled`; what it prefilled stays (a prefix of the
+        prompt, which a retry reuses).
         """
+        self.cancel = cancel
+        try:
+            return self._sync(spans, priority, pinned, task_boundary, need_logits)
+        finally:
+            self.cancel = None
+
+    def _sync(
+        self, spans: list[Span], priority: float, pinned: bool, task_boundary: bool, need_logits: bool
+    ) -> SyncResult:
+        """:meth:`sync` without the cancel flag's bookkeeping."""
         prompt, history = flatten(spans), self.history.token_ids()
         common = common_prefix(prompt, history)
         if need_logits and common == len(prompt) and not (common == len(history) == self.logits_at):

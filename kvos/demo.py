@@ -25,13 +25,12 @@ from kvos.builtin.knowledge import knowledge_demo_session
 from kvos.builtin.playback import Played, play, session_tokens
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
-from kvos.model.catalogue import add_model_argument
+from kvos.model.catalogue import add_model_argument, default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever
-from kvos.server.main import default_model
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.manager import MemoryManager

@@ -10,10 +10,10 @@ from kvos.engine.engine import Engine
 from kvos.engine.generate import stream
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import TokenizerError
+from kvos.model.catalogue import default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
-from kvos.server.main import default_model
 
 
 def find_tokenizer(model_path: Path, explicit: str | None) -> Tokenizer:

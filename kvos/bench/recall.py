@@ -27,14 +27,13 @@ from kvos.builtin.playback import play, session_tokens
 from kvos.calibrate_retrieval import load_retrieval_heads
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
-from kvos.model.catalogue import add_model_argument
+from kvos.model.catalogue import add_model_argument, default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
-from kvos.server.main import default_model
 from kvos.session.config import SIGNALS, SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.journal import cost_medians

@@ -209,8 +209,8 @@ def load_plan(args: argparse.Namespace, calls: Calls, key: str, server: ServerPr
 
 def never_end(model: str | Path | None) -> dict[str, int]:
     """A logit_bias banning the model's end-of-sequence tokens."""
+    from kvos.model.catalogue import default_model
     from kvos.model.tokenizer import load_tokenizer
-    from kvos.server.main import default_model
 
     return {str(t): -100 for t in load_tokenizer(Path(model) if model else default_model()).eos_ids}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,3 +172,19 @@ def model_name(path: Path, catalogue: Mapping[str, CatalogueEntry] | None = None
         if path.name == entry.file and path.parent.name == entry.name:
             return entry.name
     return path.name
+
+
+def default_model() -> Path:
+    """The model a command runs when none is named: kvos's own trained model when it ships with this
+    install, else the small random one kvos builds."""
+    from kvos.builtin import MODEL_DIR
+
+    if (MODEL_DIR / "config.json").exists():
+        return MODEL_DIR
+    from kvos.model.random_init import ensure_random_model
+
+    print(
+        "[kvos] the built-in trained model is not installed: running kvos's small random-weight model",
+        file=sys.stderr,
+    )
+    return ensure_random_model("tiny")

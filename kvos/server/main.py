@@ -18,7 +18,7 @@ from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
 from kvos.model import decode_kernel, dense_kernel, gguf_kernel, quant_kernel
-from kvos.model.catalogue import add_model_argument, model_name
+from kvos.model.catalogue import add_model_argument, default_model, model_name
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.model.transformer import Transformer
@@ -34,23 +34,7 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-BUILTIN = Path(__file__).resolve().parents[1] / "builtin" / "model"
-
-
 SERVE_HEAP_ARENAS = 1  # every thread allocates from the main heap, whose top malloc_trim gives back
-
-
-def default_model() -> Path:
-    """kvos's own trained model when it ships with this install, else the small random one kvos builds."""
-    if (BUILTIN / "config.json").exists():
-        return BUILTIN
-    from kvos.model.random_init import ensure_random_model
-
-    print(
-        "[kvos] the built-in trained model is not installed: serving kvos's small random-weight model",
-        file=sys.stderr,
-    )
-    return ensure_random_model("tiny")
 
 
 def positive_int(text: str) -> int:

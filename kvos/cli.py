@@ -6,7 +6,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvos.errors import KvosError
 from kvos.model.catalogue import add_model_argument
@@ -25,14 +25,13 @@ BENCHMARKS = {
 }
 
 
-def _add_pull(sub: argparse._SubParsersAction) -> None:
+def _add_pull(p: argparse.ArgumentParser) -> None:
     from kvos.pull_cli import add_arguments
 
-    add_arguments(sub.add_parser("pull", help="download a model by name (no name: list the catalogue)"))
+    add_arguments(p)
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt")
+def _add_generate(p: argparse.ArgumentParser) -> None:
     add_model_argument(p, "the built-in model")
     p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
     p.add_argument("--prompt", required=True)
@@ -49,13 +48,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
-    p = sub.add_parser(
-        "bench",
-        help="run a benchmark (prints a table; --json PATH writes the results)",
-        description=f"benchmarks: {listing}",
-    )
+def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("bench", choices=sorted(BENCHMARKS))
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
 
@@ -70,36 +63,59 @@ def run_bench(name: str, argv: Sequence[str]) -> None:
     mod.run(parser.parse_args(argv))
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
+def _add_demo(p: argparse.ArgumentParser) -> None:
     from kvos.demo import add_arguments
 
-    add_arguments(sub.add_parser("demo", help="the planted-fact session under a budget well below its size"))
+    add_arguments(p)
 
 
-def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+def _add_calibrate(p: argparse.ArgumentParser) -> None:
     from kvos.calibrate import add_arguments
 
-    add_arguments(sub.add_parser("calibrate", help="per-head attention entropy of a model (JSON)"))
+    add_arguments(p)
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
+def _add_serve(p: argparse.ArgumentParser) -> None:
     from kvos.server.main import add_arguments
 
-    add_arguments(sub.add_parser("serve", help="run the stateful OpenAI-compatible server"))
+    add_arguments(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
+_BENCH_LISTING = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
+# name -> (help, description, what adds its options); a command's options are added only when it runs (the
+# demo's, calibrate's and serve's modules import torch: `kvos --help` and `kvos pull` need not wait for it)
+COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], None]]] = {
+    "pull": ("download a model by name (no name: list the catalogue)", None, _add_pull),
+    "generate": ("generate text from a prompt", None, _add_generate),
+    "demo": ("the planted-fact session under a budget well below its size", None, _add_demo),
+    "calibrate": ("per-head attention entropy of a model (JSON)", None, _add_calibrate),
+    "serve": ("run the stateful OpenAI-compatible server", None, _add_serve),
+    "bench": (
+        "run a benchmark (prints a table; --json PATH writes the results)",
+        f"benchmarks: {_BENCH_LISTING}",
+        _add_bench,
+    ),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvos`` parser; with ``command``, only that command's options are added (the others parse
+    nothing but ``--help``); without, every command's."""
     parser = argparse.ArgumentParser(
         prog="kvos", description="kvos: an operating system for the LLM KV cache"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_pull(sub)
-    _add_generate(sub)
-    _add_demo(sub)
-    _add_calibrate(sub)
-    _add_serve(sub)
-    _add_bench(sub)
+    for name, (text, description, add) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=description)
+        if command is None or command == name:
+            add(p)
     return parser
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names (its first word that is not an option), if it is one of ours."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
 
 
 def server_environment(argv: Sequence[str]) -> None:
@@ -113,9 +129,12 @@ def server_environment(argv: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    server_environment(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    server_environment(given)
     try:
-        args = build_parser().parse_args(argv)  # in the try: --model's type raises kvos's errors
+        args = build_parser(_command(given) or "").parse_args(
+            given
+        )  # in the try: --model's type raises kvos's errors
         if args.command == "pull":
             from kvos.pull_cli import run_pull
 

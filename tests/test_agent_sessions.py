@@ -359,3 +359,47 @@ def test_one_branch_continues_in_place() -> None:
             assert usage(r)["branch"] == "main" and r.usage.completion_tokens > 0
         stats = session_stats(url, "one")
         assert stats is not None and len(stats["branches"]) == 1
+
+
+def test_models_give_the_context_and_the_budget(default_url: str) -> None:
+    """What a client sizes its prompts by: the model's positions (under the names OpenRouter, LM Studio and
+    vLLM use) and, in ``kvos``, the session budget and the longest prompt accepted."""
+    [entry] = httpx.get(f"{default_url}/models", timeout=30).json()["data"]
+    assert entry["id"] == MODEL_NAME
+    assert entry["context_length"] == entry["max_model_len"] == CONTEXT
+    assert entry["kvos"] == {"budget_tokens": 768, "max_prompt_tokens": 1 << 20}  # kvos serve's defaults
+
+
+def test_the_reference_systems_session_header_is_an_alias(default_url: str) -> None:
+    """Harnesses written for the reference system send X-EVOKE-Session: it names the session as X-Session-Id
+    does (the listing shows it, the next turn reuses it), and X-Session-Id wins when both come."""
+    c = client(default_url)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Remember the blue door."}]
+    first = c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+        extra_headers={"X-EVOKE-Session": "evoke-1"},
+    )
+    assert usage(first)["session_id"] == "evoke-1" and session_stats(default_url, "evoke-1") is not None
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Which door?"},
+    ]
+    second = ask(c, messages, "evoke-1")  # the same session under X-Session-Id
+    assert usage(second)["reused_tokens"] >= first.usage.total_tokens - 1
+    both = c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=2,
+        extra_headers={"X-Session-Id": "plain-1", "X-EVOKE-Session": "evoke-1"},
+    )
+    assert usage(both)["session_id"] == "plain-1"
+    bad = httpx.post(
+        f"{default_url}/chat/completions",
+        json={"model": MODEL_NAME, "messages": messages},
+        headers={"X-EVOKE-Session": "no spaces allowed"},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

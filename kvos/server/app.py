@@ -32,7 +32,8 @@ from kvos.server.schemas import ChatRequest, CompletionRequest
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
 from kvos.session.prompt import Span
 
-# X-Session-Id: what a client may name its session (ids go into logs, metric labels and branch names)
+# X-Session-Id: what a client may name its session (ids go into logs, metric labels and branch names);
+# X-EVOKE-Session, the reference system's header, is an alias (X-Session-Id wins when both are sent)
 SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"
 SessionHeader = Annotated[
     str | None,
@@ -104,7 +105,20 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         owner(request)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvos"}]}
+        positions = service.manager.engine.model.config.max_position_embeddings
+        entry = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvos",
+            "context_length": positions,  # the model's positions (OpenRouter's and LM Studio's field name)
+            "max_model_len": positions,  # vLLM's name for it
+            "kvos": {
+                "budget_tokens": service.manager.config.budget.max_active_tokens,  # active per session
+                "max_prompt_tokens": service.config.max_prompt_tokens,  # longer conversations are paged
+            },
+        }
+        return {"object": "list", "data": [entry]}
 
     @app.get("/v1/sessions")
     async def sessions(request: Request) -> dict[str, Any]:
@@ -215,15 +229,21 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
-        req: ChatRequest, request: Request, x_session_id: SessionHeader = None
+        req: ChatRequest,
+        request: Request,
+        x_session_id: SessionHeader = None,
+        x_evoke_session: SessionHeader = None,
     ) -> Response:
-        return await respond(request, req, "chat", x_session_id)
+        return await respond(request, req, "chat", x_session_id or x_evoke_session)
 
     @app.post("/v1/completions")
     async def completions(
-        req: CompletionRequest, request: Request, x_session_id: SessionHeader = None
+        req: CompletionRequest,
+        request: Request,
+        x_session_id: SessionHeader = None,
+        x_evoke_session: SessionHeader = None,
     ) -> Response:
-        return await respond(request, req, "text", x_session_id)
+        return await respond(request, req, "text", x_session_id or x_evoke_session)
 
     app.state.service, app.state.engine = service, engine
     return app

@@ -338,6 +338,7 @@ def test_a_stream_that_waits_sends_keep_alive_comments(monkeypatch: pytest.Monke
 
     from kvos.engine.generate import StreamEvent
     from kvos.server import lifecycle
+    from kvos.server.bodies import ChunkStream
     from kvos.server.schemas import CompletionRequest
     from kvos.server.service import Outcome
 
@@ -354,8 +355,8 @@ def test_a_stream_that_waits_sends_keep_alive_comments(monkeypatch: pytest.Monke
 
     async def collect() -> list[str]:
         start = lambda fn: threading.Thread(target=fn).start()  # noqa: E731
-        req = CompletionRequest(model="m", prompt="x")
-        stream = lifecycle.sse(start, work, threading.Event(), req, "completion", "m", Record())  # type: ignore[arg-type]
+        form = ChunkStream("completion", "m", CompletionRequest(model="m", prompt="x"), False)
+        stream = lifecycle.sse(start, work, threading.Event(), form, Record())  # type: ignore[arg-type]
         return [part async for part in stream]
 
     parts = asyncio.run(collect())

@@ -22,15 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvos.engine.generate import StreamEvent
 from kvos.engine.scheduler import Scheduler
 from kvos.errors import BudgetError, PoolOutOfMemoryError
+from kvos.server import anthropic
 from kvos.server.auth import Identity, Keys
-from kvos.server.bodies import final_body
+from kvos.server.bodies import ChunkStream, final_body
 from kvos.server.errors import APIError, bad_request, forbidden, memory_full, too_large, unauthorized
-from kvos.server.lifecycle import Cancelled, RequestRecord, drain, sse, watch_disconnect
+from kvos.server.lifecycle import Cancelled, RequestRecord, ResponseForm, drain, sse, watch_disconnect
 from kvos.server.metrics import Metrics
 from kvos.server.pins import budget_error, check_locked
 from kvos.server.schemas import ChatRequest, CompletionRequest
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
-from kvos.session.prompt import Span
+from kvos.server.tools import plan_tools
+from kvos.session.prompt import Span, flatten
 
 # X-Session-Id: what a client may name its session (ids go into logs, metric labels and branch names);
 # X-EVOKE-Session, the reference system's header, is an alias (X-Session-Id wins when both are sent)
@@ -84,10 +86,11 @@ def create_app(
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        who = keys.identify(request.headers.get("authorization", ""))
+        api_key = request.headers.get("x-api-key")  # Anthropic's clients send the key so
+        who = keys.identify(f"Bearer {api_key}" if api_key else request.headers.get("authorization", ""))
         path = request.url.path
         if who is None and (path.startswith("/v1") or path == "/metrics"):
-            return JSONResponse(unauthorized().body(), status_code=401)
+            return error_response(request, unauthorized())
         request.state.identity = who
         request.state.owner = who.owner if who is not None else "-"
         return await call_next(request)
@@ -177,11 +180,25 @@ def create_app(
         request.state.entry = entry
         return entry, spans, chat
 
+    def openai_form(kind: str, req: ChatRequest | CompletionRequest) -> Callable[[list[Span]], ResponseForm]:
+        offered = isinstance(req, ChatRequest) and bool(plan_tools(req).offered)
+        return lambda _: ResponseForm(
+            lambda outcome: final_body(outcome, kind, name),
+            APIError.body,
+            ChunkStream(kind, name, req, offered),
+        )
+
     async def respond(
-        request: Request, req: ChatRequest | CompletionRequest, kind: str, sid: str | None
+        request: Request,
+        req: ChatRequest | CompletionRequest,
+        kind: str,
+        sid: str | None,
+        form_for: Callable[[list[Span]], ResponseForm] | None = None,
     ) -> Response:
+        """Run one request; ``form_for`` (default: OpenAI's) writes the answer, given the prompt's spans."""
         began = time.perf_counter()
         entry, spans, chat = await start(request, req, sid or None)
+        form = (form_for or openai_form(kind, req))(spans)
         headers = {"X-Session-Id": entry.session_id}
         cancel, blocks = entry.cancel, service.request_blocks()  # its reservation of pool blocks
         record = RequestRecord(request, kind, began, entry)
@@ -211,7 +228,7 @@ def create_app(
                     service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
 
-            body = sse(lambda produce: engine.admit(blocks, produce), steps, cancel, req, kind, name, record)
+            body = sse(lambda produce: engine.admit(blocks, produce), steps, cancel, form.stream, record)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         future = asyncio.wrap_future(engine.admit(blocks, work))
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
@@ -220,12 +237,12 @@ def create_app(
         except Cancelled:
             record.log(499, None)
             return JSONResponse(
-                APIError(499, "the client closed the request", "client_closed").body(), status_code=499
+                form.error(APIError(499, "the client closed the request", "client_closed")), status_code=499
             )
         finally:
             watcher.cancel()
         record.log(200, outcome)
-        return JSONResponse(final_body(outcome, kind, name), headers=headers)
+        return JSONResponse(form.final(outcome), headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -244,6 +261,51 @@ def create_app(
         x_evoke_session: SessionHeader = None,
     ) -> Response:
         return await respond(request, req, "text", x_session_id or x_evoke_session)
+
+    template = service.manager.session_template()
+    thinking_template = template is not None and "enable_thinking" in template.source
+
+    def anthropic_form(chat: ChatRequest) -> Callable[[list[Span]], ResponseForm]:
+        offered, stops = bool(plan_tools(chat).offered), chat.stops()
+
+        def form(spans: list[Span]) -> ResponseForm:
+            marked = anthropic.marked_tokens(spans)
+
+            def finish(outcome: Outcome) -> tuple[int, str | None]:
+                text = service.manager.tokenizer.decode(outcome.completion_ids)
+                return marked, anthropic.hit_stop(outcome, text, stops)
+
+            return ResponseForm(
+                lambda outcome: anthropic.message_body(outcome, name, *finish(outcome)),
+                anthropic.error_body,
+                anthropic.MessageStream(name, len(flatten(spans)), offered, finish),
+            )
+
+        return form
+
+    @app.post("/v1/messages")
+    async def messages(
+        req: anthropic.MessagesRequest,
+        request: Request,
+        x_session_id: SessionHeader = None,
+        x_evoke_session: SessionHeader = None,
+    ) -> Response:
+        """Anthropic's Messages API on the same sessions (:mod:`kvos.server.anthropic`)."""
+        chat = anthropic.to_chat(req, thinking_template)
+        return await respond(request, chat, "messages", x_session_id or x_evoke_session, anthropic_form(chat))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: anthropic.CountRequest, request: Request) -> dict[str, Any]:
+        """The prompt's tokens as ``/v1/messages`` would render it (no session is touched)."""
+        owner(request)
+        chat = anthropic.to_chat(req, thinking_template)
+        if chat.model != name:
+            raise unknown_model(chat.model, name)
+        plan_tools(chat)
+        ids = await asyncio.to_thread(service.probe, chat)
+        if ids is None:
+            raise bad_request("the conversation cannot be rendered with this model's chat template")
+        return {"input_tokens": len(ids)}
 
     app.state.service, app.state.engine = service, engine
     return app
@@ -282,15 +344,23 @@ def _lifespan(
     return lifespan
 
 
+def error_response(request: Request, error: APIError) -> JSONResponse:
+    """``error`` in the shape of the API the request called: Anthropic's under /v1/messages, else OpenAI's."""
+    anthropic_api = request.url.path.startswith("/v1/messages")
+    body = anthropic.error_body(error) if anthropic_api else error.body()
+    return JSONResponse(body, status_code=error.status)
+
+
 def _install_errors(app: FastAPI, max_body_bytes: int) -> None:
-    """OpenAI-style JSON for every error, and a cap on request body size."""
+    """JSON for every error (OpenAI's shape, Anthropic's under /v1/messages), and a cap on request body
+    size."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         if first.get("type") == "json_invalid":
@@ -299,21 +369,22 @@ def _install_errors(app: FastAPI, max_body_bytes: int) -> None:
             error = bad_request(
                 f"{where or 'body'}: {first.get('msg', 'invalid value')}", "invalid_value", where
             )
-        return JSONResponse(error.body(), status_code=400)
+        return error_response(request, error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             error = bad_request("the request body is not valid JSON (or not UTF-8)", "invalid_json")
         else:
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
             error = APIError(exc.status_code, str(exc.detail), code)
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        return error_response(request, error)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
-        error = APIError(500, f"internal error: {exc}", "internal_error", kind="server_error")
-        return JSONResponse(error.body(), status_code=500)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(
+            request, APIError(500, f"internal error: {exc}", "internal_error", kind="server_error")
+        )
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -322,10 +393,10 @@ def _install_errors(app: FastAPI, max_body_bytes: int) -> None:
             error = too_large(
                 f"the request body has {length} bytes; this server takes at most {max_body_bytes}"
             )
-            return JSONResponse(error.body(), status_code=413)
+            return error_response(request, error)
         if request.method == "POST" and length is None:
             body = await request.body()
             if len(body) > max_body_bytes:
                 error = too_large(f"the request body is over this server's limit of {max_body_bytes} bytes")
-                return JSONResponse(error.body(), status_code=413)
+                return error_response(request, error)
         return await call_next(request)

@@ -7,7 +7,9 @@ import time
 import uuid
 from typing import Any
 
+from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import TokenLogprob
+from kvos.server.errors import APIError
 from kvos.server.protocol import chat_logprobs, legacy_logprobs
 from kvos.server.reply import ToolCallHold
 from kvos.server.schemas import SamplingFields
@@ -90,3 +92,35 @@ def from_outcome(
         }
         parts.append(f"data: {json.dumps(body)}\n\n")
     return "".join(parts)
+
+
+class ChunkStream:
+    """OpenAI's server-sent events for one completion: the role chunk, content chunks (text that may turn
+    out to be a tool call held back), the closing chunks (:func:`from_outcome`), ``data: [DONE]``; a
+    comment while a long prefill runs; an error object if it fails."""
+
+    keepalive = ": keep-alive\n\n"  # a comment: SSE parsers skip it
+    closes_with_done = True
+
+    def __init__(self, kind: str, model: str, req: SamplingFields, tools_offered: bool) -> None:
+        self.kind, self.model, self.req = kind, model, req
+        self.cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.hold = ToolCallHold(tools_offered)
+
+    def opening(self) -> str:
+        if self.kind != "chat":
+            return ""
+        return chunk(self.kind, self.cid, self.model, {"role": "assistant", "content": ""}, None)
+
+    def step(self, item: StreamEvent) -> str:
+        if not item.text and item.logprob is None:
+            return ""
+        text = self.hold.feed(item.text)
+        delta = {"content": text} if self.kind == "chat" else text
+        return chunk(self.kind, self.cid, self.model, delta, None, item.logprob)
+
+    def closing(self, outcome: Outcome) -> str:
+        return from_outcome(outcome, self.kind, self.cid, self.model, self.req, self.hold)
+
+    def error(self, error: APIError) -> str:
+        return f"data: {json.dumps(error.body())}\n\n"

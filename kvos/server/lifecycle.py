@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from fastapi import Request
 
 from kvos.engine.generate import StreamEvent
 from kvos.errors import PrefillCancelled
-from kvos.server.bodies import chunk, from_outcome
 from kvos.server.errors import APIError
 from kvos.server.registry import Entry
-from kvos.server.reply import ToolCallHold
-from kvos.server.schemas import ChatRequest, SamplingFields
 from kvos.server.service import Outcome
-from kvos.server.tools import plan_tools
 
 DONE = object()
 # Seconds without an event after which a stream sends an SSE comment: a long prefill (minutes on a CPU for
@@ -98,19 +93,39 @@ async def watch_disconnect(request: Request, cancel: threading.Event) -> None:
     cancel.set()
 
 
+class StreamForm(Protocol):
+    """How one API writes a stream's events (OpenAI's chunks, Anthropic's message events)."""
+
+    keepalive: str  # sent while nothing happens
+    closes_with_done: bool  # "data: [DONE]" after the last event (OpenAI)
+
+    def opening(self) -> str: ...
+    def step(self, item: StreamEvent) -> str: ...
+    def closing(self, outcome: Outcome) -> str: ...
+    def error(self, error: APIError) -> str: ...
+
+
+@dataclass(frozen=True)
+class ResponseForm:
+    """How one API writes a request's answer: a whole body, an error body, a stream's events."""
+
+    final: Callable[[Outcome], dict[str, Any]]
+    error: Callable[[APIError], dict[str, Any]]
+    stream: StreamForm
+
+
 async def sse(
     start: Callable[[Callable[[], None]], object],
     work: Callable[[], Generator[StreamEvent, None, Outcome]],
     cancel: threading.Event,
-    req: SamplingFields,
-    kind: str,
-    model: str,
+    form: StreamForm,
     record: RequestRecord,
 ) -> AsyncIterator[str]:
-    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains.
+    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains and
+    ``form`` writes.
 
-    While nothing happens (a long prefill) a comment goes out every :data:`KEEPALIVE_S` seconds, so that
-    clients that time out idle streams keep waiting.
+    While nothing happens (a long prefill) ``form.keepalive`` goes out every :data:`KEEPALIVE_S` seconds,
+    so that clients that time out idle streams keep waiting.
 
     The engine thread owns the request from start to end: it stops within one decode step once ``cancel``
     is set (the client went away: this coroutine is then closed or cancelled, and only sets the flag,
@@ -147,17 +162,15 @@ async def sse(
             record.log(getattr(exc, "status", 500), None)
             put(exc)
 
-    cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    hold = ToolCallHold(isinstance(req, ChatRequest) and bool(plan_tools(req).offered))
     start(produce)
     try:
-        if kind == "chat":
-            yield chunk(kind, cid, model, {"role": "assistant", "content": ""}, None)
+        if opening := form.opening():
+            yield opening
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
             except TimeoutError:
-                yield ": keep-alive\n\n"  # a comment: SSE parsers skip it
+                yield form.keepalive
                 continue
             if isinstance(item, BaseException):
                 error = (
@@ -165,15 +178,14 @@ async def sse(
                     if isinstance(item, APIError)
                     else APIError(500, str(item), "internal_error", kind="server_error")
                 )
-                yield f"data: {json.dumps(error.body())}\n\n"
+                yield form.error(error)
                 break
             if isinstance(item, tuple) and item[0] is DONE:
-                yield from_outcome(item[1], kind, cid, model, req, hold)
+                yield form.closing(item[1])
                 break
-            if item.text or item.logprob is not None:
-                text = hold.feed(item.text)
-                delta = {"content": text} if kind == "chat" else text
-                yield chunk(kind, cid, model, delta, None, item.logprob)
-        yield "data: [DONE]\n\n"
+            if text := form.step(item):
+                yield text
+        if form.closes_with_done:
+            yield "data: [DONE]\n\n"
     finally:
         cancel.set()  # no-op once the request is over (the entry has a fresh event by then)

@@ -1,9 +1,10 @@
-"""Fuzzing the HTTP API: schemathesis cases from the server's own OpenAPI schema for every endpoint, and
-random message lists on a live session, against a server built as ``kvos serve`` builds it (the built-in
-model, its defaults).
+"""Fuzzing the HTTP API: schemathesis cases from the server's own OpenAPI schema for every endpoint
+(Anthropic's ``/v1/messages`` among them), and random message lists on a live session, against a server
+built as ``kvos serve`` builds it (the built-in model, its defaults).
 
 What must hold for every request: no status >= 500 (nor a ``server_error`` event inside a stream); every
-rejection is an OpenAI-style error ``{"error": {"message", "type", "param", "code"}}``; a rejected request
+rejection is an OpenAI-style error ``{"error": {"message", "type", "param", "code"}}`` (under /v1/messages
+Anthropic's ``{"type": "error", "error": {"type", "message"}}``); a rejected request
 leaves every session exactly as it was (each branch's history token ids, the registry's entries), and the
 next valid request on the session is served and reuses its cached prompt.
 
@@ -36,8 +37,16 @@ from kvos.server.service import ChatService
 FULL = "KVOS_FUZZ_EXAMPLES" in os.environ
 SCHEMA_EXAMPLES = int(os.environ.get("KVOS_FUZZ_EXAMPLES", "150"))
 MESSAGE_EXAMPLES = int(os.environ.get("KVOS_FUZZ_EXAMPLES", "70"))
-GENERATION = ("/v1/chat/completions", "/v1/completions")
+GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens")
 ERROR_FIELDS = {"message", "type", "param", "code"}
+ANTHROPIC_ERROR_TYPES = {  # what Anthropic's API answers with below 500
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+}
 
 
 def fuzz_settings(examples: int) -> settings:
@@ -116,12 +125,42 @@ def check_stream(text: str) -> str | None:
     return code
 
 
-def check(status: int, content_type: str, text: str) -> str | None:
+def anthropic_error_type(status: int, content_type: str, text: str) -> str | None:
+    """The error type of a rejection under /v1/messages, after checking its body is Anthropic's shape."""
+    assert status < 500, f"server error {status}: {text[:500]}"
+    if status < 400:
+        return None
+    assert content_type.startswith("application/json"), f"{status} with {content_type}: {text[:200]}"
+    body = json.loads(text)
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+    assert body["error"]["type"] in ANTHROPIC_ERROR_TYPES, body
+    return str(body["error"]["type"])
+
+
+def check_anthropic_stream(text: str) -> str | None:
+    """A 200 stream of Anthropic's events: ``message_start`` first, then ``message_stop`` last or an error
+    event that is a client's error, never a server error."""
+    events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
+    assert events and events[0]["type"] == "message_start", text[:300]
+    if events[-1]["type"] == "error":
+        assert events[-1]["error"]["type"] in ANTHROPIC_ERROR_TYPES, events[-1]
+        return f"stream:{events[-1]['error']['type']}"
+    assert events[-1]["type"] == "message_stop", text[-300:]
+    return None
+
+
+def check(status: int, content_type: str, text: str, path: str = "") -> str | None:
     """A response's error code (None for a success), after checking it is no server error and that a
-    rejection is an OpenAI-style error."""
+    rejection is an error in the API's own shape (Anthropic's under /v1/messages, else OpenAI's)."""
+    anthropic = path.startswith("/v1/messages")
     if status == 200 and content_type.startswith("text/event-stream"):
-        return check_stream(text)
-    return error_code(status, content_type, text)
+        return check_anthropic_stream(text) if anthropic else check_stream(text)
+    return (
+        anthropic_error_type(status, content_type, text)
+        if anthropic
+        else error_code(status, content_type, text)
+    )
 
 
 Snapshot = dict[tuple[str, str], list[tuple[str, tuple[int, ...]]]]
@@ -176,7 +215,7 @@ def test_schema_fuzz(served: tuple[str, FastAPI], tally: Tally) -> None:
         r = case.call(base_url=root, session=http, timeout=120)
         what = f"{case.method.upper()} {case.path}"
         seen.add(what)
-        code = check(r.status_code, ",".join(r.headers.get("content-type", [])), r.text)
+        code = check(r.status_code, ",".join(r.headers.get("content-type", [])), r.text, case.path)
         tally.add(what, r.status_code, code)
         if r.status_code >= 400:
             assert snapshot(service) == before, f"{what} {r.status_code} changed a session"

@@ -89,7 +89,7 @@ class Block(BaseModel):
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: list[Block] | str  # the list first: a bad block's own error is the one reported
 
 
 class Tool(BaseModel):

@@ -1,0 +1,255 @@
+"""Anthropic's Messages API on ``kvos serve`` (its defaults, the built-in model), with the ``anthropic`` SDK
+as the client: whole and streamed messages, the async client, a tool round trip that reuses every token,
+stop sequences, token counting, errors in Anthropic's shape that leave sessions as they were, keys sent as
+``x-api-key``, and cache breakpoints that keep their prefix resident while unmarked chunks are paged out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from fastapi import FastAPI
+from server_harness import MODEL_NAME, running_app
+
+from kvos.builtin import MODEL_DIR
+from kvos.server.service import ChatService
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {  # a bounded string: the built-in model would fill an unbounded one to max_tokens
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    },
+}
+GREEDY = {"temperature": 0}  # the SDK's create() no longer takes temperature; clients still send it
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, FastAPI]]:
+    with running_app(MODEL_DIR) as (url, app):
+        yield url.removesuffix("/v1"), app
+
+
+def sdk(root: str, key: str = "none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=root, api_key=key, max_retries=0, timeout=120)
+
+
+def create(client: anthropic.Anthropic, session: str, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    return client.messages.create(
+        model=MODEL_NAME,
+        max_tokens=kw.pop("max_tokens", 12),
+        messages=messages,  # type: ignore[arg-type]
+        extra_headers={"X-Session-Id": session},
+        extra_body=kw.pop("extra_body", GREEDY),
+        **kw,
+    )
+
+
+def prompt_tokens(usage: Any) -> int:
+    return int(usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens)
+
+
+def history(service: ChatService, session: str) -> tuple[int, ...]:
+    with service.registry.cond:
+        entry = service.registry.entries[("local", session)]
+        return tuple(entry.branches[0].history.token_ids())
+
+
+def test_a_message_and_the_next_turn_reuse_the_cache(served: tuple[str, FastAPI]) -> None:
+    root, app = served
+    client = sdk(root)
+    first_turn = [{"role": "user", "content": "Please keep my shopping list: eggs, milk, bread."}]
+    first = create(client, "shop", first_turn)
+    assert first.type == "message" and first.role == "assistant" and first.model == MODEL_NAME
+    assert first.id.startswith("msg_") and first.stop_reason in ("end_turn", "max_tokens")
+    [block] = first.content
+    assert block.type == "text" and block.text
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.output_tokens > 0
+    stored = len(history(app.state.service, "shop"))  # the reply closed as the template closes a turn
+    assert prompt_tokens(first.usage) + first.usage.output_tokens < stored <= prompt_tokens(first.usage) + 12
+    messages = [
+        *first_turn,
+        {"role": "assistant", "content": block.text},
+        {"role": "user", "content": "Thanks."},
+    ]
+    second = create(client, "shop", messages)
+    assert second.usage.cache_read_input_tokens >= prompt_tokens(first.usage) + first.usage.output_tokens - 1
+    assert second.usage.input_tokens < 20  # only the new message (and the generation prompt) was decoded
+
+
+def test_the_stream_is_anthropics_event_sequence_and_the_same_text(served: tuple[str, FastAPI]) -> None:
+    root, _ = served
+    client = sdk(root)
+    messages = [{"role": "user", "content": "Tell me about the sea and its waves."}]
+    whole = create(client, "whole", messages, max_tokens=16)
+    kinds: list[str] = []
+    with client.messages.stream(
+        model=MODEL_NAME,
+        max_tokens=16,
+        messages=messages,  # type: ignore[arg-type]
+        extra_headers={"X-Session-Id": "streamed"},
+        extra_body=GREEDY,
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) <= {"content_block_delta", "text"}  # the SDK adds a "text" event per delta
+    assert final.content[0].text == whole.content[0].text  # greedy: the same reply
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_the_async_client(served: tuple[str, FastAPI]) -> None:
+    root, _ = served
+
+    async def two() -> list[Any]:
+        client = anthropic.AsyncAnthropic(base_url=root, api_key="none", max_retries=0, timeout=120)
+        ask = [
+            client.messages.create(
+                model=MODEL_NAME,
+                max_tokens=8,
+                messages=[{"role": "user", "content": f"Note number {i}: remember the colour blue."}],
+                extra_headers={"X-Session-Id": f"async-{i}"},
+            )
+            for i in range(2)
+        ]
+        return list(await asyncio.gather(*ask))
+
+    replies = asyncio.run(two())
+    assert all(r.type == "message" and r.usage.output_tokens > 0 for r in replies)
+
+
+def test_a_tool_round_trip_reuses_every_token(served: tuple[str, FastAPI]) -> None:
+    """A forced call comes back as a tool_use block; the next request carries it and its tool_result, and
+    kvos decodes only the result: what it stored for the call is what the client echoed."""
+    root, _ = served
+    client = sdk(root)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = create(
+        client,
+        "tools",
+        ask,
+        max_tokens=200,
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )
+    assert first.stop_reason == "tool_use"
+    [use] = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input, dict) and use.id
+    echoed = [b.model_dump(exclude_none=True, exclude={"citations", "caller"}) for b in first.content]
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 degrees."}
+    messages = [*ask, {"role": "assistant", "content": echoed}, {"role": "user", "content": [result]}]
+    second = create(client, "tools", messages, max_tokens=8, tools=[WEATHER])
+    assert second.usage.cache_read_input_tokens >= prompt_tokens(first.usage) + first.usage.output_tokens - 1
+    none = create(client, "tools-none", ask, max_tokens=8, tools=[WEATHER], tool_choice={"type": "none"})
+    assert none.stop_reason != "tool_use" and all(b.type == "text" for b in none.content)
+
+
+def test_stop_sequences_and_token_counts(served: tuple[str, FastAPI]) -> None:
+    root, _ = served
+    client = sdk(root)
+    messages = [{"role": "user", "content": "Hello there, who are you?"}]
+    free = create(client, "stop-free", messages, max_tokens=16)
+    text = free.content[0].text
+    word = text.split()[1]  # a word the greedy reply writes, not at its start
+    stopped = create(client, "stop-hit", messages, max_tokens=16, stop_sequences=[word, "zzzz"])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+    assert stopped.content[0].text == text[: text.index(word)]
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=messages)  # type: ignore[arg-type]
+    assert counted.input_tokens == prompt_tokens(free.usage)
+
+
+BAD_REQUESTS: list[tuple[dict[str, Any], int, str, str]] = [
+    ({"model": "claude-sonnet-4-5"}, 404, "not_found_error", "claude-sonnet-4-5"),
+    ({"max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
+    ({"messages": []}, 400, "invalid_request_error", "messages"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]},
+        400,
+        "invalid_request_error",
+        "image",
+    ),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking"),
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
+        400,
+        "invalid_request_error",
+        "nope",
+    ),
+    (
+        {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        400,
+        "invalid_request_error",
+        "web_search",
+    ),
+    ({"temperature": 1.5}, 400, "invalid_request_error", "temperature"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "kind", "named"), BAD_REQUESTS)
+def test_bad_requests_are_anthropic_errors_and_change_nothing(
+    served: tuple[str, FastAPI], change: dict[str, Any], status: int, kind: str, named: str
+) -> None:
+    root, app = served
+    service: ChatService = app.state.service
+    good = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "Remember this."}]}
+    r = httpx.post(f"{root}/v1/messages", json=good, headers={"X-Session-Id": "kept"}, timeout=60)
+    assert r.status_code == 200
+    before = history(service, "kept")
+    bad = httpx.post(
+        f"{root}/v1/messages", json={**good, **change}, headers={"X-Session-Id": "kept"}, timeout=60
+    )
+    body = bad.json()
+    assert bad.status_code == status and body["type"] == "error", body
+    assert body["error"]["type"] == kind and named in body["error"]["message"], body
+    assert history(service, "kept") == before
+
+
+def test_malformed_json_is_an_anthropic_error(served: tuple[str, FastAPI]) -> None:
+    root, _ = served
+    r = httpx.post(f"{root}/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_keys_as_anthropic_clients_send_them() -> None:
+    with running_app(MODEL_DIR, api_keys=["sk-local-1"]) as (url, _):
+        root = url.removesuffix("/v1")
+        reply = create(sdk(root, "sk-local-1"), "keyed", [{"role": "user", "content": "Hi."}], max_tokens=2)
+        assert reply.type == "message"
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            create(sdk(root, "sk-wrong"), "keyed", [{"role": "user", "content": "Hi."}], max_tokens=2)
+        assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+def test_a_cache_breakpoint_keeps_its_prefix_through_evictions() -> None:
+    """Under ``kvos serve --budget 256``: a system prompt and first message marked with cache_control stay
+    resident while later turns page older, unmarked chunks out; unmarked, the same prefix is paged out."""
+    with running_app(MODEL_DIR, budget=256) as (url, app):
+        root, service = url.removesuffix("/v1"), app.state.service
+        client = sdk(root)
+        for session, marked in (("marked", True), ("plain", False)):
+            hint = {"cache_control": {"type": "ephemeral"}} if marked else {}
+            system = [{"type": "text", "text": "You keep notes for the user. " * 6, **hint}]
+            first = {"role": "user", "content": [{"type": "text", "text": "My locker code is 4242.", **hint}]}
+            messages: list[dict[str, Any]] = [first]
+            for turn in range(5):
+                reply = create(client, session, messages, max_tokens=8, system=system)
+                messages += [
+                    {"role": "assistant", "content": reply.content[0].text},
+                    {"role": "user", "content": f"Note {turn}: " + "the river runs past the old mill. " * 10},
+                ]
+            with service.registry.cond:
+                chunks = service.registry.entries[("local", session)].branches[0].chunks.values()
+                first_two = sorted(chunks, key=lambda c: c.original_start)[:2]  # system prompt, first message
+                evicted = sum(not c.resident for c in chunks)
+            assert evicted > 0  # the session outgrew its budget
+            assert all(c.resident for c in first_two) == marked, [
+                (c.text[:30], c.resident) for c in first_two
+            ]

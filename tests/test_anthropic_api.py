@@ -98,7 +98,7 @@ def test_the_stream_is_anthropics_event_sequence_and_the_same_text(served: tuple
     ) as stream:
         for event in stream:
             kinds.append(event.type)
-        final = stream.get_final_message()
+        final: Any = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(kinds[2:-3]) <= {"content_block_delta", "text"}  # the SDK adds a "text" event per delta
@@ -145,7 +145,11 @@ def test_a_tool_round_trip_reuses_every_token(served: tuple[str, FastAPI]) -> No
     assert use.name == "get_weather" and isinstance(use.input, dict) and use.id
     echoed = [b.model_dump(exclude_none=True, exclude={"citations", "caller"}) for b in first.content]
     result = {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 degrees."}
-    messages = [*ask, {"role": "assistant", "content": echoed}, {"role": "user", "content": [result]}]
+    messages: list[dict[str, Any]] = [
+        *ask,
+        {"role": "assistant", "content": echoed},
+        {"role": "user", "content": [result]},
+    ]
     second = create(client, "tools", messages, max_tokens=8, tools=[WEATHER])
     assert second.usage.cache_read_input_tokens >= prompt_tokens(first.usage) + first.usage.output_tokens - 1
     none = create(client, "tools-none", ask, max_tokens=8, tools=[WEATHER], tool_choice={"type": "none"})

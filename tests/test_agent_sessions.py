@@ -367,7 +367,11 @@ def test_models_give_the_context_and_the_budget(default_url: str) -> None:
     [entry] = httpx.get(f"{default_url}/models", timeout=30).json()["data"]
     assert entry["id"] == MODEL_NAME
     assert entry["context_length"] == entry["max_model_len"] == CONTEXT
-    assert entry["kvos"] == {"budget_tokens": 768, "max_prompt_tokens": 1 << 20}  # kvos serve's defaults
+    assert entry["kvos"] == {
+        "budget_tokens": 768,
+        "max_prompt_tokens": 1 << 20,
+        "aliases": [],
+    }  # kvos serve's defaults
 
 
 def test_the_reference_systems_session_header_is_an_alias(default_url: str) -> None:

@@ -222,11 +222,18 @@ def test_malformed_json_is_an_anthropic_error(served: tuple[str, FastAPI]) -> No
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_keys_as_anthropic_clients_send_them() -> None:
-    with running_app(MODEL_DIR, api_keys=["sk-local-1"]) as (url, _):
+def test_keys_and_model_names_as_claude_code_sends_them() -> None:
+    """The key as ``x-api-key``; the model under a name given with ``--model-alias`` (Claude Code asks for
+    its own model names), which the response echoes."""
+    alias = "claude-sonnet-4-5"
+    with running_app(MODEL_DIR, "--model-alias", alias, api_keys=["sk-local-1"]) as (url, _):
         root = url.removesuffix("/v1")
         reply = create(sdk(root, "sk-local-1"), "keyed", [{"role": "user", "content": "Hi."}], max_tokens=2)
-        assert reply.type == "message"
+        assert reply.type == "message" and reply.model == MODEL_NAME
+        aliased = sdk(root, "sk-local-1").messages.create(
+            model=alias, max_tokens=2, messages=[{"role": "user", "content": "Hi."}]
+        )
+        assert aliased.model == alias
         with pytest.raises(anthropic.AuthenticationError) as caught:
             create(sdk(root, "sk-wrong"), "keyed", [{"role": "user", "content": "Hi."}], max_tokens=2)
         assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]

@@ -61,6 +61,7 @@ def create_app(
     latency = metrics.latency
     keys = Keys(api_keys, admin_keys)
     name = service.config.model_name
+    accepted = {name, *service.config.model_aliases}
 
     def identity(request: Request) -> Identity:
         """The request's key (set by the auth middleware before the body is even parsed)."""
@@ -119,6 +120,7 @@ def create_app(
             "kvos": {
                 "budget_tokens": service.manager.config.budget.max_active_tokens,  # active per session
                 "max_prompt_tokens": service.config.max_prompt_tokens,  # longer conversations are paged
+                "aliases": list(service.config.model_aliases),
             },
         }
         return {"object": "list", "data": [entry]}
@@ -157,7 +159,7 @@ def create_app(
         request: Request, req: ChatRequest | CompletionRequest, sid: str | None
     ) -> tuple[Entry, list[Span], ChatRequest | None]:
         who = owner(request)
-        if req.model != name:
+        if req.model not in accepted:
             raise unknown_model(req.model, name)
         probe = None if sid else await asyncio.to_thread(service.probe, req)
         entry = await asyncio.to_thread(service.registry.acquire, who, sid, probe)
@@ -276,9 +278,9 @@ def create_app(
                 return marked, anthropic.hit_stop(outcome, text, stops)
 
             return ResponseForm(
-                lambda outcome: anthropic.message_body(outcome, name, *finish(outcome)),
+                lambda outcome: anthropic.message_body(outcome, chat.model, *finish(outcome)),
                 anthropic.error_body,
-                anthropic.MessageStream(name, len(flatten(spans)), offered, finish),
+                anthropic.MessageStream(chat.model, len(flatten(spans)), offered, finish),
             )
 
         return form
@@ -299,7 +301,7 @@ def create_app(
         """The prompt's tokens as ``/v1/messages`` would render it (no session is touched)."""
         owner(request)
         chat = anthropic.to_chat(req, thinking_template)
-        if chat.model != name:
+        if chat.model not in accepted:
             raise unknown_model(chat.model, name)
         plan_tools(chat)
         ids = await asyncio.to_thread(service.probe, chat)

@@ -77,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the model id clients send (default: the pulled model's name, else the file or directory name)",
     )
     p.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model id accepted for this model (repeatable): e.g. the names Claude Code sends",
+    )
+    p.add_argument(
         "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"
     )
     p.add_argument("--port", type=int, default=8000)
@@ -285,6 +292,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         manager,
         ServiceConfig(
             model_name=name,
+            model_aliases=tuple(args.model_alias),
             max_sessions=args.max_sessions,
             session_ttl_s=args.session_ttl,
             busy_timeout_s=args.busy_timeout,

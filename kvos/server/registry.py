@@ -26,6 +26,7 @@ from kvos.session.session import Session
 @dataclass
 class ServiceConfig:
     model_name: str
+    model_aliases: tuple[str, ...] = ()  # other ids accepted for the model (--model-alias)
     max_sessions: int = 8  # sessions resident in the pool at once; the least recently used idle ones swap out
     session_ttl_s: float = 3600.0
     busy_timeout_s: float = 300.0  # how long a request waits for its busy session; 0: 409 at once

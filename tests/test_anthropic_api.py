@@ -6,6 +6,7 @@ stop sequences, token counting, errors in Anthropic's shape that leave sessions 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -264,3 +265,63 @@ def test_a_cache_breakpoint_keeps_its_prefix_through_evictions() -> None:
             assert all(c.resident for c in first_two) == marked, [
                 (c.text[:30], c.resident) for c in first_two
             ]
+
+
+def claude_code_body(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A request shaped as Claude Code 2.1 sends it (recorded; texts shortened): system blocks with cache
+    breakpoints, client tools, a mid-conversation system turn, adaptive thinking, effort, context
+    management, its whole output length as max_tokens, streamed."""
+    return {
+        "model": MODEL_NAME,
+        "max_tokens": 32000,
+        "stream": True,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Use the tools to help.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "tools": [WEATHER, {**WEATHER, "name": "Bash", "description": "Run a command."}],
+        "messages": messages,
+        "metadata": {"user_id": '{"device_id":"d1","session_id":"s1"}'},
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+    }
+
+
+def test_claude_codes_requests_are_served_and_continued(served: tuple[str, FastAPI]) -> None:
+    root, app = served
+    headers = {
+        "X-Claude-Code-Session-Id": "0b9c7f1e-cc21-4f8e-9d1e-2a4c6e8f0a1b",
+        "anthropic-version": "2023-06-01",
+    }
+    first_turn = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "<system-reminder>Today is Tuesday.</system-reminder>"},
+                {"type": "text", "text": "Fix the bug in calc.py.", "cache_control": {"type": "ephemeral"}},
+            ],
+        },
+        {"role": "system", "content": "Available agent types: claude, Explore."},
+    ]
+    url = f"{root}/v1/messages?beta=true"
+    r = httpx.post(url, json=claude_code_body(first_turn), headers=headers, timeout=120)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert (
+        r.status_code == 200 and events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    )
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    first = next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert first["output_tokens"] <= 4096  # max_tokens 32,000 was lowered to the server's limit, not refused
+    assert ("local", headers["X-Claude-Code-Session-Id"]) in app.state.service.registry.entries
+    more = [
+        *first_turn,
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "Run the tests."},
+    ]
+    r = httpx.post(url, json=claude_code_body(more), headers=headers, timeout=120)
+    second = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    usage = next(e for e in second if e["type"] == "message_delta")["usage"]
+    prompt = first["input_tokens"] + first["cache_creation_input_tokens"] + first["cache_read_input_tokens"]
+    assert usage["cache_read_input_tokens"] >= prompt + first["output_tokens"] - 1  # the --continue turn

@@ -87,8 +87,11 @@ class Block(BaseModel):
 
 
 class InputMessage(BaseModel):
+    """A turn; ``system`` turns inside the conversation (a beta Claude Code sends: instructions that arrive
+    mid-session) become system messages where they stand."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: list[Block] | str  # the list first: a bad block's own error is the one reported
 
 
@@ -240,15 +243,24 @@ def _tool_choice(choice: ToolChoice | None) -> tuple[Any, bool | None]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def to_chat(req: MessagesRequest, thinking_template: bool) -> ChatRequest:
+def to_chat(
+    req: MessagesRequest, thinking_template: bool, max_tokens_limit: int | None = None
+) -> ChatRequest:
     """The chat request ``req`` means. ``thinking_template``: the model's chat template has a thinking
-    switch (``enable_thinking``); without one, ``thinking`` enabled is a 400."""
+    switch (``enable_thinking``); without one, ``thinking`` enabled is a 400. ``max_tokens`` over
+    ``max_tokens_limit`` is lowered to it: Anthropic's clients ask for their model's whole output length
+    (Claude Code: 32,000) as a matter of course, and the reply is bounded by its room in the budget anyway."""
     system = req.system if isinstance(req.system, str) or req.system is None else _text(req.system)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     marked = len(messages) if _marked(req.system) or any(t.cache_control for t in req.tools or []) else 0
     for given in req.messages:
         blocks = [Block(type="text", text=given.content)] if isinstance(given.content, str) else given.content
-        messages += [_assistant(blocks)] if given.role == "assistant" else _user(blocks)
+        if given.role == "assistant":
+            messages.append(_assistant(blocks))
+        elif given.role == "system":
+            messages.append({"role": "system", "content": _text(blocks)})
+        else:
+            messages += _user(blocks)
         if _marked(given.content) or (req.cache_control is not None and given is req.messages[-1]):
             marked = len(messages)
     for message in messages[:marked]:
@@ -264,7 +276,7 @@ def to_chat(req: MessagesRequest, thinking_template: bool) -> ChatRequest:
     body: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
-        "max_tokens": req.max_tokens,
+        "max_tokens": req.max_tokens if max_tokens_limit is None else min(req.max_tokens, max_tokens_limit),
         "temperature": req.temperature,
         "stream": req.stream,
         "tools": [_function(t) for t in req.tools] if req.tools else None,

@@ -291,10 +291,13 @@ def create_app(
         request: Request,
         x_session_id: SessionHeader = None,
         x_evoke_session: SessionHeader = None,
+        x_claude_code_session_id: SessionHeader = None,
     ) -> Response:
-        """Anthropic's Messages API on the same sessions (:mod:`kvos.server.anthropic`)."""
-        chat = anthropic.to_chat(req, thinking_template)
-        return await respond(request, chat, "messages", x_session_id or x_evoke_session, anthropic_form(chat))
+        """Anthropic's Messages API on the same sessions (:mod:`kvos.server.anthropic`); Claude Code's own
+        session header names the session when no X-Session-Id does."""
+        chat = anthropic.to_chat(req, thinking_template, service.config.max_tokens_limit)
+        sid = x_session_id or x_evoke_session or x_claude_code_session_id
+        return await respond(request, chat, "messages", sid, anthropic_form(chat))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: anthropic.CountRequest, request: Request) -> dict[str, Any]:

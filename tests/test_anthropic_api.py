@@ -325,3 +325,42 @@ def test_claude_codes_requests_are_served_and_continued(served: tuple[str, FastA
     usage = next(e for e in second if e["type"] == "message_delta")["usage"]
     prompt = first["input_tokens"] + first["cache_creation_input_tokens"] + first["cache_read_input_tokens"]
     assert usage["cache_read_input_tokens"] >= prompt + first["output_tokens"] - 1  # the --continue turn
+
+
+def test_a_streamed_tool_call_is_a_tool_use_block_with_its_json(served: tuple[str, FastAPI]) -> None:
+    root, _ = served
+    client = sdk(root)
+    kinds: list[str] = []
+    deltas: list[str] = []
+    with client.messages.stream(
+        model=MODEL_NAME,
+        max_tokens=200,
+        messages=[{"role": "user", "content": "What is the weather in Rome?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_headers={"X-Session-Id": "streamed-tool"},
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                deltas.append(event.delta.partial_json)
+        final: Any = stream.get_final_message()
+    [use] = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and use.name == "get_weather"
+    assert json.loads("".join(deltas)) == use.input and isinstance(use.input["city"], str)
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+
+
+def test_thinking_follows_the_templates_switch() -> None:
+    """``thinking`` maps onto a template's ``enable_thinking`` (Qwen3's); adaptive leaves the default."""
+    from kvos.server.anthropic import MessagesRequest, to_chat
+
+    body = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "Hi"}]}
+    on = to_chat(MessagesRequest.model_validate({**body, "thinking": {"type": "enabled"}}), True)
+    off = to_chat(MessagesRequest.model_validate({**body, "thinking": {"type": "disabled"}}), True)
+    adaptive = to_chat(MessagesRequest.model_validate({**body, "thinking": {"type": "adaptive"}}), False)
+    assert on.chat_template_kwargs == {"enable_thinking": True}
+    assert off.chat_template_kwargs == {"enable_thinking": False}
+    assert adaptive.chat_template_kwargs is None
+    clipped = to_chat(MessagesRequest.model_validate({**body, "max_tokens": 32000}), False, 4096)
+    assert clipped.max_tokens == 4096

@@ -226,7 +226,7 @@ def test_malformed_json_is_an_anthropic_error(served: tuple[str, FastAPI]) -> No
 def test_keys_and_model_names_as_claude_code_sends_them() -> None:
     """The key as ``x-api-key``; the model under a name given with ``--model-alias`` (Claude Code asks for
     its own model names), which the response echoes."""
-    alias = "claude-sonnet-4-5"
+    alias = "claude-local"
     with running_app(MODEL_DIR, "--model-alias", alias, api_keys=["sk-local-1"]) as (url, _):
         root = url.removesuffix("/v1")
         reply = create(sdk(root, "sk-local-1"), "keyed", [{"role": "user", "content": "Hi."}], max_tokens=2)

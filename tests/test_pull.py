@@ -218,3 +218,16 @@ def test_cli_pull_and_list(entry: CatalogueEntry, index: str, capsys: pytest.Cap
     assert "already pulled (nothing to do)" in capsys.readouterr().out
     assert main(["pull", "--list"]) == 0
     assert f"{NAME}  0 MB  yes" in capsys.readouterr().out
+
+
+def test_built_models_live_under_kvos_home_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The random-weight models kvos builds sit beside the pulled ones: one directory, one variable."""
+    from kvos.model.random_init import cache_dir
+
+    monkeypatch.delenv("KVOS_CACHE", raising=False)
+    monkeypatch.setenv("KVOS_HOME", str(tmp_path / "home"))
+    assert cache_dir() == catalogue.kvos_home() == tmp_path / "home"
+    monkeypatch.setenv("KVOS_CACHE", str(tmp_path / "old"))
+    assert cache_dir() == tmp_path / "home"  # KVOS_HOME wins
+    monkeypatch.delenv("KVOS_HOME")
+    assert cache_dir() == tmp_path / "old"  # the former variable alone still works

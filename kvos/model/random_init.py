@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvos.errors import ConfigError
+from kvos.model.catalogue import kvos_home
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -56,8 +57,10 @@ CHATML = (
 
 
 def cache_dir() -> Path:
-    """Where kvos keeps models it builds: $KVOS_CACHE, else ~/.cache/kvos."""
-    return Path(os.environ.get("KVOS_CACHE") or Path.home() / ".cache" / "kvos")
+    """Where kvos keeps models it builds: beside the pulled ones, under ``$KVOS_HOME`` (else ~/.cache/kvos;
+    ``$KVOS_CACHE``, this directory's former variable, still works when ``KVOS_HOME`` is unset)."""
+    legacy = os.environ.get("KVOS_CACHE")
+    return kvos_home() if os.environ.get("KVOS_HOME") or not legacy else Path(legacy)
 
 
 def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:

@@ -423,7 +423,7 @@ class MessageStream:
             "stop_sequence": None,
             "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
         }
-        return event("message_start", {"message": message})
+        return event("message_start", {"message": message}) + self.keepalive  # a ping, as Anthropic's streams
 
     def _text(self, text: str) -> str:
         if not text:

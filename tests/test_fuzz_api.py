@@ -96,13 +96,21 @@ def served() -> Iterator[tuple[str, FastAPI]]:
         yield url.removesuffix("/v1"), app
 
 
-def error_code(status: int, content_type: str, text: str) -> str | None:
-    """The error code of a rejection, after checking its body is an OpenAI-style error."""
+def rejection(status: int, content_type: str, text: str) -> dict[str, Any] | None:
+    """The JSON body of a rejection (None for a success), after checking it is no server error."""
     assert status < 500, f"server error {status}: {text[:500]}"
     if status < 400:
         return None
     assert content_type.startswith("application/json"), f"{status} with {content_type}: {text[:200]}"
-    body = json.loads(text)
+    body: dict[str, Any] = json.loads(text)
+    return body
+
+
+def error_code(status: int, content_type: str, text: str) -> str | None:
+    """The error code of a rejection, after checking its body is an OpenAI-style error."""
+    body = rejection(status, content_type, text)
+    if body is None:
+        return None
     assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, body
     error = body["error"]
     assert isinstance(error["message"], str) and error["message"], body
@@ -127,11 +135,9 @@ def check_stream(text: str) -> str | None:
 
 def anthropic_error_type(status: int, content_type: str, text: str) -> str | None:
     """The error type of a rejection under /v1/messages, after checking its body is Anthropic's shape."""
-    assert status < 500, f"server error {status}: {text[:500]}"
-    if status < 400:
+    body = rejection(status, content_type, text)
+    if body is None:
         return None
-    assert content_type.startswith("application/json"), f"{status} with {content_type}: {text[:200]}"
-    body = json.loads(text)
     assert set(body) == {"type", "error"} and body["type"] == "error", body
     assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
     assert body["error"]["type"] in ANTHROPIC_ERROR_TYPES, body

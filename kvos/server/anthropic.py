@@ -425,17 +425,20 @@ class MessageStream:
         }
         return event("message_start", {"message": message}) + self.keepalive  # a ping, as Anthropic's streams
 
+    def _open_text(self) -> str:
+        """The text block's start, the first time (else nothing)."""
+        if self.text_open:
+            return ""
+        self.text_open = True
+        return event(
+            "content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}}
+        )
+
     def _text(self, text: str) -> str:
         if not text:
             return ""
-        start = ""
-        if not self.text_open:
-            self.text_open = True
-            block = {"index": self.index, "content_block": {"type": "text", "text": ""}}
-            start = event("content_block_start", block)
-        return start + event(
-            "content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}}
-        )
+        delta = {"index": self.index, "delta": {"type": "text_delta", "text": text}}
+        return self._open_text() + event("content_block_delta", delta)
 
     def step(self, item: StreamEvent) -> str:
         return self._text(self.hold.feed(item.text))
@@ -443,10 +446,8 @@ class MessageStream:
     def closing(self, outcome: Outcome) -> str:
         marked_tokens, stop_sequence = self.finish(outcome)
         parts = [self._text(self.hold.rest(outcome.text) if self.hold.active else "")]
-        if not self.text_open and not outcome.tool_calls:  # an empty reply is one empty text block
-            block = {"index": self.index, "content_block": {"type": "text", "text": ""}}
-            parts.append(event("content_block_start", block))
-            self.text_open = True
+        if not outcome.tool_calls:  # an empty reply is one empty text block
+            parts.append(self._open_text())
         if self.text_open:
             parts.append(event("content_block_stop", {"index": self.index}))
             self.index += 1

@@ -306,7 +306,6 @@ def create_app(
         chat = anthropic.to_chat(req, thinking_template)
         if chat.model not in accepted:
             raise unknown_model(chat.model, name)
-        plan_tools(chat)
         ids = await asyncio.to_thread(service.probe, chat)
         if ids is None:
             raise bad_request("the conversation cannot be rendered with this model's chat template")

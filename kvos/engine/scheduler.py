@@ -152,6 +152,7 @@ class Scheduler(Executor):
         future: Future[T] = Future()
 
         def run() -> None:
+            # The blocks and the turn go back before the future resolves, so whoever waits on it sees them free.
             try:
                 if not future.set_running_or_notify_cancel():
                     return
@@ -159,15 +160,19 @@ class Scheduler(Executor):
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:
-                    future.set_exception(exc)
+                    error: BaseException | None = exc
                 else:
-                    future.set_result(result)
+                    error = None
                 finally:
                     self._local.worker = None
                     self._back.release()  # the turn goes back for good
             finally:
                 if blocks:
                     self._unreserve(blocks)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
         if blocks == 0:
             self._pool.submit(run)

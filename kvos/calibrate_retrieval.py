@@ -39,7 +39,7 @@ from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
 from kvos.policy.chunks import Chunk
 from kvos.policy.digest import head_shares
-from kvos.session.config import RecoverySignal
+from kvos.session.config import SignalName
 from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.manager import MemoryManager
 from kvos.session.memory import SessionMemory
@@ -86,7 +86,7 @@ def calibration_session(
     chat: ChatSession,
     frac: float,
     max_tokens: int,
-    signal: RecoverySignal,
+    signal: SignalName,
     embedder: EmbedderName = DEFAULT_EMBEDDER,
 ) -> Session:
     """A kv_restore session for playing ``chat`` at ``frac`` of its size (as ``kvos bench recall`` sizes
@@ -123,7 +123,7 @@ def session_ranks(
             if ranks is not None:
                 found.append(ranks)
 
-    session.memory.queries_observer = watch
+    session.signal.queries_observer = watch
     try:
         play(session, chat, max_tokens)
         return (found[0] if found else None), session.pager.digest_layers, config.recovery_top_k

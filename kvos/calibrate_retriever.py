@@ -108,7 +108,7 @@ def session_features(
         flat = queries.reshape(queries.shape[0], -1)
         found.append(Probe(flat, [k.clone() for k in keys], torch.tensor(lexical), fact, exchange))
 
-    session.memory.recovery_observer = watch
+    session.signal.recovery_observer = watch
     try:
         play(session, chat, PROBE_TOKENS)
     finally:

@@ -85,7 +85,7 @@ def test_restores_go_in_front_of_the_first_chunk_of_the_message_still_resident()
     config = manager.engine.model.config
     queries = torch.randn(config.num_layers, 8, config.num_heads, config.head_dim)
     restores = s.memory.journal.count("restore")
-    s.memory.recover_attending(chunks, queries)
+    s.signal.after_message(chunks, queries)
     assert s.memory.journal.count("restore") > restores
     order = s.pager.order()
     tail = [c.chunk_id for c in chunks[1:]]

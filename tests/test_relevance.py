@@ -96,7 +96,7 @@ def test_a_capped_pool_keeps_the_packs_within_the_requests_reservation() -> None
     for growth, pack in ((None, None), (GrowthPolicy(max_bytes=64 << 20), 160)):
         manager = MemoryManager(Engine(load_model(path), growth=growth), load_tokenizer(path))
         session = manager.session(config=config)
-        assert session.memory.answer is not None and session.memory.answer.pack_tokens == pack
+        assert session.signal.answer is not None and session.signal.answer.pack_tokens == pack
 
 
 def test_null_answer_stops_after_an_end_of_turn_token(model_dir: Path) -> None:

@@ -37,6 +37,7 @@ from kvos.policy.retriever import Retriever, find_retriever, retriever_path
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import HiddenStateEmbedder, TokenEmbedder
 from kvos.session.manager import MemoryManager
+from kvos.session.recovery.learned import learned_scores
 
 
 def random_retriever(
@@ -277,17 +278,17 @@ def test_the_learned_signal_brings_back_a_fact_without_shared_words() -> None:
 
     s.engine.model.forward_batch = counted  # type: ignore[method-assign]
     during: list[int] = []
-    real_recover = s.memory.recover_similar
+    real_recover = s.signal.before_message
 
     def recover(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
         before = passes
-        scores = s.memory._learned_scores(ids)
+        scores = learned_scores(s.memory, ids)
         best = max(scores, key=lambda i: scores[i])
         assert s.chunks[best].message_index in (fact[0].message_index, fact[0].message_index + 1)
         real_recover(ids, *args, **kwargs)
         during.append(passes - before)
 
-    s.memory.recover_similar = recover  # type: ignore[method-assign]
+    s.signal.before_message = recover  # type: ignore[method-assign]
     question = s.add_message("user", "What is my job?")
     assert during == [0]  # scoring and restoring: no forward pass
     events = [e for e in s.memory.journal.events if e["turn"] == s.history.turn]
@@ -307,12 +308,12 @@ def test_chunks_without_codes_are_coded_from_the_pool_and_the_store() -> None:
     path = builtin_model_path()
     manager, s, _ = buried_fact_session("learned", check=False, retriever=find_retriever(path))
     ids = s.tokenizer.encode("<|im_start|>user\nWhat is my job?<|im_end|>\n")
-    before = s.memory._learned_scores(ids)
+    before = learned_scores(s.memory, ids)
     states = {c.state for c in s.chunks.values() if c.chunk_id in before}
     assert states == {ChunkState.SAVED, ChunkState.RESIDENT}  # both kinds of candidate
     for c in s.chunks.values():
         c.key_code = None
-    after = s.memory._learned_scores(ids)
+    after = learned_scores(s.memory, ids)
     assert after.keys() == before.keys()
     for chunk_id, score in before.items():
         assert abs(after[chunk_id] - score) < 1e-2 * max(1.0, abs(score))

@@ -34,10 +34,11 @@ from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
-from kvos.session.config import SIGNALS, SessionConfig
+from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.journal import cost_medians
 from kvos.session.manager import MemoryManager
+from kvos.session.recovery import SIGNALS
 from kvos.session.strategies import STRATEGIES, strategy
 
 FRACTIONS = (0.25, 0.5, 1.0)

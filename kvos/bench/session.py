@@ -40,8 +40,9 @@ from kvos.model.random_init import ensure_random_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever
-from kvos.session.config import SIGNALS, SessionConfig
+from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
+from kvos.session.recovery import SIGNALS
 from kvos.session.session import Session
 
 DEFAULT_MODEL = "tiny"

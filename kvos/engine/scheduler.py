@@ -152,7 +152,7 @@ class Scheduler(Executor):
         future: Future[T] = Future()
 
         def run() -> None:
-            # The blocks and the turn go back before the future resolves, so whoever waits on it sees them free.
+            # the blocks and the turn go back before the future resolves: whoever waits on it sees them free
             try:
                 if not future.set_running_or_notify_cancel():
                     return

@@ -26,9 +26,10 @@ from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever, retriever_path
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
-from kvos.session.config import SIGNALS, SessionConfig
+from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.manager import MemoryManager
+from kvos.session.recovery import SIGNALS
 
 if TYPE_CHECKING:
     import uvicorn

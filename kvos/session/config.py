@@ -13,9 +13,9 @@ from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import Scorer
 from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.pager import Backend, PositionMode
+from kvos.session.recovery import RecoverySignal, signal_class
 
-RecoverySignal = Literal["auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid"]
-SIGNALS: tuple[str, ...] = ("auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid")
+SignalName = Literal["auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid"]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class SessionConfig:
     attention_mode: str = "ewma"
     capture_layers: tuple[int, ...] | None = None
     embedder: EmbedderName = DEFAULT_EMBEDDER
-    recovery_signal: RecoverySignal = "auto"
+    recovery_signal: SignalName = "auto"
     retriever: Retriever | None = None
     recovery_candidates: int = 32
     recovery_shortlist: int = 4
@@ -85,12 +85,7 @@ class SessionConfig:
                 f"max_active_tokens ({self.budget.max_active_tokens}) must hold at least two chunks of "
                 f"chunk_tokens ({self.chunk_tokens}): lower chunk_tokens or raise the budget"
             )
-        if self.recovery_signal not in SIGNALS:
-            raise ConfigError(
-                f"recovery_signal must be one of {', '.join(SIGNALS)}, got {self.recovery_signal!r}"
-            )
-        if self.recovery_signal == "learned" and self.retriever is None:
-            raise ConfigError("the learned recovery signal needs a retriever (kvos calibrate --retriever)")
+        _ = self.signal_class  # validates the signal (and that it has the retriever it needs)
         if self.retrieval_heads is not None and not self.retrieval_heads:
             raise ConfigError("retrieval_heads must name at least one (layer, head), or be None")
         if self.query_window < 1:
@@ -98,14 +93,15 @@ class SessionConfig:
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode
 
     @property
+    def signal_class(self) -> type[RecoverySignal]:
+        """The class of the recovery signal in use (:func:`~kvos.session.recovery.signal_class`): "auto" is
+        "learned" with a ``retriever``, else "lexical". ConfigError for "learned" without a retriever."""
+        return signal_class(self.recovery_signal, self.retriever)
+
+    @property
     def signal(self) -> str:
-        """The recovery signal in use: ``recovery_signal`` with "auto" resolved ("learned" with a
-        ``retriever``, else "lexical"). ConfigError for "learned" without a retriever."""
-        if self.recovery_signal == "auto":
-            return "learned" if self.retriever is not None else "lexical"
-        if self.recovery_signal == "learned" and self.retriever is None:
-            raise ConfigError("the learned recovery signal needs a retriever (kvos calibrate --retriever)")
-        return self.recovery_signal
+        """The name of the recovery signal in use ("auto" resolved)."""
+        return self.signal_class.name
 
     def min_similarity(self) -> float:
         """``recovery_min_similarity``, or the signal's default, measured on the recall benchmark: 0.3
@@ -113,10 +109,7 @@ class SessionConfig:
         "lexical", the retriever's calibrated threshold for "learned"."""
         if self.recovery_min_similarity is not None:
             return self.recovery_min_similarity
-        if self.signal == "learned":
-            assert self.retriever is not None
-            return self.retriever.threshold
-        return {"answer": 0.3, "embedding": 0.2, "lexical": 0.1, "attention": 0.0, "hybrid": 0.3}[self.signal]
+        return self.signal_class.default_bar(self.retriever)
 
     def peak_blocks(self, block_size: int) -> int:
         """An estimate of the most pool blocks (of ``block_size`` tokens) one request on a session of this
@@ -126,14 +119,13 @@ class SessionConfig:
         message, packed into forward passes of at most a budget's blocks when the pool is capped), and two
         blocks for the partly filled ends."""
         budget = -(-self.budget.max_active_tokens // block_size)
-        scratch = budget if self.signal in ("answer", "hybrid") else 0
+        scratch = budget if self.signal_class.scratch else 0
         return 2 * budget + scratch + 2
 
     @property
     def uses_digests(self) -> bool:
         """Whether recovery reads key digests and the new message's queries."""
-        hybrid_digests = self.signal == "hybrid" and self.retriever is None  # with one: the learned shortlist
-        return (self.signal == "attention" or hybrid_digests) and self.backend != "discard"
+        return self.signal_class.digests and self.backend != "discard"
 
     def digest_layers(self, num_layers: int) -> tuple[int, ...]:
         """The layers of the key digests and tapped queries: ``key_digest_layers``, else the layers of the

@@ -3,8 +3,10 @@
 Holds the policy state of a session besides its :class:`History` (task focus, attention tracker, journal).
 What to page out is decided by the pure functions of :mod:`kvos.policy.planner` on a :class:`Snapshot` of
 the session; this class takes the snapshots, carries the plans out through the session's :class:`Pager`
-and logs them. Pool capacity is asked for before an operation takes blocks (:meth:`reserve`), never
-discovered by catching a failed allocation.
+and logs them. Which chunks deserve to come back is the session's recovery signal's to say
+(:mod:`kvos.session.recovery`); this class brings them back (:meth:`SessionMemory.bring_back`). Pool
+capacity is asked for before an operation takes blocks (:meth:`reserve`), never discovered by catching a
+failed allocation.
 """
 
 from __future__ import annotations
@@ -22,25 +24,13 @@ from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import ChunkLexicon, overlap
 from kvos.policy.planner import Eviction, Snapshot, affordable, plan_room, pressure_victim
-from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import ScoreContext
-from kvos.policy.signals import cosine
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import Embedder
 from kvos.session.history import History
 from kvos.session.journal import Journal, TurnCosts
 from kvos.session.pager import Pager
-from kvos.session.queries import QueryTap
-from kvos.session.relevance import AnswerContrast
-from kvos.session.units import (
-    Unit,
-    bounded,
-    by_message,
-    exchange_units,
-    in_order,
-    unit_groups,
-    unit_texts,
-)
+from kvos.session.units import Unit, unit_groups
 
 
 class SessionMemory:
@@ -53,24 +43,17 @@ class SessionMemory:
         history: History,
         pager: Pager,
         relieve: Callable[[SessionMemory], bool] | None = None,
-        answer: AnswerContrast | None = None,
         embed: Embedder | None = None,
     ) -> None:
-        """``answer``: the scorer of the "answer" recovery signal (without one, that signal is lexical).
-        ``embed``: embeds a chunk's tokens when its embedding is first needed (:meth:`embedding_of`)."""
+        """``embed``: embeds a chunk's tokens when its embedding is first needed (:meth:`embedding_of`)."""
         self.session_id, self.config, self.history, self.pager = session_id, config, history, pager
-        self.relieve, self.answer, self.embed = relieve, answer, embed
+        self.relieve, self.embed = relieve, embed
         self.chunks: dict[int, Chunk] = history.chunks
         self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
         self.focus = TaskFocus()
         self.journal = Journal()
         self.costs = TurnCosts()
         self.lexicon = ChunkLexicon()  # the lexical signal's IDF over self.chunks, kept up to date
-        # called with the message's chunks and its tapped queries before the "attention" signal scores
-        # (kvos calibrate --retrieval watches the probe turns)
-        self.queries_observer: Callable[[list[Chunk], torch.Tensor], None] | None = None
-        # called with a new user message's token ids before similarity recovery (kvos calibrate --retriever)
-        self.recovery_observer: Callable[[list[int]], None] | None = None
 
     # ------------------------------------------------------------------ budget
     def score_context(self) -> ScoreContext:
@@ -169,38 +152,7 @@ class SessionMemory:
             raise self.pager.engine.pool.out_of_memory(self.pager.blocks_for(tokens, into))
 
     # ---------------------------------------------------------------- recovery
-    def recover_similar(self, ids: list[int], query: torch.Tensor, incoming_locked: int = 0) -> None:
-        """Bring back the saved (or breadcrumbed) chunks most similar to the new user message ``ids``
-        (embedded as ``query``), best last. ``incoming_locked``: tokens of the new message that will stay
-        locked (a pinned message), so the recovered chunks leave room for them.
-
-        With the "answer" signal the unit is an exchange (:func:`~kvos.session.units.exchange_units`),
-        not a message (a message's chunks come back together either way), resident exchanges compete
-        too, and a chosen exchange's resident chunks are protected for the turn, so making room for the
-        new message cannot page out what its answer needs (nor half of an exchange brought back)."""
-        if self.recovery_observer is not None:
-            self.recovery_observer(ids)
-        if self.config.backend == "discard" or self.config.recovery_top_k == 0:
-            return
-        if not any(self._recoverable(c) for c in self.chunks.values()):
-            return
-        signal = self.config.signal
-        exchanges = signal in ("answer", "hybrid", "learned")
-        eligible = self._eligible if exchanges else self._recoverable
-        unit = exchange_units(self.chunks.values()) if exchanges else by_message
-        if signal in ("answer", "hybrid"):  # a forward pass over each candidate: long messages go in parts
-            unit = bounded(unit, self.chunks.values(), self._answer_span())
-        candidates = [c for c in self.chunks.values() if eligible(c)]
-        similarity = self._similarity(ids, query, unit)
-        sims = {c.chunk_id: s for c in candidates if (s := similarity(c)) is not None}
-        bar = self.config.min_similarity()
-        if self.config.recovery_bar:
-            sinks = self.config.sink_count
-            resident = [c for c in self.chunks.values() if c.resident and not c.is_sink(sinks)]
-            bar = max([bar, *(s for c in resident if (s := similarity(c)) is not None)])
-        self._bring_back(sims, bar, eligible, unit, incoming_locked)
-
-    def _bring_back(
+    def bring_back(
         self,
         sims: dict[int, float],
         bar: float,
@@ -209,8 +161,10 @@ class SessionMemory:
         incoming_locked: int = 0,
         before: list[int] | None = None,
     ) -> None:
-        """Recover the best units of the chunks scoring above ``bar`` (see :meth:`recover_similar`): the
-        best last, at the end of the cache or in front of the first chunk of ``before`` still resident."""
+        """Recover the best units (per ``unit``, of the ``eligible`` chunks) of the chunks whose score in
+        ``sims`` (chunk id -> score) is above ``bar``, as many as :meth:`_affordable` lets come back: the
+        best last, at the end of the cache or in front of the first chunk of ``before`` still resident. A
+        chosen unit's resident chunks are protected for the turn."""
         ranked = sorted((i for i, s in sims.items() if s > bar), key=lambda i: sims[i], reverse=True)
         groups = unit_groups(self.chunks, ranked, eligible, unit)  # with an exchange, its resident chunks
         for best, group in reversed(self._affordable(groups, incoming_locked)):
@@ -221,28 +175,7 @@ class SessionMemory:
                 elif not self.recover(chunk, similarity=round(sims[best], 4), matched=best, before=before):
                     return
 
-    def recover_attending(self, message: list[Chunk], queries: torch.Tensor) -> None:
-        """The "attention" signal, after the new user message (``message``, resident) was prefilled: bring
-        back the exchanges its queries would attend to most, by their chunks' key digests (saved chunks keep
-        theirs; resident ones are read from the pool), each spliced in front of the message (whose keys then
-        move up: it was computed without them, the reply that follows sees both).
-
-        queries: float32 ``[layers, n, heads, head_dim]`` of the message's last tokens at
-        ``pager.digest_layers``, rotated back to position 0."""
-        if self.config.backend == "discard" or self.config.recovery_top_k == 0 or not message:
-            return
-        if self.queries_observer is not None:
-            self.queries_observer(message, queries)
-        mine = {c.chunk_id for c in message}
-        self.history.protected |= mine
-        if not any(self._recoverable(c) and c.digest is not None for c in self.chunks.values()):
-            return
-        sims = self._attention_shares(queries, exclude=mine)
-        bar = self.config.min_similarity()
-        unit = exchange_units(self.chunks.values())
-        self._bring_back(sims, bar, self._eligible, unit, before=[c.chunk_id for c in message])
-
-    def _attention_shares(
+    def attention_shares(
         self, queries: torch.Tensor, exclude: frozenset[int] | set[int] = frozenset()
     ) -> dict[int, float]:
         """Chunk id -> :func:`~kvos.policy.digest.attention_shares` of ``queries`` (float32 ``[layers, n,
@@ -264,7 +197,7 @@ class SessionMemory:
         and holdable resident ones (their digest read from the pool), but ``exclude``."""
         digests: dict[int, KeyDigest] = {}
         for c in self.chunks.values():
-            if c.chunk_id in exclude or not self._eligible(c):
+            if c.chunk_id in exclude or not self.eligible(c):
                 continue
             if c.resident:
                 digests[c.chunk_id] = self.pager.digest(c)
@@ -272,9 +205,9 @@ class SessionMemory:
                 digests[c.chunk_id] = c.digest
         return digests
 
-    def _eligible(self, chunk: Chunk) -> bool:
-        """A candidate of the answer signal: recoverable, or resident and holdable."""
-        return self._recoverable(chunk) or self._holdable(chunk)
+    def eligible(self, chunk: Chunk) -> bool:
+        """A candidate of a signal whose units are exchanges: recoverable, or resident and holdable."""
+        return self.recoverable(chunk) or self._holdable(chunk)
 
     def _holdable(self, chunk: Chunk) -> bool:
         """Resident and free to page out: neither a sink, nor pinned, nor protected this turn."""
@@ -285,58 +218,17 @@ class SessionMemory:
             and chunk.chunk_id not in self.history.protected
         )
 
-    def _similarity(self, ids: list[int], query: torch.Tensor, unit: Unit) -> Callable[[Chunk], float | None]:
-        """How a chunk is compared with the new message: by the model's answer ("answer", per ``unit``;
-        lexical for this turn if the pool has no room for its scratch passes), IDF-weighted token overlap
-        over the session's chunks ("lexical") or the cosine of the embeddings ("embedding"; None without an
-        embedding). None: not a candidate."""
-        signal = self.config.signal
-        if signal == "learned":
-            learned = self._learned_scores(ids)
-            return lambda c: learned.get(c.chunk_id)
-        if signal in ("answer", "hybrid") and self.answer is not None:
-            scores = self._answer_scores(ids, unit)
-            if scores is not None:
-                return lambda c: scores.get(unit(c))
-            signal = "lexical"
-        if signal in ("lexical", "answer", "hybrid"):
-            weights = self.lexical_weights(ids)
-            return lambda c: overlap(weights, self.lexicon.tokens(c))
-
-        def similarity(chunk: Chunk) -> float | None:
-            embedding = self.embedding_of(chunk)
-            return None if embedding is None else cosine(query, embedding)
-
-        return similarity
-
     def lexical_weights(self, ids: list[int]) -> dict[int, float]:
         """The new message ``ids``'s token weights for the lexical score (:func:`overlap` with a chunk's
         distinct tokens, :meth:`ChunkLexicon.tokens`), from the IDF over every chunk of the session."""
         return self.lexicon.sync(self.chunks).weights(ids)
-
-    def _learned_scores(self, ids: list[int]) -> dict[int, float]:
-        """The "learned" signal: chunk id -> :class:`~kvos.policy.retriever.Retriever` score of every
-        candidate chunk (:meth:`learned_candidates`) for the new message ``ids``: its last
-        ``query_window`` tokens' projected layer-0 queries come from the retriever's per-token table."""
-        retriever = self.config.retriever
-        assert retriever is not None
-        with torch.no_grad():
-            return self._learned_scores_of(retriever, ids)
-
-    def _learned_scores_of(self, retriever: Retriever, ids: list[int]) -> dict[int, float]:
-        chunks, codes, lexical = self.learned_candidates(ids)
-        if not chunks:
-            return {}
-        queries = retriever.token_queries(self.pager.engine.model, ids[-self.config.query_window :])
-        scores = retriever.combine(retriever.scores(queries, codes), torch.tensor(lexical))
-        return dict(zip((c.chunk_id for c in chunks), scores.tolist(), strict=True))
 
     def learned_candidates(self, ids: list[int]) -> tuple[list[Chunk], list[torch.Tensor], list[float]]:
         """What the "learned" signal reads of the session for the new message ``ids``: the candidate
         chunks (recoverable, or resident and holdable, with K/V to score: a discarded chunk has none), each
         one's key code (:meth:`Pager.key_codes`) and lexical score. ``kvos calibrate --retriever`` reads
         the same with an identity retriever (codes that are the raw keys)."""
-        chunks = [c for c in self.chunks.values() if self._eligible(c) and c.token_ids] if ids else []
+        chunks = [c for c in self.chunks.values() if self.eligible(c) and c.token_ids] if ids else []
         if not chunks:
             return [], [], []
         coded = [
@@ -348,96 +240,6 @@ class SessionMemory:
         kept = [c for c, _ in coded]
         return kept, [code for _, code in coded], [overlap(weights, self.lexicon.tokens(c)) for c in kept]
 
-    def _answer_scores(self, ids: list[int], unit: Unit) -> dict[int, float] | None:
-        """unit (an exchange, :func:`~kvos.session.units.exchange_units`, or a chunk of a longer one: see
-        :func:`~kvos.session.units.bounded`) -> :class:`AnswerContrast` score of its whole text against the
-        new message's last :meth:`_answer_span` tokens, for the units with a recoverable or holdable chunk,
-        at most ``recovery_candidates`` of them (the lexically closest, then the most recent; with the
-        "hybrid" signal a shortlist: :meth:`_hybrid_scores`), or None when the pool cannot hold the scratch
-        passes."""
-        assert self.answer is not None
-        texts = unit_texts(self.chunks.values(), unit)
-        wanted = {unit(c) for c in self.chunks.values() if self._eligible(c)}
-        candidates = {u: texts[u] for u in sorted(wanted)}
-        cap = self.config.recovery_candidates
-        prefix = self._sink_tokens()
-        query = ids[-self._answer_span() :]  # a pasted file: its end, where the question is
-        scratch = self.answer.scratch_tokens(prefix, query, candidates.values())
-        if not self.pager.engine.pool.can_allocate(-(-scratch // self.pager.engine.pool.layout.block_size)):
-            self.journal.log(self.history.turn, "answer_signal_skipped", reason="pool_full")
-            return None
-        if self.config.signal == "hybrid" and self.config.retriever is not None:
-            return self._learned_shortlist_scores(ids, prefix, query, unit, candidates)
-        if self.config.signal == "hybrid":
-            return self._hybrid_scores(prefix, query, unit, candidates)
-        if len(candidates) > cap:
-            weights = self.lexical_weights(ids)
-            lexical = {u: overlap(weights, frozenset(tokens)) for u, tokens in candidates.items()}
-            kept = sorted(candidates, key=lambda u: (lexical[u], u), reverse=True)[:cap]
-            candidates = {u: candidates[u] for u in kept}
-        return self.answer.scores(prefix, query, candidates)
-
-    def _hybrid_scores(
-        self, prefix: list[int], query: list[int], unit: Unit, candidates: dict[int, list[int]]
-    ) -> dict[int, float]:
-        """The "hybrid" signal: the null answer's scratch pass (the sinks ``prefix``, the new message's
-        ``query`` tokens, the generation prompt, the answer) taps its queries; the units its queries would
-        attend to most (by key digests) and the lexically closest form a shortlist, and only those are
-        scored by the answer signal (one forward pass each). unit -> nats."""
-        assert self.answer is not None
-        tap = QueryTap(self.pager.digest_layers, self.pager.engine.model.rope)
-        answer = self.answer.null_answer(self.answer.base(prefix, query), tap)
-        sims = self._attention_shares(tap.take(self.config.query_window))
-        shortlist = self._shortlist(query, sims, unit, set(candidates))
-        chosen = {u: candidates[u] for u in sorted(shortlist)}
-        return self.answer.scores(prefix, query, chosen, answer=answer)
-
-    def _learned_shortlist_scores(
-        self,
-        ids: list[int],
-        prefix: list[int],
-        query: list[int],
-        unit: Unit,
-        candidates: dict[int, list[int]],
-    ) -> dict[int, float]:
-        """The "hybrid" signal with a retriever: the ``recovery_shortlist`` units the learned signal scores
-        best (no forward pass) are scored by the answer signal (their passes packed). unit -> nats."""
-        assert self.answer is not None
-        best: dict[int, float] = {}
-        for chunk_id, score in self._learned_scores(ids).items():
-            key = unit(self.chunks[chunk_id])
-            if key in candidates:
-                best[key] = max(best.get(key, float("-inf")), score)
-        shortlist = sorted(best, key=lambda k: (best[k], k), reverse=True)[: self.config.recovery_shortlist]
-        return self.answer.scores(prefix, query, {u: candidates[u] for u in sorted(shortlist)})
-
-    def _sink_tokens(self) -> list[int]:
-        sinks = self.config.sink_count
-        return [
-            t for c in in_order(self.chunks.values()) if c.resident and c.is_sink(sinks) for t in c.token_ids
-        ]
-
-    def _shortlist(self, ids: list[int], shares: dict[int, float], unit: Unit, units: set[int]) -> set[int]:
-        """The ``units`` the "hybrid" signal asks the model about: the ``recovery_shortlist`` best by their
-        chunks' attention ``shares`` and as many best by lexical overlap with the new message ``ids``."""
-        by_attention: dict[int, float] = dict.fromkeys(units, 0.0)
-        for chunk_id, share in shares.items():
-            key = unit(self.chunks[chunk_id])
-            if key in units:
-                by_attention[key] = max(by_attention[key], share)
-        weights = self.lexical_weights(ids)
-        texts = unit_texts(self.chunks.values(), unit)
-        by_words = {key: overlap(weights, frozenset(texts[key])) for key in units}
-        m = self.config.recovery_shortlist
-        best = (sorted(s, key=lambda k: (s[k], k), reverse=True)[:m] for s in (by_attention, by_words))
-        return set().union(*best)
-
-    def _answer_span(self) -> int:
-        """The most tokens the answer signal reads of one candidate, and of the new message: the budget
-        (a larger unit cannot come back whole) and at most 4 chunks, so a turn's scoring stays bounded
-        (at most ``recovery_candidates`` passes of at most three such spans) whatever the messages' size."""
-        return min(self.config.budget.max_active_tokens, 4 * self.config.chunk_tokens)
-
     def _affordable(
         self, groups: list[tuple[int, list[int]]], incoming_locked: int = 0
     ) -> list[tuple[int, list[int]]]:
@@ -448,7 +250,7 @@ class SessionMemory:
         room = self.config.budget.max_active_tokens - self.config.chunk_tokens - locked - incoming_locked
         return affordable(groups, self.chunks, room, self.config.recovery_top_k)
 
-    def _recoverable(self, chunk: Chunk) -> bool:
+    def recoverable(self, chunk: Chunk) -> bool:
         if chunk.state is ChunkState.SAVED:
             return True
         return chunk.state is ChunkState.DISCARDED and self.config.backend != "discard"

@@ -80,18 +80,19 @@ class Session:
             else:
                 store = ChunkStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.history.chunks)
+        signal = config.signal_class
         answer = None
-        signal = config.signal
-        if signal in ("answer", "hybrid"):
+        if signal.scratch:
             capped = engine.pool.growth.max_bytes is not None  # then packs stay within the reservation
             pack = config.budget.max_active_tokens if capped else None
             answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids, pack_tokens=pack)
         self.embed = make_embedder(config.embedder, engine)
-        self.memory = SessionMemory(session_id, config, self.history, self.pager, relieve, answer, self.embed)
+        self.memory = SessionMemory(session_id, config, self.history, self.pager, relieve, self.embed)
+        self.signal = signal(self.memory, answer)  # similarity recovery's scorer, chosen once
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
         self.pager.digest_layers = tapped
-        self.queries = QueryTap(tapped if signal == "attention" else (), engine.model.rope)
-        if signal == "learned" or (signal == "hybrid" and config.retriever is not None):
+        self.queries = QueryTap(tapped if signal.taps_message else (), engine.model.rope)
+        if signal.needs_retriever:
             assert config.retriever is not None
             c = engine.model.config
             config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
@@ -179,7 +180,7 @@ class Session:
         costs.begin_turn()
         began = time.perf_counter()
         if not tap.wanted:
-            self.memory.recover_similar(ids, query, locked)
+            self.signal.before_message(ids, query, locked)
         costs.add(recovery_s=time.perf_counter() - began - costs.restore_s)
         if self.memory.focus.update(query, boundary=boundary):
             self.memory.journal.log(self.history.turn, "focus", snapped=True)
@@ -188,7 +189,7 @@ class Session:
         costs.add(prefill_s=time.perf_counter() - began)
         if tap.wanted:
             began, restored = time.perf_counter(), costs.restore_s
-            self.memory.recover_attending(chunks, tap.take(self.config.query_window))
+            self.signal.after_message(chunks, tap.take(self.config.query_window))
             costs.add(recovery_s=time.perf_counter() - began - (costs.restore_s - restored))
             if costs.restore_s > restored:  # chunks came in front of the message, computed without them
                 began = time.perf_counter()

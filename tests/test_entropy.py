@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvos.calibrate import add_arguments, run, text_entropies
+from kvos.cli.calibrate import add_arguments, run
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.loader import load_model
+from kvos.policy.calibration import text_entropies
 from kvos.policy.entropy import (
     entropy_bits,
     head_budgets,

@@ -12,14 +12,14 @@ import torch
 
 from kvos.builtin import builtin_model_path
 from kvos.builtin.corpus import heldout_sessions
-from kvos.calibrate_retrieval import PROBE_TOKENS, best_heads, calibrate_heads, load_retrieval_heads
 from kvos.cli import main
+from kvos.cli.calibrate_retrieval import PROBE_TOKENS, best_heads, calibrate_heads
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.policy.digest import attention_shares, head_mask, head_shares
+from kvos.policy.digest import attention_shares, head_mask, head_shares, load_retrieval_heads
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 

@@ -15,8 +15,8 @@ from test_relevance import buried_fact_session
 
 from kvos.builtin import builtin_model_path
 from kvos.builtin.corpus import heldout_sessions
-from kvos.calibrate_retrieval import CALIBRATION_SEED, PROBE_TOKENS, calibration_session
-from kvos.calibrate_retriever import (
+from kvos.cli.calibrate_retrieval import CALIBRATION_SEED, PROBE_TOKENS, calibration_session
+from kvos.cli.calibrate_retriever import (
     above_threshold,
     chunk_scores,
     fact_rank,

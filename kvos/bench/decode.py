@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvos.bench.common import header, median, print_table, write_json
+from kvos.bench.decode_llamacpp import COLUMNS as PEER_COLUMNS
+from kvos.bench.decode_llamacpp import bench_llamacpp
+from kvos.bench.decode_run import Run, run_kvos
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.catalogue import add_model_argument
@@ -65,22 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass
-class Run:
-    """One timed generation: perf_counter stamps and the generated ids."""
-
-    start: float
-    first: float
-    last: float
-    tokens: list[int]
-
-    def prefill_tok_s(self, prompt_tokens: int) -> float:
-        return prompt_tokens / (self.first - self.start)
-
-    def decode_tok_s(self) -> float:
-        return (len(self.tokens) - 1) / (self.last - self.first)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeats < 1:
         raise ConfigError("need --prompt-tokens >= 1, --new-tokens >= 2 and --repeats >= 1")
@@ -111,9 +97,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_llamacpp_peer(args: argparse.Namespace) -> dict[str, Any]:
     """kvos vs llama.cpp on one GGUF file (:mod:`kvos.bench.decode_llamacpp`)."""
-    from kvos.bench.decode_llamacpp import COLUMNS as PEER_COLUMNS
-    from kvos.bench.decode_llamacpp import bench_llamacpp
-
     if not args.model:
         raise ConfigError("--peer llamacpp needs --model FILE.gguf")
     threads = args.threads or torch.get_num_threads()
@@ -143,12 +126,12 @@ def bench_model(name: str, path: Path, prompt_tokens: int, new_tokens: int, repe
     engine = Engine(model)
 
     with torch.inference_mode():
-        _run_kvos(engine, prompt, new_tokens, eos)  # warm-ups
+        run_kvos(engine, prompt, new_tokens, eos)  # warm-ups
         _run_hf(hf, prompt, new_tokens, pad)
         kvos_runs: list[Run] = []
         hf_runs: list[Run] = []
         for _ in range(repeats):  # side by side, alternating
-            kvos_runs.append(_run_kvos(engine, prompt, new_tokens, eos))
+            kvos_runs.append(run_kvos(engine, prompt, new_tokens, eos))
             hf_runs.append(_run_hf(hf, prompt, new_tokens, pad))
 
     kvos_tok_s = median([r.decode_tok_s() for r in kvos_runs])
@@ -175,30 +158,6 @@ def _eos_ids(value: int | Sequence[int] | None) -> list[int]:
     if value is None:
         return []
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
-
-
-def _run_kvos(engine: Engine, prompt: list[int], new_tokens: int, eos: list[int]) -> Run:
-    """Prefill then greedy decode in a fresh sequence; the sequence's blocks go back to the pool after."""
-    seq = engine.new_sequence()
-    try:
-        start = time.perf_counter()
-        token = _greedy(engine.extend(seq, prompt)[0], eos)
-        first = time.perf_counter()
-        tokens = [token]
-        for _ in range(new_tokens - 1):
-            token = _greedy(engine.decode(seq, token), eos)
-            tokens.append(token)
-        last = time.perf_counter()
-    finally:
-        engine.release(seq)
-    return Run(start, first, last, tokens)
-
-
-def _greedy(logits: torch.Tensor, eos: list[int]) -> int:
-    """argmax with the EOS ids masked, as transformers' min_new_tokens does."""
-    if eos:
-        logits[eos] = float("-inf")
-    return int(logits.argmax())
 
 
 def _run_hf(hf: Any, prompt: list[int], new_tokens: int, pad: int) -> Run:

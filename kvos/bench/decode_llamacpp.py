@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvos.bench.common import median
+from kvos.bench.decode_run import Run, run_kvos
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.memory.heap import release_free_heap
@@ -63,8 +64,6 @@ def bench_llamacpp(
     path: Path, prompt_tokens: int, new_tokens: int, repeats: int, threads: int
 ) -> dict[str, Any]:
     """One row: kvos vs llama.cpp on the GGUF file at ``path``."""
-    from kvos.bench.decode import Run, _run_kvos
-
     try:
         from llama_cpp import Llama
     except ImportError as exc:
@@ -93,19 +92,17 @@ def bench_llamacpp(
     peer_runs: list[Run] = []
     with torch.inference_mode():
         for _ in range(repeats):  # side by side, alternating
-            kvos_runs.append(_run_kvos(engine, prompt, new_tokens, eos))
+            kvos_runs.append(run_kvos(engine, prompt, new_tokens, eos))
             peer_runs.append(_run_llamacpp(llm, prompt, new_tokens, eos))
     return _row(path, prompt_tokens, new_tokens, threads, kvos_runs, peer_runs, kvos_rss, llamacpp_rss)
 
 
 def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine, float]:
     """kvos's engine on the file (default load: quantized kept) after a warm-up run, and the RSS growth."""
-    from kvos.bench.decode import _run_kvos
-
     before = rss_mb(settle=True)
     engine = Engine(load_model(path))
     with torch.inference_mode():
-        _run_kvos(engine, _prompt(engine.model.config.vocab_size, prompt_tokens), new_tokens, [])
+        run_kvos(engine, _prompt(engine.model.config.vocab_size, prompt_tokens), new_tokens, [])
     return engine, rss_mb() - before
 
 
@@ -116,8 +113,6 @@ def _prompt(vocab_size: int, prompt_tokens: int) -> list[int]:
 
 def _run_llamacpp(llm: Any, prompt: list[int], new_tokens: int, eos: list[int]) -> Any:
     """Prefill then greedy decode from an empty context, timed as kvos's runs are."""
-    from kvos.bench.decode import Run
-
     llm.reset()
     start = time.perf_counter()
     llm.eval(prompt)

@@ -52,13 +52,13 @@ from kvos.bench.quality_runs import (
     teacher_forced,
 )
 from kvos.bench.quality_texts import Texts, default_models, load_texts, model_name
-from kvos.calibrate import calibrate
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
-from kvos.generate_cli import find_tokenizer
 from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
+from kvos.model.tokenizer import find_tokenizer
 from kvos.policy import budgeted
+from kvos.policy.calibration import calibrate
 from kvos.policy.entropy import HeadMap, kv_head_entropies
 from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier
 

@@ -24,7 +24,6 @@ from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
 from kvos.builtin.evaluate import wilson_interval
 from kvos.builtin.knowledge import KNOWLEDGE_SEED, QUESTIONS_PER_SESSION, knowledge_sessions
 from kvos.builtin.playback import play, session_tokens
-from kvos.calibrate_retrieval import load_retrieval_heads
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.catalogue import add_model_argument, default_model
@@ -32,6 +31,7 @@ from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
+from kvos.policy.digest import load_retrieval_heads
 from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
 from kvos.session.config import SessionConfig

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvos.errors import ModelNotPulledError, UnknownModelError
+from kvos.model.home import kvos_home
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,6 @@ CATALOGUE: dict[str, CatalogueEntry] = _entries(
         description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Apache-2.0)",
     ),
 )
-
-
-def kvos_home() -> Path:
-    """Where kvos keeps what it downloads: ``$KVOS_HOME``, else ``~/.cache/kvos``."""
-    return Path(os.environ.get("KVOS_HOME") or Path.home() / ".cache" / "kvos")
 
 
 def lookup(name: str, catalogue: Mapping[str, CatalogueEntry] | None = None) -> CatalogueEntry:

@@ -24,6 +24,7 @@ import torch
 from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.memory.heap import release_free_heap
 from kvos.model.config import ModelConfig
+from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf_config import PERMUTED_ARCHITECTURES, architecture, config_from_metadata, hf_name
 from kvos.model.gguf_kernel import TYPE_IDS
 from kvos.model.gguf_weight import GGUFWeight
@@ -259,8 +260,6 @@ def load_gguf(
     """Load a GGUF file as a :class:`Transformer`. ``dtype`` None keeps the quantized matrices quantized
     (:func:`kept_quantized`: float32 compute, vectors and float matrices dequantized once); a ``dtype``
     dequantizes every weight."""
-    from kvos.model.loader import resolve_dtype
-
     config, tensors, _ = read_gguf(path)
     if dtype is None:
         make = kept_quantized(torch.device(device))

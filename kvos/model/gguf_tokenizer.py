@@ -19,7 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from kvos.errors import KvosError, TokenizerError
 from kvos.model.chat_template import ChatTemplate
-from kvos.model.tokenizer import HFTokenizer
+from kvos.model.hf_tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 

@@ -16,6 +16,7 @@ import torch
 
 from kvos.errors import ModelLoadError
 from kvos.model.config import ModelConfig
+from kvos.model.dtype import resolve_dtype
 from kvos.model.transformer import Transformer
 
 HEADER = struct.Struct("<7i")
@@ -87,8 +88,6 @@ def load_llama2c(
     path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> Transformer:
     """Load a llama2.c checkpoint as a :class:`Transformer`."""
-    from kvos.model.loader import resolve_dtype
-
     config, weights = read_llama2c(path)
     torch_dtype = resolve_dtype(dtype)
     moved = {k: v.to(device=torch.device(device), dtype=torch_dtype) for k, v in weights.items()}

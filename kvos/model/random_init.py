@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvos.errors import ConfigError
-from kvos.model.catalogue import kvos_home
+from kvos.model.home import kvos_home
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(

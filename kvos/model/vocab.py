@@ -16,8 +16,9 @@ from typing import Any
 
 import tokenizers
 
+from kvos.model.hf_tokenizer import HFTokenizer
 from kvos.model.llama2c_tokenizer import Llama2cTokenizer
-from kvos.model.tokenizer import HFTokenizer, Tokenizer
+from kvos.model.tokenizer import Tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

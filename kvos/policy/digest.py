@@ -17,8 +17,10 @@ Size: ``2 * len(layers) * kv_heads * head_dim`` float16 numbers per chunk, again
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -97,7 +99,7 @@ def attention_shares(
     queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, heads: torch.Tensor | None = None
 ) -> torch.Tensor:
     """:func:`head_shares` averaged over the layers and heads, or over the ``heads`` chosen (bool
-    ``[layers, heads]``, at least one true: retrieval heads, :mod:`kvos.calibrate_retrieval`) -> float32
+    ``[layers, heads]``, at least one true: retrieval heads, :mod:`kvos.cli.calibrate_retrieval`) -> float32
     ``[chunks]`` in [0, 1]."""
     shares = head_shares(queries, lo, hi)
     return shares.mean(dim=(1, 2)) if heads is None else shares[:, heads].mean(dim=1)
@@ -115,3 +117,15 @@ def head_mask(heads: Sequence[tuple[int, int]], layers: Sequence[int], num_heads
             )
         mask[list(layers).index(layer), head] = True
     return mask
+
+
+def load_retrieval_heads(path: str | Path) -> tuple[tuple[int, int], ...]:
+    """The ``retrieval_heads`` of a ``kvos calibrate --retrieval`` JSON file, as SessionConfig takes them."""
+    try:
+        heads = json.loads(Path(path).read_text())["retrieval_heads"]
+        pairs = tuple((int(layer), int(head)) for layer, head in heads)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a retrieval-heads calibration ({exc})") from exc
+    if not pairs:
+        raise ConfigError(f"{path}: retrieval_heads is empty")
+    return pairs

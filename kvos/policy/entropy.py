@@ -1,9 +1,9 @@
 """Per-head attention entropy and the per-KV-head token budgets derived from it.
 
-Calibration (``kvos calibrate``, :mod:`kvos.calibrate`) measures, for every layer and query head, the Shannon
-entropy in bits of the attention distribution of a few queries per text, averaged; a KV head takes the
-maximum over its query heads (the most demanding head that reads it). A head that spreads its attention
-(high entropy) gets a larger share of the cache than one that looks at a few tokens:
+Calibration (``kvos calibrate``, :mod:`kvos.policy.calibration`) measures, for every layer and query head,
+the Shannon entropy in bits of the attention distribution of a few queries per text, averaged; a KV head
+takes the maximum over its query heads (the most demanding head that reads it). A head that spreads its
+attention (high entropy) gets a larger share of the cache than one that looks at a few tokens:
 
     budget(layer, kv_head) = n * keep_ratio * clamp(H / mean H, 0.3, 2.5), rounded half up, clipped to [1, n]
 

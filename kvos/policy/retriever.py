@@ -11,8 +11,8 @@ its context. :class:`Retriever` projects both to ``rank`` dimensions, after stan
 and scores a chunk by how well the message's tokens find it: for each query token its best key token,
 averaged over the query tokens (``mean_i max_j u_i . v_j``), plus ``lexical_weight`` times the lexical
 score (:mod:`kvos.policy.lexical`). ``W_q``, ``W_k`` and the weight are fitted by ``kvos calibrate
---retriever`` (:mod:`kvos.calibrate_retriever`): on planted-fact sessions, the probe's fact exchange should
-outscore every other candidate (a softmax over the candidates).
+--retriever`` (:mod:`kvos.cli.calibrate_retriever`): on planted-fact sessions, the probe's fact exchange
+should outscore every other candidate (a softmax over the candidates).
 
 A saved chunk keeps its projected keys (its *code*: ``rank`` float16 numbers per token, 16 bytes per token
 at rank 8, against ``2 * layers * kv_heads * head_dim`` numbers per token for its K and V). Scoring a new

@@ -275,8 +275,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
             file=sys.stderr,
         )
     if args.retrieval_heads:
-        from kvos.calibrate_retrieval import load_retrieval_heads
-        from kvos.policy.digest import head_mask
+        from kvos.policy.digest import head_mask, load_retrieval_heads
 
         config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
         layers = config.digest_layers(model.config.num_layers)

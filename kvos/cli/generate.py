@@ -13,20 +13,7 @@ from kvos.errors import TokenizerError
 from kvos.model.catalogue import default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
-from kvos.model.tokenizer import Tokenizer, load_tokenizer
-
-
-def find_tokenizer(model_path: Path, explicit: str | None) -> Tokenizer:
-    """The tokenizer given explicitly, of a HF directory or a GGUF file, or beside a llama2.c .bin."""
-    if explicit:
-        return load_tokenizer(explicit)
-    if model_path.is_dir() or model_path.suffix == ".gguf":
-        return load_tokenizer(model_path)
-    candidates = [model_path.parent / "tokenizer.bin", *sorted(model_path.parent.glob("tok*.bin"))]
-    for candidate in candidates:
-        if candidate.exists():
-            return load_tokenizer(candidate)
-    raise TokenizerError(f"no tokenizer beside {model_path}; pass --tokenizer PATH")
+from kvos.model.tokenizer import Tokenizer, find_tokenizer
 
 
 def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from kvos.builtin.corpus import ChatSession, heldout_sessions
 from kvos.builtin.playback import play
-from kvos.calibrate_retrieval import PROBE_TOKENS, calibration_session
+from kvos.cli.calibrate_retrieval import PROBE_TOKENS, calibration_session
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.tokenizer import load_tokenizer

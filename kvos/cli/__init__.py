@@ -26,7 +26,7 @@ BENCHMARKS = {
 
 
 def _add_pull(p: argparse.ArgumentParser) -> None:
-    from kvos.pull_cli import add_arguments
+    from kvos.cli.pull import add_arguments
 
     add_arguments(p)
 
@@ -64,13 +64,13 @@ def run_bench(name: str, argv: Sequence[str]) -> None:
 
 
 def _add_demo(p: argparse.ArgumentParser) -> None:
-    from kvos.demo import add_arguments
+    from kvos.cli.demo import add_arguments
 
     add_arguments(p)
 
 
 def _add_calibrate(p: argparse.ArgumentParser) -> None:
-    from kvos.calibrate import add_arguments
+    from kvos.cli.calibrate import add_arguments
 
     add_arguments(p)
 
@@ -136,19 +136,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             given
         )  # in the try: --model's type raises kvos's errors
         if args.command == "pull":
-            from kvos.pull_cli import run_pull
+            from kvos.cli.pull import run_pull
 
             return run_pull(args)
         if args.command == "generate":
-            from kvos.generate_cli import run_generate
+            from kvos.cli.generate import run_generate
 
             return run_generate(args)
         if args.command == "demo":
-            from kvos.demo import run_demo
+            from kvos.cli.demo import run_demo
 
             return run_demo(args)
         if args.command == "calibrate":
-            from kvos.calibrate import run as run_calibrate
+            from kvos.cli.calibrate import run as run_calibrate
 
             return run_calibrate(args)
         if args.command == "serve":

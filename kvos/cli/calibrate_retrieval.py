@@ -188,15 +188,3 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     )
     print(f"[kvos] {scored} probes: retrieval heads (layer, head) with top-{top_k} hits: {best}; wrote {out}")
     return 0
-
-
-def load_retrieval_heads(path: str | Path) -> tuple[tuple[int, int], ...]:
-    """The ``retrieval_heads`` of a ``kvos calibrate --retrieval`` JSON file, as SessionConfig takes them."""
-    try:
-        heads = json.loads(Path(path).read_text())["retrieval_heads"]
-        pairs = tuple((int(layer), int(head)) for layer, head in heads)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a retrieval-heads calibration ({exc})") from exc
-    if not pairs:
-        raise ConfigError(f"{path}: retrieval_heads is empty")
-    return pairs

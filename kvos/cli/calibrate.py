@@ -15,29 +15,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm import tqdm
-
+from kvos.builtin import MODEL_DIR
 from kvos.builtin.texts import calibration_texts
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
-from kvos.generate_cli import find_tokenizer
 from kvos.model.catalogue import add_model_argument
 from kvos.model.config import ModelConfig
 from kvos.model.loader import load_model
-from kvos.model.tokenizer import Tokenizer
-from kvos.policy.entropy import QUERY_FRACTIONS, entropy_bits, query_indices, summarize
+from kvos.model.tokenizer import Tokenizer, find_tokenizer
+from kvos.policy.calibration import calibrate
+from kvos.policy.entropy import QUERY_FRACTIONS, summarize
 from kvos.policy.retriever import retriever_path
 from kvos.session.embedder import add_embedder_argument
 
 CHUNK_TOKENS = 500
 MIN_CHUNK_TOKENS = 16  # a file's last chunk shorter than this is left out (unless it is the only one)
-BUILTIN_MODEL = Path(__file__).resolve().parent / "builtin" / "model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,12 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--retrieval", type=int, default=0, metavar="N",
         help="instead of entropies: the N heads that best find a planted fact from its question "
-        "(kvos.calibrate_retrieval; --out then gets retrieval_heads for --retrieval-heads)",
+        "(kvos.cli.calibrate_retrieval; --out then gets retrieval_heads for --retrieval-heads)",
     )  # fmt: skip
     p.add_argument(
         "--retriever", action="store_true",
         help="instead of entropies: fit the learned recovery signal's retriever on planted-fact sessions "
-        "(kvos.calibrate_retriever; --out then gets a safetensors file for --retriever FILE)",
+        "(kvos.cli.calibrate_retriever; --out then gets a safetensors file for --retriever FILE)",
     )  # fmt: skip
     p.add_argument("--rank", type=int, default=8, help="--retriever: dimensions of the projections")
     p.add_argument("--epochs", type=int, default=20, help="--retriever: passes over the probes")
@@ -131,35 +127,6 @@ def token_texts(
     return texts
 
 
-def text_entropies(engine: Engine, ids: Sequence[int], progress: tqdm | None = None) -> torch.Tensor:
-    """Mean attention entropy in bits of the query tokens of ``ids`` (see :func:`query_indices`), per layer
-    and query head: float64 ``[num_layers, num_heads]``. Uses and releases a fresh sequence."""
-    layers = frozenset(range(engine.model.config.num_layers))
-    seq = engine.new_sequence()
-    rows, start = [], 0
-    try:
-        for q in query_indices(len(ids), QUERY_FRACTIONS):
-            captured: dict[int, torch.Tensor] = {}
-            engine.extend(seq, ids[start : q + 1], capture_layers=layers, captured=captured, capture_window=1)
-            rows.append(torch.stack([entropy_bits(captured[layer].cpu()) for layer in sorted(layers)]))
-            start = q + 1
-            if progress is not None:
-                progress.update(1)
-    finally:
-        engine.release(seq)
-    return torch.stack(rows).mean(dim=0)
-
-
-def calibrate(engine: Engine, texts: Sequence[Sequence[int]], show_progress: bool = True) -> torch.Tensor:
-    """Entropy per layer and query head averaged over ``texts`` (each weighted alike): float64 ``[L, H]``."""
-    total = sum(len(query_indices(len(ids))) for ids in texts)
-    with (
-        torch.inference_mode(),
-        tqdm(total=total, desc="calibrate", unit="query", file=sys.stderr, disable=not show_progress) as bar,
-    ):
-        return torch.stack([text_entropies(engine, ids, bar) for ids in texts]).mean(dim=0)
-
-
 def model_info(config: ModelConfig, path: str | Path) -> dict[str, Any]:
     """The JSON ``model`` field: where it came from and the attention shape."""
     return {
@@ -176,9 +143,9 @@ def model_info(config: ModelConfig, path: str | Path) -> dict[str, Any]:
 def _model_path(arg: str | Path | None) -> Path:
     if arg:
         return Path(arg)
-    if not (BUILTIN_MODEL / "config.json").exists():
-        raise ConfigError(f"the built-in model is not installed at {BUILTIN_MODEL}; pass --model PATH")
-    return BUILTIN_MODEL
+    if not (MODEL_DIR / "config.json").exists():
+        raise ConfigError(f"the built-in model is not installed at {MODEL_DIR}; pass --model PATH")
+    return MODEL_DIR
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     model = load_model(path, dtype=args.dtype, device=args.device)
     if args.retrieval or args.retriever:
-        from kvos.calibrate_retrieval import CALIBRATION_SEED
-        from kvos.calibrate_retrieval import run as run_retrieval
-        from kvos.calibrate_retriever import run as run_retriever
+        from kvos.cli.calibrate_retrieval import CALIBRATION_SEED
+        from kvos.cli.calibrate_retrieval import run as run_retrieval
+        from kvos.cli.calibrate_retriever import run as run_retriever
 
         if args.seed is None:
             args.seed = CALIBRATION_SEED

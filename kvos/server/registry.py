@@ -123,7 +123,7 @@ class SessionRegistry:
         best, best_len = None, self.config.prefix_min_tokens - 1
         for (who, _), entry in self.entries.items():
             if who == owner and probe is not None:
-                shared = max(common_prefix(probe, b.history.token_ids()) for b in entry.branches)
+                shared = max(common_prefix(probe, b.token_ids()) for b in entry.branches)
                 if shared > best_len:
                     best, best_len = entry, shared
         if best is None and probe is not None and self.state is not None:
@@ -214,7 +214,7 @@ class SessionRegistry:
                     "swapped": e.session.swapped,
                     **e.session.stats(),
                     "branches": [
-                        {"name": e.branch_name(b), "history_tokens": b.history.tokens} for b in e.branches
+                        {"name": e.branch_name(b), "history_tokens": b.history_tokens} for b in e.branches
                     ],
                 }
                 for (who, sid), e in self.entries.items()
@@ -276,11 +276,11 @@ class SessionRegistry:
         prompt, an edit further back), sharing those pool blocks by reference. Branches past ``max_branches``
         go least recently used first; with ``max_branches`` 1 the branch is always continued in place
         (truncated at the divergence). The chosen branch becomes ``entry.session``."""
-        shared = {b.session_id: common_prefix(prompt, b.history.token_ids()) for b in entry.branches}
+        shared = {b.session_id: common_prefix(prompt, b.token_ids()) for b in entry.branches}
         used = entry.branch_used
         best = max(entry.branches, key=lambda b: (shared[b.session_id], used.get(b.session_id, 0.0)))
         chosen = best
-        if shared[best.session_id] < best.history.last_turn_start() and self.config.max_branches > 1:
+        if shared[best.session_id] < best.last_turn_start() and self.config.max_branches > 1:
             while len(entry.branches) >= self.config.max_branches:
                 stale = min(
                     (b for b in entry.branches if b is not best), key=lambda b: used.get(b.session_id, 0.0)
@@ -309,7 +309,7 @@ class SessionRegistry:
                 (e, b)
                 for e in self.entries.values()
                 for b in e.branches
-                if b is not entry.session and not b.swapped and b.pager.active_tokens
+                if b is not entry.session and not b.swapped and b.active_tokens
             ]
             idle = sorted(
                 ((e, b) for e, b in others if not e.busy or e is entry),
@@ -320,7 +320,7 @@ class SessionRegistry:
                 key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
             )
         for _, other in idle[: max(0, len(others) + 1 - self.config.max_sessions)]:
-            if other.pager.store is not None:
+            if other.can_swap:
                 other.swap_out()
         self._within_cap([b for _, b in parked if not b.swapped])
         if entry.session.swapped:
@@ -333,11 +333,11 @@ class SessionRegistry:
         if sched is None or sched.capacity_blocks is None:
             return
         room = max(0, sched.capacity_blocks - sched.reserved_blocks)
-        held = sum(b.pager.seq.num_blocks for b in parked)
+        held = sum(b.pool_blocks for b in parked)
         for other in parked:
             if held <= room:
                 return
-            if other.pager.store is not None:
-                held -= other.pager.seq.num_blocks
+            if other.can_swap:
+                held -= other.pool_blocks
                 other.swap_out()
-                other.memory.journal.log(other.history.turn, "preempt", blocks_free=room - held)
+                other.log("preempt", blocks_free=room - held)

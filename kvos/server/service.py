@@ -149,7 +149,7 @@ class ChatService:
     ) -> Generator[StreamEvent, None, Outcome]:
         """:meth:`run` on the branch it chose."""
         hints, prompt = req.hints(), flatten(spans)
-        counts = dict(session.memory.journal.counts)  # before a swap-in: its recomputes are this request's
+        counts = session.event_counts()  # before a swap-in: its recomputes are this request's
         self.registry.make_resident(entry)
         entry.served += 1
         try:
@@ -157,7 +157,7 @@ class ChatService:
                 spans, hints.priority, hints.pinned, hints.task_boundary, cancel=entry.cancel
             )
         except PrefillCancelled:
-            session.memory.journal.log(session.history.turn, "cancel", tokens=0)
+            session.log("cancel", tokens=0)
             raise
         outcome, finished = Outcome(logprobs=None if params.logprobs is None else []), False
         room = session.reply_room()
@@ -178,7 +178,7 @@ class ChatService:
         finally:
             if not finished:
                 session.truncate(len(prompt))
-                session.memory.journal.log(session.history.turn, "cancel", tokens=len(outcome.completion_ids))
+                session.log("cancel", tokens=len(outcome.completion_ids))
         if chat is not None and entry.renderer is not None:
             self._canonicalise(entry, chat, outcome)
         self._account(entry, counts, synced.reused, synced.decoded, len(prompt), outcome)
@@ -224,7 +224,7 @@ class ChatService:
         outcome: Outcome,
     ) -> None:
         session = entry.session
-        counts = session.memory.journal.counts
+        counts = session.event_counts()
 
         def delta(*keys: str) -> int:
             return sum(counts[k] - before.get(k, 0) for k in keys)
@@ -241,7 +241,7 @@ class ChatService:
                 "decoded_tokens": decoded + len(outcome.completion_ids),
                 "evictions": delta("evict"),
                 "recoveries": delta("restore", "recompute"),
-                "active_tokens": session.pager.active_tokens,
+                "active_tokens": session.active_tokens,
                 **({"max_tokens_clipped": outcome.clipped} if outcome.clipped else {}),
             },
         }

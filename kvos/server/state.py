@@ -114,9 +114,9 @@ class StateDir:
             directory.mkdir(parents=True, exist_ok=True)
             name = f"snap-{generation:08d}{snapshot.SUFFIX}"
             snap = snapshot.save(session, directory, name)
-            named[directory] = {name, *snap.files.values(), *_store_files(session)}
+            named[directory] = {name, *snap.files.values(), *session.saved_files()}
             rows.append({"id": session.session_id, "dir": directory.name, "snapshot": name})
-        histories = [s.history.token_ids() for s in branches]
+        histories = [s.token_ids() for s in branches]
         manifest = {"owner": owner, "session_id": session_id, "served": served, "generation": generation}
         manifest.update(branches=rows, histories=histories, saved_at=time.time())
         write_manifest(entry / MANIFEST, manifest)  # the commit point
@@ -162,7 +162,7 @@ class StateDir:
                 return None
             self._generation[key] = int(manifest["generation"])
             self._signatures[key] = _signature(int(manifest["served"]), branches)
-        tokens = sum(s.history.tokens for s in branches)
+        tokens = sum(s.history_tokens for s in branches)
         _log.info(
             "session %s: restored from %s (%d branches, %d tokens)", session_id, entry, len(branches), tokens
         )
@@ -251,15 +251,6 @@ class StateDir:
             self._generation.pop((owner, session_id), None)
 
 
-def _store_files(session: Session) -> set[str]:
-    """The names of the chunk files a session's store holds."""
-    store = session.pager.store
-    if store is None:
-        return set()
-    held = store.keys()  # a ChunkStore is not iterable
-    return {path.name for key in held if (path := store.file_of(key)) is not None}
-
-
 def _signature(served: int, branches: list[Session]) -> tuple[Any, ...]:
     """What changes whenever a session does: requests, history, paging events, residency."""
     return (
@@ -267,10 +258,10 @@ def _signature(served: int, branches: list[Session]) -> tuple[Any, ...]:
         tuple(
             (
                 s.session_id,
-                s.history.tokens,
-                sum(s.memory.journal.counts.values()),
+                s.history_tokens,
+                sum(s.event_counts().values()),
                 s.swapped,
-                s.pager.active_tokens,
+                s.active_tokens,
             )
             for s in branches
         ),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -448,6 +449,52 @@ class Session:
             chunk.text = self.tokenizer.decode(chunk.token_ids)
         self.messages.append({"role": "assistant", "content": text})
         self.rendered += header + text
+
+    # ------------------------------------------------------- what a server reads
+    @property
+    def active_tokens(self) -> int:
+        """Tokens resident in the pool now."""
+        return self.pager.active_tokens
+
+    @property
+    def pool_blocks(self) -> int:
+        """Pool blocks the session's cache holds now."""
+        return self.pager.seq.num_blocks
+
+    @property
+    def can_swap(self) -> bool:
+        """Whether :meth:`swap_out` can page the whole session to a store (the kv_restore backend)."""
+        return self.pager.store is not None
+
+    @property
+    def history_tokens(self) -> int:
+        """The length of the whole logical history in tokens, resident or not."""
+        return self.history.tokens
+
+    def token_ids(self) -> list[int]:
+        """The whole logical history's token ids, in order."""
+        return self.history.token_ids()
+
+    def last_turn_start(self) -> int:
+        """Where the last user message begins in the history (0 when there is none)."""
+        return self.history.last_turn_start()
+
+    def event_counts(self) -> Counter[str]:
+        """A copy of the memory's event counters (``evict``, ``restore``, ``recompute``, ``swap_in``, ...; 0
+        for an event not seen): two of them, before and after a request, give what it did."""
+        return Counter(self.memory.journal.counts)
+
+    def log(self, event: str, **detail: Any) -> None:
+        """Record an event of this turn in the session's journal (a cancel, a preemption)."""
+        self.memory.journal.log(self.history.turn, event, **detail)
+
+    def saved_files(self) -> set[str]:
+        """The names of the files that hold the session's saved chunks (none without a disk store)."""
+        store = self.pager.store
+        if store is None:
+            return set()
+        held = store.keys()  # a ChunkStore is not iterable
+        return {path.name for key in held if (path := store.file_of(key)) is not None}
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

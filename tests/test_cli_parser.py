@@ -39,3 +39,36 @@ def test_each_command_parses_its_own_options_alone(command: str) -> None:
         "bench": ["bench", "recall", "--quick"],
     }[command]
     assert vars(build_parser(command).parse_args(argv)) == vars(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "dest", "value"),
+    [
+        (["--store-ram", "256M"], "store_ram_bytes", 256 << 20),
+        (["--store-ram", "1.5GiB"], "store_ram_bytes", 3 << 29),
+        (["--store-ram-bytes", "4096"], "store_ram_bytes", 4096),  # the older name, plain bytes as before
+        (["--budget-policy", "hard"], "policy", "hard"),
+        (["--policy", "hard"], "policy", "hard"),  # the older name
+    ],
+)
+def test_serve_sizes_take_units_and_old_names_still_parse(argv: list[str], dest: str, value: object) -> None:
+    """One name per thing (``--budget-policy``: the word policy alone also names compression policies), sizes
+    with units as ``--kv-memory`` takes them; the older flags keep working."""
+    args = build_parser("serve").parse_args(["serve", *argv])
+    assert getattr(args, dest) == value
+
+
+@pytest.mark.parametrize("flag", ["--recovery-signal", "--signal"])
+@pytest.mark.parametrize("bench", ["recall", "session"])
+def test_benchmarks_name_the_recovery_signal_as_serve_does(bench: str, flag: str) -> None:
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(f"kvos.bench.{bench}").add_arguments(parser)
+    assert parser.parse_args([flag, "attention"]).signal == "attention"
+
+
+def test_a_size_without_a_number_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["serve", "--store-ram", "lots"])

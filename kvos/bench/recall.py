@@ -67,7 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     add_embedder_argument(p)
-    p.add_argument("--signal", choices=SIGNALS, default=SessionConfig.recovery_signal, help="recovery signal")
+    p.add_argument(
+        "--recovery-signal",
+        "--signal",
+        dest="signal",
+        choices=SIGNALS,
+        default=SessionConfig.recovery_signal,
+        help="recovery signal (as kvos serve --recovery-signal)",
+    )
     p.add_argument(
         "--bar",
         action="store_true",

@@ -105,7 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument(
-        "--signal", choices=SIGNALS, default=SessionConfig.recovery_signal, help="recovery signal"
+        "--recovery-signal",
+        "--signal",
+        dest="signal",
+        choices=SIGNALS,
+        default=SessionConfig.recovery_signal,
+        help="recovery signal (as kvos serve --recovery-signal)",
     )
     parser.add_argument(
         "--retriever",

@@ -94,7 +94,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="max active tokens per session (default: max(2048, 0.75 x context), clipped to the context "
         "minus room for a reply)",
     )
-    p.add_argument("--policy", choices=["watermark", "hard"], default="watermark")
+    p.add_argument(
+        "--budget-policy",
+        "--policy",
+        dest="policy",
+        choices=["watermark", "hard"],
+        default="watermark",
+        help="how a session keeps to its budget: evict down to a low watermark when over it (default), or "
+        "exactly to the budget",
+    )
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
     add_embedder_argument(p)
@@ -208,7 +216,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keep-thinking", action="store_true", help="keep <think> traces in replies and the cache"
     )
-    p.add_argument("--store-ram-bytes", type=int, help="host RAM cap of each session's chunk store")
+    p.add_argument(
+        "--store-ram",
+        "--store-ram-bytes",
+        dest="store_ram_bytes",
+        type=byte_size,
+        help="host RAM cap of each session's chunk store, e.g. 256M (over it, saved chunks spill to "
+        "--store-disk-dir, or are dropped to breadcrumbs)",
+    )
     p.add_argument(
         "--store-disk-dir", type=Path, help="spill saved chunks over the RAM cap to this directory"
     )

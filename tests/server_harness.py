@@ -82,7 +82,7 @@ def running_app(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        app.state.engine.shutdown(wait=True)
+        app.state.scheduler.shutdown(wait=True)
 
 
 def serve_options(argv: list[str]) -> argparse.Namespace:

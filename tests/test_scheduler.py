@@ -174,7 +174,7 @@ def test_serve_stall_option_reaches_the_scheduler() -> None:
     of 1 or below (a step shorter than a decode step) is refused."""
     for argv, stall in (((), 3.0), (("--stall", "5"), 5.0), (("--stall", "0"), None)):
         with running_app(MODEL_DIR, *argv) as (_, app):
-            assert app.state.engine.stall == stall  # the scheduler every request runs under
+            assert app.state.scheduler.stall == stall  # the scheduler every request runs under
     with pytest.raises(SystemExit):
         serve_options(["--stall", "1"])
 
@@ -284,7 +284,7 @@ def test_server_sessions_at_once_get_the_replies_they_get_alone() -> None:
     with running_app(MODEL_DIR) as (url, app):
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:
             together = list(pool.map(lambda iq: _chat(url, f"s{iq[0]}", iq[1]), enumerate(QUESTIONS)))
-        stats = app.state.engine.stats
+        stats = app.state.scheduler.stats
     assert together == alone
     assert stats.max_items >= 2
 

@@ -150,7 +150,7 @@ def soak(
             for s in calls.sessions(key):
                 calls.call(key, "DELETE", f"/v1/sessions/{s['id']}")
         left = sum(len(calls.sessions(key)) for key in keys)
-        time.sleep(1.0)  # whatever the deletes free is freed on the engine thread
+        time.sleep(1.0)  # whatever the deletes free is freed under the scheduler
         end = monitor.sample()
     finally:
         calls.close()
@@ -261,7 +261,7 @@ def run_clients(
 
 def settle(calls: Calls, keys: list[str]) -> None:
     """Wait (up to ``SETTLE_S``) until no session is busy: cancelled requests let go within a decode step
-    once the engine thread reaches them."""
+    once the scheduler reaches them."""
     deadline = time.monotonic() + SETTLE_S
     while any(s["busy"] for key in keys for s in calls.sessions(key)) and time.monotonic() < deadline:
         time.sleep(0.2)

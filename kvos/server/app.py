@@ -55,8 +55,8 @@ def create_app(
 ) -> FastAPI:
     """The app; with ``api_keys`` (or ``admin_keys``) every /v1 request and /metrics scrape needs a key,
     and sessions belong to their key (:mod:`kvos.server.auth`)."""
-    engine = scheduler(service)
-    app = FastAPI(title="kvos", version="0.1.0", lifespan=_lifespan(service, engine))
+    sched = scheduler(service)
+    app = FastAPI(title="kvos", version="0.1.0", lifespan=_lifespan(service, sched))
     metrics = Metrics(service)
     latency = metrics.latency
     keys = Keys(api_keys, admin_keys)
@@ -152,7 +152,7 @@ def create_app(
                 raise forbidden("only an admin key may delete another key's sessions")
             who = session_owner
         if await asyncio.to_thread(service.registry.claim, who, session_id):  # cancels, waits
-            await asyncio.get_running_loop().run_in_executor(engine, service.registry.close, who, session_id)
+            await asyncio.get_running_loop().run_in_executor(sched, service.registry.close, who, session_id)
         return {"id": session_id, "object": "session", "deleted": True}
 
     async def start(
@@ -163,8 +163,8 @@ def create_app(
             raise unknown_model(req.model, name)
         probe = None if sid else await asyncio.to_thread(service.probe, req)
         entry = await asyncio.to_thread(service.registry.acquire, who, sid, probe)
-        if service.registry.expired:  # expired sessions' pool blocks and chunks are freed on the engine
-            engine.submit(service.registry.close_expired)
+        if service.registry.expired:  # expired sessions' pool blocks and chunks are freed under the scheduler
+            sched.submit(service.registry.close_expired)
         chat = req if isinstance(req, ChatRequest) else None
         try:
             loop = asyncio.get_running_loop()
@@ -173,7 +173,7 @@ def create_app(
             else:
                 assert isinstance(req, CompletionRequest)
                 prep = lambda: service.prepare_completion(req)  # noqa: E731
-            spans = await loop.run_in_executor(engine, prep)
+            spans = await loop.run_in_executor(sched, prep)
             service.sampling(req)  # validates max_tokens and sampling before anything changes
             check_locked(spans, service.manager.config, req.hints().pinned)
         except BaseException:
@@ -206,7 +206,7 @@ def create_app(
         record = RequestRecord(request, kind, began, entry)
         record.streaming = req.stream
 
-        def work() -> Outcome:  # on the engine thread; the session is released there, whatever happens
+        def work() -> Outcome:  # under the scheduler; the session is released there, whatever happens
             try:
                 return drain(service.run(entry, spans, req, chat), cancel)
             except BudgetError as exc:
@@ -230,9 +230,9 @@ def create_app(
                     service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
 
-            body = sse(lambda produce: engine.admit(blocks, produce), steps, cancel, form.stream, record)
+            body = sse(lambda produce: sched.admit(blocks, produce), steps, cancel, form.stream, record)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        future = asyncio.wrap_future(engine.admit(blocks, work))
+        future = asyncio.wrap_future(sched.admit(blocks, work))
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
         try:
             outcome = await future
@@ -311,7 +311,7 @@ def create_app(
             raise bad_request("the conversation cannot be rendered with this model's chat template")
         return {"input_tokens": len(ids)}
 
-    app.state.service, app.state.engine = service, engine
+    app.state.service, app.state.scheduler = service, sched
     return app
 
 
@@ -329,14 +329,14 @@ def scheduler(service: ChatService) -> Scheduler:
 
 
 def _lifespan(
-    service: ChatService, engine: Executor
+    service: ChatService, sched: Executor
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """Start-up and shutdown: with a state dir, sessions are written every ``--state-interval`` seconds and
     once more at shutdown (SIGTERM, SIGINT), after the requests in flight have finished."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        autosave = service.autosave(engine)
+        autosave = service.autosave(sched)
         if autosave is not None:
             autosave.start()
         try:

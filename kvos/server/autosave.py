@@ -51,6 +51,6 @@ class Autosave:
         return written
 
     def _timed(self) -> tuple[int, float]:
-        """``write`` on the engine thread: (sessions written, seconds the engine spent on it)."""
+        """``write`` under the scheduler: (sessions written, seconds it took)."""
         began = time.perf_counter()
         return self.write(), time.perf_counter() - began

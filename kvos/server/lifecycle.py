@@ -1,8 +1,8 @@
-"""A request's life on the engine thread: its log line, its cancellation (a client that went away, DELETE),
+"""A request's life under the scheduler: its log line, its cancellation (a client that went away, DELETE),
 and the server-sent events of a stream.
 
-The engine thread owns a request from start to end and releases its session itself, so a dropped connection
-never leaves a session busy; the event loop only sets a cancel flag, which needs no await.
+The scheduler's worker owns a request from start to end and releases its session itself, so a dropped
+connection never leaves a session busy; the event loop only sets a cancel flag, which needs no await.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Cancelled(Exception):
 
 
 def drain(gen: Generator[StreamEvent, None, Outcome], cancel: threading.Event) -> Outcome:
-    """Run a request's generator to its end on the engine thread; its return value is the outcome. When
+    """Run a request's generator to its end under the scheduler; its return value is the outcome. When
     ``cancel`` is set it stops within one decode step (closing the generator rolls the reply back)."""
     while True:
         if cancel.is_set():
@@ -121,13 +121,13 @@ async def sse(
     form: StreamForm,
     record: RequestRecord,
 ) -> AsyncIterator[str]:
-    """Server-sent events: the engine thread pushes events into a queue that this coroutine drains and
+    """Server-sent events: the scheduler's worker pushes events into a queue that this coroutine drains and
     ``form`` writes.
 
     While nothing happens (a long prefill) ``form.keepalive`` goes out every :data:`KEEPALIVE_S` seconds,
     so that clients that time out idle streams keep waiting.
 
-    The engine thread owns the request from start to end: it stops within one decode step once ``cancel``
+    The scheduler's worker owns the request from start to end: it stops within one decode step once ``cancel``
     is set (the client went away: this coroutine is then closed or cancelled, and only sets the flag,
     which needs no await) and releases the session itself, so a dropped connection never leaves the
     session busy."""

@@ -3,7 +3,7 @@ swapping sessions in and out of the pool.
 
 The registry (which session exists, who owns it, whether it is busy) is guarded by a condition variable, so
 the HTTP layer can answer (or wait) at once; what touches a session's cache (:meth:`choose_branch`,
-:meth:`make_resident`, :meth:`delete`) runs on the engine's worker thread.
+:meth:`make_resident`, :meth:`delete`) runs under the scheduler.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class SessionRegistry:
         self.manager, self.config, self.state = manager, config, state
         self.entries: dict[tuple[str, str], Entry] = {}
         self.saving: set[tuple[str, str]] = set()  # being written to the state dir: not to be expired
-        self.expired: list[Session] = []  # branches of expired sessions, to be closed on the engine
+        self.expired: list[Session] = []  # branches of expired sessions, to be closed under the scheduler
         self.cond = threading.Condition()
 
     def acquire(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
@@ -157,7 +157,7 @@ class SessionRegistry:
     def _expire(self) -> bool:
         """Take the sessions idle past their TTL out of the registry and the manager (no request finds
         them again, and their ids are free at once); whether any was. Their pool blocks and saved chunks are
-        freed by :meth:`close_expired`, on the engine: this runs beside the forward passes."""
+        freed by :meth:`close_expired`, under the scheduler: this runs beside the forward passes."""
         now = time.monotonic()
         expired = [
             key
@@ -253,7 +253,7 @@ class SessionRegistry:
             return True
 
     def close(self, owner: str, session_id: str) -> None:
-        """The second half of a delete, on the engine: close a claimed session's branches, reclaim their
+        """The second half of a delete, under the scheduler: close a claimed session's branches, reclaim their
         memory, and shrink the pool back to its start size when it is empty. Only the key is passed, so
         that no caller's frame keeps the session alive while its memory is reclaimed."""
         with self.cond:

@@ -89,7 +89,7 @@ class StateDir:
     # ------------------------------------------------------------------ write
     def save(self, owner: str, session_id: str, served: int, branches: list[Session]) -> bool:
         """Snapshot a session (its branches, latest first) unless nothing changed since its last snapshot;
-        on the engine thread, while the session is idle. True when written; a failed write is logged and
+        under the scheduler, while the session is idle. True when written; a failed write is logged and
         leaves the last snapshot in place."""
         key = (owner, session_id)
         signature = _signature(served, branches)

@@ -74,7 +74,7 @@ class SessionSnapshot:
 def save(session: Session, directory: Path, name: str) -> SessionSnapshot:
     """Write a snapshot of ``session`` as ``directory/name``, with the chunk files it needs (resident chunks'
     K/V read from the pool; saved chunks' from their write-through files, or written now when their store
-    holds them elsewhere). Runs on the engine's thread, between requests."""
+    holds them elsewhere). Runs under the scheduler, between requests."""
     table, files, cache = TensorTable(), {}, []
     for cid in session.pager.order():
         seg = session.pager.segments[cid]

@@ -183,3 +183,39 @@ def test_the_server_reads_sessions_through_their_narrow_methods() -> None:
         if isinstance(node, ast.Attribute) and node.attr in inner
     )
     assert not reaches, "\n".join(reaches)
+
+
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets an assignment writes, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+        targets = [node.target]
+    else:
+        return []
+    flat: list[ast.expr] = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, ast.Tuple | ast.List):
+            targets.extend(t.elts)
+        else:
+            flat.append(t)
+    return flat
+
+
+def test_only_the_pager_records_where_a_chunks_kv_are() -> None:
+    """A chunk's residency (``Chunk.state``: in the pool, saved, or breadcrumb only) is written by the
+    session's :class:`~kvos.session.pager.Pager` alone (and normalised by the Chunk's constructor): no
+    ``x.state = ...`` elsewhere (an object's own ``self.state`` aside)."""
+    owners = {"kvos.session.pager", "kvos.policy.chunks"}
+    writes = sorted(
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"
+        for name, path in MODULES.items()
+        if name not in owners
+        for node in ast.walk(ast.parse(path.read_text()))
+        for target in _assigned(node)
+        if isinstance(target, ast.Attribute)
+        and target.attr == "state"
+        and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+    )
+    assert not writes, "\n".join(writes)

@@ -50,8 +50,8 @@ def fork(parent: Session, child: Session, length: int) -> int:
         if chunk is not None:
             child.pager.share(parent.pager, chunk, chunk.num_tokens)
     for chunk in chunks:
-        if chunk.state is ChunkState.SAVED and not child.pager.copy_saved(parent.pager, chunk):
-            chunk.state = ChunkState.DISCARDED
+        if chunk.state is ChunkState.SAVED:
+            child.pager.copy_saved(parent.pager, chunk)
         child.history.add(chunk)
     history, source = child.history, parent.history
     history.turn, history.tokens, history.next_id = source.turn, kept, source.next_id

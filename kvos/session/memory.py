@@ -305,8 +305,7 @@ class SessionMemory:
     def on_drop(self, key: object) -> None:
         """The store dropped a saved chunk (over its caps): it keeps its breadcrumb (text and embedding)."""
         chunk = self.chunks.get(int(key))  # type: ignore[call-overload]
-        if chunk is not None and chunk.state is ChunkState.SAVED:
-            chunk.state = ChunkState.DISCARDED
+        if chunk is not None and self.pager.lost(chunk):
             self.journal.log(self.history.turn, "drop", chunk=chunk.chunk_id)
 
     def observe(self, captured: dict[int, torch.Tensor]) -> None:

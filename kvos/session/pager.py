@@ -257,11 +257,26 @@ class Pager:
         chunk.state, chunk.current_start = ChunkState.RESIDENT, int(seg.positions[0])
 
     def copy_saved(self, source: Pager, chunk: Chunk) -> bool:
-        """Copy a saved chunk's K/V from ``source``'s store into this pager's; False when it has none."""
+        """Copy a saved chunk's K/V from ``source``'s store into this pager's; when there are none to copy,
+        the chunk keeps only its breadcrumb (:meth:`lost`) and False is returned."""
         if self.store is None or source.store is None or chunk.chunk_id not in source.store:
+            self.lost(chunk)
             return False
         saved = source.store.get(chunk.chunk_id)
         self.store.put(chunk.chunk_id, saved.k, saved.v, saved.meta)
+        return True
+
+    def adopt(self, chunk: Chunk) -> None:
+        """Record a chunk whose K/V are in this pager's store, not in the pool (a session restored from its
+        snapshot starts swapped out: its chunk files are handed to the store)."""
+        chunk.state, chunk.current_start = ChunkState.SAVED, None
+
+    def lost(self, chunk: Chunk) -> bool:
+        """A saved chunk whose K/V are gone (its store dropped them over its caps, or their file cannot be
+        read) keeps its breadcrumb: text, tokens, digest. True when it was saved."""
+        if chunk.state is not ChunkState.SAVED:
+            return False
+        chunk.state = ChunkState.DISCARDED
         return True
 
     def swap_out(self) -> list[tuple[int, list[int]]]:

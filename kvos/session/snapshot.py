@@ -126,7 +126,7 @@ def restore(snapshot: SessionSnapshot, session: Session, directory: Path) -> lis
         for chunk in chunks:
             session.history.add(chunk)
         for cid, _ in record:
-            session.chunks[cid].state, session.chunks[cid].current_start = ChunkState.SAVED, None
+            session.pager.adopt(session.chunks[cid])
         _load_memory(session, snapshot.header["memory"], snapshot.table)
         _load_session(session, snapshot.header["session"], snapshot.table)
     except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -172,7 +172,7 @@ def _adopt_files(session: Session, files: dict[int, str], directory: Path) -> li
                 chunk.chunk_id,
                 e,
             )
-            chunk.state = ChunkState.DISCARDED
+            session.pager.lost(chunk)
             bad.append(chunk.chunk_id)
     return bad
 

@@ -223,7 +223,7 @@ def test_server_under_a_cap_preempts_idle_sessions_and_continues_exactly() -> No
     with running_app(MODEL_DIR, "--kv-memory", str(cap)) as (url, app):
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:
             together = list(pool.map(lambda iq: _conversation(url, f"s{iq[0]}", iq[1]), enumerate(QUESTIONS)))
-        sched, service = app.state.engine, app.state.service
+        sched, service = app.state.scheduler, app.state.service
         pool_bytes = service.manager.engine.pool.nbytes
         events = [
             e["event"]

@@ -6,7 +6,9 @@ pure (no pool, no model, nothing changed): :func:`plan_room` (what goes so that 
 budget), :func:`pressure_victim` (what goes next when the shared pool is at its cap) and
 :func:`affordable` (which recovery candidates fit this turn). The executor
 (:class:`kvos.session.memory.SessionMemory` with its :class:`~kvos.session.pager.Pager`) carries the plans
-out.
+out. Between sessions, on :class:`SessionView` records: :func:`cheapest_elsewhere` (another session's chunk
+to page out), :func:`plan_swaps` (whole sessions to swap out before a request's comes in) and
+:func:`stale_branches` (a client's branches to close); the server's registry carries those out.
 
 What a plan never evicts: sinks, pinned chunks and the chunks the caller holds (the chunk being written or
 restored). Chunks recovered this turn (``Snapshot.protected``) go only when nothing else can.
@@ -168,3 +170,68 @@ class _Draft:
             self.evictions.append(
                 Eviction(chunk.chunk_id, chunk.num_tokens, self.snapshot.scores[chunk.chunk_id], forced)
             )
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """A resident session (one branch of a client's session) as the pool's planner sees it.
+
+    - ``last_used``: when a request last used it (the larger, the more recent);
+    - ``blocks``: the pool blocks its cache holds;
+    - ``idle``: it may swap out to make room for another session (no other client's request runs on it);
+    - ``running``: a request runs on it now (the scheduler reserved its blocks);
+    - ``swappable``: it can be paged out whole (its backend keeps a store).
+    """
+
+    key: str
+    last_used: float
+    blocks: int
+    idle: bool
+    running: bool
+    swappable: bool
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One session to swap out: for the count of resident sessions, or (``preempted``) for the pool's cap,
+    which then leaves ``blocks_free`` blocks beside the ones still held."""
+
+    key: str
+    preempted: bool = False
+    blocks_free: int = 0
+
+
+def plan_swaps(others: Sequence[SessionView], max_sessions: int, room_blocks: int | None) -> list[Swap]:
+    """The resident sessions to swap out, in order, before a request's session comes in (``others``: every
+    other resident session):
+
+    1. while more than ``max_sessions`` would be resident (the request's own counted), the least recently
+       used idle ones (one that cannot swap keeps its place in the count);
+    2. under a pool cap (``room_blocks``: what the running requests' reservations leave of it; None without
+       a cap), the least recently used that no request runs on, while the ones still resident hold more
+       blocks than that.
+    """
+    idle = sorted((s for s in others if s.idle), key=lambda s: s.last_used)
+    over = max(0, len(others) + 1 - max_sessions)
+    swaps = [Swap(s.key) for s in idle[:over] if s.swappable]
+    if room_blocks is None:
+        return swaps
+    gone = {s.key for s in swaps}
+    parked = sorted((s for s in others if not s.running and s.key not in gone), key=lambda s: s.last_used)
+    held = sum(s.blocks for s in parked)
+    for s in parked:
+        if held <= room_blocks:
+            break
+        if s.swappable:
+            held -= s.blocks
+            swaps.append(Swap(s.key, preempted=True, blocks_free=room_blocks - held))
+    return swaps
+
+
+def stale_branches(last_used: Mapping[str, float], keep: str, limit: int) -> list[str]:
+    """The branches (key -> when last used) to close so that one more fits within ``limit``: the least
+    recently used first, never ``keep`` (the branch the new one forks from)."""
+    over = len(last_used) + 1 - limit
+    if over <= 0:
+        return []
+    return sorted((k for k in last_used if k != keep), key=lambda k: last_used[k])[:over]

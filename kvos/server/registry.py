@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvos.memory.heap import release_free_heap
+from kvos.policy.planner import SessionView, plan_swaps, stale_branches
 from kvos.server.errors import busy, not_found
 from kvos.server.state import StateDir
 from kvos.session.manager import MemoryManager
@@ -281,13 +282,11 @@ class SessionRegistry:
         best = max(entry.branches, key=lambda b: (shared[b.session_id], used.get(b.session_id, 0.0)))
         chosen = best
         if shared[best.session_id] < best.last_turn_start() and self.config.max_branches > 1:
-            while len(entry.branches) >= self.config.max_branches:
-                stale = min(
-                    (b for b in entry.branches if b is not best), key=lambda b: used.get(b.session_id, 0.0)
-                )
-                entry.branches.remove(stale)
-                used.pop(stale.session_id, None)
-                self.manager.close(stale.session_id)
+            recency = {b.session_id: used.get(b.session_id, 0.0) for b in entry.branches}
+            for key in stale_branches(recency, best.session_id, self.config.max_branches):
+                entry.branches = [b for b in entry.branches if b.session_id != key]
+                used.pop(key, None)
+                self.manager.close(key)
             name = f"{entry.owner}/{entry.session_id}#b{entry.served}"
             chosen = self.manager.fork(best.session_id, name, shared[best.session_id])
             entry.branches.append(chosen)
@@ -305,39 +304,30 @@ class SessionRegistry:
         request only with its own blocks reserved)."""
         running = self.manager.running
         with self.cond:
-            others = [
-                (e, b)
+            others = {
+                b.session_id: (
+                    b,
+                    SessionView(
+                        b.session_id,
+                        e.branch_used.get(b.session_id, e.last_used),
+                        b.pool_blocks,
+                        idle=not e.busy or e is entry,
+                        running=b.session_id in running,
+                        swappable=b.can_swap,
+                    ),
+                )
                 for e in self.entries.values()
                 for b in e.branches
                 if b is not entry.session and not b.swapped and b.active_tokens
-            ]
-            idle = sorted(
-                ((e, b) for e, b in others if not e.busy or e is entry),
-                key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
-            )
-            parked = sorted(  # resident, nothing running on them: their blocks count against the idle room
-                ((e, b) for e, b in others if b.session_id not in running),
-                key=lambda eb: eb[0].branch_used.get(eb[1].session_id, eb[0].last_used),
-            )
-        for _, other in idle[: max(0, len(others) + 1 - self.config.max_sessions)]:
-            if other.can_swap:
-                other.swap_out()
-        self._within_cap([b for _, b in parked if not b.swapped])
+            }
+        sched = self.manager.engine.scheduler
+        room = None
+        if sched is not None and sched.capacity_blocks is not None:
+            room = max(0, sched.capacity_blocks - sched.reserved_blocks)
+        for swap in plan_swaps([view for _, view in others.values()], self.config.max_sessions, room):
+            session = others[swap.key][0]
+            session.swap_out()
+            if swap.preempted:
+                session.log("preempt", blocks_free=swap.blocks_free)
         if entry.session.swapped:
             entry.session.swap_in()
-
-    def _within_cap(self, parked: list[Session]) -> None:
-        """Under a pool cap, swap out ``parked`` sessions (oldest first) until their blocks fit in what the
-        running requests' reservations leave of the cap."""
-        sched = self.manager.engine.scheduler
-        if sched is None or sched.capacity_blocks is None:
-            return
-        room = max(0, sched.capacity_blocks - sched.reserved_blocks)
-        held = sum(b.pool_blocks for b in parked)
-        for other in parked:
-            if held <= room:
-                return
-            if other.can_swap:
-                held -= other.pool_blocks
-                other.swap_out()
-                other.log("preempt", blocks_free=room - held)

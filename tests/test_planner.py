@@ -1,6 +1,6 @@
-"""The planner on snapshots, without a model: exact plans, and properties over random sessions (the budget is
-never exceeded when a plan says it fits; sinks, pins and held chunks never go; this turn's protected chunks go
-only when nothing else can)."""
+"""The planner on hand-built residencies, without a model: exact plans, and properties over random sessions
+(the budget is never exceeded when a plan says it fits; sinks, pins and held chunks never go; this turn's
+protected chunks go only when nothing else can)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvos.policy.budget import Budget
 from kvos.policy.chunks import Chunk, ChunkKind
 from kvos.policy.planner import (
     Eviction,
-    Snapshot,
+    Residency,
     affordable,
     cheapest_elsewhere,
     plan_room,
@@ -41,19 +41,19 @@ def chunks_of(sizes: list[int], keeps: list[str | None] | None = None) -> tuple[
     return tuple(out)
 
 
-def snapshot(
+def residency(
     sizes: list[int],
     scores: list[float],
     budget: Budget,
     keeps: list[str | None] | None = None,
     protected: frozenset[int] = frozenset(),
-) -> Snapshot:
+) -> Residency:
     chunks = chunks_of(sizes, keeps)
-    return Snapshot(chunks, dict(enumerate(scores)), sum(sizes), budget, SINKS, protected)
+    return Residency(chunks, dict(enumerate(scores)), sum(sizes), budget, SINKS, protected)
 
 
 def test_nothing_goes_under_the_trigger() -> None:
-    s = snapshot([10, 20, 30], [1.0, 0.2, 0.5], Budget(100, high=0.95, low=0.75))
+    s = residency([10, 20, 30], [1.0, 0.2, 0.5], Budget(100, high=0.95, low=0.75))
     assert plan_room(s, 35) == plan_room(s, 0)
     plan = plan_room(s, 35)
     assert plan.evictions == () and plan.fits and plan.active_after == 60
@@ -61,7 +61,7 @@ def test_nothing_goes_under_the_trigger() -> None:
 
 def test_lowest_scores_go_down_to_the_low_watermark() -> None:
     # 10 + 20 + 30 + 25 = 85; 85 + 15 = 100 > 95: evict down to 75 (at most), lowest first
-    s = snapshot([10, 20, 30, 25], [1.0, 0.6, 0.1, 0.3], Budget(100, high=0.95, low=0.75))
+    s = residency([10, 20, 30, 25], [1.0, 0.6, 0.1, 0.3], Budget(100, high=0.95, low=0.75))
     plan = plan_room(s, 15)
     assert [e.chunk_id for e in plan.evictions] == [2]  # 100 - 30 = 70 <= 75
     assert plan.evictions[0] == Eviction(2, 30, 0.1, forced=False)
@@ -71,7 +71,7 @@ def test_lowest_scores_go_down_to_the_low_watermark() -> None:
 def test_last_resort_takes_preferred_chunks_oldest_first_but_never_pins_or_held() -> None:
     budget = Budget(60, policy="hard")
     keeps: list[str | None] = [None, "prefer", "prefer", "pin", None]
-    s = snapshot([5, 10, 10, 20, 10], [1.0, 1.4, 1.2, 1.0, 0.3], budget, keeps)
+    s = residency([5, 10, 10, 20, 10], [1.0, 1.4, 1.2, 1.0, 0.3], budget, keeps)
     plan = plan_room(s, 25, holding=frozenset({4}))  # 55 + 25 = 80: 20 must go, chunk 4 is held
     assert [(e.chunk_id, e.forced) for e in plan.evictions] == [(1, True), (2, True)]
     assert plan.fits and plan.active_after == 35
@@ -80,7 +80,7 @@ def test_last_resort_takes_preferred_chunks_oldest_first_but_never_pins_or_held(
 
 def test_protected_chunks_yield_only_to_held_ones() -> None:
     budget = Budget(50, policy="hard")
-    s = snapshot([4, 20, 20], [1.0, 0.1, 0.9], budget, protected=frozenset({1}))
+    s = residency([4, 20, 20], [1.0, 0.1, 0.9], budget, protected=frozenset({1}))
     plan = plan_room(s, 20)  # 44 + 20 = 64: 14 must go; chunk 2 goes first though it scores higher
     assert [e.chunk_id for e in plan.evictions] == [2]
     plan = plan_room(s, 40)  # 84: both must go; the protected one last
@@ -89,13 +89,13 @@ def test_protected_chunks_yield_only_to_held_ones() -> None:
 
 def test_pressure_victim_and_the_cheapest_of_other_sessions() -> None:
     budget = Budget(100)
-    s = snapshot([4, 10, 10, 10], [1.0, 0.5, 0.2, 0.3], budget, protected=frozenset({2}))
+    s = residency([4, 10, 10, 10], [1.0, 0.5, 0.2, 0.3], budget, protected=frozenset({2}))
     assert pressure_victim(s) == Eviction(3, 10, 0.3)
     assert pressure_victim(s, holding=frozenset({1, 3})) == Eviction(2, 10, 0.2)  # protection yields
     assert pressure_victim(s, holding=frozenset({1, 2, 3})) is None
-    other = snapshot([4, 8], [1.0, 0.25], budget)
+    other = residency([4, 8], [1.0, 0.25], budget)
     assert cheapest_elsewhere({"a": s, "b": other}) == ("b", Eviction(1, 8, 0.25))
-    assert cheapest_elsewhere({"a": snapshot([4], [1.0], budget)}) is None
+    assert cheapest_elsewhere({"a": residency([4], [1.0], budget)}) is None
 
 
 def test_affordable_falls_back_to_the_message_then_the_chunk() -> None:
@@ -129,7 +129,7 @@ sessions = st.integers(1, 12).flatmap(
 def test_plan_room_properties(session: tuple, n: int, max_tokens: int, policy: str) -> None:
     sizes, scores, keeps, protected, holding = session
     budget = Budget(max_tokens, policy=policy)  # type: ignore[arg-type]
-    s = snapshot(sizes, scores, budget, keeps, frozenset(protected))
+    s = residency(sizes, scores, budget, keeps, frozenset(protected))
     plan = plan_room(s, n, frozenset(holding))
     gone = [e.chunk_id for e in plan.evictions]
     assert len(gone) == len(set(gone))

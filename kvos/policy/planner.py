@@ -1,6 +1,6 @@
-"""The planner: every paging decision of a session, taken from a snapshot and returned as plain data.
+"""The planner: every paging decision, taken from plain views of the sessions and returned as plain data.
 
-A :class:`Snapshot` is what the policy sees of a session at one moment: its resident chunks in cache order
+A :class:`Residency` is what the policy sees of a session at one moment: its resident chunks in cache order
 with their scores, its resident tokens, its budget and what is protected this turn. The functions here are
 pure (no pool, no model, nothing changed): :func:`plan_room` (what goes so that ``n`` more tokens fit the
 budget), :func:`pressure_victim` (what goes next when the shared pool is at its cap) and
@@ -11,7 +11,7 @@ to page out), :func:`plan_swaps` (whole sessions to swap out before a request's 
 :func:`stale_branches` (a client's branches to close); the server's registry carries those out.
 
 What a plan never evicts: sinks, pinned chunks and the chunks the caller holds (the chunk being written or
-restored). Chunks recovered this turn (``Snapshot.protected``) go only when nothing else can.
+restored). Chunks recovered this turn (``Residency.protected``) go only when nothing else can.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvos.policy.chunks import Chunk
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Residency:
     """A session as the planner sees it.
 
     - ``resident``: its resident chunks in cache order; ``scores``: chunk id -> score for each of them;
@@ -62,7 +62,7 @@ class RoomPlan:
     fits: bool
 
 
-def plan_room(snapshot: Snapshot, n: int, holding: frozenset[int] = frozenset()) -> RoomPlan:
+def plan_room(residency: Residency, n: int, holding: frozenset[int] = frozenset()) -> RoomPlan:
     """The evictions that make room for ``n`` more tokens within the session's budget.
 
     Nothing when ``active + n`` is not over the budget's trigger. Otherwise, in three stages, each only
@@ -74,49 +74,49 @@ def plan_room(snapshot: Snapshot, n: int, holding: frozenset[int] = frozenset())
        ties), down to ``max_active_tokens``;
     3. the same, this turn's protected chunks included: their protection yields to the chunks held.
     """
-    budget = snapshot.budget
-    if not budget.over(snapshot.active_tokens + n):
-        return RoomPlan((), snapshot.active_tokens, True)
-    draft = _Draft(snapshot)
-    keep = snapshot.protected | holding
+    budget = residency.budget
+    if not budget.over(residency.active_tokens + n):
+        return RoomPlan((), residency.active_tokens, True)
+    draft = _Draft(residency)
+    keep = residency.protected | holding
     draft.take(draft.victims(n, budget.target(), keep, capped=False), forced=False)
     limit = budget.max_active_tokens
     if draft.active + n > limit:
         draft.take(draft.victims(n, limit, keep, capped=True), forced=True)
-    if draft.active + n > limit and snapshot.protected:
+    if draft.active + n > limit and residency.protected:
         draft.take(draft.victims(n, limit, holding, capped=True), forced=True)
     return RoomPlan(tuple(draft.evictions), draft.active, draft.active + n <= limit)
 
 
-def pressure_victim(snapshot: Snapshot, holding: frozenset[int] = frozenset()) -> Eviction | None:
+def pressure_victim(residency: Residency, holding: frozenset[int] = frozenset()) -> Eviction | None:
     """The chunk that goes next when the shared pool is at its cap: the lowest-scored evictable chunk that
     is neither protected this turn nor held; failing that, the lowest-scored one not held; None when
     nothing may go."""
-    for keep in (snapshot.protected | holding, holding):
+    for keep in (residency.protected | holding, holding):
         victims = select_victims(
-            snapshot.resident, snapshot.scores, snapshot.active_tokens, 0, keep, snapshot.sink_count
+            residency.resident, residency.scores, residency.active_tokens, 0, keep, residency.sink_count
         )
         if victims:
-            return Eviction(victims[0].chunk_id, victims[0].num_tokens, snapshot.scores[victims[0].chunk_id])
+            return Eviction(victims[0].chunk_id, victims[0].num_tokens, residency.scores[victims[0].chunk_id])
     return None
 
 
-def cheapest_elsewhere(snapshots: Mapping[str, Snapshot]) -> tuple[str, Eviction] | None:
-    """Among other sessions (``snapshots``, each with its own turn's protections kept), the session and
+def cheapest_elsewhere(residencies: Mapping[str, Residency]) -> tuple[str, Eviction] | None:
+    """Among other sessions (``residencies``, each with its own turn's protections kept), the session and
     chunk with the lowest score that may be paged out to relieve the pool; None when none may."""
     best: tuple[str, Eviction] | None = None
-    for key, snapshot in snapshots.items():
+    for key, residency in residencies.items():
         victims = select_victims(
-            snapshot.resident,
-            snapshot.scores,
-            snapshot.active_tokens,
+            residency.resident,
+            residency.scores,
+            residency.active_tokens,
             0,
-            snapshot.protected,
-            snapshot.sink_count,
+            residency.protected,
+            residency.sink_count,
         )
         if victims:
             chunk = victims[0]
-            score = snapshot.scores[chunk.chunk_id]
+            score = residency.scores[chunk.chunk_id]
             if best is None or score < best[1].score:
                 best = (key, Eviction(chunk.chunk_id, chunk.num_tokens, score))
     return best
@@ -148,19 +148,19 @@ def affordable(
 class _Draft:
     """A plan being built: the chunks still resident and the tokens left after the evictions so far."""
 
-    def __init__(self, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
-        self.left = list(snapshot.resident)
-        self.active = snapshot.active_tokens
+    def __init__(self, residency: Residency) -> None:
+        self.residency = residency
+        self.left = list(residency.resident)
+        self.active = residency.active_tokens
         self.evictions: list[Eviction] = []
 
     def victims(self, n: int, target: int, keep: frozenset[int], capped: bool) -> list[Chunk]:
         """select_victims over what is left; ``capped``: scores >= 1.0 count as just below 1.0 (so
         unpinned "prefer" chunks may go, in age order among themselves)."""
-        scores = self.snapshot.scores
+        scores = self.residency.scores
         if capped:
             scores = {i: min(s, 1.0 - 1e-9) for i, s in scores.items()}
-        return select_victims(self.left, scores, self.active + n, target, keep, self.snapshot.sink_count)
+        return select_victims(self.left, scores, self.active + n, target, keep, self.residency.sink_count)
 
     def take(self, victims: list[Chunk], forced: bool) -> None:
         gone = {c.chunk_id for c in victims}
@@ -168,7 +168,7 @@ class _Draft:
         for chunk in victims:
             self.active -= chunk.num_tokens
             self.evictions.append(
-                Eviction(chunk.chunk_id, chunk.num_tokens, self.snapshot.scores[chunk.chunk_id], forced)
+                Eviction(chunk.chunk_id, chunk.num_tokens, self.residency.scores[chunk.chunk_id], forced)
             )
 
 

@@ -116,7 +116,7 @@ class MemoryManager:
         """Page out the lowest-scored evictable chunk of any other session with no request running on it
         (:func:`~kvos.policy.planner.cheapest_elsewhere`); False when none is left."""
         others = {
-            sid: s.memory.snapshot()
+            sid: s.memory.residency()
             for sid, s in self.sessions.items()
             if s.memory is not requester and sid not in self.running
         }

@@ -1,8 +1,8 @@
 """One session's memory policy in action: the executor of its plans, and its recoveries.
 
 Holds the policy state of a session besides its :class:`History` (task focus, attention tracker, journal).
-What to page out is decided by the pure functions of :mod:`kvos.policy.planner` on a :class:`Snapshot` of
-the session; this class takes the snapshots, carries the plans out through the session's :class:`Pager`
+What to page out is decided by the pure functions of :mod:`kvos.policy.planner` on a :class:`Residency` of
+the session; this class takes the residency views, carries the plans out through the session's :class:`Pager`
 and logs them. Which chunks deserve to come back is the session's recovery signal's to say
 (:mod:`kvos.session.recovery`); this class brings them back (:meth:`SessionMemory.bring_back`). Pool
 capacity is asked for before an operation takes blocks (:meth:`reserve`), never discovered by catching a
@@ -23,7 +23,7 @@ from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import ChunkLexicon, overlap
-from kvos.policy.planner import Eviction, Snapshot, affordable, plan_room, pressure_victim
+from kvos.policy.planner import Eviction, Residency, affordable, plan_room, pressure_victim
 from kvos.policy.scorer import ScoreContext
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import Embedder
@@ -82,10 +82,10 @@ class SessionMemory:
                 self.embedding_of(chunk)
         return resident, self.config.scorer.scores(resident, context)
 
-    def snapshot(self) -> Snapshot:
+    def residency(self) -> Residency:
         """The session as the planner sees it now (scores computed now)."""
         resident, scores = self.resident_scores()
-        return Snapshot(
+        return Residency(
             tuple(resident),
             scores,
             self.pager.active_tokens,
@@ -102,7 +102,7 @@ class SessionMemory:
         held), after carrying out the evictions the plan could make."""
         if not self.config.budget.over(self.pager.active_tokens + n):
             return
-        plan = plan_room(self.snapshot(), n, frozenset(protected or ()))
+        plan = plan_room(self.residency(), n, frozenset(protected or ()))
         self.carry_out(plan.evictions)
         if not plan.fits:
             raise BudgetError(
@@ -138,7 +138,7 @@ class SessionMemory:
         while not pool.can_allocate(blocks()):
             if self.relieve is not None and self.relieve(self):
                 continue
-            victim = pressure_victim(self.snapshot(), frozenset(holding))
+            victim = pressure_victim(self.residency(), frozenset(holding))
             if victim is None:
                 return False
             self.carry_out([victim])

@@ -355,7 +355,7 @@ def test_gap_fill_restores_at_place(engine: Engine, model_dir: Path) -> None:
     victims = [s.chunks[2], s.chunks[5]]
     s.memory.page_out(victims)
     assert all(c.state is ChunkState.SAVED for c in victims)
-    assert s.memory.fill_gaps(history) == 2
+    assert s.memory.fill_headroom(history) == 2  # what sync does with a re-sent prompt
     order = s.pager.order()
     assert order == sorted(order, key=lambda i: s.chunks[i].original_start)
     assert s.pager.seq.token_ids == history

@@ -289,17 +289,21 @@ class SessionMemory:
         """The first chunk of ``before`` still resident (paging may have taken the others), or None."""
         return next((i for i in before or () if i in self.pager.segments), None)
 
-    def fill_gaps(self, token_ids: list[int]) -> int:
-        """Identity gap-fill: walk the history against a re-sent prompt; every saved chunk whose exact
-        tokens sit at its original place is spliced back at its place. Stops at the first difference."""
+    def fill_headroom(self, prompt: list[int]) -> int:
+        """Identity gap-fill within headroom: saved chunks whose exact tokens the re-sent ``prompt`` holds at
+        their original place come back there, most recent first, while the session stays under its low
+        watermark (re-sending a whole conversation brings back what fits, not more). Returns how many came
+        back; stops at the first the pool cannot hold."""
+        target = self.config.budget.target()
         restored = 0
-        for chunk in sorted(self.chunks.values(), key=lambda c: c.original_start):
-            if token_ids[chunk.original_start : chunk.original_end] != chunk.token_ids:
+        for chunk in sorted(self.chunks.values(), key=lambda c: c.original_start, reverse=True):
+            fits = self.pager.active_tokens + chunk.num_tokens <= target
+            resent = prompt[chunk.original_start : chunk.original_end] == chunk.token_ids
+            if not (chunk.state is ChunkState.SAVED and fits and resent):
+                continue
+            if not self.recover(chunk, at="place", trigger="gap_fill"):
                 break
-            if chunk.state is ChunkState.SAVED:
-                if not self.recover(chunk, at="place", trigger="gap_fill"):
-                    break
-                restored += 1
+            restored += 1
         return restored
 
     def on_drop(self, key: object) -> None:

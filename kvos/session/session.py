@@ -322,7 +322,7 @@ class Session:
             common -= 1
         if common < len(history):
             common = self.truncate(common)
-        self._fill_headroom(prompt[:common])
+        self.memory.fill_headroom(prompt[:common])
         offset = 0
         for span in spans:
             lo, hi = max(common - offset, 0), len(span.token_ids)
@@ -362,18 +362,6 @@ class Session:
         self.history.tokens = length
         self.memory.journal.log(self.history.turn, "truncate", tokens=length)
         return length
-
-    def _fill_headroom(self, prompt: list[int]) -> None:
-        """Identity gap-fill within headroom: saved chunks re-sent at their place return, most recent
-        first, while the session stays under its low watermark."""
-        target = self.config.budget.target()
-        for chunk in sorted(self.chunks.values(), key=lambda c: c.original_start, reverse=True):
-            fits = self.pager.active_tokens + chunk.num_tokens <= target
-            resent = prompt[chunk.original_start : chunk.original_end] == chunk.token_ids
-            if not (chunk.state is ChunkState.SAVED and fits and resent):
-                continue
-            if not self.memory.recover(chunk, at="place", trigger="gap_fill"):
-                return
 
     def swap_out(self) -> None:
         """Page the whole session out to its store (kv_restore), freeing all its pool blocks."""

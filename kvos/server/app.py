@@ -21,18 +21,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvos.engine.generate import StreamEvent
 from kvos.engine.scheduler import Scheduler
-from kvos.errors import BudgetError, PoolOutOfMemoryError
+from kvos.errors import BudgetError, ChunkNotFoundError, PoolOutOfMemoryError
 from kvos.server import anthropic
 from kvos.server.auth import Identity, Keys
 from kvos.server.bodies import ChunkStream, final_body
-from kvos.server.errors import APIError, bad_request, forbidden, memory_full, too_large, unauthorized
+from kvos.server.errors import (
+    APIError,
+    bad_request,
+    forbidden,
+    memory_full,
+    not_found,
+    too_large,
+    unauthorized,
+)
 from kvos.server.lifecycle import Cancelled, RequestRecord, ResponseForm, drain, sse, watch_disconnect
 from kvos.server.metrics import Metrics
 from kvos.server.pins import budget_error, check_locked
-from kvos.server.schemas import ChatRequest, CompletionRequest
+from kvos.server.schemas import ChatRequest, ChunkHint, CompletionRequest
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
 from kvos.server.tools import plan_tools
 from kvos.session.prompt import Span, flatten
+from kvos.session.session import UNCHANGED
 
 # X-Session-Id: what a client may name its session (ids go into logs, metric labels and branch names);
 # X-EVOKE-Session, the reference system's header, is an alias (X-Session-Id wins when both are sent)
@@ -136,6 +145,74 @@ def create_app(
         data = [{**s, "owner": o} for o in owners for s in service.registry.sessions(o)]
         return {"object": "list", "data": data}
 
+    def target(request: Request, session_owner: str | None) -> str:
+        """The owner a session route acts for: the key's own, or (an admin key only) ``?owner=``."""
+        who = owner(request)
+        if session_owner is not None and session_owner != who:
+            if not identity(request).admin:
+                raise forbidden("only an admin key may name another key's sessions")
+            who = session_owner
+        return who
+
+    @app.get("/v1/sessions/{session_id}")
+    async def inspect_session(
+        session_id: str,
+        request: Request,
+        events: Annotated[int, Query(ge=0, le=1000, description="the journal's latest events")] = 50,
+        branch: Annotated[str | None, Query(description="a branch's name (default: the latest used)")] = None,
+        session_owner: Annotated[
+            str | None,
+            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
+        ] = None,
+    ) -> dict[str, Any]:
+        """One of the key's sessions as its memory holds it: every chunk of a branch in conversation order
+        (its state, cache position, score and the signals behind it, hints, last event, text excerpt),
+        the journal's latest events, the counters. Read beside running requests (no forward pass)."""
+        entry, session = service.registry.branch_of(target(request, session_owner), session_id, branch)
+        detail = await asyncio.to_thread(session.inspect, events)
+        branches = [
+            {"name": entry.branch_name(b), "history_tokens": b.history_tokens} for b in entry.branches
+        ]
+        return {
+            "id": session_id,
+            "object": "session",
+            "branch": entry.branch_name(session),
+            "branches": branches,
+            "busy": entry.busy,
+            "swapped": session.swapped,
+            **detail,
+        }
+
+    @app.patch("/v1/sessions/{session_id}/chunks/{chunk_id}")
+    async def hint_chunk(
+        session_id: str,
+        chunk_id: int,
+        hint: ChunkHint,
+        request: Request,
+        branch: Annotated[str | None, Query(description="a branch's name (default: the latest used)")] = None,
+        session_owner: Annotated[
+            str | None,
+            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
+        ] = None,
+    ) -> dict[str, Any]:
+        """Pin, unpin, prefer or re-prioritise one chunk of the key's session, as a message's hints would
+        (a chunk pinned while out of the pool comes back when there is room). Runs under the scheduler,
+        between the forward passes of any request on the session. Answers the chunk as inspected."""
+        _, session = service.registry.branch_of(target(request, session_owner), session_id, branch)
+
+        def work() -> dict[str, Any]:
+            keep = hint.keep if "keep" in hint.model_fields_set else UNCHANGED
+            try:
+                session.hint(chunk_id, keep, hint.priority)
+            except ChunkNotFoundError as exc:
+                raise not_found(f"session {session_id!r} has no chunk {chunk_id}", "chunk_not_found") from exc
+            except BudgetError as exc:
+                raise bad_request(str(exc), "budget_exceeded", "keep") from exc
+            chunks = session.inspect(events=0)["chunks"]
+            return {"object": "session.chunk", **next(c for c in chunks if c["id"] == chunk_id)}
+
+        return await asyncio.get_running_loop().run_in_executor(sched, work)
+
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(
         session_id: str,
@@ -146,11 +223,7 @@ def create_app(
         ] = None,
     ) -> dict[str, Any]:
         """Delete one of the key's sessions; an admin key may name another key's with ``?owner=``."""
-        who = owner(request)
-        if session_owner is not None and session_owner != who:
-            if not identity(request).admin:
-                raise forbidden("only an admin key may delete another key's sessions")
-            who = session_owner
+        who = target(request, session_owner)
         if await asyncio.to_thread(service.registry.claim, who, session_id):  # cancels, waits
             await asyncio.get_running_loop().run_in_executor(sched, service.registry.close, who, session_id)
         return {"id": session_id, "object": "session", "deleted": True}

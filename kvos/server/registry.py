@@ -222,6 +222,18 @@ class SessionRegistry:
                 if who == owner
             ]
 
+    def branch_of(self, owner: str, session_id: str, branch: str | None = None) -> tuple[Entry, Session]:
+        """One of a key's sessions and one of its branches (by name; the latest request's by default); a
+        404 for a session the key does not have (another key's included) or a branch it does not have."""
+        with self.cond:
+            entry = self.entries.get((owner, session_id))
+            if entry is None:
+                raise not_found(f"no session {session_id!r}", "session_not_found")
+            for b in entry.branches:
+                if branch is None or entry.branch_name(b) == branch:
+                    return entry, b
+        raise not_found(f"session {session_id!r} has no branch {branch!r}", "branch_not_found")
+
     def cancel(self, owner: str, session_id: str) -> bool:
         """Ask the request running on a session to stop (within one decode step); False when none runs."""
         with self.cond:

@@ -19,6 +19,15 @@ class Hints(BaseModel):
     task_boundary: bool = False
 
 
+class ChunkHint(BaseModel):
+    """``PATCH /v1/sessions/{id}/chunks/{chunk}``: a chunk's memory hints, as a message's would set them. A
+    field left out keeps its value; ``"keep": null`` clears a pin or preference."""
+
+    model_config = ConfigDict(extra="forbid")
+    keep: Literal["pin", "prefer"] | None = None
+    priority: float | None = Field(None, gt=0.0, le=100.0)
+
+
 class Message(BaseModel):
     """A chat message; content may be a string or OpenAI content parts (their text is joined)."""
 

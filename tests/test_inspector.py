@@ -1,10 +1,13 @@
 """The session inspector: ``GET /v1/sessions/{id}`` shows every chunk of a session (where its K/V are, its
-score and why, its hints, its last event) and ``PATCH /v1/sessions/{id}/chunks/{chunk}`` pins, prefers or
-re-prioritises one. Against a real server on the built-in model with its default budget, keys scoped as
-every other session route."""
+score and why, its hints, its last event), ``PATCH /v1/sessions/{id}/chunks/{chunk}`` pins, prefers or
+re-prioritises one, and ``GET /v1/sessions/{id}/events`` streams what its memory does as it happens.
+Against a real server on the built-in model with its default budget, keys scoped as every other session
+route."""
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -144,8 +147,40 @@ def test_another_keys_session_is_not_found_on_every_route(url: str) -> None:
         inspect(url, "private", key="two"),
         patch(url, "private", 0, {"keep": "pin"}, key="two"),
         inspect(url, "nobody"),
+        httpx.get(f"{url}/sessions/private/events", headers=KEYS["two"]),
     ):
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
     assert inspect(url, "private", branch="b9").json()["error"]["code"] == "branch_not_found"
     other = httpx.get(f"{url}/sessions/private?owner=key-one", headers=KEYS["two"])
     assert other.status_code == 403  # naming another owner needs an admin key
+
+
+def test_events_stream_what_the_memory_does_as_it_happens(url: str) -> None:
+    messages = conversation(url, "watched", 1)
+    events: list[dict[str, Any]] = []
+    connected = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("GET", f"{url}/sessions/watched/events", headers=KEYS["one"], timeout=120) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                connected.set()  # the first line is a comment sent once the watch is in place
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    if events[-1]["event"] == "request":
+                        return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert connected.wait(30)
+    messages.append({"role": "user", "content": "Now a long note to page things out. " * 20})
+    reply = chat(url, "watched", messages)
+    reader.join(120)
+    assert not reader.is_alive()
+    request = events[-1]
+    assert request["event"] == "request" and request["branch"] == "main"
+    evictions = [e for e in events if e["event"] == "evict"]
+    assert request["evictions"] == reply["usage"]["kvos"]["evictions"] == len(evictions) > 0
+    assert all(isinstance(e["chunk"], int) and e["branch"] == "main" for e in evictions)
+    assert request["prompt_tokens"] == reply["usage"]["prompt_tokens"]
+    assert request["reused_tokens"] == reply["usage"]["kvos"]["reused_tokens"]

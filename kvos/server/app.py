@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import Executor
@@ -182,6 +183,23 @@ def create_app(
             "swapped": session.swapped,
             **detail,
         }
+
+    @app.get("/v1/sessions/{session_id}/events")
+    async def session_events(
+        session_id: str,
+        request: Request,
+        session_owner: Annotated[
+            str | None,
+            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
+        ] = None,
+    ) -> StreamingResponse:
+        """Server-sent events of one of the key's sessions as they happen: its memory's events (``evict``,
+        ``restore``, ``recompute``, ``swap_out``, ``swap_in``, ``hint``, ``cancel``, ... with the chunk and
+        the branch) and one ``request`` event per finished request (its tokens reused, decoded, evicted and
+        recovered). A comment every 15 s keeps idle connections open; at most 1,000 events wait for a slow
+        reader (older ones are dropped and counted in the next event's ``dropped``)."""
+        entry, _ = service.registry.branch_of(target(request, session_owner), session_id)
+        return StreamingResponse(watch_session(entry, request), media_type="text/event-stream")
 
     @app.patch("/v1/sessions/{session_id}/chunks/{chunk_id}")
     async def hint_chunk(
@@ -386,6 +404,39 @@ def create_app(
 
     app.state.service, app.state.scheduler = service, sched
     return app
+
+
+async def watch_session(entry: Entry, request: Request, keepalive_s: float = 15.0) -> AsyncIterator[str]:
+    """The event stream of ``GET /v1/sessions/{id}/events``: the session's events, from the threads that
+    cause them, through a bounded queue to this coroutine, until the client goes."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
+    dropped = 0
+
+    def offer(event: dict[str, Any]) -> None:  # on the event loop
+        nonlocal dropped
+        if queue.full():
+            queue.get_nowait()
+            dropped += 1
+        queue.put_nowait(event)
+
+    def watch(event: dict[str, Any]) -> None:  # on the thread that logged the event
+        loop.call_soon_threadsafe(offer, event)
+
+    entry.watchers.append(watch)
+    try:
+        yield ": watching session events\n\n"
+        while not await request.is_disconnected():
+            try:
+                event = await asyncio.wait_for(queue.get(), keepalive_s)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            if dropped:
+                event, dropped = {**event, "dropped": dropped}, 0
+            yield f"event: {event['event']}\ndata: {json.dumps(event, default=str)}\n\n"
+    finally:
+        entry.watchers.remove(watch)
 
 
 def scheduler(service: ChatService) -> Scheduler:

@@ -12,6 +12,7 @@ import gc
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +61,21 @@ class Entry:
     cancel: threading.Event = field(default_factory=threading.Event)
     branch_used: dict[str, float] = field(default_factory=dict)
 
+    watchers: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+
     @property
     def session(self) -> Session:
         """The branch of the latest request."""
         return self.branches[0]
+
+    def adopt(self, branch: Session) -> None:
+        """Have a branch's events reach this session's watchers (:meth:`publish`)."""
+        branch.on_event(lambda s, event: self.publish({**event, "branch": self.branch_name(s)}))
+
+    def publish(self, event: dict[str, Any]) -> None:
+        """Tell every watcher of the session (``GET /v1/sessions/{id}/events``) of ``event``."""
+        for watch in list(self.watchers):
+            watch(event)
 
     def branch_name(self, session: Session) -> str:
         """A branch's public name: ``main`` for the first, ``b1``, ``b2``, ... for the forks."""
@@ -140,6 +152,8 @@ class SessionRegistry:
         session = branches[0]
         renderer = SpanRenderer(session.template, session.tokenizer) if session.template else None
         entry = Entry(session_id, owner, renderer, branches)
+        for branch in branches:
+            entry.adopt(branch)
         now = time.monotonic()  # the branches' order (latest first) is their recency
         entry.branch_used = {b.session_id: now - i * 1e-3 for i, b in enumerate(branches)}
         self.entries[(owner, session_id)] = entry
@@ -302,6 +316,7 @@ class SessionRegistry:
             name = f"{entry.owner}/{entry.session_id}#b{entry.served}"
             chosen = self.manager.fork(best.session_id, name, shared[best.session_id])
             entry.branches.append(chosen)
+            entry.adopt(chosen)
         entry.branches.remove(chosen)
         entry.branches.insert(0, chosen)
         entry.branch_used[chosen.session_id] = time.monotonic()

@@ -245,6 +245,21 @@ class ChatService:
                 **({"max_tokens_clipped": outcome.clipped} if outcome.clipped else {}),
             },
         }
+        kvos = outcome.usage["kvos"]
+        entry.publish(
+            {
+                "event": "request",
+                "branch": kvos["branch"],
+                "prompt_tokens": prompt,
+                "reused_tokens": reused,
+                "decoded_tokens": kvos["decoded_tokens"],
+                "completion_tokens": len(outcome.completion_ids),
+                "evictions": kvos["evictions"],
+                "recoveries": kvos["recoveries"],
+                "active_tokens": kvos["active_tokens"],
+                "finish_reason": outcome.finish_reason,
+            }
+        )
         self.totals["reused_tokens"] += reused
         self.totals["decoded_tokens"] += decoded + len(outcome.completion_ids)
         self.totals["requests"] += 1

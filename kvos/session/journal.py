@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 
@@ -18,14 +19,18 @@ class Journal:
         self.counts: Counter[str] = Counter()
         self.max_events = max_events
         self.max_active = 0
+        self.observer: Callable[[dict[str, Any]], None] | None = None  # told of every event as it is logged
 
     def log(self, turn: int, kind: str, **detail: Any) -> None:
         self.counts[kind] += 1
         if "tokens" in detail:
             self.counts[f"{kind}_tokens"] += int(detail["tokens"])
-        self.events.append({"turn": turn, "event": kind, **detail})
+        event = {"turn": turn, "event": kind, **detail}
+        self.events.append(event)
         if len(self.events) > self.max_events:
             del self.events[: len(self.events) - self.max_events]
+        if self.observer is not None:
+            self.observer(event)
 
     def seen(self, active_tokens: int) -> None:
         """Record the session's resident token count after a change."""

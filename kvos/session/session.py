@@ -487,6 +487,12 @@ class Session:
         """Record an event of this turn in the session's journal (a cancel, a preemption)."""
         self.memory.journal.log(self.history.turn, event, **detail)
 
+    def on_event(self, callback: Callable[[Session, dict[str, Any]], None] | None) -> None:
+        """Have ``callback(self, event)`` told of every journal event as it happens (an eviction, a restore,
+        a swap...; called on the thread that caused it, so it must be quick); None stops it."""
+        journal = self.memory.journal
+        journal.observer = None if callback is None else (lambda event: callback(self, event))
+
     def saved_files(self) -> set[str]:
         """The names of the files that hold the session's saved chunks (none without a disk store)."""
         store = self.pager.store

@@ -44,7 +44,7 @@ def serve_args(*argv: str) -> argparse.Namespace:
 def test_serve_bench_at_ci_scale(tmp_path: Path) -> None:
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     argv = ["--models", "builtin", "--clients", "1,2", "--turns", "2", "--max-tokens", "4", "--label", "ci"]
-    result = serve.run(serve_args(*argv, "--json", str(out), "--plot", str(png), "--max-seconds", "120"))
+    result = serve.run(serve_args(*argv, "--json", str(out), "--plot", str(png), "--max-seconds", "900"))
     assert json.loads(out.read_text()) == result
     assert result["benchmark"] == "serve" and result["model"] == "builtin"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -87,7 +87,9 @@ def test_a_peer_server_gets_the_same_load(tmp_path: Path) -> None:
 
     args = serve_args("--turns", "2", "--max-tokens", "3")
     peer = serve.Peer("peer -np 2", launch)
-    rows = serve.bench_model("builtin", None, [2], args, time.monotonic() + 120, tmp_path, peer)
+    # the deadline is the bench's own guard (no client count starts after it), not a timing assertion: the
+    # peer's start-up may take minutes on a loaded 2-core machine, and a run past it would have no rows
+    rows = serve.bench_model("builtin", None, [2], args, time.monotonic() + 900, tmp_path, peer)
     assert len(rows) == 1
     row = rows[0]
     assert row["label"] == "peer -np 2" and row["clients"] == 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "kvos"
 
 # module prefix -> layer; the longest matching prefix decides. A module imports only its own layer or lower.
@@ -219,3 +221,45 @@ def test_only_the_pager_records_where_a_chunks_kv_are() -> None:
         and not (isinstance(target.value, ast.Name) and target.value.id == "self")
     )
     assert not writes, "\n".join(writes)
+
+
+def _calls(name: str, receiver: str = "") -> dict[str, list[str]]:
+    """Module -> the calls (as written) of a function or method called ``name`` (a method only on an
+    object whose expression ends with ``receiver``, when given)."""
+    found: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                on = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+                if called == name and on.endswith(receiver):
+                    found.setdefault(module, []).append(
+                        f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}"
+                    )
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "allowed"),
+    [
+        ("select_victims", {"kvos.policy.planner"}),  # which chunks go: the planner's plans alone
+        ("pressure_victim", {"kvos.session.memory"}),  # a plan is carried out by the executor...
+        ("plan_room", {"kvos.session.memory"}),
+        ("cheapest_elsewhere", {"kvos.session.manager"}),
+        ("plan_swaps", {"kvos.server.registry"}),  # ...or, for whole sessions, by the registry
+        ("stale_branches", {"kvos.server.registry"}),
+        ("pager.evict", {"kvos.session.memory"}),  # the pager pages out what a plan names
+    ],
+)
+def test_victims_are_picked_by_the_planner_and_paged_out_by_its_executors(
+    name: str, allowed: set[str]
+) -> None:
+    """Eviction decisions are made in :mod:`kvos.policy.planner` only: its functions are called by the
+    executors that carry their plans out, and the pager's ``evict`` only by the session's executor (and
+    the pager itself, swapping a whole session out)."""
+    method, _, receiver = name.rpartition(".")[::-1]
+    calls = _calls(method, receiver)
+    assert calls, f"no call of {name} found: the check reads nothing"
+    outside = {m: c for m, c in calls.items() if m not in allowed}
+    assert not outside, outside

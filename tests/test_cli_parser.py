@@ -59,14 +59,15 @@ def test_serve_sizes_take_units_and_old_names_still_parse(argv: list[str], dest:
 
 
 @pytest.mark.parametrize("flag", ["--recovery-signal", "--signal"])
-@pytest.mark.parametrize("bench", ["recall", "session"])
-def test_benchmarks_name_the_recovery_signal_as_serve_does(bench: str, flag: str) -> None:
+@pytest.mark.parametrize("module", ["kvos.bench.recall", "kvos.bench.session", "kvos.server.main"])
+def test_every_command_names_the_recovery_signal_alike(module: str, flag: str) -> None:
     import argparse
     import importlib
 
     parser = argparse.ArgumentParser()
-    importlib.import_module(f"kvos.bench.{bench}").add_arguments(parser)
-    assert parser.parse_args([flag, "attention"]).signal == "attention"
+    importlib.import_module(module).add_arguments(parser)
+    assert parser.parse_args([flag, "attention"]).recovery_signal == "attention"
+    assert parser.parse_args([]).recovery_signal == "auto"
 
 
 def test_a_size_without_a_number_is_a_usage_error() -> None:

@@ -34,11 +34,10 @@ from kvos.policy.budget import Budget
 from kvos.policy.digest import load_retrieval_heads
 from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
-from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.journal import cost_medians
 from kvos.session.manager import MemoryManager
-from kvos.session.recovery import SIGNALS
+from kvos.session.recovery import add_signal_argument
 from kvos.session.strategies import STRATEGIES, strategy
 
 FRACTIONS = (0.25, 0.5, 1.0)
@@ -67,14 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     add_embedder_argument(p)
-    p.add_argument(
-        "--recovery-signal",
-        "--signal",
-        dest="signal",
-        choices=SIGNALS,
-        default=SessionConfig.recovery_signal,
-        help="recovery signal (as kvos serve --recovery-signal)",
-    )
+    add_signal_argument(p)
     p.add_argument(
         "--bar",
         action="store_true",
@@ -210,7 +202,7 @@ def _play_one(
     chunk_tokens = max(8, min(128, tokens // 4))
     config = strategy(name, Budget(max_active_tokens=tokens, policy="hard"), chunk_tokens)
     config.embedder = args.embedder
-    config.recovery_signal = args.signal
+    config.recovery_signal = args.recovery_signal
     config.retriever = args.loaded_retriever
     config.recovery_bar = args.bar
     if args.retrieval_heads:
@@ -256,7 +248,7 @@ def _result(
         **meta,
         "dtype": args.dtype or "as stored",
         "embedder": args.embedder,
-        "signal": args.signal,
+        "signal": args.recovery_signal,
         "retriever": dict(args.loaded_retriever.info or {}) if args.loaded_retriever is not None else None,
         "recovery_cost": "per user message: recovery signal (finding what to bring back), restores, the "
         "message's own prefill, the learned signal's key codes made for what was prefilled since it came "

@@ -42,7 +42,7 @@ from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
-from kvos.session.recovery import SIGNALS
+from kvos.session.recovery import add_signal_argument
 from kvos.session.session import Session
 
 DEFAULT_MODEL = "tiny"
@@ -104,14 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="kv_restore", choices=("kv_restore", "breadcrumb", "discard"))
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument(
-        "--recovery-signal",
-        "--signal",
-        dest="signal",
-        choices=SIGNALS,
-        default=SessionConfig.recovery_signal,
-        help="recovery signal (as kvos serve --recovery-signal)",
-    )
+    add_signal_argument(parser)
     parser.add_argument(
         "--retriever",
         metavar="FILE",
@@ -186,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chunk_tokens=args.chunk_tokens,
         backend=args.backend,
         embedder="tokens",
-        recovery_signal=args.signal,
+        recovery_signal=args.recovery_signal,
         retriever=find_retriever(path, args.retriever),
     )
     manager = MemoryManager(Engine(load_model(path, dtype=torch.float32)), load_tokenizer(path), config)

@@ -23,6 +23,14 @@ Keep = Literal["pin", "prefer"]
 KEEP_VALUES: tuple[str, ...] = ("pin", "prefer")
 
 
+def _hint_problems(keep: object, priority: float) -> list[tuple[str, bool]]:
+    """The checks of a chunk's hints: (what must hold, whether it fails)."""
+    return [
+        ("priority must be finite and >= 0", not (math.isfinite(priority) and priority >= 0)),
+        ("keep must be 'pin', 'prefer' or None", keep is not None and keep not in KEEP_VALUES),
+    ]
+
+
 class ChunkKind(StrEnum):
     """Where a chunk's tokens came from."""
 
@@ -85,13 +93,19 @@ class Chunk:
         problems = [
             ("original_start must be >= 0", self.original_start < 0),
             ("current_start must be >= 0 or None", self.current_start is not None and self.current_start < 0),
-            ("priority must be finite and >= 0", not (math.isfinite(self.priority) and self.priority >= 0)),
-            ("keep must be 'pin', 'prefer' or None", self.keep is not None and self.keep not in KEEP_VALUES),
+            *_hint_problems(self.keep, self.priority),
             ("embedding must be 1-D [dim]", self.embedding is not None and self.embedding.dim() != 1),
         ]
         for message, bad in problems:
             if bad:
                 raise ConfigError(f"Chunk {self.chunk_id}: {message}; {self!r:.300}")
+
+    def set_hints(self, keep: Keep | None, priority: float) -> None:
+        """Change the client's hints (checked as at construction): ConfigError for a bad value."""
+        for message, bad in _hint_problems(keep, priority):
+            if bad:
+                raise ConfigError(f"Chunk {self.chunk_id}: {message}, got keep={keep!r}, priority={priority}")
+        self.keep, self.priority = keep, priority
 
     @property
     def num_tokens(self) -> int:

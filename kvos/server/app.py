@@ -57,6 +57,13 @@ SessionHeader = Annotated[
 ]
 
 
+# the query parameters of the session routes
+OwnerQuery = Annotated[
+    str | None, Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)")
+]
+BranchQuery = Annotated[str | None, Query(description="a branch's name (default: the latest used)")]
+
+
 def create_app(
     service: ChatService,
     api_keys: list[str] | None = None,
@@ -160,11 +167,8 @@ def create_app(
         session_id: str,
         request: Request,
         events: Annotated[int, Query(ge=0, le=1000, description="the journal's latest events")] = 50,
-        branch: Annotated[str | None, Query(description="a branch's name (default: the latest used)")] = None,
-        session_owner: Annotated[
-            str | None,
-            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
-        ] = None,
+        branch: BranchQuery = None,
+        session_owner: OwnerQuery = None,
     ) -> dict[str, Any]:
         """One of the key's sessions as its memory holds it: every chunk of a branch in conversation order
         (its state, cache position, score and the signals behind it, hints, last event, text excerpt),
@@ -188,10 +192,7 @@ def create_app(
     async def session_events(
         session_id: str,
         request: Request,
-        session_owner: Annotated[
-            str | None,
-            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
-        ] = None,
+        session_owner: OwnerQuery = None,
     ) -> StreamingResponse:
         """Server-sent events of one of the key's sessions as they happen: its memory's events (``evict``,
         ``restore``, ``recompute``, ``swap_out``, ``swap_in``, ``hint``, ``cancel``, ... with the chunk and
@@ -207,11 +208,8 @@ def create_app(
         chunk_id: int,
         hint: ChunkHint,
         request: Request,
-        branch: Annotated[str | None, Query(description="a branch's name (default: the latest used)")] = None,
-        session_owner: Annotated[
-            str | None,
-            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
-        ] = None,
+        branch: BranchQuery = None,
+        session_owner: OwnerQuery = None,
     ) -> dict[str, Any]:
         """Pin, unpin, prefer or re-prioritise one chunk of the key's session, as a message's hints would
         (a chunk pinned while out of the pool comes back when there is room). Runs under the scheduler,
@@ -235,10 +233,7 @@ def create_app(
     async def delete_session(
         session_id: str,
         request: Request,
-        session_owner: Annotated[
-            str | None,
-            Query(alias="owner", description="admin keys only: the owner (as /v1/sessions lists it)"),
-        ] = None,
+        session_owner: OwnerQuery = None,
     ) -> dict[str, Any]:
         """Delete one of the key's sessions; an admin key may name another key's with ``?owner=``."""
         who = target(request, session_owner)

@@ -29,7 +29,7 @@ from kvos.server.state import StateDir
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.manager import MemoryManager
-from kvos.session.recovery import SIGNALS
+from kvos.session.recovery import add_signal_argument
 
 if TYPE_CHECKING:
     import uvicorn
@@ -106,16 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
     add_embedder_argument(p)
-    p.add_argument(
-        "--recovery-signal",
-        choices=SIGNALS,
-        default=SessionConfig.recovery_signal,
-        help="how a new user message finds saved chunks (auto: learned when the model has a retriever, "
-        "else lexical; learned: the model's layer-0 queries against the chunks' keys through a calibrated "
-        "retriever, no forward pass; answer: one short forward pass per candidate; hybrid: the answer "
-        "signal on a shortlist from key digests and words; attention: key digests only; "
-        "docs/benchmarks.md compares them)",
-    )
+    add_signal_argument(p)
     p.add_argument(
         "--retriever",
         metavar="FILE",

@@ -60,8 +60,7 @@ class Entry:
     last_used: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     branch_used: dict[str, float] = field(default_factory=dict)
-
-    watchers: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+    watchers: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)  # of its events
 
     @property
     def session(self) -> Session:
@@ -331,28 +330,30 @@ class SessionRegistry:
         request only with its own blocks reserved)."""
         running = self.manager.running
         with self.cond:
-            others = {
-                b.session_id: (
-                    b,
-                    SessionView(
-                        b.session_id,
-                        e.branch_used.get(b.session_id, e.last_used),
-                        b.pool_blocks,
-                        idle=not e.busy or e is entry,
-                        running=b.session_id in running,
-                        swappable=b.can_swap,
-                    ),
-                )
+            others = [
+                (e, b)
                 for e in self.entries.values()
                 for b in e.branches
                 if b is not entry.session and not b.swapped and b.active_tokens
-            }
+            ]
+        views = [
+            SessionView(
+                b.session_id,
+                e.branch_used.get(b.session_id, e.last_used),
+                b.pool_blocks,
+                idle=not e.busy or e is entry,
+                running=b.session_id in running,
+                swappable=b.can_swap,
+            )
+            for e, b in others
+        ]
+        by_key = {b.session_id: b for _, b in others}
         sched = self.manager.engine.scheduler
         room = None
         if sched is not None and sched.capacity_blocks is not None:
             room = max(0, sched.capacity_blocks - sched.reserved_blocks)
-        for swap in plan_swaps([view for _, view in others.values()], self.config.max_sessions, room):
-            session = others[swap.key][0]
+        for swap in plan_swaps(views, self.config.max_sessions, room):
+            session = by_key[swap.key]
             session.swap_out()
             if swap.preempted:
                 session.log("preempt", blocks_free=swap.blocks_free)

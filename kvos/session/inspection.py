@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 EXCERPT_CHARS = 160  # of a chunk's text in an inspection
 
 
-def inspect(session: Session, events: int = 50) -> dict[str, Any]:
+def inspect_session(session: Session, events: int = 50) -> dict[str, Any]:
     """The session now (see the module docstring): ``chunks`` (each: ``id``, ``kind``, ``message``,
     ``start``/``end`` in the history's tokens, ``tokens``, ``state``, ``position`` of its first token in the
     cache while resident, ``keep``, ``priority``, ``score``, ``signals``, ``last_event``, ``text``) and the

@@ -8,7 +8,6 @@ prefilled. Generation captures decode attention, which feeds the attention signa
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import Counter
@@ -26,11 +25,11 @@ from kvos.errors import BudgetError, ChunkNotFoundError, ConfigError, PrefillCan
 from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
-from kvos.policy.chunks import KEEP_VALUES, Chunk, ChunkKind, ChunkState, Keep
+from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
 from kvos.session.history import History
-from kvos.session.inspection import inspect
+from kvos.session.inspection import inspect_session
 from kvos.session.memory import SessionMemory
 from kvos.session.pager import Pager
 from kvos.session.prompt import Span, common_prefix, flatten
@@ -503,13 +502,13 @@ class Session:
 
     def inspect(self, events: int = 50) -> dict[str, Any]:
         """Every chunk, where its K/V are and why, and the latest events (:mod:`kvos.session.inspection`)."""
-        return inspect(self, events)
+        return inspect_session(self, events)
 
     def hint(
         self, chunk_id: int, keep: Keep | Unchanged | None = UNCHANGED, priority: float | None = None
     ) -> Chunk:
         """Set a chunk's ``keep`` (``"pin"``: never paged out; ``"prefer"``: scored up; None: neither) and
-        ``priority`` (a score multiplier > 0), as a request's hints would have; ``UNCHANGED`` / None leave
+        ``priority`` (a score multiplier >= 0), as a request's hints would have; ``UNCHANGED`` / None leave
         them as they are. A chunk pinned while out of the pool is brought back when the budget and the pool
         have room (else it stays out, pinned, and comes back as any chunk does). ChunkNotFoundError for an
         unknown id; ConfigError for a bad value; BudgetError when the pinned chunks and sinks would leave no
@@ -521,11 +520,7 @@ class Session:
             keep = chunk.keep
         if priority is None:
             priority = chunk.priority
-        if keep is not None and keep not in KEEP_VALUES:
-            raise ConfigError(f"keep must be one of {', '.join(KEEP_VALUES)} or None, got {keep!r}")
-        if not (math.isfinite(priority) and priority > 0):
-            raise ConfigError(f"priority must be finite and > 0, got {priority}")
-        if keep == "pin" and not chunk.pinned:
+        if keep == "pin" and not chunk.pinned and not chunk.is_sink(self.config.sink_count):
             locked = self.history.locked_tokens(self.config.sink_count) + chunk.num_tokens
             room = self.config.budget.max_active_tokens - self.config.chunk_tokens
             if locked > room:
@@ -534,7 +529,7 @@ class Session:
                     f"pinning chunk {chunk_id} would lock {locked} tokens, leaving less than a chunk "
                     f"({self.config.chunk_tokens} tokens) of the {budget}-token budget for the rest"
                 )
-        chunk.keep, chunk.priority = keep, priority
+        chunk.set_hints(keep, priority)
         self.log("hint", chunk=chunk_id, keep=keep, priority=priority)
         if keep == "pin" and not chunk.resident and self.memory.recoverable(chunk):
             self.memory.recover(chunk, at="place", trigger="pin")

@@ -6,7 +6,7 @@ import torch
 
 from kvos.policy.chunks import Chunk
 from kvos.session.recovery.base import RecoverySignal, Similarity
-from kvos.session.units import Unit, exchange_units
+from kvos.session.units import Unit
 
 
 class Attention(RecoverySignal):
@@ -39,9 +39,8 @@ class Attention(RecoverySignal):
         if not any(memory.recoverable(c) and c.digest is not None for c in memory.chunks.values()):
             return
         sims = memory.attention_shares(queries, exclude=mine)
-        unit = exchange_units(memory.chunks.values())
         before = [c.chunk_id for c in message]
-        memory.bring_back(sims, memory.config.min_similarity(), memory.eligible, unit, before=before)
+        memory.bring_back(sims, memory.config.min_similarity(), memory.eligible, self.unit(), before=before)
 
     def similarity(self, ids: list[int], query: torch.Tensor, unit: Unit) -> Similarity:
         raise TypeError("the attention signal scores after the message's prefill, from its queries")

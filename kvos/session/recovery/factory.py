@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from kvos.errors import ConfigError
 from kvos.policy.retriever import Retriever
 from kvos.session.recovery.answer import Answer
@@ -20,6 +22,20 @@ _CLASSES: dict[str, type[RecoverySignal]] = {
 }
 _WITH_RETRIEVER: dict[str, type[RecoverySignal]] = {"auto": Learned, "hybrid": LearnedHybrid}
 _WITHOUT_RETRIEVER: dict[str, type[RecoverySignal]] = {"auto": Lexical}
+
+
+SIGNAL_HELP = (
+    "how a new user message finds saved chunks (auto: learned when the model has a retriever, else lexical; "
+    "learned: the model's layer-0 queries against the chunks' keys through a calibrated retriever, no "
+    "forward pass; answer: one short forward pass per candidate; hybrid: the answer signal on a shortlist "
+    "from key digests and words; attention: key digests only; docs/benchmarks.md compares them)"
+)
+
+
+def add_signal_argument(p: argparse.ArgumentParser) -> None:
+    """The ``--recovery-signal`` option (``--signal``: its older name in the benchmarks) of every command
+    that makes sessions; ``args.recovery_signal``, "auto" by default."""
+    p.add_argument("--recovery-signal", "--signal", choices=SIGNALS, default="auto", help=SIGNAL_HELP)
 
 
 def signal_class(name: str, retriever: Retriever | None) -> type[RecoverySignal]:

@@ -337,7 +337,8 @@ def test_a_streamed_tool_call_is_a_tool_use_block_with_its_json(served: tuple[st
         max_tokens=200,
         messages=[{"role": "user", "content": "What is the weather in Rome?"}],
         tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice={"type": "tool", "name": "get_weather"},
+        # exactly one call: a forced tool may otherwise be called several times in parallel, as Anthropic's
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
         extra_headers={"X-Session-Id": "streamed-tool"},
     ) as stream:
         for event in stream:

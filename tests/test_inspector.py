@@ -37,12 +37,12 @@ def chat(url: str, sid: str, messages: list[dict[str, Any]], key: str = "one") -
     return reply
 
 
-def conversation(url: str, sid: str, turns: int) -> list[dict[str, Any]]:
+def conversation(url: str, sid: str, turns: int, key: str = "one") -> list[dict[str, Any]]:
     """A session past its budget: a long system prompt, then ``turns`` short exchanges."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are a coding agent. {RULES}"}]
     for i in range(turns):
         messages.append({"role": "user", "content": f"Note {i}: my favourite number is {40 + i}."})
-        reply = chat(url, sid, messages)
+        reply = chat(url, sid, messages, key)
         messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
     return messages
 
@@ -184,3 +184,57 @@ def test_events_stream_what_the_memory_does_as_it_happens(url: str) -> None:
     assert all(isinstance(e["chunk"], int) and e["branch"] == "main" for e in evictions)
     assert request["prompt_tokens"] == reply["usage"]["prompt_tokens"]
     assert request["reused_tokens"] == reply["usage"]["kvos"]["reused_tokens"]
+
+
+def test_the_keys_event_stream_covers_its_sessions_and_no_others(url: str) -> None:
+    """``GET /v1/events``: one stream of every session of the key, each event with its session, sessions
+    opening and closing among them; another key's sessions are not in it."""
+    events: list[dict[str, Any]] = []
+    connected = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("GET", f"{url}/events", headers=KEYS["one"], timeout=120) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                connected.set()
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    if events[-1]["event"] == "close":
+                        return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert connected.wait(30)
+    conversation(url, "stranger", 1, key="two")
+    conversation(url, "wide-a", 1)
+    conversation(url, "wide-b", 1)
+    assert httpx.delete(f"{url}/sessions/wide-a", headers=KEYS["one"], timeout=60).status_code == 200
+    reader.join(120)
+    assert not reader.is_alive()
+    mine = {s["id"] for s in httpx.get(f"{url}/sessions", headers=KEYS["one"]).json()["data"]}
+    seen = {e["session"] for e in events}  # others of key one's sessions may feel the pool's pressure
+    assert {"wide-a", "wide-b"} <= seen <= mine | {"wide-a"} and "stranger" not in seen
+    assert next(e["event"] for e in events if e["session"] == "wide-a") == "open"
+    assert events[-1] == {"event": "close", "reason": "deleted", "session": "wide-a"}
+    requests = [e for e in events if e["event"] == "request"]
+    assert [e["session"] for e in requests] == ["wide-a", "wide-b"]
+    assert httpx.get(f"{url}/events").status_code == 401  # keys are required here as on every /v1 route
+
+
+def test_the_pool_and_the_keys_requirement_are_public_facts(url: str) -> None:
+    root = url.removesuffix("/v1")
+    assert httpx.get(f"{root}/health").json()["keys_required"] is True
+    listing = httpx.get(f"{url}/sessions", headers=KEYS["one"], timeout=60).json()
+    pool = listing["pool"]
+    assert 0 < pool["live_bytes"] <= pool["bytes"] and pool["max_bytes"] is None
+    assert pool["tokens"] % pool["block_tokens"] == 0 and pool["live_tokens"] <= pool["tokens"]
+
+
+def test_the_memory_map_is_served_without_a_key(url: str) -> None:
+    root = url.removesuffix("/v1")
+    page = httpx.get(f"{root}/ui", follow_redirects=True)
+    assert page.status_code == 200 and "kvos memory map" in page.text
+    for asset, kind in (("ui.js", "javascript"), ("ui.css", "text/css")):
+        r = httpx.get(f"{root}/ui/{asset}")
+        assert r.status_code == 200 and kind in r.headers["content-type"] and len(r.content) > 1000
+    assert httpx.get(f"{root}/ui/nothing.js").status_code == 404

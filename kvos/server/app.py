@@ -13,12 +13,14 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.staticfiles import StaticFiles
 
 from kvos.engine.generate import StreamEvent
 from kvos.engine.scheduler import Scheduler
@@ -38,12 +40,14 @@ from kvos.server.errors import (
 from kvos.server.lifecycle import Cancelled, RequestRecord, ResponseForm, drain, sse, watch_disconnect
 from kvos.server.metrics import Metrics
 from kvos.server.pins import budget_error, check_locked
+from kvos.server.registry import SessionRegistry
 from kvos.server.schemas import ChatRequest, ChunkHint, CompletionRequest
 from kvos.server.service import ChatService, Entry, Outcome, unknown_model
 from kvos.server.tools import plan_tools
 from kvos.session.prompt import Span, flatten
 from kvos.session.session import UNCHANGED
 
+UI_DIR = Path(__file__).parent / "ui"  # the memory map's page, script and style (served at /ui)
 # X-Session-Id: what a client may name its session (ids go into logs, metric labels and branch names);
 # X-EVOKE-Session, the reference system's header, is an alias (X-Session-Id wins when both are sent)
 SESSION_ID = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"
@@ -115,7 +119,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": name, "sessions": len(service.registry.entries)}
+        sessions = len(service.registry.entries)
+        return {"status": "ok", "model": name, "sessions": sessions, "keys_required": keys.required}
 
     @app.get("/metrics")
     async def scrape(request: Request) -> Response:
@@ -147,11 +152,25 @@ def create_app(
         """The key's sessions; an admin key's listing has every key's, each with its ``owner``."""
         who = identity(request)
         if not who.admin:
-            return {"object": "list", "data": service.registry.sessions(who.owner)}
+            return {"object": "list", "data": service.registry.sessions(who.owner), "pool": pool_state()}
         with service.registry.cond:
             owners = sorted({o for o, _ in service.registry.entries})
         data = [{**s, "owner": o} for o in owners for s in service.registry.sessions(o)]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": data, "pool": pool_state()}
+
+    def pool_state() -> dict[str, Any]:
+        """The KV pool all sessions share: its bytes now, those in use, its cap (None: uncapped)."""
+        pool = service.manager.engine.pool
+        per_block = pool.layout.bytes_per_block
+        return {
+            "bytes": pool.nbytes,
+            "live_bytes": pool.live_bytes,
+            "max_bytes": pool.growth.max_bytes,
+            "block_tokens": pool.layout.block_size,
+            "tokens": pool.nbytes // per_block * pool.layout.block_size,
+            "live_tokens": pool.live_bytes // per_block * pool.layout.block_size,
+            "resizes": pool.resizes,
+        }
 
     def target(request: Request, session_owner: str | None) -> str:
         """The owner a session route acts for: the key's own, or (an admin key only) ``?owner=``."""
@@ -199,8 +218,20 @@ def create_app(
         the branch) and one ``request`` event per finished request (its tokens reused, decoded, evicted and
         recovered). A comment every 15 s keeps idle connections open; at most 1,000 events wait for a slow
         reader (older ones are dropped and counted in the next event's ``dropped``)."""
-        entry, _ = service.registry.branch_of(target(request, session_owner), session_id)
-        return StreamingResponse(watch_session(entry, request), media_type="text/event-stream")
+        who = target(request, session_owner)
+        service.registry.branch_of(who, session_id)  # a 404 for a session the key does not have
+        stream = watch_events(service.registry, who, request, session_id)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    @app.get("/v1/events")
+    async def events(request: Request) -> StreamingResponse:
+        """Server-sent events of every session of the key (an admin key: of every key's, each event with its
+        ``owner``) as they happen, each with its ``session``: the events of ``/v1/sessions/{id}/events``,
+        and ``open`` / ``close`` as sessions are created (or read back from the state dir) and deleted or
+        expire. One connection for a dashboard of many sessions."""
+        who = identity(request)
+        stream = watch_events(service.registry, None if who.admin else who.owner, request)
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     @app.patch("/v1/sessions/{session_id}/chunks/{chunk_id}")
     async def hint_chunk(
@@ -397,13 +428,21 @@ def create_app(
             raise bad_request("the conversation cannot be rendered with this model's chat template")
         return {"input_tokens": len(ids)}
 
+    app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")  # the memory map
     app.state.service, app.state.scheduler = service, sched
     return app
 
 
-async def watch_session(entry: Entry, request: Request, keepalive_s: float = 15.0) -> AsyncIterator[str]:
-    """The event stream of ``GET /v1/sessions/{id}/events``: the session's events, from the threads that
-    cause them, through a bounded queue to this coroutine, until the client goes."""
+async def watch_events(
+    registry: SessionRegistry,
+    owner: str | None,
+    request: Request,
+    session_id: str | None = None,
+    keepalive_s: float = 15.0,
+) -> AsyncIterator[str]:
+    """The event streams of ``GET /v1/events`` and ``GET /v1/sessions/{id}/events``: the events of
+    ``owner``'s sessions (or of one), from the threads that cause them, through a bounded queue to this
+    coroutine, until the client goes."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
     dropped = 0
@@ -418,7 +457,7 @@ async def watch_session(entry: Entry, request: Request, keepalive_s: float = 15.
     def watch(event: dict[str, Any]) -> None:  # on the thread that logged the event
         loop.call_soon_threadsafe(offer, event)
 
-    entry.watchers.append(watch)
+    stop = registry.watch(owner, watch, session_id)
     try:
         yield ": watching session events\n\n"
         while not await request.is_disconnected():
@@ -431,7 +470,7 @@ async def watch_session(entry: Entry, request: Request, keepalive_s: float = 15.
                 event, dropped = {**event, "dropped": dropped}, 0
             yield f"event: {event['event']}\ndata: {json.dumps(event, default=str)}\n\n"
     finally:
-        entry.watchers.remove(watch)
+        stop()
 
 
 def scheduler(service: ChatService) -> Scheduler:

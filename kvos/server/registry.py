@@ -46,6 +46,15 @@ class ServiceConfig:
     threads: int | None = None  # torch's intra-op threads for the forward passes (None: the default count)
 
 
+@dataclass(frozen=True, eq=False)
+class Watcher:
+    """Who is told of events (:meth:`Registry.watch`): an owner's sessions (None: all), or one of them."""
+
+    owner: str | None
+    session_id: str | None
+    watch: Callable[[dict[str, Any]], None]
+
+
 @dataclass
 class Entry:
     """A client's session: its branches (sessions of the manager sharing a prefix by reference), the one
@@ -60,7 +69,7 @@ class Entry:
     last_used: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     branch_used: dict[str, float] = field(default_factory=dict)
-    watchers: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)  # of its events
+    hub: Callable[[Entry, dict[str, Any]], None] | None = None  # hands its events to the registry's watchers
 
     @property
     def session(self) -> Session:
@@ -68,13 +77,13 @@ class Entry:
         return self.branches[0]
 
     def adopt(self, branch: Session) -> None:
-        """Have a branch's events reach this session's watchers (:meth:`publish`)."""
+        """Have a branch's events reach the session's watchers (:meth:`publish`)."""
         branch.on_event(lambda s, event: self.publish({**event, "branch": self.branch_name(s)}))
 
     def publish(self, event: dict[str, Any]) -> None:
-        """Tell every watcher of the session (``GET /v1/sessions/{id}/events``) of ``event``."""
-        for watch in list(self.watchers):
-            watch(event)
+        """Tell the session's watchers (:meth:`Registry.watch`) of ``event``."""
+        if self.hub is not None:
+            self.hub(self, event)
 
     def branch_name(self, session: Session) -> str:
         """A branch's public name: ``main`` for the first, ``b1``, ``b2``, ... for the forks."""
@@ -100,6 +109,26 @@ class SessionRegistry:
         self.saving: set[tuple[str, str]] = set()  # being written to the state dir: not to be expired
         self.expired: list[Session] = []  # branches of expired sessions, to be closed under the scheduler
         self.cond = threading.Condition()
+        self.watchers: list[Watcher] = []
+
+    def watch(
+        self, owner: str | None, watch: Callable[[dict[str, Any]], None], session_id: str | None = None
+    ) -> Callable[[], None]:
+        """Tell ``watch`` of every event of ``owner``'s sessions (None: every owner's, each event with its
+        ``owner``), or of one of them (``session_id``), from now on: each with its ``session``, sessions
+        opening and closing (``open``, ``close``) among them. Returns the function that stops it. ``watch``
+        runs on the thread that causes the event, so it must only hand the event on."""
+        watcher = Watcher(owner, session_id, watch)
+        self.watchers.append(watcher)
+        return lambda: self.watchers.remove(watcher)
+
+    def _announce(self, entry: Entry, event: dict[str, Any]) -> None:
+        """Hand one of ``entry``'s events to the watchers that see it (:meth:`watch`)."""
+        tagged = {**event, "session": entry.session_id}
+        for w in list(self.watchers):
+            if w.session_id not in (None, entry.session_id) or w.owner not in (None, entry.owner):
+                continue
+            w.watch(tagged if w.owner is not None else {**tagged, "owner": entry.owner})
 
     def acquire(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
         """The session for a request, marked busy: by id, else by the longest shared prefix, else new."""
@@ -125,7 +154,7 @@ class SessionRegistry:
             entry.cancel = threading.Event()
             key = (entry.owner, entry.session_id)
             if abandoned and not entry.served and self.entries.get(key) is entry:
-                self._close(key)
+                self._close(key, "rejected")
             self.cond.notify_all()
 
     def _find(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
@@ -150,12 +179,13 @@ class SessionRegistry:
     def _add(self, owner: str, session_id: str, branches: list[Session]) -> Entry:
         session = branches[0]
         renderer = SpanRenderer(session.template, session.tokenizer) if session.template else None
-        entry = Entry(session_id, owner, renderer, branches)
+        entry = Entry(session_id, owner, renderer, branches, hub=self._announce)
         for branch in branches:
             entry.adopt(branch)
         now = time.monotonic()  # the branches' order (latest first) is their recency
         entry.branch_used = {b.session_id: now - i * 1e-3 for i, b in enumerate(branches)}
         self.entries[(owner, session_id)] = entry
+        self._announce(entry, {"event": "open", "branches": len(branches)})
         return entry
 
     def _restore(self, owner: str, session_id: str) -> Entry | None:
@@ -180,6 +210,7 @@ class SessionRegistry:
         ]
         for key in expired:
             entry = self.entries.pop(key)
+            self._announce(entry, {"event": "close", "reason": "expired"})
             self.expired.extend(self.manager.detach(b.session_id) for b in entry.branches)
             if self.state is not None:
                 self.state.forget(*key)
@@ -195,9 +226,10 @@ class SessionRegistry:
         self.manager.engine.pool.shrink()
         reclaim_memory()
 
-    def _close(self, key: tuple[str, str]) -> None:
+    def _close(self, key: tuple[str, str], reason: str = "deleted") -> None:
         """Close a session's branches (its caller reclaims the memory, outside the lock)."""
         entry = self.entries.pop(key)
+        self._announce(entry, {"event": "close", "reason": reason})
         for branch in entry.branches:
             self.manager.close(branch.session_id)
         if self.state is not None:

@@ -79,6 +79,7 @@ def test_the_map_follows_a_session_live_and_pins_a_chunk(url: str, tmp_path: Pat
     messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are a coding agent. {RULES}"}]
     messages.append({"role": "user", "content": "Note 0: my favourite number is 40."})
     chat(url, "agent", messages)
+    chat(url, "notes", [{"role": "user", "content": "A second session of the same key."}])
     chat(url, "other", [{"role": "user", "content": "A session of another key."}], key="two")
     root = url.removesuffix("/v1")
     with sync_playwright() as p:
@@ -93,6 +94,7 @@ def test_the_map_follows_a_session_live_and_pins_a_chunk(url: str, tmp_path: Pat
         page.click("#key-form button")
         page.wait_for_selector('[data-session="agent"] .chunk')
         page.wait_for_selector("#live:not(.off)")  # the event stream is open
+        page.wait_for_selector('[data-session="notes"] .chunk')
         assert page.locator('[data-session="other"]').count() == 0  # key two's session is not shown
         assert page.evaluate(STRIP) == states(url)
         saved_before = page.locator(SAVED).count()

@@ -272,7 +272,10 @@ def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     print_table(result["rows"], [*columns, "mean_recoveries", "mean_seconds", *costs, "n"])
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:
-        plot(result["rows"], png)
+        title = (
+            f"Planted-fact recall against the KV budget ({result['model']}, {result['sessions']} sessions)"
+        )
+        plot(result["rows"], png, title)
 
 
 def _scorer(spec: str) -> Scorer:
@@ -318,14 +321,20 @@ def _by_kind(results: list[Outcome]) -> dict[str, list[int]]:
     return dict(sorted(out.items()))
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Pass rate against budget fraction, one line per strategy, with the Wilson intervals as bands."""
+LINE_STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str = "Recall against the KV budget") -> None:
+    """Pass rate against budget fraction, one line per strategy (each its own marker and dash, to be told
+    apart without colour), with the Wilson intervals as bands."""
     with png_figure(path, figsize=(8, 5)) as (_, ax):
-        for name in dict.fromkeys(r["strategy"] for r in rows):
+        for i, name in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
             mine = sorted((r for r in rows if r["strategy"] == name), key=lambda r: r["budget_frac"])
             xs = [r["budget_frac"] for r in mine]
-            ax.plot(xs, [r["pass_rate"] for r in mine], marker="o", label=name)
+            marker, dash = LINE_STYLES[i % len(LINE_STYLES)]
+            ax.plot(xs, [r["pass_rate"] for r in mine], marker=marker, linestyle=dash, label=name)
             ax.fill_between(xs, [r["ci_low"] for r in mine], [r["ci_high"] for r in mine], alpha=0.12)
+        ax.set_title(title)
         ax.set_xlabel("KV budget (fraction of the session's tokens)")
         ax.set_ylabel("probe pass rate")
         ax.set_ylim(-0.02, 1.02)

@@ -120,7 +120,7 @@ function drawSession(s) {
   const branch = d.branches.length > 1 ? ` branch ${d.branch} of ${d.branches.length}` : "";
   s.el.querySelector("h2").innerHTML = "";
   s.el.querySelector("h2").append(d.id, Object.assign(document.createElement("span"),
-    { className: "branch", textContent: `${branch}${d.busy ? " (running)" : ""}` }));
+    { className: "branch", textContent: branch }));
   s.el.querySelector(".counters").innerHTML =
     `turn <b>${d.turn}</b> · <b>${d.active_tokens}</b> of <b>${d.budget}</b> tokens resident · ` +
     `history <b>${d.history_tokens}</b> · evictions <b>${d.evictions}</b> · restored ` +

@@ -35,9 +35,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 @pytest.fixture
 def capped(engine: Engine) -> Iterator[Scheduler]:
     sched = Scheduler(engine.model, engine.pool, max_running=4, step_tokens=64, capacity_blocks=10)
-    engine.scheduler = sched
     yield sched
-    engine.scheduler = None
     sched.shutdown()
 
 

@@ -146,6 +146,18 @@ def test_no_product_module_imports_the_benchmarks() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_a_requests_work_runs_one_way_alone_and_under_the_scheduler() -> None:
+    """No module asks which mode it runs in: the engine hands every forward pass to the runner of its
+    context (:mod:`kvos.engine.passes`) and knows nothing of the scheduler, which installs itself there."""
+    asking = sorted(name for name, path in MODULES.items() if "holds_turn" in path.read_text())
+    assert not asking, asking
+    assert "kvos.engine.scheduler" not in GRAPH["kvos.engine.engine"] | GRAPH["kvos.engine.passes"]
+    tree = ast.parse(MODULES["kvos.engine.engine"].read_text())
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not {"scheduler", "Scheduler"} & names
+
+
 def test_no_branch_on_a_recovery_signals_name() -> None:
     """A signal's name picks its class in :mod:`kvos.session.recovery.factory`; elsewhere code asks the class
     (its attributes and methods), never compares the name ("auto", a choice of names, aside)."""

@@ -34,9 +34,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 @pytest.fixture
 def scheduler(engine: Engine) -> Iterator[Scheduler]:
     sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, stall=None)
-    engine.scheduler = sched
     yield sched
-    engine.scheduler = None
     sched.shutdown()
 
 
@@ -139,7 +137,6 @@ def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(
     decodes alone), with the logits of an unsliced prefill."""
     sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, stall=3.0)
     sched.costs = _FixedCosts(decode_s=0.1, token_s=0.01)
-    engine.scheduler = sched
     steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per step
     real_run = sched._run
 
@@ -158,7 +155,6 @@ def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(
         fb.result(timeout=120)
         tokens, logits = fa.result(timeout=120)
     finally:
-        engine.scheduler = None
         sched.shutdown()
     beside = [p for d, p in steps if d and p]
     assert beside and max(beside) <= 20  # every slice that shared a step with a decode

@@ -92,7 +92,6 @@ def test_scheduler_steps_keep_their_threads_and_workers_compute_alone() -> None:
         engine = on_passing_thread(lambda: Engine(load_model(builtin_model_path())))
         single_threaded_default()
         scheduler = Scheduler(engine.model, engine.pool, threads=2)
-        engine.scheduler = scheduler
         steps = []
         forward = engine.model.forward_batch
         def counted(*args, **kwargs):

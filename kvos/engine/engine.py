@@ -5,15 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from itertools import pairwise
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from kvos.engine import fused
+from kvos.engine.passes import DirectRunner, PassRunner, current_runner
 from kvos.engine.sequence import Segment, Sequence
-
-if TYPE_CHECKING:
-    from kvos.engine.scheduler import Scheduler
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.mapped import mapped_empty
@@ -21,7 +19,7 @@ from kvos.memory.page_table import PageTable
 from kvos.memory.pool import KVLayout, KVPool
 from kvos.model.attention import AttentionMetadata, BatchItem
 from kvos.model.rope import Rope
-from kvos.model.transformer import NO_STORE, Transformer
+from kvos.model.transformer import Transformer
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_SLICE = 1024
@@ -44,7 +42,12 @@ class Engine:
         self.model = model
         self.pool = KVPool(layout, growth)
         self.prefill_slice = prefill_slice
-        self.scheduler: Scheduler | None = None  # set by a Scheduler's owner: passes then run batched
+        self.direct = DirectRunner(model, self.pool)  # where passes run outside a scheduler's work
+
+    def runner(self) -> PassRunner:
+        """Who runs this context's forward passes: the scheduler on one of its workers (batched with the
+        other sessions' passes), else :attr:`direct` (:mod:`kvos.engine.passes`)."""
+        return current_runner() or self.direct
 
     def new_sequence(self) -> Sequence:
         return Sequence(lambda: PageTable(self.pool.layout.block_size, self.pool))
@@ -105,9 +108,8 @@ class Engine:
     def slice_tokens(self) -> int:
         """The most tokens of one forward pass: ``prefill_slice``, and under a scheduler at most what
         fits in one of its steps beside every running decode token."""
-        if self.scheduler is not None and self.scheduler.holds_turn():
-            return min(self.prefill_slice, self.scheduler.slice_tokens)
-        return self.prefill_slice
+        limit = self.runner().slice_tokens
+        return self.prefill_slice if limit is None else min(self.prefill_slice, limit)
 
     def decode(
         self,
@@ -137,9 +139,7 @@ class Engine:
         if queries is not None:
             item.meta.query_layers, item.meta.queries = query_layers, queries
         try:
-            if self.scheduler is not None and self.scheduler.holds_turn():
-                return self.scheduler.forward(item)  # batched with the other sessions' passes
-            return self.model.forward_batch([item], self.pool)[0]
+            return self.runner().forward_many([item])[0]
         except BaseException:
             seq.drop_last(len(ids))
             raise
@@ -156,9 +156,7 @@ class Engine:
             for seq, ids in work:
                 start = seq.next_position()
                 items.append(self._item(seq, list(ids), list(range(start, start + len(ids))), logits))
-            if self.scheduler is not None and self.scheduler.holds_turn():
-                return self.scheduler.forward_many(items)
-            return self.model.forward_batch(items, self.pool)
+            return self.runner().forward_many(items)
         except BaseException:
             for (seq, ids), _ in zip(work, items, strict=False):
                 seq.drop_last(len(ids))
@@ -342,9 +340,7 @@ class Engine:
             fresh=True,
         )
         item = BatchItem(ids, meta, "none")
-        if self.scheduler is not None and self.scheduler.holds_turn():
-            return self.scheduler.forward(item, standalone=True)  # in the next step, beside the others
-        return self.model.forward_batch([item], NO_STORE)[0]
+        return self.runner().forward_many([item], standalone=True)[0]
 
 
 MAX_RUNS = 4  # splices whose slots fall in more runs than this use indexed writes

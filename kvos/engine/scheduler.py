@@ -2,12 +2,13 @@
 
 Work (a request's turn, a delete, a snapshot) is submitted like to an executor and runs on a worker
 thread of its own, but only one worker runs at a time: the one holding the *turn*. A worker gives the turn
-back when its work ends or when it needs a forward pass (:meth:`Engine.extend` asks the scheduler instead
-of running the model). Once every admitted worker is waiting for a forward pass, the scheduler runs one
-*step*: a single forward pass over the decode tokens of every waiting sequence plus the prefill slices that
-fit in ``step_tokens`` (continuous batching with chunked prefill: a prefill *slice* is what is usually
-called a prefill chunk; here a chunk is a piece of a session's history), then hands each worker its output
-and its turn back, oldest first.
+back when its work ends or when it needs a forward pass: the scheduler installs itself as the worker's
+pass runner (:mod:`kvos.engine.passes`), so :meth:`Engine.extend` hands the pass to it instead of running
+the model, with no knowledge of the scheduler and no second code path. Once every admitted worker is
+waiting for a forward pass, the scheduler runs one *step*: a single forward pass over the decode tokens
+of every waiting sequence plus the prefill slices that fit in ``step_tokens`` (continuous batching with
+chunked prefill: a prefill *slice* is what is usually called a prefill chunk; here a chunk is a piece of a
+session's history), then hands each worker its output and its turn back, oldest first.
 
 So the policy code of a session (paging, scoring, sampling) never runs concurrently with another session's
 or with a forward pass, exactly as on a single engine thread, while eight sessions' decode steps share one
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvos.engine.passes import runs_passes
 from kvos.engine.step_costs import StepCosts
 from kvos.engine.threads import set_thread_count
 from kvos.errors import ConfigError
@@ -158,7 +160,8 @@ class Scheduler(Executor):
                     return
                 self._enter()
                 try:
-                    result = fn(*args, **kwargs)
+                    with runs_passes(self):  # this work's forward passes join the steps
+                        result = fn(*args, **kwargs)
                 except BaseException as exc:
                     error: BaseException | None = exc
                 else:
@@ -224,10 +227,6 @@ class Scheduler(Executor):
         return most if budget is None else min(most, budget)
 
     # ------------------------------------------------------------------ workers
-    def holds_turn(self) -> bool:
-        """True on a worker thread of this scheduler (whose forward passes go through :meth:`forward`)."""
-        return getattr(self._local, "worker", None) is not None
-
     def forward(self, item: BatchItem, standalone: bool = False) -> torch.Tensor:
         """On a worker: give the turn back, have ``item`` run in the next step, and return its output once
         the turn comes back (what :meth:`Transformer.forward` would return for it alone). ``standalone``:

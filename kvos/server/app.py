@@ -482,7 +482,7 @@ def scheduler(service: ChatService) -> Scheduler:
     sched = Scheduler(
         engine.model, engine.pool, config.max_running, config.step_tokens, cap, config.stall, config.threads
     )
-    engine.scheduler = sched
+    service.registry.scheduler = sched
     return sched
 
 

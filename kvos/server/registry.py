@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvos.engine.scheduler import Scheduler
 from kvos.memory.heap import release_free_heap
 from kvos.policy.planner import SessionView, plan_swaps, stale_branches
 from kvos.server.errors import busy, not_found
@@ -110,6 +111,7 @@ class SessionRegistry:
         self.expired: list[Session] = []  # branches of expired sessions, to be closed under the scheduler
         self.cond = threading.Condition()
         self.watchers: list[Watcher] = []
+        self.scheduler: Scheduler | None = None  # the server's: whose reservations bound a swap-in
 
     def watch(
         self, owner: str | None, watch: Callable[[dict[str, Any]], None], session_id: str | None = None
@@ -380,7 +382,7 @@ class SessionRegistry:
             for e, b in others
         ]
         by_key = {b.session_id: b for _, b in others}
-        sched = self.manager.engine.scheduler
+        sched = self.scheduler
         room = None
         if sched is not None and sched.capacity_blocks is not None:
             room = max(0, sched.capacity_blocks - sched.reserved_blocks)

@@ -99,8 +99,7 @@ def test_store_counts_encoded_bytes_in_ram_and_reports_raw_and_stored(tmp_path: 
 def test_sparse_entry_spilled_to_disk_loads_back_exact_and_is_checksummed(tmp_path: Path) -> None:
     k, v = with_zeros(0.9, torch.bfloat16, 5), with_zeros(0.3, torch.bfloat16, 6)
     k.view(-1)[7] = -0.0
-    dropped: list[object] = []
-    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path)
     store.put("b", k, v, {"start": 3})
     (name,) = [p for p in tmp_path.iterdir() if p.name.endswith(FILE_SUFFIX)]
     stored = encode(k).nbytes + encode(v).nbytes
@@ -114,7 +113,7 @@ def test_sparse_entry_spilled_to_disk_loads_back_exact_and_is_checksummed(tmp_pa
     name.write_bytes(bytes(data))
     with pytest.raises(CorruptChunkError):
         store.get("b")
-    assert dropped == ["b"] and "b" not in store and not name.exists()
+    assert store.take_dropped() == ["b"] and "b" not in store and not name.exists()
 
 
 def test_disk_entry_loaded_into_ram_keeps_its_encoded_size(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,9 +30,9 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 FILLER = "the quick brown fox jumps over the lazy dog while it rains "
 
 
-def durable(directory: Path) -> Callable[[str, Callable[[Hashable], None]], ChunkStore]:
+def durable(directory: Path) -> Callable[[str], ChunkStore]:
     """A store factory: every session's saved chunks written through to ``directory``."""
-    return lambda _, on_drop: ChunkStore(disk_dir=directory, on_drop=on_drop, write_through=True)
+    return lambda _: ChunkStore(disk_dir=directory, write_through=True)
 
 
 def manager(

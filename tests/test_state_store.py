@@ -72,14 +72,13 @@ def test_adopted_files_are_checked(tmp_path: Path) -> None:
     flipped.write_bytes(bytes(data))
     cut.write_bytes(cut.read_bytes()[:-10])
 
-    dropped: list[object] = []
-    reader = ChunkStore(None, tmp_path, on_drop=dropped.append, write_through=True)
+    reader = ChunkStore(None, tmp_path, write_through=True)
     reader.adopt("good", good)
     assert torch.equal(reader.get("good").k, chunk(0)[0])
     reader.adopt("flipped", flipped)  # its prefix and size are right: the digest is checked when read
     with pytest.raises(CorruptChunkError, match="checksum mismatch"):
         reader.get("flipped")
-    assert dropped == ["flipped"] and "flipped" not in reader
+    assert reader.take_dropped() == ["flipped"] and "flipped" not in reader
     with pytest.raises(ChunkDataError, match="payload is"):
         reader.adopt("cut", cut)
     with pytest.raises(ConfigError, match="files in its disk_dir"):

@@ -158,18 +158,27 @@ def test_spill_writes_one_file_per_chunk_and_counters_equal_the_sums(tmp_path: P
 
 
 def test_without_disk_the_lru_entry_is_dropped_and_reported(tmp_path: Path) -> None:
-    dropped: list[Hashable] = []
-    store = ChunkStore(ram_bytes=2 * CHUNK, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=2 * CHUNK)
     for i in range(3):
         store.put(i, *chunk(i))
-    assert dropped == [0] and store.keys() == [1, 2] and store.stats()["drops"] == 1
+    assert store.take_dropped() == [0] and store.keys() == [1, 2] and store.stats()["drops"] == 1
+    assert store.take_dropped() == []  # each drop is reported once
     with pytest.raises(ChunkNotFoundError, match=r"no chunk 0 .*dropped") as info:
         store.get(0)
     assert isinstance(info.value, KeyError) and isinstance(info.value, KvosError)
     with pytest.raises(ChunkNotFoundError, match="never put"):
         store.get(99)
     store.put(0, *chunk(0))  # a dropped key can be put again
-    assert dropped == [0, 1]
+    assert store.take_dropped() == [1]
+
+
+def test_a_key_put_again_before_its_drop_is_taken_is_not_reported(tmp_path: Path) -> None:
+    store = ChunkStore(ram_bytes=2 * CHUNK)
+    for i in range(3):
+        store.put(i, *chunk(i))  # 0 is dropped
+    store.delete(1)
+    store.put(0, *chunk(5))  # held again: its owner must not take the new entry for lost
+    assert store.take_dropped() == [] and same_bits(store.get(0).k, chunk(5)[0])
 
 
 def test_an_entry_larger_than_ram_goes_straight_to_disk_or_is_dropped(tmp_path: Path) -> None:
@@ -180,29 +189,27 @@ def test_an_entry_larger_than_ram_goes_straight_to_disk_or_is_dropped(tmp_path: 
     assert tiers(store, ["small", "big"]) == "rd"  # the small one was not spilled for it
     assert same_bits(store.get("big").k, big[0])
     assert store.where("big") == "disk"  # too large for RAM, so it stays on disk
-    dropped: list[Hashable] = []
-    no_disk = ChunkStore(ram_bytes=CHUNK, on_drop=dropped.append)
+    no_disk = ChunkStore(ram_bytes=CHUNK)
     no_disk.put("big", *big)
-    assert dropped == ["big"] and len(no_disk) == 0
+    assert no_disk.take_dropped() == ["big"] and len(no_disk) == 0
 
 
 def test_disk_cap_drops_the_lru_disk_entry_and_deletes_its_file(tmp_path: Path) -> None:
-    dropped: list[Hashable] = []
     probe = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "probe")
     probe.put("a", *chunk(0), {"n": 0})
     file_size = probe.disk_bytes_used
-    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "d", disk_bytes=2 * file_size, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "d", disk_bytes=2 * file_size)
     store.put("a", *chunk(0), {"n": 0})
     store.put("b", *chunk(1), {"n": 1})
     store.get("a")  # a stays on disk (ram_bytes=0) but is now more recent than b
     before = set(files(tmp_path / "d"))
     store.put("c", *chunk(2), {"n": 2})
-    assert dropped == ["b"] and store.keys() == ["a", "c"]
+    assert store.take_dropped() == ["b"] and store.keys() == ["a", "c"]
     assert len(files(tmp_path / "d")) == 2 and len(before - set(files(tmp_path / "d"))) == 1
     assert store.disk_bytes_used == 2 * file_size
-    tiny = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "t", disk_bytes=10, on_drop=dropped.append)
+    tiny = ChunkStore(ram_bytes=0, disk_dir=tmp_path / "t", disk_bytes=10)
     tiny.put("x", *chunk(3))
-    assert dropped[-1] == "x" and files(tmp_path / "t") == []
+    assert tiny.take_dropped() == ["x"] and files(tmp_path / "t") == []
 
 
 def put_on_disk(store: ChunkStore, d: Path, key: str, seed: int) -> Path:
@@ -216,8 +223,7 @@ def put_on_disk(store: ChunkStore, d: Path, key: str, seed: int) -> Path:
 def test_a_damaged_file_raises_corrupt_chunk_error_and_the_entry_is_removed(
     tmp_path: Path, damage: str
 ) -> None:
-    dropped: list[Hashable] = []
-    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path)
     path = put_on_disk(store, tmp_path, "bad", 1)
     put_on_disk(store, tmp_path, "good", 2)
     data = bytearray(path.read_bytes())
@@ -233,7 +239,7 @@ def test_a_damaged_file_raises_corrupt_chunk_error_and_the_entry_is_removed(
     with pytest.raises(CorruptChunkError, match=path.name) as info:
         store.get("bad")
     assert info.value.key == "bad" and info.value.path == path
-    assert "bad" not in store and not path.exists() and dropped == ["bad"]
+    assert "bad" not in store and not path.exists() and store.take_dropped() == ["bad"]
     assert store.stats()["corrupt"] == 1 and store.stats()["drops"] == 0
     with pytest.raises(ChunkNotFoundError, match="corrupt"):
         store.get("bad")
@@ -244,8 +250,7 @@ def test_a_damaged_file_raises_corrupt_chunk_error_and_the_entry_is_removed(
 def test_writes_leave_no_temporary_files_even_when_a_rename_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    dropped: list[Hashable] = []
-    store = ChunkStore(ram_bytes=CHUNK, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=CHUNK, disk_dir=tmp_path)
     for i in range(6):
         store.put(i, *chunk(i))
     assert len(files(tmp_path)) == 5 and all(n.endswith(FILE_SUFFIX) for n in files(tmp_path))
@@ -255,26 +260,26 @@ def test_writes_leave_no_temporary_files_even_when_a_rename_fails(
 
     monkeypatch.setattr(os, "replace", fail)
     store.put(6, *chunk(6))  # spilling 5 fails: it is dropped, the put itself succeeds
-    assert dropped == [5] and len(files(tmp_path)) == 5 and store.where(6) == "ram"
+    assert store.take_dropped() == [5] and len(files(tmp_path)) == 5 and store.where(6) == "ram"
 
 
 def test_delete_pop_replace_and_close_remove_files(tmp_path: Path) -> None:
-    dropped: list[Hashable] = []
-    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path, on_drop=dropped.append)
+    store = ChunkStore(ram_bytes=0, disk_dir=tmp_path)
     for i in range(4):
         store.put(i, *chunk(i))
     store.delete(0)
     assert len(files(tmp_path)) == 3 and 0 not in store
     popped = store.pop(1)
     assert same_bits(popped.k, chunk(1)[0]) and 1 not in store and len(files(tmp_path)) == 2
-    store.put(2, *chunk(9))  # replace: the old file goes, no on_drop
+    store.put(2, *chunk(9))  # replace: the old file goes, and it is no drop
     assert len(files(tmp_path)) == 2 and same_bits(store.get(2).k, chunk(9)[0])
     with pytest.raises(ChunkNotFoundError):
         store.delete(0)
     with pytest.raises(ChunkNotFoundError):
         store.pop(0)
     store.close()
-    assert files(tmp_path) == [] and len(store) == 0 and store.disk_bytes_used == 0 and dropped == []
+    assert files(tmp_path) == [] and len(store) == 0 and store.disk_bytes_used == 0
+    assert store.take_dropped() == []
     store.close()
 
 
@@ -307,8 +312,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="kvos-store-"))
         self.model: dict[Hashable, tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = {}
         self.order: list[Hashable] = []  # least recently used first
-        self.dropped: list[Hashable] = []
-        self.seen = self.puts = 0
+        self.puts = 0
         self.ram_cap: int | None = None
         self.store = ChunkStore()
 
@@ -323,7 +327,6 @@ class StoreMachine(RuleBasedStateMachine):
             ram_bytes=ram,
             disk_dir=self.dir if use_disk else None,
             disk_bytes=disk if use_disk else None,
-            on_drop=self.dropped.append,
         )
 
     def touch(self, key: Hashable) -> None:
@@ -336,7 +339,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.order.remove(key)
 
     def sync_drops(self) -> None:
-        new, self.seen = self.dropped[self.seen :], len(self.dropped)
+        new = self.store.take_dropped()
         assert len(set(new)) == len(new)
         assert set(new) == set(self.model) - set(self.store.keys())
         for key in new:

@@ -15,8 +15,9 @@ When host RAM passes ``ram_bytes``, the least recently used RAM entries leave it
 if there is one, else dropped. An entry larger than ``ram_bytes`` alone goes straight to disk (or is
 dropped). When disk passes ``disk_bytes``, the least recently used disk entries are dropped. A ``get`` of
 a disk entry loads it back into RAM (deleting its file), which may spill others; one too large for RAM
-stays on disk. ``on_drop(key)`` is called once for each key that becomes unavailable without being
-deleted, popped, replaced or closed: a capacity drop, or a disk file found corrupt.
+stays on disk. ``take_dropped()`` reports, once each, the keys that became unavailable without being
+deleted, popped, replaced or closed: a capacity drop, or a disk file found corrupt. The store never calls
+its owner: the owner asks after the operations that may drop (``put``, ``get``).
 
 Disk format, one file per chunk, ``<store tag>-<spill number>-<sha1 of repr(key)>.kvchunk`` in ``disk_dir``
 (keys stay in memory; several stores may share a directory), written under a temporary name in the
@@ -190,7 +191,7 @@ class ChunkStore:
     """Saved K/V chunks by key: a host-RAM LRU capped at ``ram_bytes``, spilling to ``disk_dir``.
 
     ``ram_bytes`` counts K and V encoded bytes (dense ``nbytes`` unless sparse is smaller); ``disk_bytes``
-    counts file sizes. ``None`` means no cap. ``on_drop(key)`` is called for each key dropped for capacity
+    counts file sizes. ``None`` means no cap. :meth:`take_dropped` reports the keys dropped for capacity
     or found corrupt. ``write_through``: every chunk is written to ``disk_dir`` as it is put;
     ``release(path)`` replaces deleting a file the store no longer needs (see the module docstring).
     """
@@ -200,7 +201,6 @@ class ChunkStore:
         ram_bytes: int | None = None,
         disk_dir: str | Path | None = None,
         disk_bytes: int | None = None,
-        on_drop: Callable[[Hashable], None] | None = None,
         *,
         write_through: bool = False,
         release: Callable[[Path], None] | None = None,
@@ -214,7 +214,8 @@ class ChunkStore:
             raise ConfigError(
                 "a write-through ChunkStore needs a disk_dir and keeps every chunk: no disk_bytes"
             )
-        self._ram_cap, self._disk_cap, self._on_drop = ram_bytes, disk_bytes, on_drop
+        self._ram_cap, self._disk_cap = ram_bytes, disk_bytes
+        self._unreported: list[Hashable] = []  # dropped keys not yet taken (take_dropped)
         self._write_through = write_through
         self._release = release or (lambda path: path.unlink(missing_ok=True))
         self._files = 0  # chunk files this store has named (a part of each new file's name)
@@ -247,7 +248,7 @@ class ChunkStore:
         entry = _Entry(_meta_json(meta), kv[0].raw_bytes + kv[1].raw_bytes, kv[0].nbytes + kv[1].nbytes, kv)
         if key in self._entries:
             self._remove(key)
-        self._dropped.pop(key, None)
+        self._revive(key)
         self._counts["puts"] += 1
         self._entries[key] = entry
         self._ram_used += entry.ram_bytes
@@ -269,7 +270,7 @@ class ChunkStore:
             raise ChunkDataError(f"chunk file {path} cannot be adopted: {e}") from e
         if key in self._entries:
             self._remove(key)
-        self._dropped.pop(key, None)
+        self._revive(key)
         self._entries[key] = entry
         self._disk_used += entry.file_bytes
 
@@ -282,7 +283,7 @@ class ChunkStore:
         """The chunk saved under ``key``, from RAM or disk; it becomes the most recently used.
 
         Raises :class:`ChunkNotFoundError` for unknown or dropped keys and :class:`CorruptChunkError` when
-        its file fails verification (the entry is then removed and ``on_drop`` called).
+        its file fails verification (the entry is then removed and reported by :meth:`take_dropped`).
         """
         entry = self._lookup(key)
         self._entries.move_to_end(key)
@@ -350,10 +351,11 @@ class ChunkStore:
         }
 
     def close(self) -> None:
-        """Forget every entry and delete this store's files (no ``on_drop`` calls). Idempotent."""
+        """Forget every entry and delete this store's files (nothing is reported dropped). Idempotent."""
         for key in list(self._entries):
             self._remove(key)
         self._dropped.clear()
+        self._unreported.clear()
 
     def _fits_ram(self, nbytes: int) -> bool:
         return self._ram_cap is None or nbytes <= self._ram_cap
@@ -467,7 +469,16 @@ class ChunkStore:
         self._counts[counter] += 1
         return [key]
 
+    def _revive(self, key: Hashable) -> None:
+        """``key`` is held again: its earlier drop is neither remembered nor still to be reported."""
+        self._dropped.pop(key, None)
+        if key in self._unreported:
+            self._unreported = [k for k in self._unreported if k != key]
+
     def _notify(self, dropped: list[Hashable]) -> None:
-        if self._on_drop is not None:
-            for key in dropped:
-                self._on_drop(key)
+        self._unreported.extend(dropped)
+
+    def take_dropped(self) -> list[Hashable]:
+        """The keys dropped (over the caps, or found corrupt) since the last call, oldest first."""
+        dropped, self._unreported = self._unreported, []
+        return dropped

@@ -18,7 +18,6 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +73,11 @@ class StateDir:
         }
         return cls(root, model_fingerprint(model, tokenizer), setup, ttl_s, config.store_ram_bytes)
 
-    def store_factory(self, session_name: str, on_drop: Callable[[Hashable], None]) -> ChunkStore:
+    def store_factory(self, session_name: str) -> ChunkStore:
         """A branch's chunk store: writes every saved chunk to the branch's directory at once."""
         directory = self.layout.branch_dir(session_name)
         release = lambda path: self._release(directory, path)  # noqa: E731
-        return ChunkStore(self.ram_bytes, directory, on_drop=on_drop, write_through=True, release=release)
+        return ChunkStore(self.ram_bytes, directory, write_through=True, release=release)
 
     def _release(self, directory: Path, path: Path) -> None:
         """A store let go of a file: deleted now, unless the last committed snapshot names it."""

@@ -122,6 +122,7 @@ class SessionMemory:
             self.journal.log(
                 self.history.turn, "evict", chunk=e.chunk_id, tokens=e.tokens, score=score, forced=e.forced
             )
+        self.log_drops()
         return freed
 
     def page_out(self, chunks: list[Chunk]) -> int:
@@ -283,6 +284,7 @@ class SessionMemory:
         how = "restore" if saved else "recompute"
         self.journal.log(self.history.turn, how, chunk=chunk.chunk_id, tokens=chunk.num_tokens, **detail)
         self.journal.seen(self.pager.active_tokens)
+        self.log_drops()
         return True
 
     def _front(self, before: list[int] | None) -> int | None:
@@ -306,11 +308,11 @@ class SessionMemory:
             restored += 1
         return restored
 
-    def on_drop(self, key: object) -> None:
-        """The store dropped a saved chunk (over its caps): it keeps its breadcrumb (text and embedding)."""
-        chunk = self.chunks.get(int(key))  # type: ignore[call-overload]
-        if chunk is not None and self.pager.lost(chunk):
-            self.journal.log(self.history.turn, "drop", chunk=chunk.chunk_id)
+    def log_drops(self) -> None:
+        """Log the saved chunks whose K/V the store dropped (over its caps, or a corrupt file): they keep
+        their breadcrumb (text, tokens, embedding) and are recomputed if they come back."""
+        for chunk_id in self.pager.take_dropped():
+            self.journal.log(self.history.turn, "drop", chunk=chunk_id)
 
     def observe(self, captured: dict[int, torch.Tensor]) -> None:
         """Per-chunk attention mass of this decode step, averaged over the captured layers and heads."""

@@ -53,6 +53,7 @@ class Pager:
             int, ...
         ] = ()  # layers of the key digest a saved chunk keeps (none: no digest)
         self.retriever: Retriever | None = None  # when set, a chunk leaving the pool keeps its key code
+        self.dropped: list[int] = []  # chunks whose saved K/V the store dropped, not yet taken
 
     @property
     def active_tokens(self) -> int:
@@ -134,6 +135,7 @@ class Pager:
                     chunk.key_code = self._code(k, seg.positions)
                 chunk.state = ChunkState.SAVED  # before put: a store over its caps may drop it at once
                 self.store.put(chunk.chunk_id, k, v, {"positions": seg.positions.tolist()}, copy=False)
+                self._reap()  # a store over its caps may have dropped this chunk or older ones
             else:
                 if self.digest_layers and self.backend == "breadcrumb":
                     chunk.digest = self.digest(chunk, seg)
@@ -187,6 +189,8 @@ class Pager:
                 except CorruptChunkError as e:  # left unscored; restoring it will recompute it
                     _log.warning("%s: not scored", e)
                     continue
+                finally:
+                    self._reap()
                 chunk.key_code = self._code(saved.k, saved.meta_int64("positions"))
         return [c.key_code for c in chunks]
 
@@ -219,8 +223,10 @@ class Pager:
             saved = self.store.get(chunk.chunk_id)
         except CorruptChunkError as e:  # never served: the store dropped it, its tokens are re-prefilled
             _log.warning("%s: recomputing it from its tokens", e)
+            self._reap()
             self.recompute(chunk)
             return
+        self._reap()  # moving it from disk into RAM may have spilled and dropped others
         old = saved.meta_int64("positions")
         index, start = self._landing(chunk, at) if before is None else self._in_front(chunk, before)
         new = torch.arange(start, start + chunk.num_tokens)
@@ -263,13 +269,32 @@ class Pager:
             self.lost(chunk)
             return False
         saved = source.store.get(chunk.chunk_id)
+        source._reap()
         self.store.put(chunk.chunk_id, saved.k, saved.v, saved.meta)
+        self._reap()
         return True
 
     def adopt(self, chunk: Chunk) -> None:
         """Record a chunk whose K/V are in this pager's store, not in the pool (a session restored from its
         snapshot starts swapped out: its chunk files are handed to the store)."""
         chunk.state, chunk.current_start = ChunkState.SAVED, None
+
+    def _reap(self) -> None:
+        """Mark the chunks whose K/V the store dropped since it was last asked (:meth:`lost`) and keep
+        their ids for :meth:`take_dropped`: the store reports, it never calls back."""
+        if self.store is None:
+            return
+        for key in self.store.take_dropped():
+            chunk = self.chunks.get(key) if isinstance(key, int) else None
+            if chunk is not None and self.lost(chunk):
+                self.dropped.append(chunk.chunk_id)
+
+    def take_dropped(self) -> list[int]:
+        """The ids of the saved chunks whose K/V were dropped since the last call (they keep their
+        breadcrumb: a restore recomputes them), oldest first."""
+        self._reap()
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def lost(self, chunk: Chunk) -> bool:
         """A saved chunk whose K/V are gone (its store dropped them over its caps, or their file cannot be
@@ -317,6 +342,7 @@ class Pager:
             return self.store.pop(chunk.chunk_id)
         except CorruptChunkError as e:
             _log.warning("%s: recomputing it from its tokens", e)
+            self._reap()
             return None
 
     def release(self) -> None:

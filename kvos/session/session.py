@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -53,9 +53,9 @@ class Unchanged(Enum):
 
 UNCHANGED = Unchanged.UNCHANGED
 
-StoreFactory = Callable[[str, Callable[[Hashable], None]], ChunkStore]
-"""Builds a session's chunk store from its id and the store's ``on_drop`` callback (a server's state
-directory gives each session a write-through store of its own)."""
+StoreFactory = Callable[[str], ChunkStore]
+"""Builds a session's chunk store from its id (a server's state directory gives each session a
+write-through store of its own)."""
 
 
 @dataclass
@@ -85,11 +85,10 @@ class Session:
         self.rendered = ""
         store = None
         if config.backend == "kv_restore":
-            on_drop: Callable[[Hashable], None] = lambda key: self.memory.on_drop(key)  # noqa: E731
             if store_factory is not None:
-                store = store_factory(session_id, on_drop)
+                store = store_factory(session_id)
             else:
-                store = ChunkStore(config.store_ram_bytes, config.store_disk_dir, on_drop=on_drop)
+                store = ChunkStore(config.store_ram_bytes, config.store_disk_dir)
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.history.chunks)
         signal = config.signal_class
         answer = None
@@ -379,6 +378,7 @@ class Session:
             raise ConfigError("swapping a session out needs the kv_restore backend")
         self._swapped = self.pager.swap_out()
         self.memory.journal.log(self.history.turn, "swap_out", chunks=len(self._swapped))
+        self.memory.log_drops()
 
     def swap_in(self) -> None:
         """Bring a swapped-out session back exactly as it was: same chunks, order and positions."""
@@ -393,6 +393,7 @@ class Session:
             chunk = self.chunks[cid]
             self.memory.journal.log(self.history.turn, "recompute", chunk=cid, tokens=chunk.num_tokens)
         self.memory.journal.log(self.history.turn, "swap_in", chunks=len(record))
+        self.memory.log_drops()
 
     @property
     def swapped(self) -> bool:

@@ -20,6 +20,7 @@ from kvos.builtin import MODEL_DIR
 from kvos.engine.engine import Engine
 from kvos.engine.scheduler import Scheduler
 from kvos.errors import ConfigError, PoolOutOfMemoryError
+from kvos.memory.growth import GrowthPolicy
 from kvos.model.loader import load_model
 from kvos.policy.budget import Budget
 from kvos.server.main import byte_size, check_kv_memory
@@ -146,18 +147,32 @@ def test_bad_capacities_are_config_errors(engine: Engine) -> None:
 
 # ------------------------------------------------------------------ pressure and running sessions
 def test_pressure_never_pages_out_a_session_with_a_request_running() -> None:
+    """At the pool's cap the arbiter pages out another idle session's chunk, never a running one's: then
+    the requester gives up its own."""
     config = SessionConfig(budget=Budget(max_active_tokens=128), chunk_tokens=16)
-    manager = MemoryManager.from_path(MODEL_DIR, config)
+    probe = MemoryManager.from_path(MODEL_DIR, config)
+    per_block = probe.engine.pool.layout.bytes_per_block
+    manager = MemoryManager.from_path(MODEL_DIR, config, growth=GrowthPolicy(max_bytes=64 * per_block))
+    pool = manager.engine.pool
     a, b = manager.session("a"), manager.session("b")
     for s in (a, b):
         s.add_message("user", "The ships sailed over the sea to the old harbour in the north. " * 3)
-    before = a.pager.active_tokens
+    before_a, before_b = a.pager.active_tokens, b.pager.active_tokens
+
+    def one_more_than_left() -> int:
+        return 64 - pool.allocator.num_used + 1
+
     manager.running.add("a")
-    assert not manager.relieve(b.memory)  # a is the only other session, and it is running
-    assert a.pager.active_tokens == before
+    need = one_more_than_left()
+    assert manager.arbiter.reserve(b.memory, lambda: need, set())  # b gives up its own chunk
+    assert a.pager.active_tokens == before_a and b.pager.active_tokens < before_b
+    assert [e["event"] for e in b.memory.journal.events][-2:] == ["evict", "pool_full"]
     manager.running.discard("a")
-    assert manager.relieve(b.memory)
-    assert a.pager.active_tokens < before
+    need = one_more_than_left()
+    assert manager.arbiter.reserve(b.memory, lambda: need, set())  # now a's cheapest chunk goes
+    assert a.pager.active_tokens < before_a
+    pressure = a.memory.journal.events[-1]
+    assert pressure["event"] == "pressure" and pressure["by"] == "b"
     for s in (a, b):
         s.close()
 

@@ -256,9 +256,10 @@ def _calls(name: str, receiver: str = "") -> dict[str, list[str]]:
     ("name", "allowed"),
     [
         ("select_victims", {"kvos.policy.planner"}),  # which chunks go: the planner's plans alone
-        ("pressure_victim", {"kvos.session.memory"}),  # a plan is carried out by the executor...
-        ("plan_room", {"kvos.session.memory"}),
-        ("cheapest_elsewhere", {"kvos.session.manager"}),
+        ("pressure_victim", {"kvos.policy.planner"}),  # pool_victim's parts
+        ("cheapest_elsewhere", {"kvos.policy.planner"}),
+        ("plan_room", {"kvos.session.memory"}),  # a plan is carried out by the executor...
+        ("pool_victim", {"kvos.session.arbiter"}),  # ...the pool's, at its cap...
         ("plan_swaps", {"kvos.server.registry"}),  # ...or, for whole sessions, by the registry
         ("stale_branches", {"kvos.server.registry"}),
         ("pager.evict", {"kvos.session.memory"}),  # the pager pages out what a plan names

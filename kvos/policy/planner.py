@@ -122,6 +122,20 @@ def cheapest_elsewhere(residencies: Mapping[str, Residency]) -> tuple[str, Evict
     return best
 
 
+def pool_victim(
+    own: Residency, others: Mapping[str, Residency], holding: frozenset[int] = frozenset()
+) -> tuple[str | None, Eviction] | None:
+    """What leaves a pool at its cap so that a session (``own``) can go on: the cheapest chunk of the other
+    sessions that may give (:func:`cheapest_elsewhere`) first, as ``(their key, eviction)``, else the
+    session's own (:func:`pressure_victim`, never ``holding``), as ``(None, eviction)``; None when none may
+    go."""
+    elsewhere = cheapest_elsewhere(others)
+    if elsewhere is not None:
+        return elsewhere
+    mine = pressure_victim(own, holding)
+    return None if mine is None else (None, mine)
+
+
 def affordable(
     groups: Sequence[tuple[int, list[int]]],
     chunks: Mapping[int, Chunk],

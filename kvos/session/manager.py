@@ -1,7 +1,8 @@
 """The memory manager: sessions sharing one engine and one pool, each within its own budget.
 
-When the shared pool reaches its ``max_bytes`` cap, a session that needs room does not fail: the manager
-pages out the lowest-scored evictable chunks of the other sessions first.
+When the shared pool reaches its ``max_bytes`` cap, a session that needs room does not fail: the pool's
+arbiter (:mod:`kvos.session.arbiter`) pages out the lowest-scored evictable chunks of the other sessions
+first.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from kvos.memory.growth import GrowthPolicy
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
-from kvos.policy.planner import cheapest_elsewhere
+from kvos.session.arbiter import PoolArbiter
 from kvos.session.branch import fork
 from kvos.session.config import SessionConfig
-from kvos.session.memory import SessionMemory
 from kvos.session.session import Session, StoreFactory
 
 
@@ -41,6 +41,7 @@ class MemoryManager:
         # sessions with a request in flight (its forward passes may wait in a batched step): never paged
         # out by another session's pressure
         self.running: set[str] = set()
+        self.arbiter = PoolArbiter(engine.pool, self.running)
         self._ids = itertools.count(1)
         self._template: ChatTemplate | None = None
 
@@ -68,9 +69,10 @@ class MemoryManager:
                 self.engine,
                 self.tokenizer,
                 config or self.config,
-                relieve=self.relieve,
+                arbiter=self.arbiter,
                 store_factory=self.store_factory,
             )
+            self.arbiter.join(self.sessions[session_id].memory)
         elif config is not None:
             raise ConfigError(f"session {session_id!r} exists already; its config cannot change")
         return self.sessions[session_id]
@@ -86,7 +88,7 @@ class MemoryManager:
             self.engine,
             self.tokenizer,
             parent.config,
-            relieve=self.relieve,
+            arbiter=self.arbiter,
             store_factory=self.store_factory,
         )
         try:
@@ -95,6 +97,7 @@ class MemoryManager:
             child.close()
             raise
         self.sessions[session_id] = child
+        self.arbiter.join(child.memory)
         return child
 
     def session_template(self) -> ChatTemplate | None:
@@ -110,23 +113,8 @@ class MemoryManager:
     def detach(self, session_id: str) -> Session:
         """Take a session out of the manager without freeing anything (its caller closes it later, where
         chunks may be freed): its name is free for a new session at once."""
+        self.arbiter.leave(session_id)
         return self.sessions.pop(session_id)
-
-    def relieve(self, requester: SessionMemory) -> bool:
-        """Page out the lowest-scored evictable chunk of any other session with no request running on it
-        (:func:`~kvos.policy.planner.cheapest_elsewhere`); False when none is left."""
-        others = {
-            sid: s.memory.residency()
-            for sid, s in self.sessions.items()
-            if s.memory is not requester and sid not in self.running
-        }
-        choice = cheapest_elsewhere(others)
-        if choice is None:
-            return False
-        owner = self.sessions[choice[0]].memory
-        owner.carry_out([choice[1]])
-        owner.journal.log(owner.history.turn, "pressure", chunk=choice[1].chunk_id, by=requester.session_id)
-        return True
 
     def stats(self) -> dict[str, Any]:
         pool = self.engine.pool

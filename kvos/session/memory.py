@@ -23,8 +23,9 @@ from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import ChunkLexicon, overlap
-from kvos.policy.planner import Eviction, Residency, affordable, plan_room, pressure_victim
+from kvos.policy.planner import Eviction, Residency, affordable, plan_room
 from kvos.policy.scorer import ScoreContext
+from kvos.session.arbiter import PoolArbiter
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import Embedder
 from kvos.session.history import History
@@ -42,12 +43,15 @@ class SessionMemory:
         config: SessionConfig,
         history: History,
         pager: Pager,
-        relieve: Callable[[SessionMemory], bool] | None = None,
+        arbiter: PoolArbiter | None = None,
         embed: Embedder | None = None,
     ) -> None:
-        """``embed``: embeds a chunk's tokens when its embedding is first needed (:meth:`embedding_of`)."""
+        """``arbiter``: who makes room in the shared pool at its cap (default: one of the session's own,
+        which pages out only this session's chunks). ``embed``: embeds a chunk's tokens when its embedding
+        is first needed (:meth:`embedding_of`)."""
         self.session_id, self.config, self.history, self.pager = session_id, config, history, pager
-        self.relieve, self.embed = relieve, embed
+        self.arbiter = arbiter if arbiter is not None else PoolArbiter(pager.engine.pool)
+        self.embed = embed
         self.chunks: dict[int, Chunk] = history.chunks
         self.tracker = AttentionTracker(mode=config.attention_mode)  # type: ignore[arg-type]
         self.focus = TaskFocus()
@@ -130,21 +134,13 @@ class SessionMemory:
         return self.carry_out([Eviction(c.chunk_id, c.num_tokens, 0.0) for c in chunks])
 
     def reserve(self, blocks: Callable[[], int], holding: set[int]) -> bool:
-        """Make sure the pool can allocate ``blocks()`` more blocks (asked again after each eviction: what
-        an operation needs may change as the cache does). At the pool's cap, the lowest-scored chunk of
-        another idle session goes first (through the manager), then this session's own
-        (:func:`~kvos.policy.planner.pressure_victim`), one at a time, never ``holding`` ones. False when
-        nothing more may go and the pool still cannot hold them."""
-        pool = self.pager.engine.pool
-        while not pool.can_allocate(blocks()):
-            if self.relieve is not None and self.relieve(self):
-                continue
-            victim = pressure_victim(self.residency(), frozenset(holding))
-            if victim is None:
-                return False
-            self.carry_out([victim])
-            self.journal.log(self.history.turn, "pool_full", chunk=victim.chunk_id)
-        return True
+        """Make sure the pool can allocate ``blocks()`` more blocks, never paging out ``holding`` chunks:
+        the arbiter's decision (:meth:`PoolArbiter.reserve`). False when the pool still cannot."""
+        return self.arbiter.reserve(self, blocks, holding)
+
+    def log(self, event: str, **detail: Any) -> None:
+        """Journal an event of this session at its current turn."""
+        self.journal.log(self.history.turn, event, **detail)
 
     def hold(self, tokens: int, holding: set[int], into: Chunk | None = None) -> None:
         """:meth:`reserve` the blocks of writing ``tokens`` tokens (into ``into``'s segment, or a new one);

@@ -26,6 +26,7 @@ from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
+from kvos.session.arbiter import PoolArbiter
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
 from kvos.session.history import History
@@ -75,7 +76,7 @@ class Session:
         engine: Engine,
         tokenizer: Tokenizer,
         config: SessionConfig,
-        relieve: Callable[[SessionMemory], bool] | None = None,
+        arbiter: PoolArbiter | None = None,
         store_factory: StoreFactory | None = None,
     ) -> None:
         self.session_id, self.engine, self.tokenizer, self.config = session_id, engine, tokenizer, config
@@ -97,7 +98,7 @@ class Session:
             pack = config.budget.max_active_tokens if capped else None
             answer = AnswerContrast(engine, self._generation_prompt(), tokenizer.eos_ids, pack_tokens=pack)
         self.embed = make_embedder(config.embedder, engine)
-        self.memory = SessionMemory(session_id, config, self.history, self.pager, relieve, self.embed)
+        self.memory = SessionMemory(session_id, config, self.history, self.pager, arbiter, self.embed)
         self.signal = signal(self.memory, answer)  # similarity recovery's scorer, chosen once
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
         self.pager.digest_layers = tapped

@@ -264,6 +264,33 @@ def test_side_requests_keep_the_main_branch(default_url: str) -> None:
     assert stats is not None and len(stats["branches"]) == 3
 
 
+def test_an_agent_loop_continues_its_branch_when_the_client_rewrites_its_last_tool_call(
+    default_url: str,
+) -> None:
+    """opencode-shaped: one user message, then tool calls and their results; the client echoes each call
+    with its arguments serialised its own way (not as the server stored them), so every request departs
+    from the history near its end, inside the turn that began with the last user message: the branch is
+    continued in place (no new branch per request) and all but the rewritten call is reused."""
+    c = client(default_url)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. " + "Use the tools. " * 30},
+        {"role": "user", "content": "Find the bug in parser.py and fix it."},
+    ]
+    before = ask(c, messages, "loop")
+    for step in range(5):
+        arguments = json.dumps({"path": f"src/file_{step}.py"}, indent=1)  # not the server's serialisation
+        function = {"name": "read", "arguments": arguments}
+        call = {"id": f"call_{step}", "type": "function", "function": function}
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{step}", "content": f"line {step}: x = 1"})
+        reply = ask(c, messages, "loop")
+        assert usage(reply)["branch"] == "main", f"step {step} opened {usage(reply)['branch']}"
+        assert usage(reply)["reused_tokens"] >= before.usage.prompt_tokens - 1
+        before = reply
+    stats = session_stats(default_url, "loop")
+    assert stats is not None and [b["name"] for b in stats["branches"]] == ["main"]
+
+
 def test_rejected_requests_leave_no_session(default_url: str) -> None:
     bad = [
         {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},

@@ -36,7 +36,7 @@ def png_figure(path: str | Path, **subplots: Any) -> Iterator[tuple[Any, Any]]:
         fig.tight_layout()
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png", dpi=100)
+        fig.savefig(out, format="png", dpi=100, bbox_inches="tight")  # legends placed outside included
     finally:
         plt.close(fig)
 

@@ -391,36 +391,51 @@ def llamacpp_skip_reason() -> str:
     return "llama-cpp-python's server offers n_parallel, but this bench does not drive it yet"
 
 
-def plot_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Two panels against the client count, one line per (model, label): aggregate tok/s; TTFT and ITL
-    p50 (solid) and p95 (dashed) in ms, log scale."""
+GROUP_MARKERS = "osD^vP*Xh<>p"
+
+
+def plot_rows(
+    rows: list[dict[str, Any]], path: str | Path, title: str = "kvos serve: many sessions at once"
+) -> Path:
+    """Three panels against the client count, one colour and marker per (model, label): aggregate and
+    decode tok/s (solid, dashed); TTFT p50 and p95 (solid, dashed); inter-token latency p50 and p95. Log
+    scales; one legend below them all."""
     from kvos.bench.plot import png_figure
 
     out = Path(path)
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault(f"{row['model']} {row['label']}".strip(), []).append(row)
-    with png_figure(out, nrows=1, ncols=2, figsize=(12, 5)) as (_, (left, right)):
-        for key, group in groups.items():
+    colours = _pyplot_colours(len(groups))
+    with png_figure(out, nrows=1, ncols=3, figsize=(15, 5.6)) as (fig, axes):
+        speed, ttft, itl = axes
+        for i, (key, group) in enumerate(groups.items()):
             xs = [r["clients"] for r in group]
-            line = left.plot(xs, [r["aggregate_tok_s"] for r in group], "o-", label=f"{key} all")
-            decode = [r["decode_tok_s"] for r in group]
-            left.plot(xs, decode, "s--", color=line[0].get_color(), label=f"{key} decode")
-            for metric, marker in (("ttft", "o"), ("itl", "s")):
-                p50 = right.plot(
-                    xs, [r[f"{metric}_p50_ms"] for r in group], marker + "-", label=f"{key} {metric}"
-                )
-                color = p50[0].get_color()
-                right.plot(xs, [r[f"{metric}_p95_ms"] for r in group], marker + "--", color=color)
-        ylabel = "aggregate tok/s (log; dashed: decode phase)"
-        left.set(xlabel="concurrent clients", ylabel=ylabel, title="throughput")
-        right.set(xlabel="concurrent clients", ylabel="ms (p50 solid, p95 dashed)", title="latency")
-        right.set_yscale("log")
-        left.set_yscale("log")  # the models' throughputs differ by orders of magnitude
+            style = {"color": colours[i], "marker": GROUP_MARKERS[i % len(GROUP_MARKERS)]}
+            speed.plot(xs, [r["aggregate_tok_s"] for r in group], "-", label=key, **style)
+            speed.plot(xs, [r["decode_tok_s"] for r in group], "--", **style)
+            for ax, metric in ((ttft, "ttft"), (itl, "itl")):
+                ax.plot(xs, [r[f"{metric}_p50_ms"] for r in group], "-", **style)
+                ax.plot(xs, [r[f"{metric}_p95_ms"] for r in group], "--", **style)
+        speed.set(ylabel="tok/s (solid: aggregate, dashed: decode phase)", title="throughput")
+        ttft.set(ylabel="ms (solid: p50, dashed: p95)", title="time to first token")
+        itl.set(ylabel="ms (solid: p50, dashed: p95)", title="inter-token latency")
         ticks = sorted({r["clients"] for r in rows})
-        for ax in (left, right):
+        for ax in axes:
+            ax.set_xlabel("concurrent clients")
+            ax.set_yscale("log")  # the models differ by orders of magnitude
             ax.set_xscale("log", base=2)
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
+        fig.suptitle(title)
+        columns = min(len(groups), 4)
+        fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=columns, fontsize=9, frameon=False)
     return out
+
+
+def _pyplot_colours(n: int) -> list[Any]:
+    """``n`` colours that can be told apart (tab10, then tab20 for more groups)."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i) for i in range(n)]

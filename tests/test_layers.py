@@ -7,6 +7,7 @@ Read from the source (every import a module can run, at its top or inside a func
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -217,22 +218,30 @@ def _assigned(node: ast.AST) -> list[ast.expr]:
     return flat
 
 
-def test_only_the_pager_records_where_a_chunks_kv_are() -> None:
-    """A chunk's residency (``Chunk.state``: in the pool, saved, or breadcrumb only) is written by the
-    session's :class:`~kvos.session.pager.Pager` alone (and normalised by the Chunk's constructor): no
-    ``x.state = ...`` elsewhere (an object's own ``self.state`` aside)."""
-    owners = {"kvos.session.pager", "kvos.policy.chunks"}
-    writes = sorted(
+def _attribute_writes(attrs: set[str], allowed: set[str]) -> list[str]:
+    """Assignments to ``x.<attr>`` outside the ``allowed`` modules (an object's own ``self.<attr>`` aside)."""
+    return sorted(
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"
         for name, path in MODULES.items()
-        if name not in owners
+        if name not in allowed
         for node in ast.walk(ast.parse(path.read_text()))
         for target in _assigned(node)
         if isinstance(target, ast.Attribute)
-        and target.attr == "state"
+        and target.attr in attrs
         and not (isinstance(target.value, ast.Name) and target.value.id == "self")
     )
-    assert not writes, "\n".join(writes)
+
+
+def test_only_the_pager_records_where_a_chunks_kv_are() -> None:
+    """A chunk's residency (its state: in the pool, saved, or breadcrumb only; its cache position) is not
+    stored on the chunk: :class:`Chunk` reads both from its placement, and only the session's
+    :class:`~kvos.session.pager.Pager` makes itself a chunk's placement. Nothing assigns them."""
+    from kvos.policy.chunks import Chunk
+
+    assert not {"state", "current_start"} & {f.name for f in dataclasses.fields(Chunk)}
+    assert isinstance(Chunk.state, property) and isinstance(Chunk.current_start, property)
+    assert not _attribute_writes({"state", "current_start"}, set())
+    assert not _attribute_writes({"placement"}, {"kvos.session.pager"})
 
 
 def _calls(name: str, receiver: str = "") -> dict[str, list[str]]:

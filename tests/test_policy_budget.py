@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvos.errors import ConfigError, SignalError
 from kvos.policy import Budget, Chunk, ChunkKind, ChunkState, ScoreContext, Scorer, select_victims
+from kvos.policy.chunks import Detached
 
 
 def test_budget_watermark_and_hard() -> None:
@@ -38,8 +39,10 @@ def test_budget_validation(kw: dict[str, object]) -> None:
         Budget(**kw)  # type: ignore[arg-type]
 
 
-def mk(chunk_id: int, start: int, n: int, **kw: object) -> Chunk:
-    return Chunk(chunk_id, ChunkKind.DOCUMENT, 0, [0] * n, start, **kw)  # type: ignore[arg-type]
+def mk(chunk_id: int, start: int, n: int, state: ChunkState = ChunkState.RESIDENT, **kw: object) -> Chunk:
+    chunk = Chunk(chunk_id, ChunkKind.DOCUMENT, 0, [0] * n, start, **kw)  # type: ignore[arg-type]
+    chunk.placement = Detached(state)  # no pager here: the chunk's state as a test sets it
+    return chunk
 
 
 def test_select_victims_exact_order() -> None:

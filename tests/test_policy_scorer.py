@@ -24,6 +24,7 @@ from kvos.policy import (
     recovery_strength,
     source_floor,
 )
+from kvos.policy.chunks import Detached
 
 X = torch.tensor([1.0, 0.0])  # topic X
 Y = torch.tensor([0.0, 1.0])  # topic Y, orthogonal to X
@@ -39,8 +40,11 @@ def chunk(
     embedding: torch.Tensor | None = None,
     **kw: object,
 ) -> Chunk:
-    """A chunk of ``n`` tokens starting at logical position ``start``."""
-    return Chunk(next(CHUNK_ID), kind, 0, list(range(n)), start, embedding=embedding, **kw)  # type: ignore[arg-type]
+    """A chunk of ``n`` tokens starting at logical position ``start`` (``state``: where a test puts it)."""
+    state = kw.pop("state", ChunkState.RESIDENT)
+    made = Chunk(next(CHUNK_ID), kind, 0, list(range(n)), start, embedding=embedding, **kw)  # type: ignore[arg-type]
+    made.placement = Detached(state)  # type: ignore[arg-type]
+    return made
 
 
 # ---- chunks ----
@@ -60,12 +64,10 @@ def test_chunk_properties() -> None:
     "kw",
     [
         {"original_start": -1},
-        {"current_start": -2},
         {"priority": -0.5},
         {"priority": math.nan},
         {"keep": "always"},
         {"kind": "robot"},
-        {"state": "gone"},
         {"embedding": torch.zeros(2, 3)},
     ],
 )

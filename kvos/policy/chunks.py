@@ -4,15 +4,16 @@ A session's history is a list of :class:`Chunk`. A message is one chunk; a long 
 most ``SessionConfig.chunk_tokens`` tokens. (Not the pool's block: while resident, a chunk's tokens are a
 segment of the engine's sequence, in pool blocks of their own.) A chunk keeps its token ids whatever its
 state, so the session always knows its whole logical history. Plain metadata: no K/V lives here (the pool
-and the store hold those).
+and the store hold those), and not where they are either: a chunk's ``state`` and ``current_start`` are read
+from its :class:`Placement`, its session's pager, which is the one record of residency.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -49,13 +50,42 @@ class ChunkState(StrEnum):
     DISCARDED = "discarded"
 
 
+class Placement(Protocol):
+    """Who knows where a chunk's K/V are: a session's pager, for every chunk of its history."""
+
+    def state_of(self, chunk_id: int) -> ChunkState:
+        """Resident in the pool, saved in a store, or discarded."""
+        ...
+
+    def start_of(self, chunk_id: int) -> int | None:
+        """The rotary position of its first token in the cache while resident, else None."""
+        ...
+
+
+@dataclass(frozen=True)
+class Detached:
+    """The placement of a chunk no pager holds (yet): one being built, or one made by hand (tests)."""
+
+    state: ChunkState = ChunkState.RESIDENT
+    start: int | None = None
+
+    def state_of(self, chunk_id: int) -> ChunkState:
+        return self.state
+
+    def start_of(self, chunk_id: int) -> int | None:
+        return self.start
+
+
+DETACHED = Detached()
+
+
 @dataclass(eq=False)
 class Chunk:
     """One chunk of a session's history.
 
     - ``original_start``: logical position of its first token in the session's whole history.
-    - ``current_start``: rotary position of its first token in the cache while resident (``None`` otherwise,
-      or before it is placed).
+    - ``state`` and ``current_start`` (the rotary position of its first token in the cache while resident,
+      ``None`` otherwise): read from ``placement``, the pager that holds it (:class:`Placement`).
     - ``priority``: score multiplier (>= 0); ``keep``: ``"pin"`` (never evicted) or ``"prefer"`` (score
       multiplied by the scorer's ``keep_boost``).
     - ``embedding``: float32 ``[dim]`` vector for coherence and similarity recovery, or ``None``.
@@ -73,26 +103,23 @@ class Chunk:
     turn: int
     token_ids: list[int]
     original_start: int
-    current_start: int | None = None
     priority: float = 1.0
     keep: Keep | None = None
     embedding: torch.Tensor | None = None
-    state: ChunkState = ChunkState.RESIDENT
     recovered_turn: int | None = None
     text: str = ""
     message_index: int = 0
     digest: KeyDigest | None = None
     key_code: torch.Tensor | None = None
+    placement: Placement = field(default=DETACHED, init=False, repr=False)  # set by the pager that holds it
 
     def __post_init__(self) -> None:
         try:
             self.kind = ChunkKind(self.kind)
-            self.state = ChunkState(self.state)
         except ValueError as e:
             raise ConfigError(f"Chunk {self.chunk_id}: {e}") from e
         problems = [
             ("original_start must be >= 0", self.original_start < 0),
-            ("current_start must be >= 0 or None", self.current_start is not None and self.current_start < 0),
             *_hint_problems(self.keep, self.priority),
             ("embedding must be 1-D [dim]", self.embedding is not None and self.embedding.dim() != 1),
         ]
@@ -121,6 +148,16 @@ class Chunk:
     def pinned(self) -> bool:
         """``keep == "pin"``: never evicted, scores 1.0."""
         return self.keep == "pin"
+
+    @property
+    def state(self) -> ChunkState:
+        """Where its K/V are, as its placement records it."""
+        return self.placement.state_of(self.chunk_id)
+
+    @property
+    def current_start(self) -> int | None:
+        """The rotary position of its first token in the cache while resident, else None."""
+        return self.placement.start_of(self.chunk_id)
 
     @property
     def resident(self) -> bool:

@@ -32,7 +32,7 @@ def shared_chunks(parent: Session, length: int) -> tuple[list[Chunk], int]:
         ids = chunk.token_ids[:keep]
         text = chunk.text if keep == chunk.num_tokens else parent.tokenizer.decode(ids)
         embedding = chunk.embedding if keep == chunk.num_tokens else None  # a cut chunk's, when needed
-        kept.append(replace(chunk, token_ids=list(ids), text=text, current_start=None, embedding=embedding))
+        kept.append(replace(chunk, token_ids=list(ids), text=text, embedding=embedding))
     end = kept[-1].original_end if kept else 0
     return kept, min(length, end)
 
@@ -50,8 +50,11 @@ def fork(parent: Session, child: Session, length: int) -> int:
         if chunk is not None:
             child.pager.share(parent.pager, chunk, chunk.num_tokens)
     for chunk in chunks:
-        if chunk.state is ChunkState.SAVED:
-            child.pager.copy_saved(parent.pager, chunk)
+        if chunk.chunk_id not in child.pager.segments:
+            if parent.pager.state_of(chunk.chunk_id) is ChunkState.SAVED:
+                child.pager.copy_saved(parent.pager, chunk)
+            else:
+                child.pager.place(chunk)  # discarded in the parent: a breadcrumb here too
         child.history.add(chunk)
     history, source = child.history, parent.history
     history.turn, history.tokens, history.next_id = source.turn, kept, source.next_id

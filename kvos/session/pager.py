@@ -54,10 +54,30 @@ class Pager:
         ] = ()  # layers of the key digest a saved chunk keeps (none: no digest)
         self.retriever: Retriever | None = None  # when set, a chunk leaving the pool keeps its key code
         self.dropped: list[int] = []  # chunks whose saved K/V the store dropped, not yet taken
+        self.saved: set[int] = set()  # chunks whose K/V this pager's store holds (resident ones: segments)
+        self._opened_at: dict[int, int] = {}  # where an opened segment's first token will go
 
     @property
     def active_tokens(self) -> int:
         return self.seq.num_tokens
+
+    # ------------------------------------------------------------------ the record of residency
+    def state_of(self, chunk_id: int) -> ChunkState:
+        """Where a chunk of this session has its K/V: the one record of it (:class:`Placement`)."""
+        if chunk_id in self.segments:
+            return ChunkState.RESIDENT
+        return ChunkState.SAVED if chunk_id in self.saved else ChunkState.DISCARDED
+
+    def start_of(self, chunk_id: int) -> int | None:
+        """The cache position of a resident chunk's first token (None when it is not resident)."""
+        seg = self.segments.get(chunk_id)
+        if seg is None:
+            return None
+        return int(seg.positions[0]) if seg.num_tokens else self._opened_at[chunk_id]
+
+    def place(self, chunk: Chunk) -> None:
+        """Make this pager the chunk's placement (its state and position are read from here)."""
+        chunk.placement = self
 
     def next_position(self, chunk: Chunk) -> int:
         """Where a new chunk's first token goes: its logical position (sparse) or the cache end (compact)."""
@@ -67,9 +87,10 @@ class Pager:
         """Start a new chunk at the end of the cache (at position ``start``, by default where the mode puts
         a new chunk); the caller then extends the sequence with its tokens."""
         seg = self.seq.open_segment()
+        self.place(chunk)
+        self.saved.discard(chunk.chunk_id)
+        self._opened_at[chunk.chunk_id] = self.next_position(chunk) if start is None else start
         self.segments[chunk.chunk_id] = seg
-        chunk.state = ChunkState.RESIDENT
-        chunk.current_start = self.next_position(chunk) if start is None else start
         return seg
 
     def append(
@@ -97,8 +118,7 @@ class Pager:
             )
         except BaseException:
             del self.segments[chunk.chunk_id]
-            self.engine.evict(self.seq, seg)
-            chunk.state, chunk.current_start = ChunkState.DISCARDED, None
+            self.engine.evict(self.seq, seg)  # discarded: neither resident nor saved
             raise
 
     def blocks_for(self, tokens: int, into: Chunk | None = None) -> int:
@@ -126,6 +146,7 @@ class Pager:
         freed = 0
         for chunk in chunks:
             seg = self.segments.pop(chunk.chunk_id)
+            self._opened_at.pop(chunk.chunk_id, None)
             if self.backend == "kv_restore":
                 assert self.store is not None
                 k, v = self.engine.read_kv(seg)
@@ -133,7 +154,7 @@ class Pager:
                     chunk.digest = digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
                 if self.retriever is not None and chunk.key_code is None:
                     chunk.key_code = self._code(k, seg.positions)
-                chunk.state = ChunkState.SAVED  # before put: a store over its caps may drop it at once
+                self.saved.add(chunk.chunk_id)  # before put: a store over its caps may drop it at once
                 self.store.put(chunk.chunk_id, k, v, {"positions": seg.positions.tolist()}, copy=False)
                 self._reap()  # a store over its caps may have dropped this chunk or older ones
             else:
@@ -141,25 +162,25 @@ class Pager:
                     chunk.digest = self.digest(chunk, seg)
                 if self.retriever is not None and self.backend == "breadcrumb":
                     self.key_code(chunk, seg)
-                chunk.state = ChunkState.DISCARDED
             freed += seg.num_tokens
             self.engine.evict(self.seq, seg)
-            chunk.current_start = None
         if self.mode == "compact":
             self.compact()
         return freed
 
     def compact(self) -> None:
         """Give resident tokens contiguous positions in cache order, re-anchoring keys that move."""
-        start = 0
+        start, empty = 0, {}
         for seg in self.seq.segments:
             n = seg.num_tokens
-            if n and int(seg.positions[0]) != start:
+            if not n:
+                empty[id(seg)] = start  # an opened chunk still without tokens: its first goes here
+            elif int(seg.positions[0]) != start:
                 self.engine.reposition(self.seq, seg, torch.arange(start, start + n))
             start += n
         for cid, seg in self.segments.items():
-            if seg.num_tokens:
-                self.chunks[cid].current_start = int(seg.positions[0])
+            if id(seg) in empty:
+                self._opened_at[cid] = empty[id(seg)]
 
     def digest(self, chunk: Chunk, seg: Segment | None = None) -> KeyDigest:
         """The key digest of a resident chunk (of ``seg``, its segment, once it has left ``segments``),
@@ -232,8 +253,8 @@ class Pager:
         new = torch.arange(start, start + chunk.num_tokens)
         seg = self.engine.splice(self.seq, index, chunk.token_ids, saved.k, saved.v, old, new)
         self.store.delete(chunk.chunk_id)
+        self.saved.discard(chunk.chunk_id)
         self.segments[chunk.chunk_id] = seg
-        chunk.state, chunk.current_start = ChunkState.RESIDENT, start
         if self.mode == "compact":
             self.compact()
 
@@ -244,11 +265,12 @@ class Pager:
     def discard(self, chunk: Chunk) -> None:
         """Forget a chunk entirely (history truncation): free its pool blocks or its saved copy."""
         seg = self.segments.pop(chunk.chunk_id, None)
+        self._opened_at.pop(chunk.chunk_id, None)
         if seg is not None:
             self.engine.evict(self.seq, seg)
         elif self.store is not None and chunk.chunk_id in self.store:
             self.store.delete(chunk.chunk_id)
-        chunk.state, chunk.current_start = ChunkState.DISCARDED, None
+        self.saved.discard(chunk.chunk_id)
 
     def truncate(self, chunk: Chunk, keep: int) -> None:
         """Keep the first ``keep`` tokens of a resident chunk (history truncation inside a chunk)."""
@@ -259,17 +281,18 @@ class Pager:
         holding its first ``num_tokens`` tokens at the same positions: the pool blocks are shared by
         reference (a forked branch), not copied or recomputed."""
         seg = self.engine.share(source.segments[chunk.chunk_id], self.seq, num_tokens)
+        self.place(chunk)
         self.segments[chunk.chunk_id] = seg
-        chunk.state, chunk.current_start = ChunkState.RESIDENT, int(seg.positions[0])
 
     def copy_saved(self, source: Pager, chunk: Chunk) -> bool:
         """Copy a saved chunk's K/V from ``source``'s store into this pager's; when there are none to copy,
         the chunk keeps only its breadcrumb (:meth:`lost`) and False is returned."""
+        self.place(chunk)
         if self.store is None or source.store is None or chunk.chunk_id not in source.store:
-            self.lost(chunk)
-            return False
+            return False  # discarded here: a breadcrumb
         saved = source.store.get(chunk.chunk_id)
         source._reap()
+        self.saved.add(chunk.chunk_id)
         self.store.put(chunk.chunk_id, saved.k, saved.v, saved.meta)
         self._reap()
         return True
@@ -277,7 +300,8 @@ class Pager:
     def adopt(self, chunk: Chunk) -> None:
         """Record a chunk whose K/V are in this pager's store, not in the pool (a session restored from its
         snapshot starts swapped out: its chunk files are handed to the store)."""
-        chunk.state, chunk.current_start = ChunkState.SAVED, None
+        self.place(chunk)
+        self.saved.add(chunk.chunk_id)
 
     def _reap(self) -> None:
         """Mark the chunks whose K/V the store dropped since it was last asked (:meth:`lost`) and keep
@@ -299,9 +323,9 @@ class Pager:
     def lost(self, chunk: Chunk) -> bool:
         """A saved chunk whose K/V are gone (its store dropped them over its caps, or their file cannot be
         read) keeps its breadcrumb: text, tokens, digest. True when it was saved."""
-        if chunk.state is not ChunkState.SAVED:
+        if chunk.chunk_id not in self.saved:
             return False
-        chunk.state = ChunkState.DISCARDED
+        self.saved.discard(chunk.chunk_id)
         return True
 
     def swap_out(self) -> list[tuple[int, list[int]]]:
@@ -329,15 +353,15 @@ class Pager:
                 self.seq, len(self.seq.segments), chunk.token_ids, saved.k, saved.v, pos, pos
             )
             self.segments[cid] = seg
-            chunk.state, chunk.current_start = ChunkState.RESIDENT, positions[0]
         return recomputed
 
     def _take(self, chunk: Chunk) -> StoredChunk | None:
         """Pop a saved chunk's K/V from the store; None when it is not saved, or when its file fails its
         check (logged: the store drops it, so the chunk is marked discarded and never served)."""
         assert self.store is not None
-        if chunk.state is not ChunkState.SAVED:
+        if chunk.chunk_id not in self.saved:
             return None
+        self.saved.discard(chunk.chunk_id)
         try:
             return self.store.pop(chunk.chunk_id)
         except CorruptChunkError as e:
@@ -349,6 +373,8 @@ class Pager:
         """Free every resident chunk and forget the saved ones."""
         self.seq.release()
         self.segments.clear()
+        self.saved.clear()
+        self._opened_at.clear()
         if self.store is not None:
             self.store.close()
 

@@ -88,7 +88,10 @@ def save(session: Session, directory: Path, name: str) -> SessionSnapshot:
             files[str(chunk.chunk_id)] = _saved_file(store, chunk.chunk_id, directory)
     header = {
         "session_id": session.session_id,
-        "chunks": [fields.encode_chunk(c, table) for c in _in_order(session.chunks.values())],
+        "chunks": [
+            {**fields.encode_chunk(c, table), "state": c.state.value}
+            for c in _in_order(session.chunks.values())
+        ],
         "cache": cache,
         "swapped": [[cid, list(pos)] for cid, pos in session._swapped],
         "files": files,
@@ -123,14 +126,19 @@ def restore(snapshot: SessionSnapshot, session: Session, directory: Path) -> lis
         record = [(int(cid), [int(p) for p in pos]) for cid, pos in snapshot.header["cache"]]
         record += [(int(cid), [int(p) for p in pos]) for cid, pos in snapshot.header["swapped"]]
         _check(chunks, record, snapshot.history_tokens)
+        saved = {int(raw["chunk_id"]) for raw in snapshot.header["chunks"] if raw.get("state") == "saved"}
+        saved |= {cid for cid, _ in record}  # swapped out: their K/V are in the store
         for chunk in chunks:
             session.history.add(chunk)
-        for cid, _ in record:
-            session.pager.adopt(session.chunks[cid])
+            if chunk.chunk_id in saved:
+                session.pager.adopt(chunk)
+            else:
+                session.pager.place(chunk)  # discarded: a breadcrumb
         _load_memory(session, snapshot.header["memory"], snapshot.table)
         _load_session(session, snapshot.header["session"], snapshot.table)
     except (KeyError, TypeError, ValueError, IndexError) as e:
         session.chunks.clear()
+        session.pager.saved.clear()
         raise SnapshotError(f"snapshot of {snapshot.session_id} does not hold together: {e}") from e
     session._swapped = record
     return _adopt_files(session, snapshot.files, directory)

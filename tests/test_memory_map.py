@@ -1,9 +1,9 @@
 """The memory map at ``/ui``, in a real headless Chromium (Debian's ``chromium``, which ``.ci/run``
 installs) driven by Playwright, against ``kvos serve`` on the built-in model with its defaults and two API
-keys: the page asks for the key, shows the key's session and not another key's, reflects the evictions a
+keys: the page asks for the key, shows the key's sessions and not another key's, reflects the evictions a
 further request causes without a reload, pins a chunk through its detail panel, and the next request keeps
-that chunk; no console errors on the way. ``KVOS_UI_SCREENSHOT=docs/memory-map.png`` writes the README's
-screenshot of the map from this run."""
+that chunk; sessions made and deleted meanwhile come and go; no console errors on the way.
+``KVOS_UI_SCREENSHOT=docs/memory-map.png`` writes the README's screenshot of the map from this run."""
 
 from __future__ import annotations
 
@@ -122,5 +122,10 @@ def test_the_map_follows_a_session_live_and_pins_a_chunk(url: str, tmp_path: Pat
         assert page.get_attribute(f'.chunk[data-chunk="{target}"]', "data-state") == "resident"
         shot = os.environ.get("KVOS_UI_SCREENSHOT")
         page.screenshot(path=shot or str(tmp_path / "memory-map.png"))
+
+        chat(url, "later", [{"role": "user", "content": "A session opened while the page is open."}])
+        page.wait_for_selector('[data-session="later"] .chunk')  # it appears, and a deleted one goes
+        assert httpx.delete(f"{url}/sessions/notes", headers=KEYS["one"], timeout=60).status_code == 200
+        page.wait_for_selector('[data-session="notes"]', state="detached")
         browser.close()
     assert errors == []

@@ -326,11 +326,15 @@ LINE_STYLES = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P
 
 def plot(rows: list[dict[str, Any]], path: str, title: str = "Recall against the KV budget") -> None:
     """Pass rate against budget fraction, one line per strategy (each its own marker and dash, to be told
-    apart without colour), with the Wilson intervals as bands."""
+    apart without colour, and set a little apart along the budget axis so that tied lines stay visible),
+    with the Wilson intervals as bands."""
+    names = list(dict.fromkeys(r["strategy"] for r in rows))
+    fracs = [r["budget_frac"] for r in rows]
+    step = 0.008 * ((max(fracs) - min(fracs)) or 1.0)
     with png_figure(path, figsize=(8, 5)) as (_, ax):
-        for i, name in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+        for i, name in enumerate(names):
             mine = sorted((r for r in rows if r["strategy"] == name), key=lambda r: r["budget_frac"])
-            xs = [r["budget_frac"] for r in mine]
+            xs = [r["budget_frac"] + (i - (len(names) - 1) / 2) * step for r in mine]
             marker, dash = LINE_STYLES[i % len(LINE_STYLES)]
             ax.plot(xs, [r["pass_rate"] for r in mine], marker=marker, linestyle=dash, label=name)
             ax.fill_between(xs, [r["ci_low"] for r in mine], [r["ci_high"] for r in mine], alpha=0.12)
@@ -339,4 +343,4 @@ def plot(rows: list[dict[str, Any]], path: str, title: str = "Recall against the
         ax.set_ylabel("probe pass rate")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="center right", fontsize=8)

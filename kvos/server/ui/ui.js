@@ -25,8 +25,8 @@ async function api(path, options = {}) {
   return body;
 }
 
-function later(name, ms, fn) {
-  clearTimeout(state.timers.get(name));
+function later(name, ms, fn) { // at most one pending per name: a burst of events redraws every ms, not at its end
+  if (state.timers.has(name)) return;
   state.timers.set(name, setTimeout(() => { state.timers.delete(name); run(fn); }, ms));
 }
 
@@ -110,7 +110,10 @@ function removeSession(id) {
 async function refreshSession(id) {
   const s = state.sessions.get(id);
   if (!s) return;
-  s.detail = await api(`/v1/sessions/${encodeURIComponent(id)}?events=200`);
+  const asked = (s.asked = (s.asked || 0) + 1);
+  const detail = await api(`/v1/sessions/${encodeURIComponent(id)}?events=200`);
+  if (asked !== s.asked) return; // a later read is on its way: draw that one
+  s.detail = detail;
   drawSession(s);
   if (state.selected && state.selected.session === id) drawDetail();
 }

@@ -68,6 +68,13 @@ def test_every_chunk_is_shown_where_its_kv_are(url: str) -> None:
     assert chunks[-1]["end"] == s["history_tokens"] == sum(c["tokens"] for c in chunks)
     resident = [c for c in chunks if c["state"] == "resident"]
     assert sum(c["tokens"] for c in resident) == s["active_tokens"] <= s["budget"]
+    per_token = 4096  # the built-in model's K/V bytes per token (4 layers, 2 KV heads of 64, float32)
+    assert (
+        s["active_tokens"] * per_token
+        <= s["resident_bytes"]
+        <= (s["active_tokens"] + 16 * len(resident)) * per_token
+    )
+    assert s["saved_ram_bytes"] == sum(c["tokens"] for c in chunks if c["state"] == "saved") * per_token
     assert {c["state"] for c in chunks} == {"resident", "saved"}  # past its budget: some were paged out
     assert all(isinstance(c["position"], int) for c in resident)
     assert all(c["position"] is None for c in chunks if c["state"] != "resident")

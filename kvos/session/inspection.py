@@ -19,7 +19,9 @@ def inspect_session(session: Session, events: int = 50) -> dict[str, Any]:
     """The session now (see the module docstring): ``chunks`` (each: ``id``, ``kind``, ``message``,
     ``start``/``end`` in the history's tokens, ``tokens``, ``state``, ``position`` of its first token in the
     cache while resident, ``keep``, ``priority``, ``score``, ``signals``, ``last_event``, ``text``) and the
-    journal's last ``events`` events, with the session's counters (:meth:`Session.stats`)."""
+    journal's last ``events`` events, with the session's counters (:meth:`Session.stats`) and
+    ``resident_bytes``, the bytes of the pool blocks its cache holds (beside ``saved_ram_bytes`` and
+    ``saved_disk_bytes``)."""
     memory = session.memory
     chunks = sorted(list(session.chunks.values()), key=lambda c: c.original_start)
     journal = list(memory.journal.events)
@@ -29,8 +31,10 @@ def inspect_session(session: Session, events: int = 50) -> dict[str, Any]:
             last[event["chunk"]] = event
     context = memory.score_context()
     scorer = session.config.scorer
+    per_block = session.engine.pool.layout.bytes_per_block
     return {
         **session.stats(),
+        "resident_bytes": session.pool_blocks * per_block,
         "chunks": [
             _chunk(c, scorer.score(c, context), scorer.signals(c, context), last.get(c.chunk_id))
             for c in chunks

@@ -55,6 +55,28 @@ def patch(url: str, sid: str, chunk: int | str, body: Any, key: str = "one") -> 
     return httpx.patch(f"{url}/sessions/{sid}/chunks/{chunk}", json=body, headers=KEYS[key], timeout=300)
 
 
+def watch(path: str, last: str) -> tuple[threading.Thread, list[dict[str, Any]]]:
+    """Read the event stream at ``path`` (key one's) on a thread until an event named ``last``; returns the
+    thread, started and connected (the stream's opening comment arrived), and the list it fills."""
+    events: list[dict[str, Any]] = []
+    connected = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("GET", path, headers=KEYS["one"], timeout=120) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                connected.set()  # the first line is a comment sent once the watch is in place
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    if events[-1]["event"] == last:
+                        return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert connected.wait(30)
+    return reader, events
+
+
 def test_every_chunk_is_shown_where_its_kv_are(url: str) -> None:
     conversation(url, "map", 3)
     r = inspect(url, "map")
@@ -164,22 +186,7 @@ def test_another_keys_session_is_not_found_on_every_route(url: str) -> None:
 
 def test_events_stream_what_the_memory_does_as_it_happens(url: str) -> None:
     messages = conversation(url, "watched", 1)
-    events: list[dict[str, Any]] = []
-    connected = threading.Event()
-
-    def read() -> None:
-        with httpx.stream("GET", f"{url}/sessions/watched/events", headers=KEYS["one"], timeout=120) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            for line in r.iter_lines():
-                connected.set()  # the first line is a comment sent once the watch is in place
-                if line.startswith("data: "):
-                    events.append(json.loads(line.removeprefix("data: ")))
-                    if events[-1]["event"] == "request":
-                        return
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert connected.wait(30)
+    reader, events = watch(f"{url}/sessions/watched/events", "request")
     messages.append({"role": "user", "content": "Now a long note to page things out. " * 20})
     reply = chat(url, "watched", messages)
     reader.join(120)
@@ -196,22 +203,7 @@ def test_events_stream_what_the_memory_does_as_it_happens(url: str) -> None:
 def test_the_keys_event_stream_covers_its_sessions_and_no_others(url: str) -> None:
     """``GET /v1/events``: one stream of every session of the key, each event with its session, sessions
     opening and closing among them; another key's sessions are not in it."""
-    events: list[dict[str, Any]] = []
-    connected = threading.Event()
-
-    def read() -> None:
-        with httpx.stream("GET", f"{url}/events", headers=KEYS["one"], timeout=120) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            for line in r.iter_lines():
-                connected.set()
-                if line.startswith("data: "):
-                    events.append(json.loads(line.removeprefix("data: ")))
-                    if events[-1]["event"] == "close":
-                        return
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert connected.wait(30)
+    reader, events = watch(f"{url}/events", "close")
     conversation(url, "stranger", 1, key="two")
     conversation(url, "wide-a", 1)
     conversation(url, "wide-b", 1)

@@ -16,7 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import MODEL_NAME, running_server
+from server_harness import running_server
+from test_inspector import KEYS, RULES
+from test_inspector import chat as keyed_chat
 
 from kvos.builtin import MODEL_DIR
 
@@ -34,23 +36,18 @@ FLAGS = [  # a closed network: without the background-networking flags Chromium 
     "--disable-component-update",
     "--disable-sync",
 ]
-KEYS = {"one": {"Authorization": "Bearer key-one"}, "two": {"Authorization": "Bearer key-two"}}
-RULES = " ".join(f"Rule {i}: read a file before you edit it and keep each answer short." for i in range(60))
 SAVED = '[data-session="agent"] .chunk[data-state="saved"]'
 
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    with running_server(MODEL_DIR, api_keys=["key-one", "key-two"]) as u:
+    with running_server(MODEL_DIR, api_keys=["key-one", "key-two"]) as u:  # the inspector tests' keys
         yield u
 
 
 def chat(url: str, sid: str, messages: list[dict[str, Any]], key: str = "one") -> dict[str, Any]:
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
-    headers = {**KEYS[key], "X-Session-Id": sid}
-    r = httpx.post(f"{url}/chat/completions", json=body, headers=headers, timeout=300)
-    r.raise_for_status()
-    reply: dict[str, Any] = r.json()
+    """The inspector tests' request, its reply appended to ``messages`` as a client would."""
+    reply = keyed_chat(url, sid, messages, key)
     messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
     return reply
 

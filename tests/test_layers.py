@@ -271,17 +271,43 @@ def _calls(name: str, receiver: str = "") -> dict[str, list[str]]:
         ("pool_victim", {"kvos.session.arbiter"}),  # ...the pool's, at its cap...
         ("plan_swaps", {"kvos.server.registry"}),  # ...or, for whole sessions, by the registry
         ("stale_branches", {"kvos.server.registry"}),
+        ("plan_truncate", {"kvos.session.session"}),  # ...or, for a cut history, by the session
         ("pager.evict", {"kvos.session.memory"}),  # the pager pages out what a plan names
+        ("pager.discard", {"kvos.session.session"}),
+        ("ram_leavers", {"kvos.memory.store"}),  # a store's tiers: its plans, carried out by the store
+        ("disk_leavers", {"kvos.memory.store"}),
     ],
 )
 def test_victims_are_picked_by_the_planner_and_paged_out_by_its_executors(
     name: str, allowed: set[str]
 ) -> None:
-    """Eviction decisions are made in :mod:`kvos.policy.planner` only: its functions are called by the
-    executors that carry their plans out, and the pager's ``evict`` only by the session's executor (and
-    the pager itself, swapping a whole session out)."""
+    """Eviction decisions are made in :mod:`kvos.policy.planner` (and, for a chunk store's tiers,
+    :mod:`kvos.memory.tier_plan`) only: their functions are called by the executors that carry their plans
+    out, and the pager's ``evict`` and ``discard`` only by the session's executors (and the pager itself,
+    swapping a whole session out)."""
     method, _, receiver = name.rpartition(".")[::-1]
     calls = _calls(method, receiver)
     assert calls, f"no call of {name} found: the check reads nothing"
     outside = {m: c for m, c in calls.items() if m not in allowed}
     assert not outside, outside
+
+
+def _callers(module: str, name: str) -> set[str]:
+    """The functions of ``module`` that call a method or function called ``name``."""
+    found = set()
+    for fn in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                func = node.func if isinstance(node, ast.Call) else None
+                if getattr(func, "attr", getattr(func, "id", None)) == name:
+                    found.add(fn.name)
+    return found
+
+
+def test_a_store_moves_entries_between_tiers_only_as_its_plans_say() -> None:
+    """The chunk store spills an entry out of RAM, and drops one, only in carrying out its tier plans
+    (and, for a drop, when a spill cannot be written or a file is found corrupt): no choice of keys of its
+    own."""
+    assert _callers("kvos.memory.store", "_spill") == {"_keep_within_caps"}
+    assert _callers("kvos.memory.store", "_drop") == {"_keep_within_caps", "_spill", "_read"}
+    assert _callers("kvos.memory.store", "ram_leavers") == {"_keep_within_caps"}

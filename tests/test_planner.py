@@ -16,13 +16,15 @@ from kvos.memory.pool import KVPool
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.policy.chunks import Chunk, ChunkKind
+from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Detached
 from kvos.policy.planner import (
+    Cut,
     Eviction,
     Residency,
     affordable,
     cheapest_elsewhere,
     plan_room,
+    plan_truncate,
     pressure_victim,
 )
 from kvos.session.config import SessionConfig
@@ -120,6 +122,55 @@ sessions = st.integers(1, 12).flatmap(
 
 
 @settings(max_examples=300, deadline=None)
+def history(sizes: list[int], states: str) -> tuple[Chunk, ...]:
+    """Chunks laid end to end with these states: ``r`` resident, ``s`` saved, ``d`` discarded."""
+    chunks = chunks_of(sizes)
+    by_letter = {"r": ChunkState.RESIDENT, "s": ChunkState.SAVED, "d": ChunkState.DISCARDED}
+    for chunk, letter in zip(chunks, states, strict=True):
+        chunk.placement = Detached(by_letter[letter])
+    return chunks
+
+
+def test_a_cut_trims_the_resident_chunk_it_falls_in_and_discards_the_later_ones() -> None:
+    chunks = history([10, 20, 30, 5], "rrrs")  # starts 0, 10, 30, 60; 65 tokens
+    assert plan_truncate(chunks, 65) == Cut(65, None, ())
+    assert plan_truncate(chunks, 100) == Cut(100, None, ())
+    assert plan_truncate(chunks, 60) == Cut(60, None, (3,))
+    assert plan_truncate(chunks, 45) == Cut(45, (2, 15), (3,))
+    assert plan_truncate(chunks, 30) == Cut(30, None, (3, 2))  # at a chunk's start: it goes whole
+    assert plan_truncate(chunks, 0) == Cut(0, None, (3, 2, 1, 0))
+
+
+def test_a_cut_inside_a_chunk_that_is_not_resident_takes_it_whole() -> None:
+    """Saved K/V (and a discarded chunk's breadcrumb) are one unit: the history is cut at its start."""
+    chunks = history([10, 20, 30, 5], "rsdr")
+    assert plan_truncate(chunks, 45) == Cut(30, None, (3, 2))
+    assert plan_truncate(chunks, 11) == Cut(10, None, (3, 2, 1))
+    assert plan_truncate(chunks, 5) == Cut(5, (0, 5), (3, 2, 1))
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 12), st.sampled_from("rsd")), min_size=1, max_size=8),
+    st.integers(0, 100),
+)
+def test_plan_truncate_properties(rows: list[tuple[int, str]], length: int) -> None:
+    """The chunks that stay end at or before the length kept, no later than asked; what goes is every
+    chunk past it, latest first; a trim keeps part of a resident chunk and ends exactly at the length."""
+    chunks = history([n for n, _ in rows], "".join(s for _, s in rows))
+    cut = plan_truncate(chunks, length)
+    assert cut.length <= length
+    by_id = {c.chunk_id: c for c in chunks}
+    assert list(cut.discard) == sorted(cut.discard, reverse=True)
+    assert set(cut.discard) == {c.chunk_id for c in chunks if c.original_start >= cut.length}
+    if cut.trim is None:
+        assert all(c.original_end <= cut.length for c in chunks if c.chunk_id not in cut.discard)
+        assert cut.length == length or cut.length == by_id[min(cut.discard)].original_start
+    else:
+        chunk_id, keep = cut.trim
+        assert cut.length == length and by_id[chunk_id].resident
+        assert 0 < keep < by_id[chunk_id].num_tokens and by_id[chunk_id].original_start + keep == length
+
+
 @given(
     session=sessions,
     n=st.integers(0, 120),

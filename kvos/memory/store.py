@@ -11,9 +11,10 @@ encoded bytes; ``stats()`` gives ``raw_bytes`` (dense bytes of every entry) and 
 encoded payload bytes, both tiers, without file headers), the stored bytes before and after compression.
 
 Tiers and recency. One LRU order covers every entry; ``get`` and ``put`` make a key most recently used.
-When host RAM passes ``ram_bytes``, the least recently used RAM entries leave it: written to ``disk_dir``
-if there is one, else dropped. An entry larger than ``ram_bytes`` alone goes straight to disk (or is
-dropped). When disk passes ``disk_bytes``, the least recently used disk entries are dropped. A ``get`` of
+Which entries leave a tier is planned by :mod:`kvos.memory.tier_plan` over a view of the entries, and the
+store carries the plan out: when host RAM passes ``ram_bytes``, an entry larger than ``ram_bytes`` alone
+and then the least recently used RAM entries leave it, written to ``disk_dir`` if there is one, else
+dropped; when disk passes ``disk_bytes``, the least recently used disk entries are dropped. A ``get`` of
 a disk entry loads it back into RAM (deleting its file), which may spill others; one too large for RAM
 stays on disk. ``take_dropped()`` reports, once each, the keys that became unavailable without being
 deleted, popped, replaced or closed: a capacity drop, or a disk file found corrupt. The store never calls
@@ -62,6 +63,7 @@ from kvos.memory import container
 from kvos.memory.codec import CODEC_NAME, EncodedTensor, encode, from_payload
 from kvos.memory.int64 import as_int64
 from kvos.memory.mapped import mapped_copy
+from kvos.memory.tier_plan import Held, disk_leavers, ram_leavers
 
 MAGIC = b"KVOSBLK\x00"
 FORMAT_VERSION = 1
@@ -254,8 +256,7 @@ class ChunkStore:
         self._ram_used += entry.ram_bytes
         if self._write_through:
             self._write(key, entry)
-        dropped = [] if self._fits_ram(entry.ram_bytes) else self._spill(key)
-        self._notify(dropped + self._enforce_caps())
+        self._notify(self._keep_within_caps())
 
     def adopt(self, key: Hashable, path: Path) -> None:
         """Take over the chunk file at ``path`` (in this store's ``disk_dir``, written by an earlier store)
@@ -293,7 +294,7 @@ class ChunkStore:
             if self._fits_ram(entry.stored_bytes):
                 self._to_ram(entry, kv)
         self._counts["gets"] += 1
-        self._notify(self._enforce_caps())
+        self._notify(self._keep_within_caps())
         return StoredChunk(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
 
     def pop(self, key: Hashable) -> StoredChunk:
@@ -367,18 +368,22 @@ class ChunkStore:
             raise ChunkNotFoundError(f"no chunk {key!r} in the store ({why})")
         return entry
 
-    def _enforce_caps(self) -> list[Hashable]:
-        """Spill LRU RAM entries, then drop LRU disk entries, until both caps hold; the dropped keys."""
+    def _held(self) -> list[Held]:
+        """The entries as the tier plans see them, least recently used first."""
+        return [
+            Held(key, e.kv is not None, e.ram_bytes, e.path is not None, e.file_bytes)
+            for key, e in self._entries.items()
+        ]
+
+    def _keep_within_caps(self) -> list[Hashable]:
+        """Carry out the tier plans (:mod:`kvos.memory.tier_plan`): the entries they name leave RAM (to
+        disk, or dropped), then the files they name are dropped; the dropped keys."""
         dropped: list[Hashable] = []
         if self._ram_cap is not None and self._ram_used > self._ram_cap:
-            for key in [key for key, e in self._entries.items() if e.kv is not None]:
-                if self._ram_used <= self._ram_cap:
-                    break
+            for key in ram_leavers(self._held(), self._ram_cap):
                 dropped += self._spill(key)
         if self._disk_cap is not None and self._disk_used > self._disk_cap:
-            for key in [key for key, e in self._entries.items() if e.path is not None]:
-                if self._disk_used <= self._disk_cap:
-                    break
+            for key in disk_leavers(self._held(), self._disk_cap):
                 dropped += self._drop(key, "dropped to keep disk under disk_bytes")
         return dropped
 

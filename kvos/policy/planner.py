@@ -8,7 +8,8 @@ budget), :func:`pressure_victim` (what goes next when the shared pool is at its 
 (:class:`kvos.session.memory.SessionMemory` with its :class:`~kvos.session.pager.Pager`) carries the plans
 out. Between sessions, on :class:`SessionView` records: :func:`cheapest_elsewhere` (another session's chunk
 to page out), :func:`plan_swaps` (whole sessions to swap out before a request's comes in) and
-:func:`stale_branches` (a client's branches to close); the server's registry carries those out.
+:func:`stale_branches` (a client's branches to close); the server's registry carries those out. Within
+a session's history: :func:`plan_truncate` (what a cut takes back), carried out by the session.
 
 What a plan never evicts: sinks, pinned chunks and the chunks the caller holds (the chunk being written or
 restored). Chunks recovered this turn (``Residency.protected``) go only when nothing else can.
@@ -249,3 +250,35 @@ def stale_branches(last_used: Mapping[str, float], keep: str, limit: int) -> lis
     if over <= 0:
         return []
     return sorted((k for k in last_used if k != keep), key=lambda k: last_used[k])[:over]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What :func:`plan_truncate` decided: the history's ``length`` after the cut, the resident chunk the
+    cut falls inside and how many of its tokens stay (``trim``: ``(chunk id, tokens kept)``, or None), and
+    the chunks that go whole (``discard``, the latest first)."""
+
+    length: int
+    trim: tuple[int, int] | None
+    discard: tuple[int, ...]
+
+
+def plan_truncate(chunks: Sequence[Chunk], length: int) -> Cut:
+    """How to cut a session's history (``chunks``, every chunk of it) to ``length`` tokens: when a client
+    re-sends a conversation that departs from the history, or a cancelled reply is taken back.
+
+    Every chunk that starts at or after ``length`` goes. A resident chunk the cut falls inside keeps its
+    first tokens (its K/V are in the pool, cut there); a chunk the cut falls inside that is not resident
+    goes whole (its saved K/V are one unit), and the length kept is then its start.
+    """
+    discard: list[int] = []
+    trim = None
+    for chunk in sorted(chunks, key=lambda c: c.original_start, reverse=True):
+        if chunk.original_end <= length:
+            break
+        if chunk.original_start < length and chunk.resident:
+            trim = (chunk.chunk_id, length - chunk.original_start)
+            break
+        length = min(length, chunk.original_start)
+        discard.append(chunk.chunk_id)
+    return Cut(length, trim, tuple(discard))

@@ -26,6 +26,7 @@ from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
+from kvos.policy.planner import plan_truncate
 from kvos.session.arbiter import PoolArbiter
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
@@ -349,29 +350,25 @@ class Session:
         return SyncResult(reused=common, decoded=len(prompt) - common)
 
     def truncate(self, length: int) -> int:
-        """Cut the logical history to ``length`` tokens; returns the length kept (shorter when the cut falls
-        inside a chunk that is not resident: that chunk goes whole)."""
-        for chunk in sorted(self.chunks.values(), key=lambda c: c.original_start, reverse=True):
-            if chunk.original_end <= length:
-                break
-            if chunk.original_start < length and chunk.resident:
-                keep = length - chunk.original_start
-                self.pager.truncate(chunk, keep)
-                chunk.token_ids, chunk.text = (
-                    chunk.token_ids[:keep],
-                    self.tokenizer.decode(chunk.token_ids[:keep]),
-                )
-                chunk.embedding = None  # of the tokens kept, when next needed
-                continue
-            length = min(length, chunk.original_start)
-            self.pager.discard(chunk)
-            self.memory.tracker.forget(chunk.chunk_id)
-            del self.chunks[chunk.chunk_id]
+        """Cut the logical history to ``length`` tokens as :func:`~kvos.policy.planner.plan_truncate`
+        plans it; returns the length kept (shorter when the cut falls inside a chunk that is not resident:
+        that chunk goes whole)."""
+        cut = plan_truncate(list(self.chunks.values()), length)
+        if cut.trim is not None:
+            chunk_id, keep = cut.trim
+            chunk = self.chunks[chunk_id]
+            self.pager.truncate(chunk, keep)
+            chunk.token_ids = chunk.token_ids[:keep]
+            chunk.text = self.tokenizer.decode(chunk.token_ids)
+            chunk.embedding = None  # of the tokens kept, when next needed
+        for chunk_id in cut.discard:
+            self.pager.discard(self.chunks.pop(chunk_id))
+            self.memory.tracker.forget(chunk_id)
         if self.config.position_mode == "compact":
             self.pager.compact()
-        self.history.tokens = length
-        self.memory.journal.log(self.history.turn, "truncate", tokens=length)
-        return length
+        self.history.tokens = cut.length
+        self.memory.journal.log(self.history.turn, "truncate", tokens=cut.length)
+        return cut.length
 
     def swap_out(self) -> None:
         """Page the whole session out to its store (kv_restore), freeing all its pool blocks."""

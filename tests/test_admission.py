@@ -18,7 +18,7 @@ from server_harness import MODEL_NAME, running_app
 
 from kvos.builtin import MODEL_DIR
 from kvos.engine.engine import Engine
-from kvos.engine.scheduler import Scheduler
+from kvos.engine.scheduler import Scheduler, admissible
 from kvos.errors import ConfigError, PoolOutOfMemoryError
 from kvos.memory.growth import GrowthPolicy
 from kvos.model.loader import load_model
@@ -67,6 +67,17 @@ def _until(engine: Engine, gate: threading.Event) -> bool:
             seq.drop_last(seq.num_tokens - 3)
     seq.release()
     return True
+
+
+def test_admission_starts_waiting_work_from_the_front_while_it_fits() -> None:
+    """The scheduler's admission plan (pure): arrival order, none overtakes, one always runs when nothing
+    is reserved, no cap admits all."""
+    assert admissible([4, 4, 4], reserved=0, capacity=10) == 2
+    assert admissible([4, 1, 1], reserved=6, capacity=10) == 1  # 4 fits (10); the next 1 would not
+    assert admissible([8, 1], reserved=4, capacity=10) == 0  # the 1 behind the 8 does not overtake it
+    assert admissible([30, 1], reserved=0, capacity=10) == 1  # above the cap alone: it still runs
+    assert admissible([30, 30, 30], reserved=99, capacity=None) == 3
+    assert admissible([], reserved=0, capacity=10) == 0
 
 
 def test_reservations_never_pass_the_cap_and_start_in_arrival_order(

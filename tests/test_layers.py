@@ -274,6 +274,7 @@ def _calls(name: str, receiver: str = "") -> dict[str, list[str]]:
         ("plan_truncate", {"kvos.session.session"}),  # ...or, for a cut history, by the session
         ("pager.evict", {"kvos.session.memory"}),  # the pager pages out what a plan names
         ("pager.discard", {"kvos.session.session"}),
+        ("admissible", {"kvos.engine.scheduler"}),  # which waiting requests start: the scheduler's plan
         ("ram_leavers", {"kvos.memory.store"}),  # a store's tiers: its plans, carried out by the store
         ("disk_leavers", {"kvos.memory.store"}),
     ],

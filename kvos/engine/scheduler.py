@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -45,6 +45,20 @@ from kvos.model.transformer import NO_STORE, KVStore, Transformer
 
 T = TypeVar("T")
 _log = logging.getLogger("kvos.scheduler")
+
+
+def admissible(waiting: Sequence[int], reserved: int, capacity: int | None) -> int:
+    """How many of the waiting works start now: ``waiting`` their block reservations in arrival order,
+    ``reserved`` the blocks the running work holds, ``capacity`` the pool's cap in blocks (None: none).
+    From the front while the reservations fit the cap, so none overtakes an earlier one; a work starts
+    whatever its size when nothing is reserved (a reservation above the cap still makes progress)."""
+    count = 0
+    for blocks in waiting:
+        if not (capacity is None or reserved == 0 or reserved + blocks <= capacity):
+            break
+        reserved += blocks
+        count += 1
+    return count
 
 
 class _Worker:
@@ -189,12 +203,14 @@ class Scheduler(Executor):
 
     def _fits(self, blocks: int) -> bool:
         """Whether ``blocks`` more fit beside the reservations now (under ``_mu``)."""
-        cap = self.capacity_blocks
-        return cap is None or self.reserved_blocks == 0 or self.reserved_blocks + blocks <= cap
+        return admissible([blocks], self.reserved_blocks, self.capacity_blocks) == 1
 
     def _start_fitting(self) -> None:
-        """Start waiting work from the front while it fits (under ``_mu``): none overtakes an earlier one."""
-        while self._waiting and self._fits(self._waiting[0][0]) and not self._closed:
+        """Start the waiting work :func:`admissible` admits (under ``_mu``)."""
+        if self._closed:
+            return
+        waiting = [blocks for blocks, _, _ in self._waiting]
+        for _ in range(admissible(waiting, self.reserved_blocks, self.capacity_blocks)):
             blocks, run, _ = self._waiting.popleft()
             self.reserved_blocks += blocks
             self.stats.max_reserved_blocks = max(self.stats.max_reserved_blocks, self.reserved_blocks)

@@ -76,9 +76,16 @@ def test_logits_match_transformers(model_dir: Path, kvos_model: Transformer, pro
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+# SmolLM2-135M is unsure of much: asked "What is the capital of France?" its float32 logits put "The" 0.08
+# above "L" (then "L'Étoile, la Marseillaise, ..."), so the answer turns on rounding: llama.cpp on this file,
+# and kvos with int8 activations when the prompt is prefilled in short slices, answer "L'Étoile". The
+# tests ask it the way it answers the same in every mode (docs/benchmarks.md: int8 activations).
+CAPITAL = "Name the capital of France."
+
+
 def test_generate_cli_answers_paris(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["generate", "--model", str(model_dir / FILE), "--chat", "--max-tokens", "24"]
-    assert main([*args, "--prompt", "What is the capital of France?"]) == 0
+    assert main([*args, "--prompt", CAPITAL]) == 0
     answer = capsys.readouterr().out
     assert "Paris" in answer, answer
 
@@ -92,7 +99,7 @@ def test_serve_answers_paris(model_dir: Path) -> None:
         client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model="kvos-test",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": CAPITAL}],
             max_tokens=16,
             temperature=0,
         )

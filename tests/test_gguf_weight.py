@@ -16,6 +16,7 @@ from gguf_files import encode
 
 import kvos.model.gguf_weight as gguf_weight
 from kvos.errors import ModelLoadError
+from kvos.model import activations
 from kvos.model.gguf_kernel import TYPE_IDS, portable_kernel
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import RowStack, fuse
@@ -38,7 +39,9 @@ def _reference(raw: np.ndarray, qtype: str) -> torch.Tensor:
 
 @pytest.fixture(params=["simd", "portable", "gguf"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The kernel as this CPU builds it, the same source built without intrinsics, or no kernel at all."""
+    """The kernel as this CPU builds it, the same source built without intrinsics, or no kernel at all; with
+    float32 activations (exact products; int8 activations: tests/test_int8_activations.py)."""
+    monkeypatch.setattr(activations, "MODE", "float32")
     module: Any = {"simd": gguf_weight.kernel(), "portable": portable_kernel(), "gguf": None}[request.param]
     if request.param != "gguf" and module is None:
         pytest.skip("the GGUF block kernel cannot be built here (no C++ compiler?)")
@@ -112,9 +115,10 @@ def test_memory_is_the_files() -> None:
         assert GGUFWeight.from_gguf(qtype, raw, (OUT, IN)).nbytes == raw.nbytes
 
 
-def test_mixed_types_fuse_into_a_row_stack() -> None:
-    """Q5_0 q/k beside a Q8_0 v (llama.cpp's Q4_K_M layout) stay quantized: a RowStack whose product and
-    rows are those of the float32 matrix the parts make together."""
+def test_mixed_types_fuse_into_a_row_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q5_0 q/k beside a Q8_0 v (llama.cpp's Q4_K_M layout) stay quantized: a RowStack whose product (float32
+    activations) and rows are those of the float32 matrix the parts make together."""
+    monkeypatch.setattr(activations, "MODE", "float32")
     q = GGUFWeight.from_gguf("Q5_0", _raw("Q5_0", 16, IN, 6), (16, IN))
     k = GGUFWeight.from_gguf("Q5_0", _raw("Q5_0", 8, IN, 7), (8, IN))
     v = QuantizedWeight.from_gguf("Q8_0", _raw("Q8_0", 8, IN, 8), (8, IN))

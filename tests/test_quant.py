@@ -22,6 +22,7 @@ from hf_models import build
 import kvos.model.quant as quant
 from kvos.engine.engine import Engine
 from kvos.errors import ModelLoadError
+from kvos.model import activations
 from kvos.model.gguf import load_gguf
 from kvos.model.linear import RowStack, fuse
 from kvos.model.quant import KEPT_TYPES, QuantizedWeight
@@ -37,7 +38,9 @@ SMOL = Path("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 @pytest.fixture(params=["kernel", "torch"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The compiled kernel, or the torch-ops fallback it replaces."""
+    """The compiled kernel with float32 activations (exact products of the weights' values; int8 activations
+    have tests of their own, tests/test_int8_activations.py), or the torch-ops fallback it replaces."""
+    monkeypatch.setattr(activations, "MODE", "float32")
     if request.param == "torch":
         monkeypatch.setattr(quant, "kernel", lambda: None)
     elif quant.kernel() is None:
@@ -141,9 +144,11 @@ def test_bad_rows_are_a_typed_error() -> None:
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
-def test_small_model_runs_quantized(qtype: str, tmp_path: Path) -> None:
-    """A tiny llama in a GGUF of ``qtype``: the default load keeps every matrix quantized and its logits
-    match the float32 load of the same file."""
+def test_small_model_runs_quantized(qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny llama in a GGUF of ``qtype``: the default load keeps every matrix quantized and, with float32
+    activations, its logits match the float32 load of the same file (the weights are the same values; int8
+    activations add their own rounding: tests/test_int8_activations.py)."""
+    monkeypatch.setattr(activations, "MODE", "float32")
     hf_dir = build("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512, num_hidden_layers=2)
     write_model(hf_dir, tmp_path / "m.gguf", "llama", qtype)
     kept, dense = load_gguf(tmp_path / "m.gguf"), load_gguf(tmp_path / "m.gguf", dtype="float32")

@@ -27,6 +27,7 @@ from kvos.bench.decode_llamacpp import bench_llamacpp
 from kvos.bench.decode_run import Run, run_kvos
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
+from kvos.model import activations
 from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
@@ -65,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="hf",
         help="the system kvos is compared with: transformers (default) or llama.cpp on a --model FILE.gguf",
     )
+    parser.add_argument(
+        "--activations",
+        default=activations.MODE,
+        help="how kvos's quantized products take their activations: int8, float32, or both "
+        "(int8,float32: a row each, run side by side); default: KVOS_ACTIVATIONS, else int8",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,8 +81,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    modes = activation_modes(args.activations)
     if args.peer == "llamacpp":
-        return _run_llamacpp_peer(args)
+        return _run_llamacpp_peer(args, modes)
+    if len(modes) > 1:
+        raise ConfigError("several --activations are compared with --peer llamacpp only")
+    activations.MODE = modes[0]
     try:
         import transformers  # noqa: F401  (a dev dependency)
     except ImportError as exc:
@@ -95,16 +106,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _run_llamacpp_peer(args: argparse.Namespace) -> dict[str, Any]:
+def activation_modes(text: str) -> list[activations.Mode]:
+    """``--activations``: one mode or a comma-separated list of them, each once."""
+    modes = [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m not in activations.MODES]
+    if bad or not modes or len(set(modes)) != len(modes):
+        choices = " and/or ".join(activations.MODES)
+        raise ConfigError(f"--activations takes {choices}, each once; got {text!r}")
+    return [m for mode in modes for m in activations.MODES if m == mode]
+
+
+def _run_llamacpp_peer(args: argparse.Namespace, modes: list[activations.Mode]) -> dict[str, Any]:
     """kvos vs llama.cpp on one GGUF file (:mod:`kvos.bench.decode_llamacpp`)."""
     if not args.model:
         raise ConfigError("--peer llamacpp needs --model FILE.gguf")
     threads = args.threads or torch.get_num_threads()
-    row = bench_llamacpp(Path(args.model), args.prompt_tokens, args.new_tokens, args.repeats, threads)
+    rows = bench_llamacpp(Path(args.model), args.prompt_tokens, args.new_tokens, args.repeats, threads, modes)
     result = header("decode", str(args.model))
     result["peer"] = "llamacpp"
-    result["rows"] = [row]
-    print_table([row], PEER_COLUMNS)
+    result["rows"] = rows
+    print_table(rows, PEER_COLUMNS)
     write_json(args.json, result)
     return result
 

@@ -6,14 +6,17 @@ file's EOS id masked, and the same clock stamps as the transformers comparison: 
 prompt_tokens / (first - start), decode tok/s = (new_tokens - 1) / (last - first). One warm-up each, then
 ``repeats`` runs alternating kvos, llama.cpp, ...; medians. ``*_rss_mb`` is the growth of this process's
 resident memory over loading that system and its warm-up run (llama.cpp's mapped file pages included, as
-they are resident). ``tokens_match`` compares the greedy tokens: the two compute differently (llama.cpp
-quantizes activations to 8 bits), so a divergence late in the run is expected, not a failure.
+they are resident). ``tokens_match`` compares the greedy tokens: the two compute differently (the order of
+sums, and with float32 activations kvos does not quantize them as llama.cpp does), so a divergence late in
+the run is expected, not a failure. With several activation modes (``--activations int8,float32``) each
+repeat runs kvos in every mode and then llama.cpp: a row per mode against the same llama.cpp runs.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +28,12 @@ from kvos.bench.decode_run import Run, run_kvos
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.memory.heap import release_free_heap
+from kvos.model import activations
 from kvos.model.loader import load_model
 
 COLUMNS = (
     "model",
+    "activations",
     "prompt_tokens",
     "new_tokens",
     "threads",
@@ -61,9 +66,15 @@ def rss_mb(settle: bool = False) -> float:
 
 
 def bench_llamacpp(
-    path: Path, prompt_tokens: int, new_tokens: int, repeats: int, threads: int
-) -> dict[str, Any]:
-    """One row: kvos vs llama.cpp on the GGUF file at ``path``."""
+    path: Path,
+    prompt_tokens: int,
+    new_tokens: int,
+    repeats: int,
+    threads: int,
+    modes: Sequence[activations.Mode] = ("int8",),
+) -> list[dict[str, Any]]:
+    """A row per activation mode of kvos (:mod:`kvos.model.activations`): kvos in that mode vs llama.cpp on
+    the GGUF file at ``path``; each repeat runs every mode of kvos, then llama.cpp."""
     try:
         from llama_cpp import Llama
     except ImportError as exc:
@@ -74,7 +85,8 @@ def bench_llamacpp(
     if path.suffix != ".gguf" or not path.is_file():
         raise ConfigError(f"--peer llamacpp needs --model FILE.gguf, got {path}")
     torch.set_num_threads(threads)
-    engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
+    with activations.using(modes[0]):
+        engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
     prompt = _prompt(engine.model.config.vocab_size, prompt_tokens)
     before = rss_mb(settle=True)
     llm = Llama(
@@ -87,14 +99,22 @@ def bench_llamacpp(
     )
     eos = [int(llm.token_eos())]
     _run_llamacpp(llm, prompt, new_tokens, eos)  # warm-up
-    llamacpp_rss = rss_mb() - before
-    kvos_runs: list[Run] = []
+    rss = (kvos_rss, rss_mb() - before)
+    kvos_runs: dict[str, list[Run]] = {mode: [] for mode in modes}
     peer_runs: list[Run] = []
     with torch.inference_mode():
+        for mode in modes[1:]:  # the first mode was warmed up at load
+            with activations.using(mode):
+                run_kvos(engine, prompt, new_tokens, [])
         for _ in range(repeats):  # side by side, alternating
-            kvos_runs.append(run_kvos(engine, prompt, new_tokens, eos))
+            for mode in modes:
+                with activations.using(mode):
+                    kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, eos))
             peer_runs.append(_run_llamacpp(llm, prompt, new_tokens, eos))
-    return _row(path, prompt_tokens, new_tokens, threads, kvos_runs, peer_runs, kvos_rss, llamacpp_rss)
+    return [
+        {"activations": mode, **_row(path, prompt_tokens, new_tokens, threads, runs, peer_runs, rss)}
+        for mode, runs in kvos_runs.items()
+    ]
 
 
 def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine, float]:
@@ -144,8 +164,7 @@ def _row(
     threads: int,
     kvos_runs: list[Any],
     peer_runs: list[Any],
-    kvos_rss: float,
-    llamacpp_rss: float,
+    rss: tuple[float, float],
 ) -> dict[str, Any]:
     kvos_tok_s = median([r.decode_tok_s() for r in kvos_runs])
     peer_tok_s = median([r.decode_tok_s() for r in peer_runs])
@@ -162,8 +181,8 @@ def _row(
         "kvos_prefill_tok_s": kvos_prefill,
         "llamacpp_prefill_tok_s": peer_prefill,
         "prefill_ratio": kvos_prefill / peer_prefill,
-        "kvos_rss_mb": kvos_rss,
-        "llamacpp_rss_mb": llamacpp_rss,
+        "kvos_rss_mb": rss[0],
+        "llamacpp_rss_mb": rss[1],
         "tokens_match": all(k.tokens == p.tokens for k, p in zip(kvos_runs, peer_runs, strict=True)),
         "repeats": len(kvos_runs),
     }

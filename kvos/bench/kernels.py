@@ -8,8 +8,9 @@ not from a warm cache. Contenders:
 
 - ``dense_f32``: the float32 matmul on the dequantized weights (kvos's ``--dtype float32`` path);
 - ``dequant_mm``: dequantize the whole Q4_1 matrix with torch ops, then the float32 matmul;
-- ``kvos_q4`` / ``kvos_q8``: :class:`QuantizedWeight` (Q4_1 / Q8_0): the packed-bytes kernel for
-  n <= ``SMALL_N``, float32 tiles + matmul above;
+- ``kvos_q4`` / ``kvos_q8``: :class:`QuantizedWeight` (Q4_1 / Q8_0): the packed-bytes kernel with float32
+  activations for n <= ``SMALL_N``, float32 tiles + matmul above; ``kvos_q4_i8`` / ``kvos_q8_i8``: the same
+  with the activations quantized to int8 blocks and integer products (:mod:`kvos.model.activations`);
 - ``torch_int4pack``: ``_weight_int4pack_mm_for_cpu`` with Q4_1 mapped exactly (scale d, zero m + 8d);
 - ``torch_int8pack``: ``_weight_int8pack_mm``, Q8_0 re-quantized per output channel (lossy).
 
@@ -28,6 +29,7 @@ import torch
 
 from kvos.bench.common import alternate, header, median, print_table, write_json
 from kvos.errors import ConfigError
+from kvos.model import activations
 from kvos.model.quant import GROUP, QuantizedWeight
 
 SHAPES = {  # name: (in, out), SmolLM2-135M (hidden 576, 9 + 3 + 3 heads of 64, intermediate 1536)
@@ -79,8 +81,10 @@ def _contenders(in_features: int, out_features: int) -> dict[str, tuple[list[Pro
     return {
         "dense_f32": ([_dense(w4) for _ in range(copies)], w4),
         "dequant_mm": ([_dequant_mm(_clone(q4)) for _ in range(copies)], w4),
-        "kvos_q4": ([_clone(q4).mm for _ in range(copies)], w4),
-        "kvos_q8": ([_clone(q8).mm for _ in range(copies)], w8),
+        "kvos_q4": ([_in_mode(_clone(q4).mm, "float32") for _ in range(copies)], w4),
+        "kvos_q4_i8": ([_in_mode(_clone(q4).mm, "int8") for _ in range(copies)], w4),
+        "kvos_q8": ([_in_mode(_clone(q8).mm, "float32") for _ in range(copies)], w8),
+        "kvos_q8_i8": ([_in_mode(_clone(q8).mm, "int8") for _ in range(copies)], w8),
         "torch_int4pack": ([_int4pack(q4) for _ in range(copies)], w4),
         "torch_int8pack": ([_int8pack(w8) for _ in range(copies)], w8),
     }
@@ -131,6 +135,16 @@ def _quantized(values: np.ndarray, qtype: str) -> QuantizedWeight:
 
 def _clone(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(w.q.clone(), w.scale.clone(), None if w.min is None else w.min.clone())
+
+
+def _in_mode(product: Product, mode: activations.Mode) -> Product:
+    """``product`` with its activations as ``mode`` says (int8 blocks or float32; a microsecond a call)."""
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        with activations.using(mode):
+            return product(x)
+
+    return call
 
 
 def _dense(w: torch.Tensor) -> Product:

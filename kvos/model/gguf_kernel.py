@@ -44,12 +44,16 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVOS_PORTABLE)
 #include <immintrin.h>
 #define KVOS_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVOS_VNNI 1  // one instruction for the four-byte dot products of int8 activations
+#endif
 #endif
 
 enum Type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS };
@@ -447,6 +451,126 @@ static inline void tile(const float* x, const float* xsum, int64_t K, const uint
 #endif
 }
 
+// Activations as llama.cpp's Q8_0 blocks: for each 32 values d = max|x| / 127 and q = x * (1 / d) rounded
+// to the nearest (ties to even), so that x ~ d * q; hsum[2b + h] = d * the sum of half h's q (for the mins).
+static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d, float* hsum) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < 32; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    // a NaN or an infinity makes the block's scale NaN (its products NaN, as in float32), its q zero
+    const float scale = finite ? amax / 127.0f : std::nanf("");
+    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
+    int32_t sum[2] = {0, 0};
+    for (int j = 0; j < 32; ++j) {
+      const int v = finite ? static_cast<int>(std::nearbyint(xb[j] * inv)) : 0;
+      q[b * 32 + j] = static_cast<int8_t>(v);
+      sum[j / 16] += v;
+    }
+    d[b] = scale;
+    hsum[2 * b] = scale * static_cast<float>(sum[0]);
+    hsum[2 * b + 1] = scale * static_cast<float>(sum[1]);
+  }
+}
+
+#if KVOS_AVX2
+// Dot products of 32 unsigned bytes u with 32 signed bytes s, four at a time: int32 [8] (lanes 0-3 are
+// bytes 0-15, lanes 4-7 bytes 16-31).
+static inline __m256i dot4(__m256i u, __m256i s) {
+#if KVOS_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // no saturation: |u| <= 128, |s| <= 127
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// total[i] = x_i . w_r for the R (<= 4) rows of quantized x (xq int8 [R, K], xd [R, groups], xh
+// [R, groups, 2]): per half-group the integer dot product of the weights' q with x's, scaled by both
+// scales, plus the mins.
+template <int T, int R>
+static inline void tile_i8(const int8_t* xq, const float* xd, const float* xh, int64_t K, const uint8_t* wr,
+                           float* total) {
+  constexpr int per = static_cast<int>(Layout<T>::VALUES / 32);
+  const int64_t groups = K / 32;
+  Group G[per];
+  for (int j = 0; j < per; ++j) G[j].m[0] = G[j].m[1] = 0.0f;
+  float mins[R];
+  for (int i = 0; i < R; ++i) mins[i] = 0.0f;
+#if KVOS_AVX2
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+#else
+  float acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+#endif
+  for (int64_t g0 = 0; g0 < groups; g0 += per) {
+    decode_block<T>(wr + (g0 / per) * Layout<T>::BYTES, G);
+    for (int j = 0; j < per; ++j) {
+      const Group& Gj = G[j];
+      const int64_t g = g0 + j;
+#if KVOS_AVX2
+      const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(Gj.q));
+      const __m256i u = _mm256_sign_epi8(w, w);  // |w|; x takes w's sign
+      const __m256 sw = _mm256_setr_m128(_mm_set1_ps(Gj.s[0]), _mm_set1_ps(Gj.s[1]));
+#endif
+      for (int i = 0; i < R; ++i) {
+        const int64_t b = i * groups + g;
+#if KVOS_AVX2
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+        const __m256i x = _mm256_sign_epi8(xb, w);
+        const __m256 p = _mm256_cvtepi32_ps(dot4(u, x));
+        acc[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(sw, _mm256_set1_ps(xd[b])), acc[i]);
+#else
+        int32_t a = 0, c = 0;
+        for (int l = 0; l < 16; ++l) {
+          a += Gj.q[l] * xq[b * 32 + l];
+          c += Gj.q[l + 16] * xq[b * 32 + l + 16];
+        }
+        acc[i] += static_cast<float>(a) * (Gj.s[0] * xd[b]) + static_cast<float>(c) * (Gj.s[1] * xd[b]);
+#endif
+        if (Layout<T>::MIN) mins[i] += Gj.m[0] * xh[2 * b] + Gj.m[1] * xh[2 * b + 1];
+      }
+    }
+  }
+#if KVOS_AVX2
+  for (int i = 0; i < R; ++i) total[i] = hsum256(acc[i]) + mins[i];
+#else
+  for (int i = 0; i < R; ++i) total[i] = acc[i] + mins[i];
+#endif
+}
+
+// out[:, r0:r1] for every row of quantized x, four rows of x at a time.
+template <int T>
+static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64_t n, int64_t K,
+                       const uint8_t* w, int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1,
+                       bool add) {
+  const int64_t groups = K / 32;
+  float total[4];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    for (int64_t i0 = 0; i0 < n; i0 += 4) {
+      const int64_t t = std::min<int64_t>(4, n - i0), o = i0 * groups;
+      switch (t) {
+        case 1: tile_i8<T, 1>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
+        case 2: tile_i8<T, 2>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
+        case 3: tile_i8<T, 3>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
+        default: tile_i8<T, 4>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
+      }
+      for (int64_t i = 0; i < t; ++i) {
+        float* dst = out + (i0 + i) * N + r;
+        *dst = add ? *dst + total[i] : total[i];
+      }
+    }
+  }
+}
+
 // out[:, r0:r1] for every row of x, four rows of x at a time.
 template <int T>
 static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, const uint8_t* w,
@@ -543,6 +667,30 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c
   return out;
 }
 
+// As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp
+// computes for these weights.
+torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c) {
+  const int64_t n = x.size(0), K = x.size(1), N = w.size(0), groups = K / 32;
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "w must be contiguous uint8");
+  int64_t rb = 0;
+  KVOS_DISPATCH(type, rb = row_bytes_of<T>(K));
+  TORCH_CHECK(w.size(1) == rb, "x's columns do not match the weight's rows");
+  const bool add = c.numel() > 0;
+  TORCH_CHECK(!add || (c.is_contiguous() && c.scalar_type() == torch::kFloat32 && c.size(0) == n &&
+                       c.size(1) == N), "c must be contiguous float32 [n, N]");
+  auto out = add ? c.clone() : torch::empty({n, N}, x.options());
+  std::vector<int8_t> xq(n * K);
+  std::vector<float> xd(n * groups), xh(n * groups * 2);
+  quantize_blocks(x.data_ptr<float>(), n * groups, xq.data(), xd.data(), xh.data());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    KVOS_DISPATCH(type, mm_rows_i8<T>(xq.data(), xd.data(), xh.data(), n, K, wp, rb, op, N, r0, r1, add));
+  });
+  return out;
+}
+
 // The rows of w as float32 [N, K].
 torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "w must be contiguous uint8");
@@ -560,16 +708,16 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
 }
 """
 
+FUNCTIONS = ["mm", "mm_i8", "dequantize"]
+
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_gguf_v2", _SOURCE, ["mm", "dequantize"], ["-O3", "-march=native"], "gguf.quants")
+    return build("kvos_gguf_v2", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "gguf.quants")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA/F16C), for tests."""
-    return build(
-        "kvos_gguf_portable_v2", _SOURCE, ["mm", "dequantize"], ["-O3", "-DKVOS_PORTABLE"], "gguf.quants"
-    )
+    return build("kvos_gguf_portable_v2", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvos.errors import ModelLoadError
+from kvos.model import activations
 from kvos.model.gguf_kernel import TYPE_IDS, kernel
 
 SMALL_N = 32  # activation rows up to which the block kernel runs; more go through float32 tiles
@@ -94,18 +95,21 @@ class GGUFWeight:
             raise ValueError("a quantized weight selects rows only (dim 0)")
         return self._rows(self.raw.index_select(0, index.to(self.device)))
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, int8: bool | None = None) -> torch.Tensor:
         """x [n, in] -> x @ W.T [n, out], float32 (x is cast to float32 first), then back to x's dtype."""
-        return self.addmm(None, x)
+        return self.addmm(None, x, int8)
 
-    def addmm(self, c: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T, computed in float32, as x's dtype."""
+    def addmm(self, c: torch.Tensor | None, x: torch.Tensor, int8: bool | None = None) -> torch.Tensor:
+        """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T, computed in float32, as x's dtype.
+        ``int8``: whether a small product quantizes ``x`` to int8 blocks (:mod:`kvos.model.activations`;
+        None: the mode in force)."""
         xf = x.float().contiguous()
         k = kernel()
         if k is not None and xf.shape[0] <= SMALL_N and xf.device.type == "cpu":
             fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
             add = c.contiguous() if fused and c is not None else _EMPTY
-            out = k.mm(xf, self.raw, TYPE_IDS[self.qtype], add)
+            product = k.mm_i8 if (activations.int8() if int8 is None else int8) else k.mm
+            out = product(xf, self.raw, TYPE_IDS[self.qtype], add)
             if c is not None and not fused:
                 out += c
         else:

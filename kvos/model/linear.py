@@ -68,13 +68,13 @@ class RowStack:
             start = end
         return out
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, in] -> x @ W.T [n, out]."""
-        return torch.cat([p.mm(x) for p in self.parts], dim=1)
+    def mm(self, x: torch.Tensor, int8: bool | None = None) -> torch.Tensor:
+        """x [n, in] -> x @ W.T [n, out] (``int8``: as the parts' products take it)."""
+        return torch.cat([p.mm(x, int8) for p in self.parts], dim=1)
 
-    def addmm(self, c: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    def addmm(self, c: torch.Tensor | None, x: torch.Tensor, int8: bool | None = None) -> torch.Tensor:
         """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T."""
-        out = self.mm(x)
+        out = self.mm(x, int8)
         return out if c is None else out + c
 
 
@@ -153,5 +153,10 @@ def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
 
 def logits(hidden: torch.Tensor, head: Weight) -> torch.Tensor:
     """hidden [n, hidden] @ head [vocab, hidden].T -> float32 logits [n, vocab] (the head is kept as torch
-    lays it out, [vocab, hidden]: usually it is the embedding table itself)."""
-    return matmul(hidden, head).float()
+    lays it out, [vocab, hidden]: usually it is the embedding table itself). A quantized head takes its
+    activations in float32 whatever the mode (:mod:`kvos.model.activations`): the next token is chosen
+    there, and int8 activations in the head alone turn SmolLM2 Q4_1's greedy answer to "What is the capital
+    of France?" from Paris into llama.cpp's wrong one."""
+    if isinstance(head, torch.Tensor):
+        return _dense(None, hidden, head).float()
+    return head.mm(hidden, int8=False).float()

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvos.errors import ModelLoadError
+from kvos.model import activations
 from kvos.model.quant_kernel import kernel
 
 GROUP = 32
@@ -121,19 +122,22 @@ class QuantizedWeight:
         mins = None if self.min is None else self.min.index_select(0, index)
         return self._rows(self.q.index_select(0, index), self.scale.index_select(0, index), mins)
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, int8: bool | None = None) -> torch.Tensor:
         """x [n, in] -> x @ W.T [n, out], float32 (x is cast to float32 first), then back to x's dtype."""
-        return self.addmm(None, x)
+        return self.addmm(None, x, int8)
 
-    def addmm(self, c: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T, computed in float32, as x's dtype."""
+    def addmm(self, c: torch.Tensor | None, x: torch.Tensor, int8: bool | None = None) -> torch.Tensor:
+        """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T, computed in float32, as x's dtype.
+        ``int8``: whether a small product quantizes ``x`` to int8 blocks (:mod:`kvos.model.activations`;
+        None: the mode in force)."""
         xf = x.float().contiguous()
         k = kernel()
         if k is not None and xf.shape[0] <= SMALL_N and xf.device.type == "cpu":
             fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
             add = c.contiguous() if fused and c is not None else _EMPTY
             mins = _EMPTY if self.min is None else self.min
-            out = k.mm(xf, self.q, self.scale, mins, self.min is not None, add)
+            product = k.mm_i8 if (activations.int8() if int8 is None else int8) else k.mm
+            out = product(xf, self.q, self.scale, mins, self.min is not None, add)
             if c is not None and not fused:
                 out += c
         else:

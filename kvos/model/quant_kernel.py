@@ -29,12 +29,20 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(KVOS_PORTABLE)
+#elif defined(__AVX512F__)
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVOS_AVX2 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVOS_PORTABLE)
+#define KVOS_I8 1  // integer products of int8 activations (AVX2; AVX-512 CPUs have it too)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVOS_VNNI 1  // one instruction for the four-byte dot products
+#endif
 #endif
 
 constexpr int64_t GROUP = 32;
@@ -210,6 +218,167 @@ static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, con
                   scale + r * groups, Q4 ? mins + r * groups : nullptr, out + i0 * N + r, N, add);
 }
 
+// Activations as llama.cpp's Q8_0 blocks: for each 32 values d = max|x| / 127 and q = x * (1 / d) rounded
+// to the nearest (ties to even), so that x ~ d * q; qsum = d * sum(q), each block's sum of what q stands for.
+static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d, float* qsum) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * GROUP;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    // a NaN or an infinity makes the block's scale NaN (its products NaN, as in float32), its q zero
+    const float scale = finite ? amax / 127.0f : std::nanf("");
+    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
+    int32_t sum = 0;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      const int v = finite ? static_cast<int>(std::nearbyint(xb[j] * inv)) : 0;
+      q[b * GROUP + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = scale;
+    qsum[b] = scale * static_cast<float>(sum);
+  }
+}
+
+#if KVOS_I8
+// Dot products of 32 unsigned bytes u with 32 signed bytes s, four at a time: int32 [8].
+static inline __m256i dot4(__m256i u, __m256i s) {
+#if KVOS_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // no saturation: |u| <= 128, |s| <= 127
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// total[i] = x_i . w_r for T rows of quantized x (xq int8 [T, K], xd and xs [T, groups]): per group the
+// integer dot product of the weights' q with x's, scaled by both scales, plus min * xs for q4.
+template <bool Q4, int T>
+static inline void tile_i8(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wr,
+                           const float* sr, const float* mr, float* total) {
+  const int64_t groups = K / GROUP, group_bytes = Q4 ? 16 : 32;
+  float mins[T];
+  for (int i = 0; i < T; ++i) mins[i] = 0.0f;
+#if KVOS_I8
+  __m256 acc[T];
+  for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i u, w = _mm256_setzero_si256();
+    if (Q4) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16));
+      const __m128i m = _mm_set1_epi8(0x0F);
+      u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    } else {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + g * 32));
+      u = _mm256_sign_epi8(w, w);  // |w| (-128 reads as 128 unsigned); x takes w's sign below
+    }
+    for (int i = 0; i < T; ++i) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (i * groups + g) * GROUP));
+      if (!Q4) x = _mm256_sign_epi8(x, w);
+      const __m256 p = _mm256_cvtepi32_ps(dot4(u, x));
+      acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(sr[g] * xd[i * groups + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < T; ++i) total[i] = hsum8(acc[i]);
+#else
+  for (int i = 0; i < T; ++i) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* w = wr + g * group_bytes;
+      const int8_t* x = xq + (i * groups + g) * GROUP;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < 16; ++j) {
+        const int32_t a = Q4 ? (w[j] & 0x0F) : int8_t(w[j]);
+        const int32_t b = Q4 ? (w[j] >> 4) : int8_t(w[j + 16]);
+        dot += a * x[j] + b * x[j + 16];
+      }
+      acc += static_cast<float>(dot) * (sr[g] * xd[i * groups + g]);
+    }
+    total[i] = acc;
+  }
+#endif
+  if (Q4)
+    for (int i = 0; i < T; ++i)
+      for (int64_t g = 0; g < groups; ++g) mins[i] += mr[g] * xs[i * groups + g];
+  for (int i = 0; i < T; ++i) total[i] += mins[i];
+}
+
+// out[:, r0:r1] from quantized x, four rows of x at a time.
+template <bool Q4>
+static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xs, int64_t n, int64_t K,
+                       const uint8_t* w, const float* scale, const float* mins, float* out, int64_t N,
+                       int64_t r0, int64_t r1, bool add) {
+  const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
+  float total[4];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    const float* sr = scale + r * groups;
+    const float* mr = Q4 ? mins + r * groups : nullptr;
+    for (int64_t i0 = 0; i0 < n; i0 += 4) {
+      const int64_t t = std::min<int64_t>(4, n - i0), o = i0 * groups;
+      switch (t) {
+        case 1: tile_i8<Q4, 1>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
+        case 2: tile_i8<Q4, 2>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
+        case 3: tile_i8<Q4, 3>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
+        default: tile_i8<Q4, 4>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
+      }
+      for (int64_t i = 0; i < t; ++i) {
+        float* dst = out + (i0 + i) * N + r;
+        *dst = add ? *dst + total[i] : total[i];
+      }
+    }
+  }
+}
+
+// As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp
+// computes for these weights. c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32.
+torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
+                    torch::Tensor c) {
+  const int64_t n = x.size(0), K = x.size(1), N = scale.size(0), groups = K / GROUP;
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
+  TORCH_CHECK(K % GROUP == 0 && scale.size(1) == groups, "x's columns do not match the weight");
+  const bool add = c.numel() > 0;
+  TORCH_CHECK(!add || (c.is_contiguous() && c.scalar_type() == torch::kFloat32 && c.size(0) == n &&
+                       c.size(1) == N), "c must be contiguous float32 [n, N]");
+  auto out = add ? c.clone() : torch::empty({n, N}, x.options());
+  std::vector<int8_t> xq(n * K);
+  std::vector<float> xd(n * groups), xs(n * groups);
+  quantize_blocks(x.data_ptr<float>(), n * groups, xq.data(), xd.data(), xs.data());
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const float* scp = scale.data_ptr<float>();
+  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    if (q4) mm_rows_i8<true>(xq.data(), xd.data(), xs.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
+    else mm_rows_i8<false>(xq.data(), xd.data(), xs.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
+  });
+  return out;
+}
+
+// The activations' int8 blocks as mm_i8 makes them: (q int8 [n, K], d float32 [n, K / 32]).
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % GROUP == 0,
+              "x must be contiguous float32 [n, K], K a multiple of 32");
+  const int64_t n = x.size(0), groups = x.size(1) / GROUP;
+  auto q = torch::empty({n, x.size(1)}, torch::dtype(torch::kInt8));
+  auto d = torch::empty({n, groups}, torch::dtype(torch::kFloat32));
+  std::vector<float> xs(n * groups);
+  quantize_blocks(x.data_ptr<float>(), n * groups, q.data_ptr<int8_t>(), d.data_ptr<float>(), xs.data());
+  return {q, d};
+}
+
 // c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32; mins is empty for q8.
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
                  torch::Tensor c) {
@@ -266,8 +435,16 @@ torch::Tensor dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor min
 }
 """
 
+FUNCTIONS = ["mm", "mm_i8", "quantize_activations", "dequantize"]
+
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_quant_v3", _SOURCE, ["mm", "dequantize"], ["-O3", "-march=native"], "torch ops")
+    return build("kvos_quant_v3", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "torch ops")
+
+
+@functools.cache
+def portable_kernel() -> Any | None:
+    """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
+    return build("kvos_quant_portable_v3", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

@@ -1,0 +1,58 @@
+"""How a decode step's activations meet weights kept quantized: as int8 blocks (the default) or as float32.
+
+``int8``: each row of activations is quantized per 32 values as llama.cpp's Q8_0 (``d = max|x| / 127``,
+``q = round(x / d)``) and multiplied with the weights' own small integers in integer SIMD (``maddubs`` and
+``madd`` on AVX2, ``vpdpbusd`` where AVX512-VNNI is present), each group's sum scaled once by both scales:
+what llama.cpp computes for these weights. ``float32``: the weights' integers are widened to float and
+multiplied with the activations as they are (exact products of the dequantized weights, slower). Only the
+products of up to ``SMALL_N`` activation rows (decode, batched decode, short prefill slices) have two modes;
+longer prefills dequantize tiles and call the float32 matmul either way. The output head always takes
+float32 activations (:func:`kvos.model.linear.logits`): the next token is chosen there, and it is where
+int8 activations changed answers (SmolLM2 Q4_1, as in llama.cpp).
+
+Chosen once per process from ``KVOS_ACTIVATIONS`` (``int8`` or ``float32``); :func:`using` sets it for a
+block.
+The difference, measured on 2,000 tokens, is in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+from kvos.errors import ConfigError
+
+Mode = Literal["int8", "float32"]
+MODES: tuple[Mode, ...] = ("int8", "float32")
+
+
+def mode_from_environment() -> Mode:
+    """``KVOS_ACTIVATIONS``, ``int8`` when unset; ConfigError for another value."""
+    value = os.environ.get("KVOS_ACTIVATIONS", "int8")
+    for mode in MODES:
+        if value == mode:
+            return mode
+    raise ConfigError(f"KVOS_ACTIVATIONS must be one of {', '.join(MODES)}, got {value!r}")
+
+
+MODE: Mode = mode_from_environment()
+
+
+def int8() -> bool:
+    """Whether the small products quantize their activations to int8 (see the module docstring)."""
+    return MODE == "int8"
+
+
+@contextmanager
+def using(mode: Mode) -> Iterator[None]:
+    """Run the block with ``mode`` in force (benchmarks set both modes in one process), then restore it."""
+    global MODE
+    if mode not in MODES:
+        raise ConfigError(f"activations must be one of {', '.join(MODES)}, got {mode!r}")
+    before, MODE = MODE, mode
+    try:
+        yield
+    finally:
+        MODE = before

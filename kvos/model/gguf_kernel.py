@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 from kvos.extensions import build
+from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
 
 TYPE_IDS = {
     "Q4_0": 0,
@@ -39,7 +40,8 @@ TYPE_IDS = {
     "IQ4_XS": 11,
 }
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -51,9 +53,7 @@ _SOURCE = r"""
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVOS_PORTABLE)
 #include <immintrin.h>
 #define KVOS_AVX2 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KVOS_VNNI 1  // one instruction for the four-byte dot products of int8 activations
-#endif
+#define KVOS_INT8_SIMD 1  // integer products of int8 activations (kvos/model/int8_blocks.py)
 #endif
 
 enum Type { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS };
@@ -451,45 +451,9 @@ static inline void tile(const float* x, const float* xsum, int64_t K, const uint
 #endif
 }
 
-// Activations as llama.cpp's Q8_0 blocks: for each 32 values d = max|x| / 127 and q = x * (1 / d) rounded
-// to the nearest (ties to even), so that x ~ d * q; hsum[2b + h] = d * the sum of half h's q (for the mins).
-static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d, float* hsum) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * 32;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int64_t j = 0; j < 32; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      finite = finite && std::isfinite(xb[j]);
-    }
-    // a NaN or an infinity makes the block's scale NaN (its products NaN, as in float32), its q zero
-    const float scale = finite ? amax / 127.0f : std::nanf("");
-    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
-    int32_t sum[2] = {0, 0};
-    for (int j = 0; j < 32; ++j) {
-      const int v = finite ? static_cast<int>(std::nearbyint(xb[j] * inv)) : 0;
-      q[b * 32 + j] = static_cast<int8_t>(v);
-      sum[j / 16] += v;
-    }
-    d[b] = scale;
-    hsum[2 * b] = scale * static_cast<float>(sum[0]);
-    hsum[2 * b + 1] = scale * static_cast<float>(sum[1]);
-  }
-}
-
-#if KVOS_AVX2
-// Dot products of 32 unsigned bytes u with 32 signed bytes s, four at a time: int32 [8] (lanes 0-3 are
-// bytes 0-15, lanes 4-7 bytes 16-31).
-static inline __m256i dot4(__m256i u, __m256i s) {
-#if KVOS_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  // no saturation: |u| <= 128, |s| <= 127
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-#endif
+"""
+    + INT8_BLOCKS
+    + r"""
 
 // total[i] = x_i . w_r for the R (<= 4) rows of quantized x (xq int8 [R, K], xd [R, groups], xh
 // [R, groups, 2]): per half-group the integer dot product of the weights' q with x's, scaled by both
@@ -707,6 +671,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
   return out;
 }
 """
+)
 
 FUNCTIONS = ["mm", "mm_i8", "dequantize"]
 

@@ -23,8 +23,10 @@ import functools
 from typing import Any
 
 from kvos.extensions import build
+from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
@@ -39,10 +41,7 @@ _SOURCE = r"""
 #define KVOS_AVX2 1
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(KVOS_PORTABLE)
-#define KVOS_I8 1  // integer products of int8 activations (AVX2; AVX-512 CPUs have it too)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KVOS_VNNI 1  // one instruction for the four-byte dot products
-#endif
+#define KVOS_INT8_SIMD 1  // integer products of int8 activations (AVX2; AVX-512 CPUs have it too)
 #endif
 
 constexpr int64_t GROUP = 32;
@@ -218,43 +217,11 @@ static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, con
                   scale + r * groups, Q4 ? mins + r * groups : nullptr, out + i0 * N + r, N, add);
 }
 
-// Activations as llama.cpp's Q8_0 blocks: for each 32 values d = max|x| / 127 and q = x * (1 / d) rounded
-// to the nearest (ties to even), so that x ~ d * q; qsum = d * sum(q), each block's sum of what q stands for.
-static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d, float* qsum) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * GROUP;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int64_t j = 0; j < GROUP; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      finite = finite && std::isfinite(xb[j]);
-    }
-    // a NaN or an infinity makes the block's scale NaN (its products NaN, as in float32), its q zero
-    const float scale = finite ? amax / 127.0f : std::nanf("");
-    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
-    int32_t sum = 0;
-    for (int64_t j = 0; j < GROUP; ++j) {
-      const int v = finite ? static_cast<int>(std::nearbyint(xb[j] * inv)) : 0;
-      q[b * GROUP + j] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[b] = scale;
-    qsum[b] = scale * static_cast<float>(sum);
-  }
-}
+"""
+    + INT8_BLOCKS
+    + r"""
 
-#if KVOS_I8
-// Dot products of 32 unsigned bytes u with 32 signed bytes s, four at a time: int32 [8].
-static inline __m256i dot4(__m256i u, __m256i s) {
-#if KVOS_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  // no saturation: |u| <= 128, |s| <= 127
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
+#if KVOS_INT8_SIMD
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -263,15 +230,15 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-// total[i] = x_i . w_r for T rows of quantized x (xq int8 [T, K], xd and xs [T, groups]): per group the
-// integer dot product of the weights' q with x's, scaled by both scales, plus min * xs for q4.
+// total[i] = x_i . w_r for T rows of quantized x (xq int8 [T, K], xd [T, groups], xh [T, groups, 2]): per
+// group the integer dot product of the weights' q with x's, scaled by both scales, plus min * (xh's halves).
 template <bool Q4, int T>
-static inline void tile_i8(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wr,
+static inline void tile_i8(const int8_t* xq, const float* xd, const float* xh, int64_t K, const uint8_t* wr,
                            const float* sr, const float* mr, float* total) {
   const int64_t groups = K / GROUP, group_bytes = Q4 ? 16 : 32;
   float mins[T];
   for (int i = 0; i < T; ++i) mins[i] = 0.0f;
-#if KVOS_I8
+#if KVOS_INT8_SIMD
   __m256 acc[T];
   for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -311,13 +278,16 @@ static inline void tile_i8(const int8_t* xq, const float* xd, const float* xs, i
 #endif
   if (Q4)
     for (int i = 0; i < T; ++i)
-      for (int64_t g = 0; g < groups; ++g) mins[i] += mr[g] * xs[i * groups + g];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* h = xh + 2 * (i * groups + g);
+        mins[i] += mr[g] * (h[0] + h[1]);
+      }
   for (int i = 0; i < T; ++i) total[i] += mins[i];
 }
 
 // out[:, r0:r1] from quantized x, four rows of x at a time.
 template <bool Q4>
-static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xs, int64_t n, int64_t K,
+static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64_t n, int64_t K,
                        const uint8_t* w, const float* scale, const float* mins, float* out, int64_t N,
                        int64_t r0, int64_t r1, bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
@@ -329,10 +299,10 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xs, int64
     for (int64_t i0 = 0; i0 < n; i0 += 4) {
       const int64_t t = std::min<int64_t>(4, n - i0), o = i0 * groups;
       switch (t) {
-        case 1: tile_i8<Q4, 1>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
-        case 2: tile_i8<Q4, 2>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
-        case 3: tile_i8<Q4, 3>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
-        default: tile_i8<Q4, 4>(xq + o * GROUP, xd + o, xs + o, K, wr, sr, mr, total); break;
+        case 1: tile_i8<Q4, 1>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
+        case 2: tile_i8<Q4, 2>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
+        case 3: tile_i8<Q4, 3>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
+        default: tile_i8<Q4, 4>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
       }
       for (int64_t i = 0; i < t; ++i) {
         float* dst = out + (i0 + i) * N + r;
@@ -354,15 +324,15 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch
                        c.size(1) == N), "c must be contiguous float32 [n, N]");
   auto out = add ? c.clone() : torch::empty({n, N}, x.options());
   std::vector<int8_t> xq(n * K);
-  std::vector<float> xd(n * groups), xs(n * groups);
-  quantize_blocks(x.data_ptr<float>(), n * groups, xq.data(), xd.data(), xs.data());
+  std::vector<float> xd(n * groups), xh(n * groups * 2);
+  quantize_blocks(x.data_ptr<float>(), n * groups, xq.data(), xd.data(), xh.data());
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const float* scp = scale.data_ptr<float>();
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    if (q4) mm_rows_i8<true>(xq.data(), xd.data(), xs.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
-    else mm_rows_i8<false>(xq.data(), xd.data(), xs.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
+    if (q4) mm_rows_i8<true>(xq.data(), xd.data(), xh.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
+    else mm_rows_i8<false>(xq.data(), xd.data(), xh.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
   });
   return out;
 }
@@ -374,8 +344,8 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   const int64_t n = x.size(0), groups = x.size(1) / GROUP;
   auto q = torch::empty({n, x.size(1)}, torch::dtype(torch::kInt8));
   auto d = torch::empty({n, groups}, torch::dtype(torch::kFloat32));
-  std::vector<float> xs(n * groups);
-  quantize_blocks(x.data_ptr<float>(), n * groups, q.data_ptr<int8_t>(), d.data_ptr<float>(), xs.data());
+  std::vector<float> xh(n * groups * 2);
+  quantize_blocks(x.data_ptr<float>(), n * groups, q.data_ptr<int8_t>(), d.data_ptr<float>(), xh.data());
   return {q, d};
 }
 
@@ -434,6 +404,7 @@ torch::Tensor dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor min
   return out;
 }
 """
+)
 
 FUNCTIONS = ["mm", "mm_i8", "quantize_activations", "dequantize"]
 

@@ -1,0 +1,54 @@
+"""The C++ both quantized-weight kernels share for int8 activations (:mod:`kvos.model.activations`).
+
+``SOURCE`` defines ``quantize_blocks`` (activation rows to llama.cpp's Q8_0 blocks: for each 32 values
+``d = max|x| / 127`` and ``q = round(x * (1 / d))``, ties to even, with ``d * sum(q)`` for each half of 16,
+what a weight's min multiplies) and, where the including kernel defines ``KVOS_INT8_SIMD`` (AVX2; then
+``<immintrin.h>`` is included), ``dot4``: the dot products of 32 unsigned with 32 signed bytes, four at a
+time (``maddubs`` + ``madd``, or one ``vpdpbusd`` with AVX512-VNNI). :mod:`kvos.model.quant_kernel` and
+:mod:`kvos.model.gguf_kernel` put it into their sources, so both quantize activations the same way.
+"""
+
+SOURCE = r"""
+#if KVOS_INT8_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVOS_VNNI 1  // one instruction for the four-byte dot products
+#endif
+
+// x [blocks * 32] to q int8 [blocks * 32], d [blocks] and hsum [blocks * 2] (see kvos/model/int8_blocks.py).
+// A NaN or an infinity makes its block's scale NaN (its products NaN, as in float32) and its q zero.
+static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d, float* hsum) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int j = 0; j < 32; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    const float scale = finite ? amax / 127.0f : std::nanf("");
+    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
+    int32_t sum[2] = {0, 0};
+    for (int j = 0; j < 32; ++j) {
+      const int v = finite ? static_cast<int>(std::nearbyint(xb[j] * inv)) : 0;
+      q[b * 32 + j] = static_cast<int8_t>(v);
+      sum[j / 16] += v;
+    }
+    d[b] = scale;
+    hsum[2 * b] = scale * static_cast<float>(sum[0]);
+    hsum[2 * b + 1] = scale * static_cast<float>(sum[1]);
+  }
+}
+
+#if KVOS_INT8_SIMD
+// Dot products of 32 unsigned bytes u with 32 signed bytes s, four at a time: int32 [8] (lanes 0-3 are
+// bytes 0-15, lanes 4-7 bytes 16-31).
+static inline __m256i dot4(__m256i u, __m256i s) {
+#if KVOS_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // no saturation: |u| <= 128, |s| <= 127
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+"""

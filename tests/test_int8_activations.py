@@ -20,6 +20,7 @@ from gguf_files import encode
 
 import kvos.model.gguf_weight as gguf_weight
 import kvos.model.quant as quant
+from kvos.cli import build_parser
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError, ModelNotPulledError
 from kvos.model import activations, gguf_kernel, quant_kernel
@@ -196,6 +197,22 @@ def test_the_output_head_takes_float32_activations(int8: None) -> None:
     assert torch.equal(logits(hidden, head), head.mm(hidden, int8=False))
     assert not torch.equal(head.mm(hidden), head.mm(hidden, int8=False))
     _assert_product(head.mm(hidden), hidden, _dense(raw, "Q8_0"), None)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_serve_and_generate_take_an_activations_option(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--activations float32`` puts that mode in force for the process; without the option the
+    environment's mode stays; another value is refused by the parser."""
+    monkeypatch.setattr(activations, "MODE", "int8")
+    parser = build_parser(command)
+    required = ["--prompt", "x"] if command == "generate" else []
+    chosen = parser.parse_args([command, *required, "--activations", "float32"])
+    activations.apply(chosen.activations)
+    assert activations.MODE == "float32"
+    activations.apply(parser.parse_args([command, *required]).activations)
+    assert activations.MODE == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, *required, "--activations", "int4"])
 
 
 def _file_and_text(name: str, shared_dir: Path) -> tuple[Path, list[int]]:

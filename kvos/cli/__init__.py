@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kvos.errors import KvosError
+from kvos.model import activations
 from kvos.model.catalogue import add_model_argument
 
 BENCHMARKS = {
@@ -46,6 +47,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    activations.add_argument(p)
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:

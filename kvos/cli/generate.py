@@ -10,6 +10,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.generate import stream
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import TokenizerError
+from kvos.model import activations
 from kvos.model.catalogue import default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
@@ -28,6 +29,7 @@ def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    activations.apply(args.activations)
     path = Path(args.model) if args.model else default_model()
     model = load_model(path, dtype=args.dtype, device=args.device)
     tokenizer = find_tokenizer(path, args.tokenizer)

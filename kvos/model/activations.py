@@ -10,13 +10,14 @@ longer prefills dequantize tiles and call the float32 matmul either way. The out
 float32 activations (:func:`kvos.model.linear.logits`): the next token is chosen there, and it is where
 int8 activations changed answers (SmolLM2 Q4_1, as in llama.cpp).
 
-Chosen once per process from ``KVOS_ACTIVATIONS`` (``int8`` or ``float32``); :func:`using` sets it for a
-block.
+Chosen once per process from ``KVOS_ACTIVATIONS`` (``int8`` or ``float32``) or a command's ``--activations``
+(:func:`apply`); :func:`using` sets it for a block.
 The difference, measured on 2,000 tokens, is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,3 +57,22 @@ def using(mode: Mode) -> Iterator[None]:
         yield
     finally:
         MODE = before
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """``--activations int8|float32`` for the commands that run a model (serve, generate)."""
+    parser.add_argument(
+        "--activations",
+        choices=MODES,
+        default=None,
+        help="how a decode step's products with quantized weights take their activations: int8 blocks and "
+        "integer products, as llama.cpp (faster), or float32 (exact products of the weights' values); "
+        "default: KVOS_ACTIVATIONS, else int8",
+    )
+
+
+def apply(choice: Mode | None) -> None:
+    """Put a command's ``--activations`` in force for the process (None: keep the environment's)."""
+    global MODE
+    if choice is not None:
+        MODE = choice

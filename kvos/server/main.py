@@ -17,7 +17,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
-from kvos.model import decode_kernel, dense_kernel, gguf_kernel, quant_kernel
+from kvos.model import activations, decode_kernel, dense_kernel, gguf_kernel, quant_kernel
 from kvos.model.catalogue import add_model_argument, default_model, model_name
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
@@ -148,6 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(its prefill is cut to fit, from measured step costs), so a new prompt does not stall running "
         "replies; 0: prefill fills --step-tokens",
     )
+    activations.add_argument(p)
     p.add_argument(
         "--threads",
         type=positive_int,
@@ -256,6 +257,7 @@ def default_budget(context: int, requested: int | None) -> int:
 
 
 def build_service(args: argparse.Namespace) -> ChatService:
+    activations.apply(args.activations)
     path = Path(args.model) if args.model else default_model()
     model = load_model(path, args.dtype, args.device)
     context = model.config.max_position_embeddings

@@ -103,28 +103,25 @@ def test_the_activations_quantize_as_llama_cpps_q8_0() -> None:
     assert int(q.abs().max()) <= 127
 
 
-@pytest.mark.parametrize("qtype", KEPT_TYPES)
-@pytest.mark.parametrize("n", [1, 3, 4, 5, 9, 32])  # tiles of 4 and their remainders
-def test_quantized_weight_products_are_those_of_the_quantized_activations(
-    qtype: str, n: int, build: tuple[Any, Any], int8: None, monkeypatch: pytest.MonkeyPatch
+# (weight class, type, rows): every type of both kernels; the repacked ones at every tile of 4 and remainder
+PRODUCTS = [(QuantizedWeight, q, n) for q in KEPT_TYPES for n in (1, 3, 4, 5, 9, 32)] + [
+    (GGUFWeight, q, n) for q in sorted(gguf_kernel.TYPE_IDS) for n in (1, 4, 7)
+]
+
+
+@pytest.mark.parametrize(("weight", "qtype", "n"), PRODUCTS)
+def test_products_are_those_of_the_quantized_activations(
+    weight: type[QuantizedWeight] | type[GGUFWeight],
+    qtype: str,
+    n: int,
+    build: tuple[Any, Any],
+    int8: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(quant, "kernel", lambda: build[0])
-    raw = _raw(qtype, seed=n)
-    w, dense = QuantizedWeight.from_gguf(qtype, raw, (OUT, IN)), _dense(raw, qtype)
-    x = torch.randn(n, IN, generator=torch.Generator().manual_seed(n))
-    c = torch.randn(n, OUT, generator=torch.Generator().manual_seed(n + 1))
-    _assert_product(w.mm(x), x, dense, None)
-    _assert_product(w.addmm(c, x), x, dense, c)
-
-
-@pytest.mark.parametrize("qtype", sorted(gguf_kernel.TYPE_IDS))
-@pytest.mark.parametrize("n", [1, 4, 7])
-def test_gguf_block_products_are_those_of_the_quantized_activations(
-    qtype: str, n: int, build: tuple[Any, Any], int8: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
     monkeypatch.setattr(gguf_weight, "kernel", lambda: build[1])
     raw = _raw(qtype, seed=n)
-    w, dense = GGUFWeight.from_gguf(qtype, raw, (OUT, IN)), _dense(raw, qtype)
+    w, dense = weight.from_gguf(qtype, raw, SHAPE), _dense(raw, qtype)
     x = torch.randn(n, IN, generator=torch.Generator().manual_seed(n))
     c = torch.randn(n, OUT, generator=torch.Generator().manual_seed(n + 1))
     _assert_product(w.mm(x), x, dense, None)

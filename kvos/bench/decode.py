@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _run_llamacpp_peer(args, modes)
     if len(modes) > 1:
         raise ConfigError("several --activations are compared with --peer llamacpp only")
-    activations.MODE = modes[0]
+    activations.apply(modes[0])
     try:
         import transformers  # noqa: F401  (a dev dependency)
     except ImportError as exc:

@@ -634,7 +634,7 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c
 // As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp
 // computes for these weights.
 torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c) {
-  const int64_t n = x.size(0), K = x.size(1), N = w.size(0), groups = K / 32;
+  const int64_t n = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "w must be contiguous uint8");
   int64_t rb = 0;
@@ -644,13 +644,12 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tenso
   TORCH_CHECK(!add || (c.is_contiguous() && c.scalar_type() == torch::kFloat32 && c.size(0) == n &&
                        c.size(1) == N), "c must be contiguous float32 [n, N]");
   auto out = add ? c.clone() : torch::empty({n, N}, x.options());
-  std::vector<int8_t> xq(n * K);
-  std::vector<float> xd(n * groups), xh(n * groups * 2);
-  quantize_blocks(x.data_ptr<float>(), n * groups, xq.data(), xd.data(), xh.data());
+  const Int8Rows xi(x.data_ptr<float>(), n, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    KVOS_DISPATCH(type, mm_rows_i8<T>(xq.data(), xd.data(), xh.data(), n, K, wp, rb, op, N, r0, r1, add));
+    const int8_t* q = xi.q.data();
+    KVOS_DISPATCH(type, mm_rows_i8<T>(q, xi.d.data(), xi.h.data(), n, K, wp, rb, op, N, r0, r1, add));
   });
   return out;
 }

@@ -2,10 +2,11 @@
 
 ``SOURCE`` defines ``quantize_blocks`` (activation rows to llama.cpp's Q8_0 blocks: for each 32 values
 ``d = max|x| / 127`` and ``q = round(x * (1 / d))``, ties to even, with ``d * sum(q)`` for each half of 16,
-what a weight's min multiplies) and, where the including kernel defines ``KVOS_INT8_SIMD`` (AVX2; then
-``<immintrin.h>`` is included), ``dot4``: the dot products of 32 unsigned with 32 signed bytes, four at a
-time (``maddubs`` + ``madd``, or one ``vpdpbusd`` with AVX512-VNNI). :mod:`kvos.model.quant_kernel` and
-:mod:`kvos.model.gguf_kernel` put it into their sources, so both quantize activations the same way.
+what a weight's min multiplies), ``Int8Rows`` (a tensor's rows so quantized) and, where the including
+kernel defines ``KVOS_INT8_SIMD`` (AVX2; then ``<immintrin.h>`` is included), ``dot4``: the dot products of
+32 unsigned with 32 signed bytes, four at a time (``maddubs`` + ``madd``, or one ``vpdpbusd`` with
+AVX512-VNNI). :mod:`kvos.model.quant_kernel` and :mod:`kvos.model.gguf_kernel` put it into their sources,
+so both quantize activations the same way.
 """
 
 SOURCE = r"""
@@ -38,6 +39,15 @@ static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d,
     hsum[2 * b + 1] = scale * static_cast<float>(sum[1]);
   }
 }
+
+// Rows x float32 [n, K] as int8 blocks: q [n, K], d [n, K / 32], h [n, K / 32, 2] (quantize_blocks).
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, h;
+  Int8Rows(const float* x, int64_t n, int64_t K) : q(n * K), d(n * K / 32), h(n * K / 16) {
+    quantize_blocks(x, n * K / 32, q.data(), d.data(), h.data());
+  }
+};
 
 #if KVOS_INT8_SIMD
 // Dot products of 32 unsigned bytes u with 32 signed bytes s, four at a time: int32 [8] (lanes 0-3 are

@@ -323,16 +323,14 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch
   TORCH_CHECK(!add || (c.is_contiguous() && c.scalar_type() == torch::kFloat32 && c.size(0) == n &&
                        c.size(1) == N), "c must be contiguous float32 [n, N]");
   auto out = add ? c.clone() : torch::empty({n, N}, x.options());
-  std::vector<int8_t> xq(n * K);
-  std::vector<float> xd(n * groups), xh(n * groups * 2);
-  quantize_blocks(x.data_ptr<float>(), n * groups, xq.data(), xd.data(), xh.data());
+  const Int8Rows xi(x.data_ptr<float>(), n, K);
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const float* scp = scale.data_ptr<float>();
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    if (q4) mm_rows_i8<true>(xq.data(), xd.data(), xh.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
-    else mm_rows_i8<false>(xq.data(), xd.data(), xh.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
+    if (q4) mm_rows_i8<true>(xi.q.data(), xi.d.data(), xi.h.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
+    else mm_rows_i8<false>(xi.q.data(), xi.d.data(), xi.h.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
   });
   return out;
 }
@@ -342,10 +340,11 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % GROUP == 0,
               "x must be contiguous float32 [n, K], K a multiple of 32");
   const int64_t n = x.size(0), groups = x.size(1) / GROUP;
+  const Int8Rows xi(x.data_ptr<float>(), n, x.size(1));
   auto q = torch::empty({n, x.size(1)}, torch::dtype(torch::kInt8));
   auto d = torch::empty({n, groups}, torch::dtype(torch::kFloat32));
-  std::vector<float> xh(n * groups * 2);
-  quantize_blocks(x.data_ptr<float>(), n * groups, q.data_ptr<int8_t>(), d.data_ptr<float>(), xh.data());
+  std::copy(xi.q.begin(), xi.q.end(), q.data_ptr<int8_t>());
+  std::copy(xi.d.begin(), xi.d.end(), d.data_ptr<float>());
   return {q, d};
 }
 

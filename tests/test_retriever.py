@@ -7,6 +7,7 @@ question shares no word with, before the question is prefilled and with no forwa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,14 @@ from test_relevance import buried_fact_session
 
 from kvos.builtin import builtin_model_path
 from kvos.builtin.corpus import heldout_sessions
-from kvos.cli.calibrate_retrieval import CALIBRATION_SEED, PROBE_TOKENS, calibration_session
+from kvos.builtin.knowledge import KNOWLEDGE_SEED, knowledge_sessions
+from kvos.cli.calibrate_retrieval import (
+    CALIBRATION_SEED,
+    PROBE_TOKENS,
+    calibration_chats,
+    calibration_session,
+    default_corpus,
+)
 from kvos.cli.calibrate_retriever import (
     above_threshold,
     chunk_scores,
@@ -28,6 +36,8 @@ from kvos.cli.calibrate_retriever import (
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
+from kvos.model import catalogue
+from kvos.model.catalogue import CatalogueEntry, shipped_retriever
 from kvos.model.loader import load_model
 from kvos.model.rope import Rope
 from kvos.model.tokenizer import load_tokenizer
@@ -237,6 +247,7 @@ def test_recorded_calibration_sessions_are_read_back_for_the_same_recipe(tmp_pat
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
     cache = tmp_path / "features.pt"
     args = argparse.Namespace(
+        corpus="builtin",
         sessions=2,
         seed=CALIBRATION_SEED,
         fillers=None,
@@ -257,6 +268,61 @@ def test_recorded_calibration_sessions_are_read_back_for_the_same_recipe(tmp_pat
     args.sessions = 3
     with pytest.raises(ConfigError, match="other sessions"):
         recorded_sessions(None, args, (0, 3), info)  # type: ignore[arg-type]
+    args.sessions, args.corpus = 2, "knowledge"
+    with pytest.raises(ConfigError, match="other sessions"):
+        recorded_sessions(None, args, (0, 3), info)  # type: ignore[arg-type]
+
+
+def test_a_gguf_chat_model_is_calibrated_on_knowledge_sessions() -> None:
+    """``kvos calibrate --retriever`` on a .gguf model plays the sessions ``kvos bench recall`` measures it
+    on (knowledge: the fact at turn 1, questions, the probe), drawn from the calibration seed, never the
+    benchmark's; the fact's exchange (the planting message and its acknowledgement) is what a probe marks."""
+    assert default_corpus("m.gguf") == "knowledge" and default_corpus(builtin_model_path()) == "builtin"
+    chats = calibration_chats("knowledge", 3, CALIBRATION_SEED, 4)
+    bench = knowledge_sessions(3, KNOWLEDGE_SEED, 4)
+    assert [c.messages for c in chats] != [c.messages for c in bench]
+    assert all(len(c.messages) == 1 + 2 * (1 + 4 + 1) for c in chats)  # system; fact, 4 questions, probe
+    with pytest.raises(ConfigError, match="unknown calibration corpus"):
+        calibration_chats("wiki", 3, CALIBRATION_SEED, 4)
+    path = builtin_model_path()
+    manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
+    found = [session_features(manager, chat, 0.25, (0, 3)) for chat in chats]
+    probes = [p for f in found for p in f if p.is_probe]
+    assert probes, "no probe had its fact among the candidates"
+    for chat, recorded in zip(chats, found, strict=True):
+        for p in recorded:
+            if p.is_probe:  # the fact's exchange is exchange 1 (messages 1 and 2)
+                assert {e for e, f in zip(p.exchange, p.fact.tolist(), strict=True) if f} == {1}
+                assert chat.probes[0].plant_index == 1
+
+
+def test_kvos_ships_a_retriever_for_a_catalogue_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A catalogue model's file (its catalogue name and size, wherever it is kept) finds the retriever kvos
+    ships for it; a retriever beside the file comes first; another file of the same name does not."""
+    shipped_dir = tmp_path / "shipped"
+    shipped_dir.mkdir()
+    random_retriever(8, (0,), 8).save(shipped_dir / "m.safetensors")
+    entry = CatalogueEntry("m", "m.gguf", 1000, "0" * 64, (), "a test model", retriever=True)
+    monkeypatch.setattr(catalogue, "CATALOGUE", {"m": entry})
+    monkeypatch.setattr(catalogue, "RETRIEVERS", shipped_dir)
+    model = tmp_path / "models" / "m" / "m.gguf"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(b"x" * 999)
+    assert shipped_retriever(model) is None and find_retriever(model) is None  # not the catalogue's size
+    model.write_bytes(b"x" * 1000)
+    assert shipped_retriever(model) == shipped_dir / "m.safetensors"
+    found = find_retriever(model)
+    assert found is not None and found.rank == 8
+    assert find_retriever(model, "none") is None
+    own = random_retriever(8, (0,), 8, rank=4)
+    own.save(retriever_path(model))
+    beside = find_retriever(model)
+    assert beside is not None and beside.rank == 4  # the user's own calibration wins
+    monkeypatch.setattr(catalogue, "CATALOGUE", {"m": dataclasses.replace(entry, retriever=False)})
+    retriever_path(model).unlink()
+    assert find_retriever(model) is None
 
 
 def test_the_learned_signal_brings_back_a_fact_without_shared_words() -> None:

@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sessions", type=int, default=None,
-        help="--retrieval / --retriever: planted-fact sessions played (default 40 / 400)",
+        help="--retrieval / --retriever: planted-fact sessions played (default 40 / 400, 120 knowledge ones)",
     )  # fmt: skip
     p.add_argument(
         "--seed",
@@ -78,8 +78,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--retrieval / --retriever: their seed (default: a calibration seed)",
     )
     p.add_argument(
-        "--fillers", type=int, default=None, help="--retrieval / --retriever: filler turns per session"
-    )
+        "--corpus", choices=("builtin", "knowledge"), default=None,
+        help="--retrieval / --retriever: the planted-fact sessions played (default: knowledge for a .gguf "
+        "chat model, as kvos bench recall plays it, else builtin)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fillers", type=int, default=None,
+        help="--retrieval / --retriever: filler turns (builtin) or knowledge questions (knowledge) a "
+        "session",
+    )  # fmt: skip
     p.add_argument(
         "--budget-frac",
         type=float,
@@ -153,14 +160,15 @@ def run(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     model = load_model(path, dtype=args.dtype, device=args.device)
     if args.retrieval or args.retriever:
-        from kvos.cli.calibrate_retrieval import CALIBRATION_SEED
+        from kvos.cli.calibrate_retrieval import CALIBRATION_SEED, default_corpus
         from kvos.cli.calibrate_retrieval import run as run_retrieval
         from kvos.cli.calibrate_retriever import run as run_retriever
 
         if args.seed is None:
             args.seed = CALIBRATION_SEED
+        args.corpus = args.corpus or default_corpus(path)
         if args.sessions is None:
-            args.sessions = 400 if args.retriever else 40
+            args.sessions = (120 if args.corpus == "knowledge" else 400) if args.retriever else 40
         if args.retriever:
             if args.out is None:
                 args.out = str(retriever_path(path))

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from kvos.builtin.corpus import HELDOUT_SEED, ChatSession, heldout_sessions
+from kvos.builtin.knowledge import QUESTIONS_PER_SESSION, knowledge_sessions
 from kvos.builtin.playback import play, session_tokens
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
@@ -46,8 +47,27 @@ from kvos.session.memory import SessionMemory
 from kvos.session.session import Session
 from kvos.session.strategies import strategy
 
-CALIBRATION_SEED = HELDOUT_SEED + 1  # not the recall benchmark's sessions
+CALIBRATION_SEED = HELDOUT_SEED + 1  # not the recall benchmark's sessions (either corpus')
 PROBE_TOKENS = 24  # the reply to a probe, as kvos bench recall lets it run (it sizes the budget)
+CORPORA = ("builtin", "knowledge")
+
+
+def default_corpus(path: str | Path) -> str:
+    """The sessions a model is calibrated on, as ``kvos bench recall`` measures it: knowledge sessions (a
+    personal fact, general-knowledge questions, the probe) for a pretrained .gguf chat model, the built-in
+    corpus for the built-in model and Hugging Face directories."""
+    return "knowledge" if Path(path).suffix == ".gguf" else "builtin"
+
+
+def calibration_chats(corpus: str, sessions: int, seed: int, fillers: int | None) -> list[ChatSession]:
+    """The calibration sessions: ``sessions`` of ``corpus`` drawn from ``seed`` (the calibration seed by
+    default, never the benchmark's); ``fillers``: filler turns (built-in) or knowledge questions between
+    the fact and the probe (knowledge; default 12, the benchmark's)."""
+    if corpus == "knowledge":
+        return knowledge_sessions(sessions, seed, QUESTIONS_PER_SESSION if fillers is None else fillers)
+    if corpus != "builtin":
+        raise ConfigError(f"unknown calibration corpus {corpus!r}: one of {', '.join(CORPORA)}")
+    return heldout_sessions(sessions, seed, fillers=fillers)
 
 
 def fact_ranks(
@@ -160,7 +180,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     """``kvos calibrate --retrieval`` on the loaded ``model``: write the JSON to ``args.out``, print a
     summary; exit status."""
     manager = MemoryManager(Engine(model), load_tokenizer(Path(model_info["path"])))
-    chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
+    chats = calibration_chats(args.corpus, args.sessions, args.seed, args.fillers)
     top1, topk, scored, layers, top_k = calibrate_heads(
         manager, chats, args.budget_frac, PROBE_TOKENS, args.embedder
     )
@@ -168,6 +188,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     result = {
         "model": model_info,
         "calibration": {
+            "corpus": args.corpus,
             "sessions": len(chats),
             "probes_scored": scored,
             "seed": args.seed,

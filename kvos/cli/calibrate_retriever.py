@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvos.builtin.corpus import ChatSession, heldout_sessions
+from kvos.builtin.corpus import ChatSession
 from kvos.builtin.playback import play
-from kvos.cli.calibrate_retrieval import PROBE_TOKENS, calibration_session
+from kvos.cli.calibrate_retrieval import PROBE_TOKENS, calibration_chats, calibration_session
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.model.tokenizer import load_tokenizer
@@ -225,7 +225,7 @@ def recorded_sessions(
     recipe = {
         "model": Path(model_info["path"]).name,
         "layers": list(layers),
-        **{k: getattr(args, k) for k in ("sessions", "seed", "fillers", "budget_frac", "embedder")},
+        **{k: getattr(args, k) for k in ("corpus", "sessions", "seed", "fillers", "budget_frac", "embedder")},
     }
     cache = Path(args.features) if args.features else None
     if cache is not None and cache.exists():
@@ -234,7 +234,7 @@ def recorded_sessions(
         if found != recipe:
             raise ConfigError(f"{cache} was recorded for other sessions or another model: {found}")
         return [[Probe(**p) for p in session] for session in saved["sessions"]]
-    chats = heldout_sessions(args.sessions, args.seed, fillers=args.fillers)
+    chats = calibration_chats(args.corpus, args.sessions, args.seed, args.fillers)
     per_session = [
         session_features(manager, chat, args.budget_frac, layers, embedder=args.embedder)
         for chat in tqdm(chats, desc="retriever", unit="session")
@@ -277,6 +277,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     }
     retriever.info = {
         "model": {**model_info, "path": Path(model_info["path"]).name},  # no local directories in the file
+        "corpus": args.corpus,
         "sessions": len(per_session),
         "seed": args.seed,
         "fillers": args.fillers,

@@ -25,6 +25,10 @@ from typing import Any
 from kvos.errors import ModelNotPulledError, UnknownModelError
 from kvos.model.home import kvos_home
 
+# The retrievers of the "learned" recovery signal that kvos ships for catalogue models, fitted by `kvos
+# calibrate --retriever` (knowledge sessions of the calibration seed) and found by shipped_retriever.
+RETRIEVERS = Path(__file__).resolve().parent / "retrievers"
+
 
 @dataclass(frozen=True)
 class WheelPart:
@@ -50,6 +54,7 @@ class CatalogueEntry:
     sha256: str
     parts: tuple[WheelPart, ...]
     description: str
+    retriever: bool = False  # kvos ships a calibrated retriever for it: RETRIEVERS / f"{name}.safetensors"
 
 
 def part_series(project: str, version: str, member: str, count: int) -> tuple[WheelPart, ...]:
@@ -168,6 +173,19 @@ def model_name(path: Path, catalogue: Mapping[str, CatalogueEntry] | None = None
         if path.name == entry.file and path.parent.name == entry.name:
             return entry.name
     return path.name
+
+
+def shipped_retriever(path: str | Path, catalogue: Mapping[str, CatalogueEntry] | None = None) -> Path | None:
+    """The retriever file kvos ships for the model at ``path``: a catalogue model's file (its catalogue
+    file name and exact size, wherever it is kept) whose entry has one; None for any other model."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    entries = CATALOGUE if catalogue is None else catalogue
+    for entry in entries.values():
+        if entry.retriever and path.name == entry.file and path.stat().st_size == entry.size:
+            return RETRIEVERS / f"{entry.name}.safetensors"
+    return None
 
 
 def default_model() -> Path:

@@ -217,8 +217,14 @@ def retriever_path(model: str | Path) -> Path:
 
 def find_retriever(model: str | Path, given: str | Path | None = None) -> Retriever | None:
     """The retriever named by ``given`` ("none": no retriever), else the model's own
-    (:func:`retriever_path`) when it has one, else None."""
+    (:func:`retriever_path`) when it has one, else the one kvos ships for a catalogue model
+    (:func:`~kvos.model.catalogue.shipped_retriever`), else None."""
+    from kvos.model.catalogue import shipped_retriever
+
     if given is not None:
         return None if str(given) == "none" else Retriever.load(given)
     path = retriever_path(model)
-    return Retriever.load(path) if path.exists() else None
+    if path.exists():
+        return Retriever.load(path)
+    shipped = shipped_retriever(model)
+    return Retriever.load(shipped) if shipped is not None else None

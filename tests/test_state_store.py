@@ -208,3 +208,11 @@ def test_state_dir_needs_kv_restore(model_dir: Path, tmp_path: Path) -> None:
     options = ["--state-dir", str(tmp_path), "--backend", "breadcrumb"]
     with pytest.raises(SystemExit, match="needs --backend kv_restore"), running_server(model_dir, *options):
         pass
+    options = ["--store", "valkey://127.0.0.1:1/0", "--backend", "breadcrumb"]
+    with pytest.raises(SystemExit, match="--store keeps saved K/V"), running_server(model_dir, *options):
+        pass
+    with (
+        pytest.raises(SystemExit, match="expected valkey://"),
+        running_server(model_dir, "--store", "http://x"),
+    ):
+        pass

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -227,6 +230,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "that re-sends its conversation after a restart gets its cache back (needs --backend kv_restore)",
     )
     p.add_argument(
+        "--store",
+        metavar="URL",
+        help="a shared tier for the sessions of several replicas: valkey://[user:password@]host:port/db "
+        "(valkeys:// for TLS; redis:// too). Each snapshot of the state dir is published there, and a "
+        "request for a session another replica served is continued from it (a temporary --state-dir "
+        "when none is given)",
+    )
+    p.add_argument(
         "--state-interval",
         type=float,
         default=60.0,
@@ -336,20 +347,32 @@ def check_kv_memory(engine: Engine, config: SessionConfig, cap: int | None) -> N
 def open_state(
     args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, config: SessionConfig
 ) -> StateDir | None:
-    """The state dir of ``--state-dir`` (None without one); a one-line :class:`SystemExit` for flags it
-    cannot work with."""
-    if args.state_dir is None:
+    """The state dir of ``--state-dir`` (None without one; a temporary one for ``--store`` alone) with the
+    shared tier of ``--store``; a one-line :class:`SystemExit` for flags it cannot work with."""
+    if args.state_dir is None and args.store is None:
         return None
     if args.backend != "kv_restore":
-        raise SystemExit("kvos serve: --state-dir keeps saved K/V, so it needs --backend kv_restore")
+        flag = "--state-dir" if args.state_dir is not None else "--store"
+        raise SystemExit(f"kvos serve: {flag} keeps saved K/V, so it needs --backend kv_restore")
+    if args.state_dir is None:
+        args.state_dir = Path(tempfile.mkdtemp(prefix="kvos-replica-"))
+        atexit.register(shutil.rmtree, args.state_dir, True)
+        note = f"[kvos] --store without --state-dir: this replica's copies go to {args.state_dir}"
+        print(note, file=sys.stderr)
     if args.store_disk_dir is not None:
         raise SystemExit("kvos serve: give --state-dir or --store-disk-dir, not both")
     if args.state_interval < 0:
         raise SystemExit(f"kvos serve: --state-interval must be >= 0 seconds, got {args.state_interval}")
     try:
-        return StateDir.for_model(args.state_dir, model, tokenizer, config, args.session_ttl)
+        state = StateDir.for_model(args.state_dir, model, tokenizer, config, args.session_ttl, args.store)
     except OSError as exc:
         raise SystemExit(f"kvos serve: cannot use --state-dir {args.state_dir}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise SystemExit(f"kvos serve: {exc}") from None
+    if state.tier is not None and not state.tier.ping():
+        print(f"[kvos] warning: --store {args.store} cannot be reached now: serving from the local tiers "
+              "until it can", file=sys.stderr)  # fmt: skip
+    return state
 
 
 def prepare_kernels() -> None:

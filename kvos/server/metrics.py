@@ -27,6 +27,12 @@ SESSION_COUNTERS = {
     "recoveries_recompute": "chunks re-prefilled from their tokens",
 }
 
+TIER_COUNTERS = {
+    "errors": "calls to the shared tier that failed (unreachable or failing)",
+    "conflicts": "snapshots not published: another replica wrote the session meanwhile",
+    "missing_blobs": "files of a session the shared tier no longer held, or held damaged (recomputed)",
+}
+
 
 class ServiceCollector(Collector):
     """Reads the service's state at scrape time: the sessions of ``owner`` (None: every owner's), labelled
@@ -61,6 +67,18 @@ class ServiceCollector(Collector):
             yield CounterMetricFamily(
                 f"kvos_{key}", f"{key.replace('_', ' ')} over all requests", value=service.totals[key]
             )
+        yield from _tier_metrics(service)
+
+
+def _tier_metrics(service: ChatService) -> Iterator[Metric]:
+    """The shared tier's health (``kvos serve --store``): nothing without one."""
+    state = service.registry.state
+    tier = state.tier if state is not None else None
+    if tier is None:
+        return
+    yield GaugeMetricFamily("kvos_store_tier_up", "1 while the shared tier answers", value=int(tier.up))
+    for key, doc in TIER_COUNTERS.items():
+        yield CounterMetricFamily(f"kvos_store_tier_{key}", doc, value=getattr(tier, key))
 
 
 class Metrics:

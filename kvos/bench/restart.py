@@ -101,14 +101,14 @@ def wait_written(url: str, state: Path, limit_s: float = 300.0) -> dict[str, Any
     raise RuntimeError("the session was not written to the state dir in time")
 
 
-def first_token(url: str, messages: list[dict[str, str]]) -> tuple[float, dict[str, Any]]:
-    """Seconds to the first generated token of a streamed request, and its usage."""
+def first_token(url: str, messages: list[dict[str, str]], sid: str = SID) -> tuple[float, dict[str, Any]]:
+    """Seconds to the first generated token of a streamed request (session ``sid``), and its usage."""
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     began, ttft = time.perf_counter(), None
     usage: dict[str, Any] = {}
     with httpx.stream(
-        "POST", f"{url}/v1/chat/completions", json=body, headers={"X-Session-Id": SID}, timeout=600
+        "POST", f"{url}/v1/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=600
     ) as r:
         r.raise_for_status()
         for line in r.iter_lines():

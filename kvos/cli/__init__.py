@@ -23,6 +23,7 @@ BENCHMARKS = {
     "soak": ("kvos.bench.soak", "concurrent chat clients against kvos serve: errors, wedges, budget, RSS"),
     "restart": ("kvos.bench.restart", "kvos serve --state-dir killed, restarted: reuse, first token, disk"),
     "serve": ("kvos.bench.serve", "1-16 concurrent chat clients vs kvos serve: tok/s, TTFT, ITL, budget"),
+    "cluster": ("kvos.bench.cluster", "replicas behind HAProxy sharing Valkey: a session moved by kill -9"),
 }
 
 

@@ -18,11 +18,12 @@ from typing import Any
 
 from kvos.engine.scheduler import Scheduler
 from kvos.memory.heap import release_free_heap
+from kvos.policy.chunks import ChunkKind
 from kvos.policy.planner import SessionView, plan_swaps, stale_branches
 from kvos.server.errors import busy, not_found
 from kvos.server.state import StateDir
 from kvos.session.manager import MemoryManager
-from kvos.session.prompt import SpanRenderer, common_prefix
+from kvos.session.prompt import Span, SpanRenderer, common_prefix, flatten
 from kvos.session.session import Session
 
 
@@ -365,6 +366,36 @@ class SessionRegistry:
         entry.branch_used[chosen.session_id] = time.monotonic()
         return chosen
 
+    def seed(self, entry: Entry, spans: list[Span], priority: float, pinned: bool) -> None:
+        """A new session's first request: when another session of the same key holds at least
+        ``prefix_min_tokens`` of the prompt's start (an agent's system prompt and tool schemas) with the hints
+        this request gives it (:func:`seed_length`), the new session starts as a fork of it: those tokens' K/V
+        shared by reference instead of prefilled again. Only idle, resident sessions give their prefix (a
+        running one's history is still changing). Under the scheduler, before :meth:`choose_branch`."""
+        if entry.served or entry.session.history_tokens:
+            return
+        with self.cond:
+            donors = [
+                b
+                for (who, _), e in self.entries.items()
+                if who == entry.owner and e is not entry and not e.busy
+                for b in e.branches
+                if not b.swapped and b.session_id not in self.manager.running
+            ]
+        best, shared = None, self.config.prefix_min_tokens - 1
+        for branch in donors:
+            n = seed_length(branch, spans, priority, pinned)
+            if n > shared:
+                best, shared = branch, n
+        if best is None:
+            return
+        name = entry.session.session_id
+        self.manager.close(name)
+        child = self.manager.fork(best.session_id, name, shared)
+        entry.branches = [child]
+        entry.branch_used = {name: time.monotonic()}
+        entry.adopt(child)
+
     def make_resident(self, entry: Entry) -> None:
         """Make room in the pool for this request, then swap its branch in if it was out. Idle sessions (no
         request running on them) are swapped out, least recently used first (their chunks go to their
@@ -403,3 +434,24 @@ class SessionRegistry:
                 session.log("preempt", blocks_free=swap.blocks_free)
         if entry.session.swapped:
             entry.session.swap_in()
+
+
+def seed_length(donor: Session, spans: list[Span], priority: float, pinned: bool) -> int:
+    """How much of a prompt a new session may take from ``donor``: the shared prefix of their tokens, ended
+    before the first of the donor's chunks there that is not resident (the new session starts as a fresh
+    one's prefill would leave it: the prompt in the pool), or whose hints (keep, priority) are not what this
+    request's spans give it (as :meth:`Session.sync` gives them to new chunks): a session never inherits
+    another's pins, priorities or evictions."""
+    shared = common_prefix(flatten(spans), donor.token_ids())
+    bounds, at = [], 0
+    for span in spans:
+        keep = "pin" if pinned and span.kind is ChunkKind.USER else span.keep
+        bounds.append((at, at + len(span.token_ids), keep))
+        at += len(span.token_ids)
+    for chunk in sorted(donor.chunks.values(), key=lambda c: c.original_start):
+        if chunk.original_start >= shared:
+            break
+        keep = next((k for lo, hi, k in bounds if lo <= chunk.original_start < hi), None)
+        if not chunk.resident or chunk.keep != keep or chunk.priority != priority:
+            return chunk.original_start
+    return shared

@@ -131,6 +131,8 @@ class ChatService:
         Closing the generator early (the client went away, ``entry.cancel``) rolls the branch back to the
         prompt: the partial reply is dropped from the cache, the prompt stays (a retry reuses all of it)."""
         params = self.sampling(req)
+        hints = req.hints()
+        self.registry.seed(entry, spans, hints.priority, hints.pinned)
         session = self.registry.choose_branch(entry, flatten(spans))
         self.manager.running.add(session.session_id)  # other sessions' pressure leaves it alone
         try:

@@ -6,7 +6,11 @@
    replica: its reused tokens against the history, and its time to first token against a re-prefill of the
    same conversation on that replica (under a new session id), ``--repeats`` times alternating (each move on a
    fresh cluster).
-2. **Throughput**: ``--clients`` chat clients (``kvos bench serve``'s, each its own session) through HAProxy
+2. **A shared prompt**: ``--clients`` sessions, one after another, each with the same long system prompt
+   (about ``--prompt-tokens`` tokens, an agent's instructions and tool schemas) and a question of its own,
+   through HAProxy: the tokens each reused rather than prefilled, and Valkey's bytes against the bytes
+   the sessions' snapshots name (a blob two sessions wrote alike is stored once).
+3. **Throughput**: ``--clients`` chat clients (``kvos bench serve``'s, each its own session) through HAProxy
    to 1 replica, then to ``--replicas``: aggregate decode tokens per second of each and the ratio. On one
    machine the replicas share its cores (each runs ``--threads`` computing threads).
 """
@@ -43,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=4, help="throughput: turns per client")
     parser.add_argument("--max-tokens", type=int, default=64, help="throughput: tokens per reply")
     parser.add_argument("--threads", type=int, default=1, help="computing threads of each replica")
+    parser.add_argument("--prompt-tokens", type=int, default=1500, help="the shared system prompt's size")
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
@@ -74,6 +79,7 @@ def one_move(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     with Cluster(args.replicas, free_port(), serve_args(args), logs=logs, state_interval=0.5) as cluster:
         assert cluster.store is not None
         base = cluster.url[: -len("/v1")]
+        warm(cluster)
         messages = converse(base, args.tokens, args.reply_tokens)
         replica = _owner(base, messages)
         rows = httpx.get(f"http://127.0.0.1:{_port(cluster, replica)}/v1/sessions", timeout=60).json()["data"]
@@ -95,6 +101,79 @@ def one_move(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         "moved_ttft_s": moved_s,
         "cold_ttft_s": cold_s,
     }
+
+
+def shared_prompt(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    """``args.clients`` sessions with one long system prompt, one after another (see the docstring)."""
+    tools = " ".join(f"Tool {i}: reads file {i} of the repository and reports its lines." for i in range(400))
+    system = "You are a coding agent. Use the tools. " + tools
+    with Cluster(args.replicas, free_port(), serve_args(args), logs=logs, state_interval=0.5) as cluster:
+        assert cluster.store is not None
+        base, rows = cluster.url[: -len("/v1")], []
+        words = system.split()
+        system = " ".join(words[: max(16, int(len(words) * args.prompt_tokens / (len(words) * 1.6)))])
+        for i in range(args.clients):
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Count file {i}."},
+            ]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+            began = time.perf_counter()
+            r = httpx.post(
+                f"{base}/v1/chat/completions", json=body, headers={"X-Session-Id": f"agent-{i}"}, timeout=600
+            )
+            r.raise_for_status()
+            usage = r.json()["usage"]
+            rows.append(
+                {
+                    "replica": r.headers.get("x-kvos-replica"),
+                    "prompt_tokens": usage["prompt_tokens"],
+                    "reused_tokens": usage["kvos"]["reused_tokens"],
+                    "seconds": round(time.perf_counter() - began, 3),
+                }
+            )
+        deadline = time.monotonic() + 120
+        while _entries(cluster.store) < args.clients and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stored, named = _tier_bytes(cluster.store)
+    return {"sessions": rows, "tier_bytes": stored, "named_bytes": named}
+
+
+def _entries(store: str) -> int:
+    import valkey
+
+    client = valkey.Valkey.from_url(store.replace("valkey://", "redis://"))
+    found = sum(1 for _ in client.scan_iter("kvos:*:e:*"))
+    client.close()
+    return found
+
+
+def _tier_bytes(store: str) -> tuple[int, int]:
+    """(bytes of every blob Valkey holds, bytes of the blobs every entry names, counted once per entry)."""
+    import valkey
+
+    client = valkey.Valkey.from_url(store.replace("valkey://", "redis://"))
+    sizes: dict[str, int] = {}
+    for key in client.scan_iter("kvos:*:b:*"):
+        size: Any = client.strlen(key)
+        sizes[key.decode().rsplit(":", 1)[1]] = int(size)
+    named = 0
+    for key in client.scan_iter("kvos:*:e:*"):
+        raw: Any = client.get(key)
+        if raw is not None:
+            files = json.loads(raw)["files"]
+            named += sum(sizes.get(d, 0) for branch in files.values() for d in branch.values())
+    client.close()
+    return sum(sizes.values()), named
+
+
+def warm(cluster: Cluster) -> None:
+    """One short request to each replica, straight to its port: the first forward pass of a process (its
+    kernels loaded, its buffers made) is not what a move or a re-prefill costs."""
+    for port in cluster.replica_ports:
+        body = {"model": MODEL, "prompt": "Hello there.", "max_tokens": 2}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        httpx.post(url, json=body, headers={"X-Session-Id": "warm-up"}, timeout=600).raise_for_status()
 
 
 def _owner(base: str, messages: list[dict[str, str]]) -> str:
@@ -141,6 +220,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("need --replicas >= 2 and --repeats, --clients, --turns >= 1")
     logs = Path(tempfile.mkdtemp(prefix="kvos-bench-cluster-"))
     moves = [one_move(args, logs / f"move-{r}") for r in range(args.repeats)]
+    prompt = shared_prompt(args, logs / "shared")
+    sessions = prompt["sessions"]
     one, many = throughput(args, 1, logs / "one"), throughput(args, args.replicas, logs / "many")
     moved, cold = median([m["moved_ttft_s"] for m in moves]), median([m["cold_ttft_s"] for m in moves])
     result = {
@@ -152,14 +233,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "moved_ttft_s": round(moved, 4),
         "cold_ttft_s": round(cold, 4),
         "ttft_speedup": round(cold / moved, 2),
+        "shared_prompt_tokens": sessions[0]["prompt_tokens"],
+        "shared_prefilled_tokens": sum(r["prompt_tokens"] - r["reused_tokens"] for r in sessions),
+        "shared_sessions_tokens": sum(r["prompt_tokens"] for r in sessions),
+        "shared_tier_bytes": prompt["tier_bytes"],
+        "shared_named_bytes": prompt["named_bytes"],
         "one_replica_tok_s": one["aggregate_tok_s"],
         "replicas_tok_s": many["aggregate_tok_s"],
         "throughput_ratio": round(many["aggregate_tok_s"] / one["aggregate_tok_s"], 2),
         "moves": moves,
+        "shared_prompt": sessions,
         "throughput": [one, many],
         "logs": str(logs),
     }
-    keep = ("moves", "throughput", "benchmark", "torch", "machine", "device")
+    keep = ("moves", "shared_prompt", "throughput", "benchmark", "torch", "machine", "device")
     print_table([{"figure": k, "value": v} for k, v in result.items() if k not in keep], ("figure", "value"))
     write_json(args.json, result)
     return result

@@ -43,10 +43,11 @@ global
 
 defaults
     mode http
-    timeout connect 5s
+    # a request whose replica refuses the connection goes to another after min(timeout connect, 1 s)
+    timeout connect 250ms
     timeout client 15m
     timeout server 15m
-    option redispatch
+    option redispatch 1
     retries 2
 
 frontend kvos

@@ -374,7 +374,7 @@ class SessionRegistry:
         running one's history is still changing). Under the scheduler, before :meth:`choose_branch`."""
         if entry.served or entry.session.history_tokens:
             return
-        with self.cond:
+        with self.cond:  # held to the end: no donor expires or is taken meanwhile
             donors = [
                 b
                 for (who, _), e in self.entries.items()
@@ -382,19 +382,19 @@ class SessionRegistry:
                 for b in e.branches
                 if not b.swapped and b.session_id not in self.manager.running
             ]
-        best, shared = None, self.config.prefix_min_tokens - 1
-        for branch in donors:
-            n = seed_length(branch, spans, priority, pinned)
-            if n > shared:
-                best, shared = branch, n
-        if best is None:
-            return
-        name = entry.session.session_id
-        self.manager.close(name)
-        child = self.manager.fork(best.session_id, name, shared)
-        entry.branches = [child]
-        entry.branch_used = {name: time.monotonic()}
-        entry.adopt(child)
+            best, shared = None, self.config.prefix_min_tokens - 1
+            for branch in donors:
+                n = seed_length(branch, spans, priority, pinned)
+                if n > shared:
+                    best, shared = branch, n
+            if best is None:
+                return
+            name = entry.session.session_id
+            self.manager.close(name)
+            child = self.manager.fork(best.session_id, name, shared)
+            entry.branches = [child]
+            entry.branch_used = {name: time.monotonic()}
+            entry.adopt(child)
 
     def make_resident(self, entry: Entry) -> None:
         """Make room in the pool for this request, then swap its branch in if it was out. Idle sessions (no

@@ -14,6 +14,7 @@ import pytest
 from kvos.bench.recall import sessions
 from kvos.builtin.knowledge import KNOWLEDGE_SEED
 from kvos.cli import main
+from kvos.errors import ConfigError
 
 
 def test_recall_bench_contract(model_dir: Path, tmp_path: Path) -> None:
@@ -107,7 +108,7 @@ def test_demo_builtin_model_unchanged(tmp_path: Path) -> None:
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = dict(corpus=None, quick=False, sessions=100, fillers=None, seed=None, min_distance=0)
+    base = dict(corpus=None, quick=False, sessions=100, first=0, fillers=None, seed=None, min_distance=0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -119,7 +120,12 @@ def test_recall_shapes_for_a_gguf_file() -> None:
         raise AssertionError("the knowledge corpus does not size sessions by the context")
 
     chats, meta = sessions(_args(), Path("m.gguf"), no_fill)
-    assert len(chats) == 100 and meta == {"corpus": "knowledge", "seed": KNOWLEDGE_SEED, "fillers": 12}
+    expected = {"corpus": "knowledge", "first": 0, "seed": KNOWLEDGE_SEED, "fillers": 12}
+    assert len(chats) == 100 and meta == expected
+    tail, meta = sessions(_args(first=60), Path("m.gguf"), no_fill)  # one run split across processes
+    assert tail == chats[60:] and meta["first"] == 60
+    with pytest.raises(ConfigError, match="--first"):
+        sessions(_args(first=100), Path("m.gguf"), no_fill)
     quick, meta = sessions(_args(quick=True), Path("m.gguf"), no_fill)
     assert len(quick) == 2 and meta["fillers"] == 4 and all(c.turns == 6 for c in quick)
     _, meta = sessions(_args(corpus="builtin"), Path("m.gguf"), lambda: 7)

@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--sessions", type=int, default=100)
     p.add_argument(
+        "--first", type=int, default=0,
+        help="play sessions FIRST..SESSIONS-1 of the seed's sequence (to split one run across processes)",
+    )  # fmt: skip
+    p.add_argument(
         "--corpus",
         choices=CORPORA,
         help="the sessions: knowledge (a personal fact, general-knowledge questions, the probe; the "
@@ -169,17 +173,21 @@ def sessions(
     corpus' filler turns that fill a .gguf model's context (called only when needed)."""
     corpus = args.corpus or ("knowledge" if path.suffix == ".gguf" else "builtin")
     n = QUICK_SESSIONS[corpus] if args.quick else args.sessions
+    first = 0 if args.quick else args.first
+    if not 0 <= first < n:
+        raise ConfigError(f"--first must be in 0..{n - 1}, got {first}")
+    meta: dict[str, Any] = {"corpus": corpus, "first": first}
     if corpus == "knowledge":
         seed = KNOWLEDGE_SEED if args.seed is None else args.seed
         default = QUICK_QUESTIONS if args.quick else QUESTIONS_PER_SESSION
         questions = default if args.fillers is None else args.fillers
-        return knowledge_sessions(n, seed, questions), {"corpus": corpus, "seed": seed, "fillers": questions}
+        return knowledge_sessions(n, seed, questions)[first:], {**meta, "seed": seed, "fillers": questions}
     seed = HELDOUT_SEED if args.seed is None else args.seed
     fillers = args.fillers
     if fillers is None and path.suffix == ".gguf":
         fillers = fill_context()
-    chats = heldout_sessions(n, seed, min_distance=args.min_distance, fillers=fillers)
-    return chats, {"corpus": corpus, "seed": seed, "fillers": fillers}
+    chats = heldout_sessions(n, seed, min_distance=args.min_distance, fillers=fillers)[first:]
+    return chats, {**meta, "seed": seed, "fillers": fillers}
 
 
 def auto_fillers(context: int, tokenizer: Tokenizer, template: ChatTemplate, max_tokens: int) -> int:

@@ -107,3 +107,23 @@ def test_sessions_in_the_builtin_tokenizer() -> None:
     are 2,200-3,100 of its tokens."""
     sizes = _sizes(load_tokenizer(builtin_model_path()))
     assert min(sizes) >= 2200 and max(sizes) <= 3100
+
+
+def test_questions_before_the_fact() -> None:
+    """``lead`` questions before the fact (away from the system prompt, where the first turn sits): the
+    same fact, at the turn after them, the same number of questions after it, none asked twice; ``lead``
+    0 is the corpus as it was (the benchmark's sessions stay what they were)."""
+    for kind in BENCH_KINDS:
+        plain = knowledge_session(random.Random(7), kind, 6)
+        led = knowledge_session(random.Random(7), kind, 6, lead=3)
+        pa, pb = plain.probes[0], led.probes[0]
+        assert (pb.plant_index, pb.distance, pb.message_index) == (7, 6, pa.message_index + 6)
+        assert led.messages[pb.plant_index] == plain.messages[pa.plant_index]  # the same fact, later
+        assert pb.expected == pa.expected and led.messages[0] == plain.messages[0]
+        asked = [
+            m["content"] for i, m in enumerate(led.messages) if m["role"] == "user" and i != pb.plant_index
+        ]
+        assert len(asked) == len(set(asked)) == 3 + 6 + 1
+    assert knowledge_sessions(8, 7, 6, lead=0) == knowledge_sessions(8, 7, 6)
+    with pytest.raises(ValueError, match="lead"):
+        knowledge_session(random.Random(7), "city", 6, lead=-1)

@@ -109,6 +109,7 @@ def test_demo_builtin_model_unchanged(tmp_path: Path) -> None:
 
 def _args(**kw: object) -> argparse.Namespace:
     base = dict(corpus=None, quick=False, sessions=100, first=0, fillers=None, seed=None, min_distance=0)
+    base["lead"] = 0
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -120,7 +121,7 @@ def test_recall_shapes_for_a_gguf_file() -> None:
         raise AssertionError("the knowledge corpus does not size sessions by the context")
 
     chats, meta = sessions(_args(), Path("m.gguf"), no_fill)
-    expected = {"corpus": "knowledge", "first": 0, "seed": KNOWLEDGE_SEED, "fillers": 12}
+    expected = {"corpus": "knowledge", "first": 0, "seed": KNOWLEDGE_SEED, "fillers": 12, "lead": 0}
     assert len(chats) == 100 and meta == expected
     tail, meta = sessions(_args(first=60), Path("m.gguf"), no_fill)  # one run split across processes
     assert tail == chats[60:] and meta["first"] == 60

@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{QUESTIONS_PER_SESSION}), or built-in filler turns (default: for a .gguf file, enough to fill "
         "about 3/4 of the model's context; else the held-out sessions, probe 0-14 turns after the fact)",
     )
+    p.add_argument(
+        "--lead", type=int, default=0,
+        help="knowledge corpus: questions before the fact (default 0: the fact at turn 1, next to the system "
+        "prompt)",
+    )  # fmt: skip
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     add_embedder_argument(p)
@@ -181,7 +186,8 @@ def sessions(
         seed = KNOWLEDGE_SEED if args.seed is None else args.seed
         default = QUICK_QUESTIONS if args.quick else QUESTIONS_PER_SESSION
         questions = default if args.fillers is None else args.fillers
-        return knowledge_sessions(n, seed, questions)[first:], {**meta, "seed": seed, "fillers": questions}
+        chats = knowledge_sessions(n, seed, questions, lead=args.lead)[first:]
+        return chats, {**meta, "seed": seed, "fillers": questions, "lead": args.lead}
     seed = HELDOUT_SEED if args.seed is None else args.seed
     fillers = args.fillers
     if fillers is None and path.suffix == ".gguf":

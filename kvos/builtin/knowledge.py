@@ -147,24 +147,33 @@ def _turn(user: str, assistant: str) -> list[Message]:
 
 
 def knowledge_session(
-    rng: random.Random, kind: str, questions: int = QUESTIONS_PER_SESSION, system: str | None = None
+    rng: random.Random,
+    kind: str,
+    questions: int = QUESTIONS_PER_SESSION,
+    system: str | None = None,
+    lead: int = 0,
 ) -> ChatSession:
-    """One session: a fact of ``kind`` planted at turn 1, ``questions`` distinct knowledge questions with
-    their reference answers, then the probe (``probes[0]``), whose answer must quote the fact's value.
-    ``system``: the system prompt (default: one drawn from :data:`SYSTEM_PROMPTS`)."""
-    if not 0 <= questions <= len(QUESTIONS):
-        raise ValueError(f"questions must be 0-{len(QUESTIONS)}, got {questions}")
+    """One session: ``lead`` knowledge questions (default none), a fact of ``kind`` (at turn ``lead + 1``),
+    ``questions`` more distinct knowledge questions with their reference answers, then the probe
+    (``probes[0]``), whose answer must quote the fact's value. ``system``: the system prompt (default: one
+    drawn from :data:`SYSTEM_PROMPTS`). The draws of ``lead`` 0 are those of before it existed."""
+    if not 0 <= questions + lead <= len(QUESTIONS) or lead < 0:
+        raise ValueError(f"questions + lead must be 0-{len(QUESTIONS)}, got {questions} + {lead}")
     fact = FACT_KINDS[kind]
     fields = fact.draw(rng)
     answer = fact.answer.format(**fields)
     ack = rng.choice(ACKS) if rng.random() < 0.5 else f"Got it! {answer}"
     drawn = rng.choice(SYSTEM_PROMPTS)
     messages: list[Message] = [{"role": "system", "content": drawn if system is None else system}]
-    messages += _turn(rng.choice(fact.plants).format(**fields), ack)
-    for question, reference in rng.sample(QUESTIONS, questions):
+    plant = rng.choice(fact.plants).format(**fields)
+    asked = rng.sample(QUESTIONS, lead + questions)
+    for question, reference in asked[questions:]:
+        messages += _turn(question, reference)
+    messages += _turn(plant, ack)
+    for question, reference in asked[:questions]:
         messages += _turn(question, reference)
     messages += _turn(rng.choice(fact.probes).format(**fields), answer)
-    probe = Probe(len(messages) - 2, 1, kind, fields["v"], questions)
+    probe = Probe(len(messages) - 2, 1 + 2 * lead, kind, fields["v"], questions)
     return ChatSession(messages, [probe])
 
 
@@ -173,13 +182,14 @@ def knowledge_sessions(
     seed: int = KNOWLEDGE_SEED,
     questions: int = QUESTIONS_PER_SESSION,
     kinds: tuple[str, ...] = BENCH_KINDS,
+    lead: int = 0,
 ) -> list[ChatSession]:
     """``n`` sessions drawn from ``random.Random(seed)``, each with a fact of one of ``kinds`` (drawn in
-    turn, in a shuffled order) and ``questions`` knowledge questions."""
+    turn, in a shuffled order) after ``lead`` knowledge questions and before ``questions`` more."""
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
-    return [knowledge_session(rng, order[i % len(order)], questions) for i in range(n)]
+    return [knowledge_session(rng, order[i % len(order)], questions, lead=lead) for i in range(n)]
 
 
 def knowledge_demo_session(seed: int = DEMO_SEED, questions: int = QUESTIONS_PER_SESSION) -> ChatSession:

@@ -163,7 +163,7 @@ def test_header_routing_keeps_sessions_apart(base: str) -> None:
     a, b = ask(c, msgs, "route-a"), ask(c, msgs, "route-b")
     assert kvos_usage(a)["session_id"] == "route-a" and kvos_usage(b)["session_id"] == "route-b"
     # two sessions; the second starts from the first's K/V for their shared prompt (test_prefix_sharing.py)
-    assert kvos_usage(a)["reused_tokens"] == 0 and kvos_usage(b)["reused_tokens"] >= 64
+    assert kvos_usage(b)["reused_tokens"] >= max(64, kvos_usage(a)["reused_tokens"])
     more = [
         *msgs,
         {"role": "assistant", "content": b.choices[0].message.content},

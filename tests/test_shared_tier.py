@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import MODEL_NAME, running_app
+from server_harness import MODEL_NAME, running_app, running_server
 from test_state_store import FILLER, GREEDY, manager
 
 from kvos.cli.cluster import free_port, valkey_binary
@@ -270,3 +270,34 @@ def test_a_conversation_moves_between_live_servers(model_dir: Path, tmp_path: Pa
         assert all(r >= 0.9 * h for r, h in zip(reused[1:], history, strict=False)), (reused, history)
         metrics = httpx.get(f"{a_url[:-3]}/metrics", timeout=30).text
         assert "kvos_store_tier_up 1.0" in metrics and "kvos_store_tier_conflicts_total 0.0" in metrics
+
+
+def test_a_new_session_takes_a_prefix_another_replica_stored(
+    model_dir: Path, tmp_path: Path, store: Valkey
+) -> None:
+    """An agent's sessions on two replicas: the second replica's first session takes the long system prompt
+    from the session the first replica published (loaded, lent, closed again) instead of prefilling it,
+    and answers as a replica that prefilled it; the lender's stored copy is left as it was."""
+    system = "You are a coding agent. " + " ".join(f"Tool {i} reads file {i}." for i in range(16))
+    argv = ("--store", store.url, "--state-interval", "0.2")
+
+    def first(url: str, sid: str, user: str) -> dict:  # type: ignore[type-arg]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return chat(url, sid, messages)
+
+    with running_app(model_dir, *argv) as (a_url, a_app), running_app(model_dir, *argv) as (b_url, b_app):
+        first(a_url, "task-1", "List the files.")
+        state = a_app.state.service.registry.state
+        deadline = time.monotonic() + 30
+        while state.tier.generation("local", "task-1") < 1:
+            assert time.monotonic() < deadline, "the session was not published"
+            time.sleep(0.05)
+        took = first(b_url, "task-2", "Count the lines of file 3.")
+        system_tokens = len(b_app.state.service.manager.tokenizer.encode(system))
+        assert took["usage"]["kvos"]["reused_tokens"] >= system_tokens >= 64
+        assert state.tier.generation("local", "task-1") == 1  # the lender was not written again
+        registry = b_app.state.service.registry
+        assert {sid for _, sid in registry.entries} == {"task-2"}  # the lent session is not held here
+    with running_server(model_dir) as cold:
+        alone = first(cold, "task-2", "Count the lines of file 3.")
+    assert took["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvos.engine.scheduler import Scheduler
+from kvos.errors import PoolOutOfMemoryError
 from kvos.memory.heap import release_free_heap
 from kvos.policy.chunks import ChunkKind
 from kvos.policy.planner import SessionView, plan_swaps, stale_branches
@@ -371,7 +372,9 @@ class SessionRegistry:
         ``prefix_min_tokens`` of the prompt's start (an agent's system prompt and tool schemas) with the hints
         this request gives it (:func:`seed_length`), the new session starts as a fork of it: those tokens' K/V
         shared by reference instead of prefilled again. Only idle, resident sessions give their prefix (a
-        running one's history is still changing). Under the scheduler, before :meth:`choose_branch`."""
+        running one's history is still changing); when none here does, a stored one (this replica's state
+        dir, or another replica's session through the shared tier) is loaded, lends its prefix and is closed
+        again (its stored copy stays as it was). Under the scheduler, before :meth:`choose_branch`."""
         if entry.served or entry.session.history_tokens:
             return
         with self.cond:  # held to the end: no donor expires or is taken meanwhile
@@ -387,14 +390,45 @@ class SessionRegistry:
                 n = seed_length(branch, spans, priority, pinned)
                 if n > shared:
                     best, shared = branch, n
+            lent: list[Session] = []
             if best is None:
-                return
-            name = entry.session.session_id
-            self.manager.close(name)
-            child = self.manager.fork(best.session_id, name, shared)
-            entry.branches = [child]
-            entry.branch_used = {name: time.monotonic()}
-            entry.adopt(child)
+                lent = self._stored_donor(entry.owner, spans)
+                for branch in lent[:1]:
+                    n = seed_length(branch, spans, priority, pinned)
+                    if n > shared:
+                        best, shared = branch, n
+            try:
+                if best is None:
+                    return
+                name = entry.session.session_id
+                self.manager.close(name)
+                child = self.manager.fork(best.session_id, name, shared)
+                entry.branches = [child]
+                entry.branch_used = {name: time.monotonic()}
+                entry.adopt(child)
+            finally:
+                for branch in lent:  # lent for the fork only: the child keeps its share of the blocks
+                    self.manager.close(branch.session_id)
+
+    def _stored_donor(self, owner: str, spans: list[Span]) -> list[Session]:
+        """The branches of the stored session of ``owner`` (this replica's state dir, or another replica's
+        through the shared tier) that shares the longest prefix with the prompt, loaded and its latest
+        branch swapped in to lend its prefix; [] when none does, or the pool has no room for it now."""
+        if self.state is None:
+            return []
+        live = {sid for who, sid in self.entries if who == owner}
+        found = self.state.match(owner, flatten(spans), self.config.prefix_min_tokens, live)
+        stored = self.state.load(owner, found, self.manager) if found is not None else None
+        if stored is None:
+            return []
+        branches = stored[0]
+        try:
+            branches[0].swap_in()
+        except PoolOutOfMemoryError:
+            for branch in branches:
+                self.manager.close(branch.session_id)
+            return []
+        return branches
 
     def make_resident(self, entry: Entry) -> None:
         """Make room in the pool for this request, then swap its branch in if it was out. Idle sessions (no

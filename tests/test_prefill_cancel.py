@@ -50,6 +50,7 @@ def test_cancel_during_prefill_stops_at_a_chunk_and_the_retry_reuses_it(
 ) -> None:
     service = build_service(serve_options(["--model", str(MODEL_DIR)]))
     expected, _ = _answer(service, "control")  # the same request, never cancelled
+    service.registry.delete("local", "control")  # else "cut" would take its prompt from it, not prefill it
 
     entry = service.registry.acquire("local", "cut", None)
     req = _request(service)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from server_harness import MODEL_NAME, running_app, running_server
 from test_state_store import FILLER, GREEDY, manager
 
@@ -125,6 +126,12 @@ def test_another_replica_continues_a_session_with_its_cache(
     (moved,), served = loaded
     assert served == 5 and moved.history.token_ids() == history
     moved.swap_in()
+    assert moved.pager.order() == s.pager.order()
+    for cid in s.pager.order():  # every resident chunk's K/V and positions, bit for bit
+        here, there = s.pager.segments[cid], moved.pager.segments[cid]
+        assert torch.equal(here.positions, there.positions)
+        for x, y in zip(s.engine.read_kv(here), moved.engine.read_kv(there), strict=True):
+            assert torch.equal(x, y)
     synced = moved.sync([Span(history, ChunkKind.DOCUMENT)])
     assert synced.reused == len(history) and synced.decoded == 0  # no prefill: the cache came with it
     assert reply(moved, "note 9: " + FILLER) == reply(s, "note 9: " + FILLER)  # the same next reply

@@ -308,3 +308,20 @@ def test_a_new_session_takes_a_prefix_another_replica_stored(
     with running_server(model_dir) as cold:
         alone = first(cold, "task-2", "Count the lines of file 3.")
     assert took["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_the_prefix_index_names_the_longest_published_prefix(store: Valkey) -> None:
+    """Every 64 tokens of a published history point at its session under a chain of the owner and the
+    tokens: a prompt sharing 130 tokens finds it at 128, another key's identical prompt does not, and a
+    prompt sharing fewer than 64 finds nothing."""
+    history = list(range(1000, 1300))
+    assert [n for n, _ in shared_tier.prefix_hashes("alice", history)] == [64, 128, 192, 256]
+    assert shared_tier.prefix_hashes("alice", history)[0] != shared_tier.prefix_hashes("bob", history)[0]
+    tier = ValkeyTier(store.url, "index", 60)
+    manifest = {"owner": "alice", "session_id": "s", "histories": [history]}
+    assert tier.publish("alice", "s", 0, TierEntry(1, manifest, {}), {}) == "written"
+    prompt = [*history[:130], 7, 7, 7]
+    assert tier.holder("alice", prompt) == ("s", 128)
+    assert tier.holder("bob", prompt) is None
+    assert tier.holder("alice", history[:63]) is None
+    assert tier.holder("alice", [5, *history]) is None  # a prefix, not any shared run of tokens

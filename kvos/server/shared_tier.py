@@ -12,7 +12,10 @@ key hashes the model's fingerprint and the session settings, so another model or
                           of every branch; owner and session id are hashed into the key
     g:<owner>:<session>   its generation, the version check: an entry is replaced only by the writer of the
                           generation it read (a Lua script), so two replicas never both write it unseen
-    o:<owner>             the owner's session ids (routing by prefix when a request names no session)
+    p:<chain hash>        a session holding a token prefix: for every 64 tokens of each branch's history,
+                          the hash chain of the owner and the prefix's tokens -> the session id (a request
+                          with no session, or a new session sharing an agent's system prompt, finds it by
+                          its own prompt's hashes: one read of at most prompt/64 keys)
 
 Every key carries the session TTL, refreshed on each write (a blob by every entry that names it), so Valkey's
 own ``maxmemory`` and eviction policy bound the bytes. A blob Valkey evicted, or one whose bytes do not match
@@ -39,15 +42,14 @@ _log = logging.getLogger("kvos.server.state")
 
 RETRY_S = 2.0  # after a failure, calls return at once for this long before trying Valkey again
 TIMEOUT_S = 5.0  # socket and connect timeout of a call
-# KEYS: generation, entry, owner set. ARGV: the generation the writer read, the new one, the entry, the TTL,
-# the session id. Returns -1 when written, else the generation found (the writer's copy is stale).
+PREFIX_STEP = 64  # tokens between two entries of the prefix index
+# KEYS: generation, entry. ARGV: the generation the writer read, the new one, the entry, the TTL. Returns -1
+# when written, else the generation found (the writer's copy is stale).
 _COMMIT = """
 local found = tonumber(redis.call('GET', KEYS[1]) or '0')
 if found ~= tonumber(ARGV[1]) then return found end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[4])
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
-redis.call('SADD', KEYS[3], ARGV[5])
-redis.call('EXPIRE', KEYS[3], ARGV[4])
 return -1
 """
 
@@ -62,6 +64,17 @@ def digest(data: bytes) -> str:
 
 def _hash(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def prefix_hashes(owner: str, tokens: list[int]) -> list[tuple[int, str]]:
+    """(length, hash) of every prefix of ``tokens`` whose length is a multiple of :data:`PREFIX_STEP`: a
+    chain that starts from the owner, so another key's identical prompt never meets it."""
+    chain, out = hashlib.blake2b(owner.encode(), digest_size=16).digest(), []
+    for end in range(PREFIX_STEP, len(tokens) + 1, PREFIX_STEP):
+        step = b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[end - PREFIX_STEP : end])
+        chain = hashlib.blake2b(chain + step, digest_size=16).digest()
+        out.append((end, chain.hex()))
+    return out
 
 
 @dataclass
@@ -107,8 +120,8 @@ class ValkeyTier:
     def _blob(self, address: str) -> str:
         return f"{self.prefix}b:{address}"
 
-    def _owner(self, owner: str) -> str:
-        return f"{self.prefix}o:{_hash(owner)}"
+    def _prefix(self, chain: str) -> str:
+        return f"{self.prefix}p:{chain}"
 
     # ------------------------------------------------------------- health
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
@@ -145,10 +158,9 @@ class ValkeyTier:
         ``paths``: digest -> a local file with those bytes (uploaded unless Valkey holds the digest)."""
         if self._call("publish", self._put_blobs, paths) is DOWN:
             return "down"
-        keys = [self._session(kind, owner, session_id) for kind in ("g", "e")] + [self._owner(owner)]
+        keys = [self._session(kind, owner, session_id) for kind in ("g", "e")]
         body = json.dumps({"generation": entry.generation, "manifest": entry.manifest, "files": entry.files})
-        argv = [read, entry.generation, body, self.ttl, session_id]
-        found = self._call("publish", self._commit, keys, argv)
+        found = self._call("publish", self._commit, keys, [read, entry.generation, body, self.ttl])
         if found is DOWN:
             return "down"
         if int(found) != -1:
@@ -161,7 +173,17 @@ class ValkeyTier:
                 read,
             )
             return "conflict"
+        histories = entry.manifest.get("histories", [])
+        self._call("publish", self._index, owner, session_id, histories)
         return "written"
+
+    def _index(self, owner: str, session_id: str, histories: list[list[int]]) -> None:
+        """Point every 64-token prefix of each branch's history at the session (see the module docstring)."""
+        pipe = self.client.pipeline(transaction=False)
+        for history in histories:
+            for _, chain in prefix_hashes(owner, history):
+                pipe.set(self._prefix(chain), session_id, ex=self.ttl)
+        pipe.execute()
 
     def _put_blobs(self, paths: dict[str, Path]) -> None:
         """Refresh the TTL of every blob Valkey holds; upload the others."""
@@ -179,8 +201,7 @@ class ValkeyTier:
     def forget(self, owner: str, session_id: str) -> None:
         """Delete a session's entry (its blobs expire with their TTL: other sessions may share them)."""
         keys = [self._session("g", owner, session_id), self._session("e", owner, session_id)]
-        self._call("forget", self.client.delete, *keys)
-        self._call("forget", self.client.srem, self._owner(owner), session_id)
+        self._call("forget", self.client.delete, *keys)  # its prefix pointers lead nowhere now: skipped
 
     # -------------------------------------------------------------- reads
     def generation(self, owner: str, session_id: str) -> int | None:
@@ -203,12 +224,19 @@ class ValkeyTier:
             return None
         return found
 
-    def sessions(self, owner: str) -> list[str]:
-        """The ids of ``owner``'s sessions the tier holds ([] while down)."""
-        found = self._call("sessions", self.client.smembers, self._owner(owner))
+    def holder(self, owner: str, tokens: list[int]) -> tuple[str, int] | None:
+        """The session of ``owner`` that published the longest prefix of ``tokens`` (a multiple of 64
+        tokens) and that prefix's length; None when none did (or Valkey is down)."""
+        chains = prefix_hashes(owner, tokens)
+        if not chains:
+            return None
+        found = self._call("holder", self.client.mget, [self._prefix(c) for _, c in chains])
         if found is DOWN:
-            return []
-        return sorted(x.decode() if isinstance(x, bytes) else str(x) for x in found)
+            return None
+        for (length, _), sid in zip(reversed(chains), reversed(found), strict=True):
+            if sid is not None:
+                return (sid.decode() if isinstance(sid, bytes) else str(sid)), length
+        return None
 
     def materialise(self, entry: TierEntry, directory: Path) -> int:
         """Write ``entry``'s files into ``directory`` (a branch directory per branch; what is there is

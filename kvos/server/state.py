@@ -322,19 +322,20 @@ class StateDir:
     def _match_tier(
         self, owner: str, probe: list[int], live: set[str], local: list[Path], best_len: int
     ) -> tuple[str | None, int]:
-        """:meth:`match` over the tier's sessions of ``owner`` that this replica has no copy of."""
+        """:meth:`match` through the tier's prefix index: the session of ``owner`` that published the
+        longest prefix of ``probe``, when this replica has no copy of it and it shares more than
+        ``best_len`` tokens (counted exactly on its entry's histories)."""
         assert self.tier is not None
-        known = {p.parent for p in local}
-        best = None
-        for sid in self.tier.sessions(owner):
-            if sid in live or self.layout.entry_dir(owner, sid) in known:
-                continue
-            found = self.tier.entry(owner, sid)
-            histories = found.manifest.get("histories", []) if found is not None else []
-            shared = max((common_prefix(probe, h) for h in histories), default=0)
-            if shared > best_len:
-                best, best_len = sid, shared
-        return best, best_len
+        found = self.tier.holder(owner, probe)
+        if found is None or found[1] <= best_len:
+            return None, best_len
+        sid = found[0]
+        if sid in live or self.layout.entry_dir(owner, sid) in {p.parent for p in local}:
+            return None, best_len  # held here: the local manifests decide
+        entry = self.tier.entry(owner, sid)
+        histories = entry.manifest.get("histories", []) if entry is not None else []
+        shared = max((common_prefix(probe, h) for h in histories), default=0)
+        return (sid, shared) if shared > best_len else (None, best_len)
 
     def has(self, owner: str, session_id: str) -> bool:
         """Whether a session is stored (loaded or not), here or in the tier."""

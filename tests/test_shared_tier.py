@@ -325,3 +325,23 @@ def test_the_prefix_index_names_the_longest_published_prefix(store: Valkey) -> N
     assert tier.holder("bob", prompt) is None
     assert tier.holder("alice", history[:63]) is None
     assert tier.holder("alice", [5, *history]) is None  # a prefix, not any shared run of tokens
+
+
+def test_a_full_valkey_fails_the_write_not_the_replica(
+    model_dir: Path, tmp_path: Path, store: Valkey
+) -> None:
+    """Valkey at its ``maxmemory`` with ``noeviction`` answers writes with an error: the snapshot is kept
+    locally, the failure counted, the tier still up; once there is room the next snapshot is published."""
+    a_state, a = replica(tmp_path / "a", model_dir, store.url)
+    assert a_state.tier is not None
+    raw = store.client()
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", str(int(raw.info("memory")["used_memory"]) + 4096))
+    s = a.session("local/s")
+    s.add_message("system", "You keep notes.")
+    talk(s, range(3))
+    assert a_state.save("local", "s", 3, [s])  # written here
+    assert a_state.tier.errors >= 1 and a_state.tier.up and a_state.tier.generation("local", "s") == 0
+    raw.config_set("maxmemory", "0")
+    talk(s, range(3, 4))
+    assert a_state.save("local", "s", 4, [s]) and a_state.tier.generation("local", "s") == 1

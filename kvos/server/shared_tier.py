@@ -24,7 +24,9 @@ from its tokens (or, for a missing snapshot, the session is prefilled again from
 
 While Valkey cannot be reached the replica keeps serving from its own tiers: every call returns "down" or
 nothing at once, a warning is logged once per outage, :attr:`ValkeyTier.errors` counts the failures (the
-``kvos_store_tier_*`` metrics), and a call after :data:`RETRY_S` tries again.
+``kvos_store_tier_*`` metrics), and a call after :data:`RETRY_S` tries again. A call Valkey answers with an
+error (out of memory under ``maxmemory`` with ``noeviction``, a user the ACL does not allow) fails alone, the
+same way, logged and counted.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class ValkeyTier:
         self.client = valkey.Valkey.from_url(
             f"{schemes[scheme]}://{rest}", socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S
         )
-        self.errors_cls = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError)
+        self.unreachable = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError)
+        self.failing = valkey.exceptions.ValkeyError  # e.g. OOM under maxmemory with noeviction, a bad ACL
         self.prefix, self.ttl = f"kvos:{namespace}:", max(1, int(ttl_s))
         self._commit = self.client.register_script(_COMMIT)
         self._lock = threading.Lock()
@@ -131,13 +134,18 @@ class ValkeyTier:
             return DOWN
         try:
             result = fn(*args)
-        except self.errors_cls as e:
+        except self.unreachable as e:
             with self._lock:
                 self.errors += 1
                 self._down_until = time.monotonic() + RETRY_S
                 if self.up:
                     _log.warning("store %s unreachable (%s: %s): serving from local tiers", self.url, what, e)
                 self.up = False
+            return DOWN
+        except self.failing as e:  # it answered, with an error: this call failed, the next one may not
+            with self._lock:
+                self.errors += 1
+            _log.warning("store %s: %s failed (%s)", self.url, what, e)
             return DOWN
         if not self.up:
             with self._lock:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from server_harness import MODEL_NAME
 
+from kvos.cli import main
 from kvos.cli.cluster import Cluster, free_port, haproxy_binary, haproxy_config, valkey_binary
 
 FILLER = "the quick brown fox jumps over the lazy dog while it rains "
@@ -79,3 +80,8 @@ def test_a_session_survives_its_replica(model_dir: Path, tmp_path: Path) -> None
         assert r.headers["x-kvos-replica"] != replicas[0]
         reused = r.json()["usage"]["kvos"]["reused_tokens"]
         assert reused >= 0.9 * history, (reused, history)
+
+
+def test_the_command_refuses_a_cluster_without_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cluster", "--replicas", "0", "--", "--budget", "256"]) == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err

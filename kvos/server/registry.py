@@ -19,7 +19,7 @@ from typing import Any
 from kvos.engine.scheduler import Scheduler
 from kvos.errors import PoolOutOfMemoryError
 from kvos.memory.heap import release_free_heap
-from kvos.policy.chunks import ChunkKind
+from kvos.policy.chunks import ChunkKind, ChunkState
 from kvos.policy.planner import SessionView, plan_swaps, stale_branches
 from kvos.server.errors import busy, not_found
 from kvos.server.state import StateDir
@@ -471,10 +471,11 @@ class SessionRegistry:
 
 def seed_length(donor: Session, spans: list[Span], priority: float, pinned: bool) -> int:
     """How much of a prompt a new session may take from ``donor``: the shared prefix of their tokens, ended
-    before the first of the donor's chunks there that is not resident (the new session starts as a fresh
-    one's prefill would leave it: the prompt in the pool), or whose hints (keep, priority) are not what this
-    request's spans give it (as :meth:`Session.sync` gives them to new chunks): a session never inherits
-    another's pins, priorities or evictions."""
+    before the first of the donor's chunks there whose K/V it does not hold (discarded: a breadcrumb only),
+    or whose hints (keep, priority) are not what this request's spans give it (as :meth:`Session.sync`
+    gives them to new chunks): a session never inherits another's pins or priorities. Saved chunks count:
+    the new session gets copies in its own store, and its sync brings them back while its budget has room,
+    spliced, not prefilled (a prompt longer than the budget is paged as its own prefill would page it)."""
     shared = common_prefix(flatten(spans), donor.token_ids())
     bounds, at = [], 0
     for span in spans:
@@ -485,6 +486,7 @@ def seed_length(donor: Session, spans: list[Span], priority: float, pinned: bool
         if chunk.original_start >= shared:
             break
         keep = next((k for lo, hi, k in bounds if lo <= chunk.original_start < hi), None)
-        if not chunk.resident or chunk.keep != keep or chunk.priority != priority:
+        held = donor.pager.state_of(chunk.chunk_id) is not ChunkState.DISCARDED
+        if not held or chunk.keep != keep or chunk.priority != priority:
             return chunk.original_start
     return shared

@@ -4,7 +4,8 @@
    ``--tokens`` tokens (routed by its ``X-Session-Id``); once the tier holds its last turn, the replica
    that served it is killed with SIGKILL, and the next turn, the whole conversation re-sent, lands on another
    replica: its reused tokens against the history, and its time to first token against a re-prefill of the
-   same conversation on that replica (under a new session id), ``--repeats`` times alternating (each move on a
+   same conversation by a lone ``kvos serve`` of the same settings with nothing stored (a replica of the
+   cluster would take the conversation's prefix from the moved session), ``--repeats`` times (each move on a
    fresh cluster).
 2. **A shared prompt**: ``--clients`` sessions, one after another, each with the same long system prompt
    (about ``--prompt-tokens`` tokens, an agent's instructions and tool schemas) and a question of its own,
@@ -31,6 +32,7 @@ from kvos.bench.common import header, median, print_table, write_json
 from kvos.bench.restart import MODEL, SID, converse, first_token, next_turn
 from kvos.bench.serve_client import Plan, TimedClient, Timings, percentile_ms
 from kvos.bench.soak import never_end
+from kvos.bench.soak_server import ServerProcess
 from kvos.cli.cluster import Cluster, free_port
 from kvos.errors import ConfigError
 from kvos.model.catalogue import add_model_argument
@@ -92,7 +94,10 @@ def one_move(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         cluster.kill(replica)
         turn = [*messages, next_turn(messages)]
         moved_s, usage = first_token(base, turn, SID)
-        cold_s, cold = first_token(base, turn, "cold-" + SID)
+    logs.mkdir(parents=True, exist_ok=True)
+    with ServerProcess(serve_args(args), logs / "cold.log") as cold_server:  # no store: nothing to take
+        warm_port(cold_server.url)
+        cold_s, cold = first_token(cold_server.url, turn, "cold-" + SID)
     return {
         "history_tokens": history,
         "prompt_tokens": usage["prompt_tokens"],
@@ -171,9 +176,13 @@ def warm(cluster: Cluster) -> None:
     """One short request to each replica, straight to its port: the first forward pass of a process (its
     kernels loaded, its buffers made) is not what a move or a re-prefill costs."""
     for port in cluster.replica_ports:
-        body = {"model": MODEL, "prompt": "Hello there.", "max_tokens": 2}
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        httpx.post(url, json=body, headers={"X-Session-Id": "warm-up"}, timeout=600).raise_for_status()
+        warm_port(f"http://127.0.0.1:{port}")
+
+
+def warm_port(url: str) -> None:
+    body = {"model": MODEL, "prompt": "Hello there.", "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Session-Id": "warm-up"}, timeout=600)
+    r.raise_for_status()
 
 
 def _owner(base: str, messages: list[dict[str, str]]) -> str:

@@ -36,6 +36,7 @@ def test_each_command_parses_its_own_options_alone(command: str) -> None:
         "demo": ["demo", "--budget", "0", "--seed", "3"],
         "calibrate": ["calibrate", "--max-tokens", "64"],
         "serve": ["serve", "--budget", "512", "--port", "8001"],
+        "cluster": ["cluster", "--replicas", "3", "--", "--budget", "512"],
         "bench": ["bench", "recall", "--quick"],
     }[command]
     assert vars(build_parser(command).parse_args(argv)) == vars(build_parser().parse_args(argv))

@@ -14,7 +14,7 @@ import pytest
 from server_harness import MODEL_NAME
 
 from kvos.cli import main
-from kvos.cli.cluster import Cluster, free_port, haproxy_binary, haproxy_config, valkey_binary
+from kvos.server.cluster import Cluster, free_port, haproxy_binary, haproxy_config, valkey_binary
 
 FILLER = "the quick brown fox jumps over the lazy dog while it rains "
 

@@ -21,9 +21,9 @@ import torch
 from server_harness import MODEL_NAME, running_app, running_server
 from test_state_store import FILLER, GREEDY, manager
 
-from kvos.cli.cluster import free_port, valkey_binary
 from kvos.policy.chunks import ChunkKind
 from kvos.server import shared_tier
+from kvos.server.cluster import free_port, valkey_binary
 from kvos.server.shared_tier import TierEntry, ValkeyTier
 from kvos.server.state import StateDir
 from kvos.session.manager import MemoryManager

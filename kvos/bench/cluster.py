@@ -33,9 +33,9 @@ from kvos.bench.restart import MODEL, SID, converse, first_token, next_turn
 from kvos.bench.serve_client import Plan, TimedClient, Timings, percentile_ms
 from kvos.bench.soak import never_end
 from kvos.bench.soak_server import ServerProcess
-from kvos.cli.cluster import Cluster, free_port
 from kvos.errors import ConfigError
 from kvos.model.catalogue import add_model_argument
+from kvos.server.cluster import Cluster, free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

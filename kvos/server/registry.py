@@ -19,10 +19,10 @@ from typing import Any
 from kvos.engine.scheduler import Scheduler
 from kvos.errors import PoolOutOfMemoryError
 from kvos.memory.heap import release_free_heap
-from kvos.policy.chunks import ChunkKind, ChunkState
 from kvos.policy.planner import SessionView, plan_swaps, stale_branches
 from kvos.server.errors import busy, not_found
 from kvos.server.state import StateDir
+from kvos.session.branch import shareable_length
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span, SpanRenderer, common_prefix, flatten
 from kvos.session.session import Session
@@ -370,17 +370,18 @@ class SessionRegistry:
     def seed(self, entry: Entry, spans: list[Span], priority: float, pinned: bool) -> None:
         """A new session's first request: when another session of the same key holds at least
         ``prefix_min_tokens`` of the prompt's start (an agent's system prompt and tool schemas) with the hints
-        this request gives it (:func:`seed_length`), the new session starts as a fork of it: those tokens' K/V
-        shared by reference instead of prefilled again. Only idle, resident sessions give their prefix (a
-        running one's history is still changing); when none here does, a stored one (this replica's state
-        dir, or another replica's session through the shared tier) is loaded, lends its prefix and is closed
-        again (its stored copy stays as it was). Under the scheduler, before :meth:`choose_branch`."""
+        this request gives it (:func:`~kvos.session.branch.shareable_length`), the new session starts as a
+        fork of it: those tokens' K/V shared by reference instead of prefilled again. Only idle, resident
+        sessions give their prefix (a running one's history is still changing); when none here does, a
+        stored one (this replica's state dir, or another replica's session through the shared tier) is
+        loaded, lends its prefix and is closed again (its stored copy stays as it was). Under the
+        scheduler, before :meth:`choose_branch`."""
         if entry.served or entry.session.history_tokens:
             return
         with self.cond:  # held to the end: no donor expires or is taken meanwhile
             best, shared = self._live_donor(entry, spans, priority, pinned)
             lent = [] if best is not None else self._stored_donor(entry.owner, spans)
-            if lent and (n := seed_length(lent[0], spans, priority, pinned)) > shared:
+            if lent and (n := shareable_length(lent[0], spans, priority, pinned)) > shared:
                 best, shared = lent[0], n
             try:
                 if best is not None:
@@ -405,7 +406,7 @@ class SessionRegistry:
             for branch in e.branches:
                 if branch.swapped or branch.session_id in self.manager.running:
                     continue
-                if (n := seed_length(branch, spans, priority, pinned)) > shared:
+                if (n := shareable_length(branch, spans, priority, pinned)) > shared:
                     best, shared = branch, n
         return best, shared
 
@@ -467,26 +468,3 @@ class SessionRegistry:
                 session.log("preempt", blocks_free=swap.blocks_free)
         if entry.session.swapped:
             entry.session.swap_in()
-
-
-def seed_length(donor: Session, spans: list[Span], priority: float, pinned: bool) -> int:
-    """How much of a prompt a new session may take from ``donor``: the shared prefix of their tokens, ended
-    before the first of the donor's chunks there whose K/V it does not hold (discarded: a breadcrumb only),
-    or whose hints (keep, priority) are not what this request's spans give it (as :meth:`Session.sync`
-    gives them to new chunks): a session never inherits another's pins or priorities. Saved chunks count:
-    the new session gets copies in its own store, and its sync brings them back while its budget has room,
-    spliced, not prefilled (a prompt longer than the budget is paged as its own prefill would page it)."""
-    shared = common_prefix(flatten(spans), donor.token_ids())
-    bounds, at = [], 0
-    for span in spans:
-        keep = "pin" if pinned and span.kind is ChunkKind.USER else span.keep
-        bounds.append((at, at + len(span.token_ids), keep))
-        at += len(span.token_ids)
-    for chunk in sorted(donor.chunks.values(), key=lambda c: c.original_start):
-        if chunk.original_start >= shared:
-            break
-        keep = next((k for lo, hi, k in bounds if lo <= chunk.original_start < hi), None)
-        held = donor.pager.state_of(chunk.chunk_id) is not ChunkState.DISCARDED
-        if not held or chunk.keep != keep or chunk.priority != priority:
-            return chunk.original_start
-    return shared

@@ -15,7 +15,8 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from kvos.policy.chunks import Chunk, ChunkState
+from kvos.policy.chunks import Chunk, ChunkKind, ChunkState
+from kvos.session.prompt import Span, common_prefix, flatten
 from kvos.session.session import Session
 
 
@@ -62,3 +63,26 @@ def fork(parent: Session, child: Session, length: int) -> int:
     child.memory.journal.log(history.turn, "fork", parent=parent.session_id, tokens=kept)
     child.memory.journal.seen(child.pager.active_tokens)
     return kept
+
+
+def shareable_length(donor: Session, spans: list[Span], priority: float, pinned: bool) -> int:
+    """How much of a prompt a new session may take from ``donor``: the shared prefix of their tokens, ended
+    before the first of the donor's chunks there whose K/V it does not hold (discarded: a breadcrumb only),
+    or whose hints (keep, priority) are not what this request's spans give it (as :meth:`Session.sync`
+    gives them to new chunks): a session never inherits another's pins or priorities. Saved chunks count:
+    the new session gets copies in its own store, and its sync brings them back while its budget has room,
+    spliced, not prefilled (a prompt longer than the budget is paged as its own prefill would page it)."""
+    shared = common_prefix(flatten(spans), donor.token_ids())
+    bounds, at = [], 0
+    for span in spans:
+        keep = "pin" if pinned and span.kind is ChunkKind.USER else span.keep
+        bounds.append((at, at + len(span.token_ids), keep))
+        at += len(span.token_ids)
+    for chunk in sorted(donor.chunks.values(), key=lambda c: c.original_start):
+        if chunk.original_start >= shared:
+            break
+        keep = next((k for lo, hi, k in bounds if lo <= chunk.original_start < hi), None)
+        held = donor.pager.state_of(chunk.chunk_id) is not ChunkState.DISCARDED
+        if not held or chunk.keep != keep or chunk.priority != priority:
+            return chunk.original_start
+    return shared

@@ -102,6 +102,14 @@ def talk(s: Session, turns: range) -> None:
         s.generate(GREEDY)
 
 
+def noted(manager: MemoryManager, name: str, turns: int) -> Session:
+    """A session of ``manager`` with a system prompt and ``turns`` notes, each answered."""
+    s = manager.session(name)
+    s.add_message("system", "You keep notes.")
+    talk(s, range(turns))
+    return s
+
+
 def reply(s: Session, text: str) -> list[int]:
     s.add_message("user", text)
     return s.generate(GREEDY)[1]
@@ -111,9 +119,7 @@ def test_another_replica_continues_a_session_with_its_cache(
     model_dir: Path, tmp_path: Path, store: Valkey
 ) -> None:
     a_state, a = replica(tmp_path / "a", model_dir, store.url)
-    s = a.session("local/s")
-    s.add_message("system", "You keep notes.")
-    talk(s, range(5))
+    s = noted(a, "local/s", 5)
     assert s.stats()["evictions"] > 0  # saved chunks as well as resident ones travel
     assert a_state.save("local", "s", 5, [s])
     assert a_state.tier is not None and a_state.tier.generation("local", "s") == 1
@@ -139,9 +145,7 @@ def test_another_replica_continues_a_session_with_its_cache(
 
 def test_damaged_or_evicted_blobs_are_never_served(model_dir: Path, tmp_path: Path, store: Valkey) -> None:
     a_state, a = replica(tmp_path / "a", model_dir, store.url)
-    s = a.session("local/s")
-    s.add_message("system", "You keep notes.")
-    talk(s, range(5))
+    s = noted(a, "local/s", 5)
     assert a_state.save("local", "s", 5, [s])
     assert a_state.tier is not None
     entry = a_state.tier.entry("local", "s")
@@ -174,9 +178,7 @@ def test_two_replicas_writing_one_session_are_told_apart(
     model_dir: Path, tmp_path: Path, store: Valkey
 ) -> None:
     a_state, a = replica(tmp_path / "a", model_dir, store.url)
-    s = a.session("local/s")
-    s.add_message("system", "You keep notes.")
-    talk(s, range(3))
+    s = noted(a, "local/s", 3)
     assert a_state.save("local", "s", 3, [s])
     b_state, b = replica(tmp_path / "b", model_dir, store.url)
     loaded = b_state.load("local", "s", b)
@@ -214,9 +216,7 @@ def test_two_replicas_writing_one_session_are_told_apart(
 def test_valkey_stopped_and_started_again(model_dir: Path, tmp_path: Path, store: Valkey) -> None:
     a_state, a = replica(tmp_path / "a", model_dir, store.url)
     assert a_state.tier is not None
-    s = a.session("local/s")
-    s.add_message("system", "You keep notes.")
-    talk(s, range(2))
+    s = noted(a, "local/s", 2)
     store.stop()
     assert a_state.save("local", "s", 2, [s])  # the local copy is written; the tier's is not
     assert not a_state.tier.up and a_state.tier.errors >= 1
@@ -232,9 +232,7 @@ def test_another_keys_session_is_invisible_through_the_tier(
     model_dir: Path, tmp_path: Path, store: Valkey
 ) -> None:
     a_state, a = replica(tmp_path / "a", model_dir, store.url)
-    s = a.session("alice/s")
-    s.add_message("system", "You keep notes.")
-    talk(s, range(2))
+    s = noted(a, "alice/s", 2)
     assert a_state.save("alice", "s", 2, [s])
     b_state, b = replica(tmp_path / "b", model_dir, store.url)
     assert b_state.tier is not None
@@ -337,9 +335,7 @@ def test_a_full_valkey_fails_the_write_not_the_replica(
     raw = store.client()
     raw.config_set("maxmemory-policy", "noeviction")
     raw.config_set("maxmemory", str(int(raw.info("memory")["used_memory"]) + 4096))
-    s = a.session("local/s")
-    s.add_message("system", "You keep notes.")
-    talk(s, range(3))
+    s = noted(a, "local/s", 3)
     assert a_state.save("local", "s", 3, [s])  # written here
     assert a_state.tier.errors >= 1 and a_state.tier.up and a_state.tier.generation("local", "s") == 0
     raw.config_set("maxmemory", "0")

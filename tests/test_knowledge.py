@@ -125,5 +125,7 @@ def test_questions_before_the_fact() -> None:
         ]
         assert len(asked) == len(set(asked)) == 3 + 6 + 1
     assert knowledge_sessions(8, 7, 6, lead=0) == knowledge_sessions(8, 7, 6)
+    cycled = knowledge_sessions(5, 7, 6, lead=range(3))  # session i: lead i % 3
+    assert [c.probes[0].plant_index for c in cycled] == [1, 3, 5, 1, 3]
     with pytest.raises(ValueError, match="lead"):
         knowledge_session(random.Random(7), "city", 6, lead=-1)

@@ -251,6 +251,7 @@ def test_recorded_calibration_sessions_are_read_back_for_the_same_recipe(tmp_pat
         sessions=2,
         seed=CALIBRATION_SEED,
         fillers=None,
+        lead=6,
         budget_frac=0.25,
         embedder="tokens",
         features=str(cache),
@@ -271,17 +272,26 @@ def test_recorded_calibration_sessions_are_read_back_for_the_same_recipe(tmp_pat
     args.sessions, args.corpus = 2, "knowledge"
     with pytest.raises(ConfigError, match="other sessions"):
         recorded_sessions(None, args, (0, 3), info)  # type: ignore[arg-type]
+    args.corpus, args.lead = "builtin", 0  # other places for the facts: other sessions
+    with pytest.raises(ConfigError, match="other sessions"):
+        recorded_sessions(None, args, (0, 3), info)  # type: ignore[arg-type]
 
 
 def test_a_gguf_chat_model_is_calibrated_on_knowledge_sessions() -> None:
     """``kvos calibrate --retriever`` on a .gguf model plays the sessions ``kvos bench recall`` measures it
-    on (knowledge: the fact at turn 1, questions, the probe), drawn from the calibration seed, never the
-    benchmark's; the fact's exchange (the planting message and its acknowledgement) is what a probe marks."""
+    on (knowledge: questions, the fact, questions, the probe), drawn from the calibration seed, never the
+    benchmark's, with the fact after 0, 1, 2, .. questions in turn (a retriever that saw facts only at turn
+    1 learns their place, not their words); the fact's exchange (the planting message and its
+    acknowledgement) is what a probe marks."""
     assert default_corpus("m.gguf") == "knowledge" and default_corpus(builtin_model_path()) == "builtin"
     chats = calibration_chats("knowledge", 3, CALIBRATION_SEED, 4)
     bench = knowledge_sessions(3, KNOWLEDGE_SEED, 4)
     assert [c.messages for c in chats] != [c.messages for c in bench]
-    assert all(len(c.messages) == 1 + 2 * (1 + 4 + 1) for c in chats)  # system; fact, 4 questions, probe
+    assert [c.probes[0].plant_index for c in chats] == [1, 3, 5]  # after 0, 1, 2 questions
+    for lead, chat in enumerate(chats):  # system; lead questions, the fact, 4 questions, the probe
+        assert len(chat.messages) == 1 + 2 * (lead + 1 + 4 + 1)
+    firsts = calibration_chats("knowledge", 3, CALIBRATION_SEED, 4, lead=0)
+    assert [c.probes[0].plant_index for c in firsts] == [1, 1, 1]
     with pytest.raises(ConfigError, match="unknown calibration corpus"):
         calibration_chats("wiki", 3, CALIBRATION_SEED, 4)
     path = builtin_model_path()
@@ -291,9 +301,9 @@ def test_a_gguf_chat_model_is_calibrated_on_knowledge_sessions() -> None:
     assert probes, "no probe had its fact among the candidates"
     for chat, recorded in zip(chats, found, strict=True):
         for p in recorded:
-            if p.is_probe:  # the fact's exchange is exchange 1 (messages 1 and 2)
-                assert {e for e, f in zip(p.exchange, p.fact.tolist(), strict=True) if f} == {1}
-                assert chat.probes[0].plant_index == 1
+            if p.is_probe:  # the fact's exchange: the planting message and its reply
+                plant = chat.probes[0].plant_index
+                assert {e for e, f in zip(p.exchange, p.fact.tolist(), strict=True) if f} == {plant}
 
 
 def test_kvos_ships_a_retriever_for_a_catalogue_model(

@@ -15,7 +15,7 @@ Everything is drawn from one ``random.Random(seed)``: another seed gives other v
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvos.builtin.corpus import (
@@ -182,14 +182,19 @@ def knowledge_sessions(
     seed: int = KNOWLEDGE_SEED,
     questions: int = QUESTIONS_PER_SESSION,
     kinds: tuple[str, ...] = BENCH_KINDS,
-    lead: int = 0,
+    lead: int | Sequence[int] = 0,
 ) -> list[ChatSession]:
     """``n`` sessions drawn from ``random.Random(seed)``, each with a fact of one of ``kinds`` (drawn in
-    turn, in a shuffled order) after ``lead`` knowledge questions and before ``questions`` more."""
+    turn, in a shuffled order) after ``lead`` knowledge questions and before ``questions`` more. A sequence
+    ``lead`` gives session ``i`` the lead ``lead[i % len(lead)]`` (facts said at several points of a
+    conversation, as calibration wants them)."""
+    leads = [lead] if isinstance(lead, int) else list(lead)
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
-    return [knowledge_session(rng, order[i % len(order)], questions, lead=lead) for i in range(n)]
+    return [
+        knowledge_session(rng, order[i % len(order)], questions, lead=leads[i % len(leads)]) for i in range(n)
+    ]
 
 
 def knowledge_demo_session(seed: int = DEMO_SEED, questions: int = QUESTIONS_PER_SESSION) -> ChatSession:

@@ -88,6 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "session",
     )  # fmt: skip
     p.add_argument(
+        "--lead", type=int, default=None, metavar="N",
+        help="--retrieval / --retriever, knowledge corpus: the fact follows 0..N questions, in turn over the "
+        "sessions (default 6: facts said anywhere in a conversation, not only first)",
+    )  # fmt: skip
+    p.add_argument(
         "--budget-frac",
         type=float,
         default=0.25,
@@ -160,13 +165,15 @@ def run(args: argparse.Namespace) -> int:
     path = _model_path(args.model)
     model = load_model(path, dtype=args.dtype, device=args.device)
     if args.retrieval or args.retriever:
-        from kvos.cli.calibrate_retrieval import CALIBRATION_SEED, default_corpus
+        from kvos.cli.calibrate_retrieval import CALIBRATION_LEAD, CALIBRATION_SEED, default_corpus
         from kvos.cli.calibrate_retrieval import run as run_retrieval
         from kvos.cli.calibrate_retriever import run as run_retriever
 
         if args.seed is None:
             args.seed = CALIBRATION_SEED
         args.corpus = args.corpus or default_corpus(path)
+        if args.lead is None:
+            args.lead = CALIBRATION_LEAD
         if args.sessions is None:
             args.sessions = (120 if args.corpus == "knowledge" else 400) if args.retriever else 40
         if args.retriever:

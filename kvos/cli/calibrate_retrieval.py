@@ -48,6 +48,7 @@ from kvos.session.session import Session
 from kvos.session.strategies import strategy
 
 CALIBRATION_SEED = HELDOUT_SEED + 1  # not the recall benchmark's sessions (either corpus')
+CALIBRATION_LEAD = 6  # knowledge sessions: the fact follows 0..6 questions (calibrate --lead)
 PROBE_TOKENS = 24  # the reply to a probe, as kvos bench recall lets it run (it sizes the budget)
 CORPORA = ("builtin", "knowledge")
 
@@ -59,12 +60,17 @@ def default_corpus(path: str | Path) -> str:
     return "knowledge" if Path(path).suffix == ".gguf" else "builtin"
 
 
-def calibration_chats(corpus: str, sessions: int, seed: int, fillers: int | None) -> list[ChatSession]:
+def calibration_chats(
+    corpus: str, sessions: int, seed: int, fillers: int | None, lead: int = CALIBRATION_LEAD
+) -> list[ChatSession]:
     """The calibration sessions: ``sessions`` of ``corpus`` drawn from ``seed`` (the calibration seed by
     default, never the benchmark's); ``fillers``: filler turns (built-in) or knowledge questions between
-    the fact and the probe (knowledge; default 12, the benchmark's)."""
+    the fact and the probe (knowledge; default 12, the benchmark's); ``lead``: on the knowledge corpus, the
+    fact follows 0, 1, .., ``lead`` questions in turn over the sessions (a retriever calibrated on facts
+    said first learns where they stand, not what they say: docs/benchmarks.md)."""
     if corpus == "knowledge":
-        return knowledge_sessions(sessions, seed, QUESTIONS_PER_SESSION if fillers is None else fillers)
+        questions = QUESTIONS_PER_SESSION if fillers is None else fillers
+        return knowledge_sessions(sessions, seed, questions, lead=range(lead + 1))
     if corpus != "builtin":
         raise ConfigError(f"unknown calibration corpus {corpus!r}: one of {', '.join(CORPORA)}")
     return heldout_sessions(sessions, seed, fillers=fillers)
@@ -180,7 +186,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
     """``kvos calibrate --retrieval`` on the loaded ``model``: write the JSON to ``args.out``, print a
     summary; exit status."""
     manager = MemoryManager(Engine(model), load_tokenizer(Path(model_info["path"])))
-    chats = calibration_chats(args.corpus, args.sessions, args.seed, args.fillers)
+    chats = calibration_chats(args.corpus, args.sessions, args.seed, args.fillers, args.lead)
     top1, topk, scored, layers, top_k = calibrate_heads(
         manager, chats, args.budget_frac, PROBE_TOKENS, args.embedder
     )
@@ -193,6 +199,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
             "probes_scored": scored,
             "seed": args.seed,
             "fillers": args.fillers,
+            "lead": args.lead,
             "budget_frac": args.budget_frac,
             "embedder": args.embedder,
             "top_k": top_k,

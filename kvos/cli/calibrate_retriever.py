@@ -225,7 +225,8 @@ def recorded_sessions(
     recipe = {
         "model": Path(model_info["path"]).name,
         "layers": list(layers),
-        **{k: getattr(args, k) for k in ("corpus", "sessions", "seed", "fillers", "budget_frac", "embedder")},
+        **{k: getattr(args, k) for k in ("corpus", "sessions", "seed", "fillers", "lead", "budget_frac")},
+        "embedder": args.embedder,
     }
     cache = Path(args.features) if args.features else None
     if cache is not None and cache.exists():
@@ -234,7 +235,7 @@ def recorded_sessions(
         if found != recipe:
             raise ConfigError(f"{cache} was recorded for other sessions or another model: {found}")
         return [[Probe(**p) for p in session] for session in saved["sessions"]]
-    chats = calibration_chats(args.corpus, args.sessions, args.seed, args.fillers)
+    chats = calibration_chats(args.corpus, args.sessions, args.seed, args.fillers, args.lead)
     per_session = [
         session_features(manager, chat, args.budget_frac, layers, embedder=args.embedder)
         for chat in tqdm(chats, desc="retriever", unit="session")
@@ -281,6 +282,7 @@ def run(args: argparse.Namespace, model: Transformer, model_info: dict[str, Any]
         "sessions": len(per_session),
         "seed": args.seed,
         "fillers": args.fillers,
+        "lead": args.lead,
         "budget_frac": args.budget_frac,
         "embedder": args.embedder,
         "probes_fitted": sum(p.is_probe for p in fitted),

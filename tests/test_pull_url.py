@@ -186,3 +186,27 @@ def test_stories260k_is_in_the_catalogue_and_runs_by_name(
     args = ["generate", "--model", "stories260K", "--prompt", "Once upon a time", "--max-tokens", "8"]
     assert main([*args, "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip().startswith("Once upon a time")
+
+
+def test_a_full_disk_is_not_called_a_network_failure(
+    site: Site, data: bytes, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A write to the cache that fails (ENOSPC) is reported as the disk's error, and the next address is not
+    tried: the disk would be as full for it."""
+    import errno
+
+    from kvos.model import pull as pull_module
+
+    site.routes["/m.gguf"] = data
+    site.routes["/again.gguf"] = data
+    entry = use(monkeypatch, tmp_path, data, [site.url("/m.gguf"), site.url("/again.gguf")])
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pull_module.os, "fsync", full)
+    with pytest.raises(PullError, match="No space left on device") as caught:
+        pull(NAME, progress=False)
+    assert not isinstance(caught.value, IndexUnreachableError)
+    assert site.hits == ["/m.gguf"]
+    assert kept(entry) == []

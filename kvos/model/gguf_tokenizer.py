@@ -137,8 +137,9 @@ def _token_id(metadata: Mapping[str, Any], key: str, tokens: Sequence[str]) -> i
 
 # Tokens that end a reply wherever they appear in a vocabulary, as llama.cpp's loader reads a GGUF file: the
 # turn and text ends of the common chat formats (Llama 3, ChatML, Phi, Gemma, gpt-oss, Granite, CodeLlama,
-# SmolDocling) and Qwen2.5-Coder's fill-in-the-middle padding, repository and file separators. Qwen2.5's GGUF names only <|im_end|> as EOS; its model may still write <|endoftext|> (its
-# generation_config.json lists both), and a reply must stop there, not go on past it.
+# SmolDocling) and Qwen2.5-Coder's fill-in-the-middle padding, repository and file separators. Qwen2.5's GGUF
+# names only <|im_end|> as EOS; its model may still write <|endoftext|> (its generation_config.json lists
+# both), and a reply must stop there, not go on past it.
 END_OF_GENERATION_TEXTS = frozenset(
     {
         "<|eot_id|>",

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from test_pull import leftovers
 
 from kvos.cli import main
 from kvos.errors import CorruptDownloadError, IndexUnreachableError, PullError
@@ -91,11 +92,6 @@ def use(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, data: bytes, urls: list
     return entry
 
 
-def kept(entry: CatalogueEntry) -> list[str]:
-    """What the model's cache directory holds besides its lock file."""
-    return sorted(p.name for p in model_file(entry).parent.iterdir() if p.name != ".lock")
-
-
 def test_a_file_is_fetched_checked_and_kept_once(
     site: Site, data: bytes, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -104,7 +100,7 @@ def test_a_file_is_fetched_checked_and_kept_once(
     first = pull(NAME, progress=False)
     assert first.fetched and first.path == model_file(entry)
     assert first.path.read_bytes() == data
-    assert kept(entry) == ["model.gguf"]
+    assert leftovers(entry) == ["model.gguf"]
     assert not pull(NAME, progress=False).fetched  # idempotent: nothing fetched a second time
     assert site.hits == ["/m.gguf"]
     assert resolve_model(NAME) == first.path
@@ -120,7 +116,7 @@ def test_the_next_address_is_tried_when_one_fails(
     entry = use(monkeypatch, tmp_path, data, urls)
     assert pull(NAME, progress=False).path.read_bytes() == data
     assert site.hits == ["/gone.gguf", "/cut.gguf", "/m.gguf"]
-    assert kept(entry) == ["model.gguf"]
+    assert leftovers(entry) == ["model.gguf"]
 
 
 def test_wrong_bytes_are_refused_and_nothing_is_kept(
@@ -132,11 +128,11 @@ def test_wrong_bytes_are_refused_and_nothing_is_kept(
     entry = use(monkeypatch, tmp_path, data, [site.url("/m.gguf")])
     with pytest.raises(CorruptDownloadError, match="sha256"):
         pull(NAME, progress=False)
-    assert kept(entry) == []
+    assert leftovers(entry) == []
     site.routes["/m.gguf"] = data[:-1]
     with pytest.raises(CorruptDownloadError, match=f"{len(data) - 1} bytes, the catalogue says {len(data)}"):
         pull(NAME, progress=False)
-    assert kept(entry) == []
+    assert leftovers(entry) == []
 
 
 def test_errors_are_typed_and_one_line(
@@ -158,7 +154,7 @@ def test_errors_are_typed_and_one_line(
     with pytest.raises(PullError, match="HTTP 404") as caught:
         pull(NAME, progress=False)
     assert not isinstance(caught.value, IndexUnreachableError)  # reached, and refused
-    assert kept(entry) == []
+    assert leftovers(entry) == []
 
 
 def test_an_entry_has_one_kind_of_source() -> None:
@@ -209,4 +205,4 @@ def test_a_full_disk_is_not_called_a_network_failure(
         pull(NAME, progress=False)
     assert not isinstance(caught.value, IndexUnreachableError)
     assert site.hits == ["/m.gguf"]
-    assert kept(entry) == []
+    assert leftovers(entry) == []

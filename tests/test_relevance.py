@@ -112,7 +112,7 @@ def buried_fact_session(
     signal: str, fillers: int = 8, check: bool = True, **cfg: object
 ) -> tuple[MemoryManager, Session, list]:
     """The built-in model; a fact the question shares no content word with, then ``fillers`` exchanges
-    (8 page it out under the 160-token budget; after 6 it is still resident, the least recent chunk;
+    (8 page it out under the 160-token budget; after 5 it is still resident, the least recent exchange;
     ``check``: assert so, for signals that bring back nothing on the filler questions)."""
     path = builtin_model_path()
     manager = MemoryManager(Engine(load_model(path)), load_tokenizer(path))
@@ -146,10 +146,15 @@ def test_answer_signal_recovers_a_fact_without_shared_words(signal: str) -> None
 
 @pytest.mark.parametrize("signal", ["answer", "lexical"])
 def test_answer_signal_keeps_a_resident_fact_the_question_needs(signal: str) -> None:
-    """Making room for the question pages out the least recent chunk, the fact; the answer signal
-    protects the exchange the answer needs for the turn, the lexical one cannot see it."""
-    manager, s, fact = buried_fact_session(signal, fillers=6)
-    s.add_message("user", "What is my job?")
+    """Making room for the question pages out the least recent exchange, the fact's; the answer signal
+    (asked because a filler exchange is saved) protects the exchange the answer needs for the turn, the
+    lexical one cannot see it."""
+    manager, s, fact = buried_fact_session(signal, fillers=5)
+    first_filler = [c for c in s.chunks.values() if c.message_index in (3, 4)]
+    s.memory.page_out(first_filler)
+    question = "What is my job, please? Answer me in one short sentence, thank you very much, and be quick."
+    assert s.pager.active_tokens + len(s.tokenizer.encode(question)) > 160  # it needs an eviction
+    s.add_message("user", question)
     state = ChunkState.RESIDENT if signal == "answer" else ChunkState.SAVED
     assert all(chunk.state is state for chunk in fact)
     manager.close(s.session_id)

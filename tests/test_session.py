@@ -333,6 +333,35 @@ def test_discard_never_recovers(engine: Engine, model_dir: Path) -> None:
     m.close(s.session_id)
 
 
+@pytest.mark.parametrize("backend", ["discard", "kv_restore"])
+def test_a_question_and_the_start_of_its_answer_leave_together(
+    engine: Engine, model_dir: Path, backend: str
+) -> None:
+    """The seam of an exchange (a user message's last chunk, its reply's first) is paged out whole: the
+    cache never holds a question without the start of its answer (a chat model reads a run of those as
+    turns it ignored), nor an answer's start without its question. The one exception: a message
+    recovered this turn without its reply (the reply did not fit), protected for the turn."""
+    m = manager(engine, model_dir, backend=backend)
+    s = m.session()
+    s.add_message("system", "be brief")
+    for i in range(10):
+        s.add_message("user", f"question {i}: " + FILLER[: 8 * i])
+        s.generate(SamplingParams(max_tokens=50, ignore_eos=True))
+        by_message: dict[int, list] = {}
+        for c in sorted(s.chunks.values(), key=lambda c: c.original_start):
+            by_message.setdefault(c.message_index, []).append(c)
+        for index, chunks in by_message.items():
+            if chunks[0].kind is ChunkKind.USER and index + 1 in by_message:
+                seam = (chunks[-1], by_message[index + 1][0])
+                if any(c.chunk_id in s.history.protected for c in seam):
+                    continue
+                assert seam[0].resident == seam[1].resident, (i, index)
+    gone = {e["chunk"] for e in s.memory.journal.events if e["event"] == "evict"}
+    assert any(s.chunks[c].kind is ChunkKind.USER for c in gone)  # questions did go, with their answers
+    assert s.stats()["max_active_tokens_seen"] <= 200
+    m.close(s.session_id)
+
+
 def test_task_boundary_snaps_focus(engine: Engine, model_dir: Path) -> None:
     m = manager(engine, model_dir)
     s = m.session()

@@ -86,22 +86,35 @@ def select_victims(
     target: int,
     protected: Collection[int] = (),
     sink_count: int = 4,
+    units: Mapping[int, Collection[int]] | None = None,
 ) -> list[Chunk]:
     """The chunks to evict, in eviction order, to bring ``active_tokens`` down to ``target``.
 
     Among :func:`evictable` chunks, the lowest-scored go first (ties: smaller ``original_start`` first),
-    until ``active_tokens - sum(num_tokens) <= target``. Returns ``[]`` when already at or under the target,
-    and every evictable chunk when even that does not reach it (the caller decides what to do then).
+    until ``active_tokens - sum(num_tokens) <= target``. ``units``: chunk id -> the ids of the chunks that
+    go with it (itself included); a unit goes whole, scored as its best chunk, and only when every chunk
+    of it that is resident, unpinned and no sink is evictable (a pinned question's reply goes alone).
+    Returns ``[]`` when already at or under the target, and every evictable unit when even that does not
+    reach it (the caller decides what to do then).
     """
-    candidates = sorted(
-        evictable(chunks, scores, protected, sink_count),
-        key=lambda c: (scores[c.chunk_id], c.original_start, c.chunk_id),
-    )
+    candidates = evictable(chunks, scores, protected, sink_count)
+    by_id = {c.chunk_id: c for c in candidates}
+    open_ = {c.chunk_id for c in chunks if c.resident and not c.pinned and not c.is_sink(sink_count)}
+    groups: list[list[Chunk]] = []
+    seen: set[int] = set()
+    for chunk in sorted(candidates, key=lambda c: c.original_start):
+        if chunk.chunk_id in seen:
+            continue
+        members = sorted(i for i in (units or {}).get(chunk.chunk_id, (chunk.chunk_id,)) if i in open_)
+        seen.update(members)
+        if all(i in by_id for i in members):
+            groups.append(sorted((by_id[i] for i in members), key=lambda c: c.original_start))
+    groups.sort(key=lambda g: (max(scores[c.chunk_id] for c in g), g[0].original_start, g[0].chunk_id))
     victims: list[Chunk] = []
     remaining = active_tokens
-    for chunk in candidates:
+    for group in groups:
         if remaining <= target:
             break
-        victims.append(chunk)
-        remaining -= chunk.num_tokens
+        victims.extend(group)
+        remaining -= sum(c.num_tokens for c in group)
     return victims

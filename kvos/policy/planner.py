@@ -18,7 +18,7 @@ restored). Chunks recovered this turn (``Residency.protected``) go only when not
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvos.policy.budget import Budget, select_victims
 from kvos.policy.chunks import Chunk
@@ -31,7 +31,9 @@ class Residency:
     - ``resident``: its resident chunks in cache order; ``scores``: chunk id -> score for each of them;
     - ``active_tokens``: its resident tokens (the sum of the resident chunks' tokens);
     - ``protected``: chunk ids protected for this turn (recovered ones), which yield only to the chunks a
-      caller holds.
+      caller holds;
+    - ``units``: chunk id -> the ids of the resident chunks that are evicted together with it (a user
+      message's last chunk and its reply's first: :func:`plan_room`); a chunk absent from it goes alone.
     """
 
     resident: tuple[Chunk, ...]
@@ -40,6 +42,7 @@ class Residency:
     budget: Budget
     sink_count: int
     protected: frozenset[int] = frozenset()
+    units: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,14 +69,23 @@ class RoomPlan:
 def plan_room(residency: Residency, n: int, holding: frozenset[int] = frozenset()) -> RoomPlan:
     """The evictions that make room for ``n`` more tokens within the session's budget.
 
-    Nothing when ``active + n`` is not over the budget's trigger. Otherwise, in three stages, each only
+    Nothing when ``active + n`` is not over the budget's trigger. Otherwise, in four stages, each only
     while ``active + n`` is still above ``max_active_tokens`` after the one before:
 
     1. the lowest-scored evictable chunks down to the budget's target (neither this turn's protected chunks
        nor ``holding`` ones);
     2. the last resort: chunks scoring >= 1.0 without a pin go too, lowest score first (oldest first among
        ties), down to ``max_active_tokens``;
-    3. the same, this turn's protected chunks included: their protection yields to the chunks held.
+    3. the same, with a unit tied to a held chunk come apart (the question of the reply being written);
+    4. the same, this turn's protected chunks included: their protection yields to the chunks held.
+
+    A unit of ``residency.units`` (a user message's last chunk and its reply's first) goes whole, scored
+    as its best chunk, or stays whole, so that the cache never holds a question without the start of its
+    answer, nor a statement without its acknowledgement. A run of answerless questions reads to a chat
+    model as turns it ignored: Qwen2.5-Coder-0.5B with its planted fact resident but the replies to the
+    twelve questions after it paged out answered "What is my favourite number?" with "I'm sorry, but I
+    don't have a favorite number"; from the same transcript with each reply cut to its first 61 tokens,
+    or with those exchanges gone whole, it quoted the number (docs/memory-manager.md).
     """
     budget = residency.budget
     if not budget.over(residency.active_tokens + n):
@@ -84,8 +96,10 @@ def plan_room(residency: Residency, n: int, holding: frozenset[int] = frozenset(
     limit = budget.max_active_tokens
     if draft.active + n > limit:
         draft.take(draft.victims(n, limit, keep, capped=True), forced=True)
+    if draft.active + n > limit and holding:
+        draft.take(draft.victims(n, limit, keep, capped=True, loose=holding), forced=True)
     if draft.active + n > limit and residency.protected:
-        draft.take(draft.victims(n, limit, holding, capped=True), forced=True)
+        draft.take(draft.victims(n, limit, holding, capped=True, loose=holding), forced=True)
     return RoomPlan(tuple(draft.evictions), draft.active, draft.active + n <= limit)
 
 
@@ -169,13 +183,16 @@ class _Draft:
         self.active = residency.active_tokens
         self.evictions: list[Eviction] = []
 
-    def victims(self, n: int, target: int, keep: frozenset[int], capped: bool) -> list[Chunk]:
+    def victims(
+        self, n: int, target: int, keep: frozenset[int], capped: bool, loose: frozenset[int] = frozenset()
+    ) -> list[Chunk]:
         """select_victims over what is left; ``capped``: scores >= 1.0 count as just below 1.0 (so
-        unpinned "prefer" chunks may go, in age order among themselves)."""
-        scores = self.residency.scores
-        if capped:
-            scores = {i: min(s, 1.0 - 1e-9) for i, s in scores.items()}
-        return select_victims(self.left, scores, self.active + n, target, keep, self.residency.sink_count)
+        unpinned "prefer" chunks may go, in age order among themselves); ``loose``: the units holding one
+        of these chunks come apart."""
+        r = self.residency
+        scores = {i: min(s, 1.0 - 1e-9) for i, s in r.scores.items()} if capped else r.scores
+        units = {i: u for i, u in r.units.items() if not u & loose} if loose else r.units
+        return select_victims(self.left, scores, self.active + n, target, keep, r.sink_count, units)
 
     def take(self, victims: list[Chunk], forced: bool) -> None:
         gone = {c.chunk_id for c in victims}

@@ -105,7 +105,7 @@ def select_victims(
     for chunk in sorted(candidates, key=lambda c: c.original_start):
         if chunk.chunk_id in seen:
             continue
-        members = sorted(i for i in (units or {}).get(chunk.chunk_id, (chunk.chunk_id,)) if i in open_)
+        members = [i for i in (units or {}).get(chunk.chunk_id, (chunk.chunk_id,)) if i in open_]
         seen.update(members)
         if all(i in by_id for i in members):
             groups.append(sorted((by_id[i] for i in members), key=lambda c: c.original_start))

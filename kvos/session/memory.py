@@ -19,7 +19,7 @@ import torch
 
 from kvos.errors import BudgetError
 from kvos.policy.attention import AttentionTracker, chunk_masses
-from kvos.policy.chunks import Chunk, ChunkKind, ChunkState
+from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
 from kvos.policy.lexical import ChunkLexicon, overlap
@@ -31,7 +31,7 @@ from kvos.session.embedder import Embedder
 from kvos.session.history import History
 from kvos.session.journal import Journal, TurnCosts
 from kvos.session.pager import Pager
-from kvos.session.units import Unit, unit_groups
+from kvos.session.units import Unit, seam_units, unit_groups
 
 
 class SessionMemory:
@@ -96,26 +96,8 @@ class SessionMemory:
             self.config.budget,
             self.config.sink_count,
             frozenset(self.history.protected),
-            self.exchange_units(),
+            seam_units(self.chunks.values()),
         )
-
-    def exchange_units(self) -> dict[int, frozenset[int]]:
-        """Chunk id -> its unit of eviction, for each seam between a user message and the assistant reply
-        after it: the message's last chunk and the reply's first, when both are resident (a long message's
-        earlier chunks and a long reply's later ones go by their own scores)."""
-        by_message: dict[int, list[Chunk]] = {}
-        for chunk in self.chunks.values():
-            by_message.setdefault(chunk.message_index, []).append(chunk)
-        units: dict[int, frozenset[int]] = {}
-        for index, chunks in by_message.items():
-            reply = by_message.get(index + 1, [])
-            if chunks[0].kind is not ChunkKind.USER or not reply or reply[0].kind is not ChunkKind.ASSISTANT:
-                continue
-            last = max(chunks, key=lambda c: c.original_start)
-            head = min(reply, key=lambda c: c.original_start)
-            if last.resident and head.resident:
-                units[last.chunk_id] = units[head.chunk_id] = frozenset((last.chunk_id, head.chunk_id))
-        return units
 
     def make_room(self, n: int, protected: set[int] | None = None) -> None:
         """Page out chunks so that ``n`` more tokens keep the session within its budget

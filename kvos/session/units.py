@@ -31,6 +31,24 @@ def exchange_units(chunks: Iterable[Chunk]) -> Unit:
     return key
 
 
+def seam_units(chunks: Iterable[Chunk]) -> dict[int, frozenset[int]]:
+    """The planner's units of eviction (:class:`~kvos.policy.planner.Residency`): for each user message
+    followed by an assistant reply, its last chunk and the reply's first, chunk id -> both ids, when both
+    are resident (a long message's earlier chunks and a long reply's later ones stay units of their own)."""
+    by_message: dict[int, list[Chunk]] = {}
+    for c in in_order(chunks):
+        by_message.setdefault(c.message_index, []).append(c)
+    units: dict[int, frozenset[int]] = {}
+    for index, message in by_message.items():
+        reply = by_message.get(index + 1)
+        if message[0].kind is not ChunkKind.USER or not reply or reply[0].kind is not ChunkKind.ASSISTANT:
+            continue
+        last, head = message[-1], reply[0]
+        if last.resident and head.resident:
+            units[last.chunk_id] = units[head.chunk_id] = frozenset((last.chunk_id, head.chunk_id))
+    return units
+
+
 def bounded(unit: Unit, chunks: Iterable[Chunk], max_tokens: int) -> Unit:
     """``unit``, except that a unit of more than ``max_tokens`` tokens falls apart into its chunks, each a
     unit of its own (keyed ``-1 - chunk_id``, apart from message indexes): a 10,000-token system prompt or

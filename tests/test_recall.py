@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvos.bench.recall import sessions
+from kvos.builtin.evaluate import answered
 from kvos.builtin.knowledge import KNOWLEDGE_SEED
 from kvos.cli import main
 from kvos.errors import ConfigError
@@ -49,6 +50,15 @@ def test_recall_bench_contract(model_dir: Path, tmp_path: Path) -> None:
     for row in rows.values():
         assert {"pass_rate", "ci_low", "ci_high", "mean_evictions", "mean_recoveries"} <= row.keys()
         assert 0.0 <= row["ci_low"] <= row["pass_rate"] <= row["ci_high"] <= 1.0
+        # each probe not answered is named: its session (to replay with --first), what was due, what came
+        assert len(row["misses"]) == round(row["n"] * (1 - row["pass_rate"]))
+        assert [m["session"] for m in row["misses"]] == sorted({m["session"] for m in row["misses"]})
+        for miss in row["misses"]:
+            assert (
+                miss["session"] in (0, 1)
+                and miss["expected"]
+                and not answered(miss["reply"], miss["expected"])
+            )
     assert rows[("full", 0.25)]["mean_evictions"] == 0 == rows[("kvos-kv_restore", 1.0)]["mean_evictions"]
     # nothing evicted: the planted fact is in the cache at every probe, whatever the random model answers
     assert rows[("full", 0.25)]["fact_in_cache"] == 1.0 == rows[("kvos-kv_restore", 1.0)]["fact_in_cache"]

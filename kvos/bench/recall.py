@@ -128,6 +128,9 @@ class Outcome:
     digest_ratio: float  # key digest and code bytes of the saved chunks over their K/V bytes (at the end)
     fact_in_cache: bool = False  # the planting message resident when the probe was answered
     kind: str = ""  # the kind of the probed fact
+    session: int = 0  # its index in the seed's sequence of sessions (--first counts)
+    reply: str = ""  # the model's answer to the probe
+    expected: str = ""  # what the answer had to contain
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tqdm(total=len(chats) * len(cells), desc="recall", unit="run") as bar:
         for done, chat in enumerate(chats, 1):
             for key, outcome in _play_chat(manager, chat, cells, args, bar.update).items():
+                outcome.session = meta["first"] + done - 1
                 outcomes.setdefault(key, []).append(outcome)
             meta["wall_s"] = round(time.perf_counter() - started, 1)
             result = _result(args, path, outcomes, done, meta)
@@ -246,6 +250,8 @@ def _play_one(
         ratio,
         played.fact_in_cache,
         chat.probes[0].kind,
+        reply=played.reply,
+        expected=played.expected,
     )
 
 
@@ -321,7 +327,19 @@ def _row(name: str, frac: float, results: list[Outcome]) -> dict[str, Any]:
         **cost_medians([turn for r in results for turn in r.costs]),
         "digest_over_saved": round(sum(r.digest_ratio for r in results) / n, 5),
         "by_kind": _by_kind(results),
+        "misses": [_miss(r) for r in results if not r.recalled],
         "n": n,
+    }
+
+
+def _miss(r: Outcome) -> dict[str, Any]:
+    """A probe not answered: which session (replay it with --first), what was asked for and what came."""
+    return {
+        "session": r.session,
+        "kind": r.kind,
+        "expected": r.expected,
+        "reply": r.reply,
+        "fact_in_cache": r.fact_in_cache,
     }
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from seams import split_seams
 
 from kvos.engine.engine import Engine
+from kvos.engine.sampling import SamplingParams
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.pool import KVPool
 from kvos.model.loader import load_model
@@ -25,6 +27,7 @@ from kvos.policy.planner import (
     cheapest_elsewhere,
     plan_room,
     plan_truncate,
+    pool_victim,
     pressure_victim,
 )
 from kvos.session.config import SessionConfig
@@ -119,12 +122,33 @@ def test_a_question_and_the_start_of_its_reply_go_together() -> None:
 def test_pressure_victim_and_the_cheapest_of_other_sessions() -> None:
     budget = Budget(100)
     s = residency([4, 10, 10, 10], [1.0, 0.5, 0.2, 0.3], budget, protected=frozenset({2}))
-    assert pressure_victim(s) == Eviction(3, 10, 0.3)
-    assert pressure_victim(s, holding=frozenset({1, 3})) == Eviction(2, 10, 0.2)  # protection yields
+    assert pressure_victim(s) == (Eviction(3, 10, 0.3),)
+    assert pressure_victim(s, holding=frozenset({1, 3})) == (Eviction(2, 10, 0.2),)  # protection yields
     assert pressure_victim(s, holding=frozenset({1, 2, 3})) is None
     other = residency([4, 8], [1.0, 0.25], budget)
-    assert cheapest_elsewhere({"a": s, "b": other}) == ("b", Eviction(1, 8, 0.25))
+    assert cheapest_elsewhere({"a": s, "b": other}) == ("b", (Eviction(1, 8, 0.25),))
     assert cheapest_elsewhere({"a": residency([4], [1.0], budget)}) is None
+
+
+def test_pool_pressure_takes_a_question_with_the_start_of_its_reply() -> None:
+    # 0 sink | 1 question, 2 its reply's first chunk | 3 a chunk alone | 4 question, 5 its reply
+    base = residency([8, 6, 30, 10, 6, 12], [1.0, 0.75, 0.1, 0.3, 0.5, 0.2], Budget(100))
+    pairs = {1: {1, 2}, 2: {1, 2}, 4: {4, 5}, 5: {4, 5}}
+    units = {i: frozenset(u) for i, u in pairs.items()}
+    s = Residency(base.resident, base.scores, base.active_tokens, base.budget, SINKS, frozenset(), units)
+    # by each unit's best score: 3 (0.3), then 4+5 (0.5), then 1+2 (0.75); each chunk's own score reported
+    assert pressure_victim(s) == (Eviction(3, 10, 0.3),)
+    without_3 = Residency(base.resident, base.scores, 72, base.budget, SINKS, frozenset({3}), units)
+    assert pressure_victim(without_3) == (Eviction(4, 6, 0.5), Eviction(5, 12, 0.2))
+    # the reply being written (5, held) keeps its question while anything else may go, then lets it go alone
+    assert pressure_victim(without_3, holding=frozenset({5})) == (Eviction(1, 6, 0.75), Eviction(2, 30, 0.1))
+    held = Residency(base.resident, base.scores, 72, base.budget, SINKS, frozenset({1, 2, 3}), units)
+    assert pressure_victim(held, holding=frozenset({5})) == (Eviction(4, 6, 0.5),)
+    # another session's cheapest unit is compared by its best chunk: 1+2 (0.75) against a lone 0.6
+    lone = residency([4, 8], [1.0, 0.6], Budget(100))
+    pair = Residency(base.resident, base.scores, 72, base.budget, SINKS, frozenset({3, 4, 5}), units)
+    assert cheapest_elsewhere({"a": pair, "b": lone}) == ("b", (Eviction(1, 8, 0.6),))
+    assert pool_victim(lone, {"a": pair}) == ("a", (Eviction(1, 6, 0.75), Eviction(2, 30, 0.1)))
 
 
 def test_affordable_falls_back_to_the_message_then_the_chunk() -> None:
@@ -267,3 +291,39 @@ def test_sessions_under_pool_pressure_ask_before_they_allocate(
     m.close("a")
     m.close("b")
     assert engine.pool.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("backend", ["discard", "kv_restore"])
+def test_pool_pressure_keeps_each_question_with_the_start_of_its_answer(
+    model_dir: Path, backend: str
+) -> None:
+    """Two chatting sessions over a capped pool and a budget that never triggers: what leaves, leaves by
+    the pool's pressure alone (from the other session, then, alone, from its own), and it leaves as the
+    budget's plans take it, a question with its reply's start."""
+    model = load_model(model_dir)
+    probe = Engine(model, block_size=8)
+    cap = probe.pool.layout.bytes_per_block * 48
+    engine = Engine(model, block_size=8, growth=GrowthPolicy(initial_tokens=64, max_bytes=cap))
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=100_000), chunk_tokens=24, embedder="tokens", backend=backend
+    )
+    m = MemoryManager(engine, load_tokenizer(model_dir), config)
+    a, b = m.session("a"), m.session("b")
+    turns = [(s, i) for i in range(8) for s in (a, b)] + [(b, i) for i in range(8, 14)]  # then b alone
+    for s in (a, b):
+        s.add_message("system", "be brief")
+    for s, i in turns:
+        if i == 8 and s is b and "a" in m.sessions:
+            m.close("a")
+        s.add_message("user", f"{s.session_id}{i} question: " + "the quick brown fox jumps " * (1 + i % 3))
+        s.generate(SamplingParams(max_tokens=30, ignore_eos=True))
+        assert split_seams(s) == [], (i, s.session_id)
+        if "a" in m.sessions:
+            assert split_seams(a) == [], (i, s.session_id)
+    events = b.memory.journal.events
+    gone = {e["chunk"] for e in events if e["event"] == "evict"}
+    assert gone == {e["chunk"] for e in events if e["event"] in ("pressure", "pool_full")}  # the pool's
+    assert {e["event"] for e in events} >= {"pressure", "pool_full"}
+    assert any(b.chunks[c].kind is ChunkKind.USER for c in gone)  # questions went, with their answers
+    assert engine.pool.nbytes <= cap
+    m.close("b")

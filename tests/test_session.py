@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from seams import split_seams
 
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import SamplingParams
@@ -347,15 +348,7 @@ def test_a_question_and_the_start_of_its_answer_leave_together(
     for i in range(10):
         s.add_message("user", f"question {i}: " + FILLER[: 8 * i])
         s.generate(SamplingParams(max_tokens=50, ignore_eos=True))
-        by_message: dict[int, list] = {}
-        for c in sorted(s.chunks.values(), key=lambda c: c.original_start):
-            by_message.setdefault(c.message_index, []).append(c)
-        for index, chunks in by_message.items():
-            if chunks[0].kind is ChunkKind.USER and index + 1 in by_message:
-                seam = (chunks[-1], by_message[index + 1][0])
-                if any(c.chunk_id in s.history.protected for c in seam):
-                    continue
-                assert seam[0].resident == seam[1].resident, (i, index)
+        assert split_seams(s) == [], i
     gone = {e["chunk"] for e in s.memory.journal.events if e["event"] == "evict"}
     assert any(s.chunks[c].kind is ChunkKind.USER for c in gone)  # questions did go, with their answers
     assert s.stats()["max_active_tokens_seen"] <= 200

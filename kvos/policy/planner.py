@@ -103,23 +103,35 @@ def plan_room(residency: Residency, n: int, holding: frozenset[int] = frozenset(
     return RoomPlan(tuple(draft.evictions), draft.active, draft.active + n <= limit)
 
 
-def pressure_victim(residency: Residency, holding: frozenset[int] = frozenset()) -> Eviction | None:
-    """The chunk that goes next when the shared pool is at its cap: the lowest-scored evictable chunk that
-    is neither protected this turn nor held; failing that, the lowest-scored one not held; None when
-    nothing may go."""
-    for keep in (residency.protected | holding, holding):
+def pressure_victim(
+    residency: Residency, holding: frozenset[int] = frozenset()
+) -> tuple[Eviction, ...] | None:
+    """What goes next when the shared pool is at its cap: the lowest-scored evictable unit (a chunk, or an
+    exchange's seam whole, as :func:`plan_room` takes it) that is neither protected this turn nor held;
+    failing that, the same with a unit tied to a held chunk come apart; failing that, the lowest-scored
+    one not held, protected or not; None when nothing may go."""
+    guarded = residency.protected | holding
+    for keep, loose in ((guarded, frozenset()), (guarded, holding), (holding, holding)):
+        units = _loosen(residency.units, loose)
         victims = select_victims(
-            residency.resident, residency.scores, residency.active_tokens, 0, keep, residency.sink_count
+            residency.resident,
+            residency.scores,
+            residency.active_tokens,
+            0,
+            keep,
+            residency.sink_count,
+            units,
         )
         if victims:
-            return Eviction(victims[0].chunk_id, victims[0].num_tokens, residency.scores[victims[0].chunk_id])
+            return _first_unit(residency, victims, units)
     return None
 
 
-def cheapest_elsewhere(residencies: Mapping[str, Residency]) -> tuple[str, Eviction] | None:
+def cheapest_elsewhere(residencies: Mapping[str, Residency]) -> tuple[str, tuple[Eviction, ...]] | None:
     """Among other sessions (``residencies``, each with its own turn's protections kept), the session and
-    chunk with the lowest score that may be paged out to relieve the pool; None when none may."""
-    best: tuple[str, Eviction] | None = None
+    the unit with the lowest score (a unit scores as its best chunk) that may be paged out to relieve the
+    pool; None when none may."""
+    best: tuple[str, tuple[Eviction, ...]] | None = None
     for key, residency in residencies.items():
         victims = select_victims(
             residency.resident,
@@ -128,27 +140,50 @@ def cheapest_elsewhere(residencies: Mapping[str, Residency]) -> tuple[str, Evict
             0,
             residency.protected,
             residency.sink_count,
+            residency.units,
         )
         if victims:
-            chunk = victims[0]
-            score = residency.scores[chunk.chunk_id]
-            if best is None or score < best[1].score:
-                best = (key, Eviction(chunk.chunk_id, chunk.num_tokens, score))
+            unit = _first_unit(residency, victims, residency.units)
+            if best is None or _score(unit) < _score(best[1]):
+                best = (key, unit)
     return best
 
 
 def pool_victim(
     own: Residency, others: Mapping[str, Residency], holding: frozenset[int] = frozenset()
-) -> tuple[str | None, Eviction] | None:
-    """What leaves a pool at its cap so that a session (``own``) can go on: the cheapest chunk of the other
-    sessions that may give (:func:`cheapest_elsewhere`) first, as ``(their key, eviction)``, else the
-    session's own (:func:`pressure_victim`, never ``holding``), as ``(None, eviction)``; None when none may
-    go."""
+) -> tuple[str | None, tuple[Eviction, ...]] | None:
+    """What leaves a pool at its cap so that a session (``own``) can go on: the cheapest unit of the other
+    sessions that may give (:func:`cheapest_elsewhere`) first, as ``(their key, evictions)``, else the
+    session's own (:func:`pressure_victim`, never ``holding``), as ``(None, evictions)``; None when none
+    may go."""
     elsewhere = cheapest_elsewhere(others)
     if elsewhere is not None:
         return elsewhere
     mine = pressure_victim(own, holding)
     return None if mine is None else (None, mine)
+
+
+def _first_unit(
+    residency: Residency, victims: list[Chunk], units: Mapping[int, frozenset[int]]
+) -> tuple[Eviction, ...]:
+    """The first of ``select_victims``' picks with the rest of its unit in ``units`` (they come first)."""
+    first = victims[0].chunk_id
+    unit = units.get(first, frozenset({first}))
+    return tuple(
+        Eviction(c.chunk_id, c.num_tokens, residency.scores[c.chunk_id])
+        for c in victims
+        if c.chunk_id in unit
+    )
+
+
+def _score(unit: tuple[Eviction, ...]) -> float:
+    """A unit's score: its best chunk's."""
+    return max(e.score for e in unit)
+
+
+def _loosen(units: Mapping[int, frozenset[int]], holding: frozenset[int]) -> Mapping[int, frozenset[int]]:
+    """``units`` without those tied to a held chunk (the question of the reply being written goes alone)."""
+    return {i: u for i, u in units.items() if not u & holding} if holding else units
 
 
 def affordable(
@@ -191,8 +226,9 @@ class _Draft:
         of these chunks come apart."""
         r = self.residency
         scores = {i: min(s, 1.0 - 1e-9) for i, s in r.scores.items()} if capped else r.scores
-        units = {i: u for i, u in r.units.items() if not u & loose} if loose else r.units
-        return select_victims(self.left, scores, self.active + n, target, keep, r.sink_count, units)
+        return select_victims(
+            self.left, scores, self.active + n, target, keep, r.sink_count, _loosen(r.units, loose)
+        )
 
     def take(self, victims: list[Chunk], forced: bool) -> None:
         gone = {c.chunk_id for c in victims}

@@ -1,9 +1,10 @@
 """The pool's arbiter: the one owner of what leaves the shared KV pool when it is at its cap.
 
 A session's operation asks it for room before it takes blocks (:meth:`PoolArbiter.reserve`); the arbiter
-asks the pool, and while the pool cannot give them, the planner names one chunk to page out
-(:func:`~kvos.policy.planner.pool_victim`: the lowest-scored of the other idle sessions first, then the
-requester's own) and its session's memory carries it out. Sessions ask; nothing here is called back."""
+asks the pool, and while the pool cannot give them, the planner names one unit to page out (a chunk, or an
+exchange's seam whole: :func:`~kvos.policy.planner.pool_victim`, the lowest-scored of the other idle
+sessions first, then the requester's own) and its session's memory carries it out. Sessions ask; nothing
+here is called back."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class PoolArbiter:
     def reserve(self, requester: SessionMemory, blocks: Callable[[], int], holding: set[int]) -> bool:
         """Make sure the pool can allocate ``blocks()`` more blocks for ``requester`` (asked again after
         each eviction: what an operation needs may change as the cache does), paging out one planned
-        chunk at a time, never ``holding`` ones of the requester. False when nothing more may go and the
+        unit at a time, never ``holding`` ones of the requester. False when nothing more may go and the
         pool still cannot hold them."""
         while not self.pool.can_allocate(blocks()):
             others = {
@@ -47,12 +48,13 @@ class PoolArbiter:
             choice = pool_victim(requester.residency(), others, frozenset(holding))
             if choice is None:
                 return False
-            owner_id, eviction = choice
-            if owner_id is None:
-                requester.carry_out([eviction])
-                requester.log("pool_full", chunk=eviction.chunk_id)
-            else:
-                owner = self.members[owner_id]
-                owner.carry_out([eviction])
-                owner.log("pressure", chunk=eviction.chunk_id, by=requester.session_id)
+            owner_id, evictions = choice
+            for eviction in evictions:
+                if owner_id is None:
+                    requester.carry_out([eviction])
+                    requester.log("pool_full", chunk=eviction.chunk_id)
+                else:
+                    owner = self.members[owner_id]
+                    owner.carry_out([eviction])
+                    owner.log("pressure", chunk=eviction.chunk_id, by=requester.session_id)
         return True

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from bench_harness import run_bench
 
-CONTRACT = ("benchmark", "model", "device", "torch")
+from kvos.bench.common import cpu_model, simd_flags
+
+CONTRACT = ("benchmark", "model", "device", "torch", "cpu", "simd")  # the CPU beside every figure
 DECODE_ROW = (
     "model",
     "prompt_tokens",
@@ -93,3 +95,28 @@ def test_renamed_flags_keep_their_older_names(module: str, flags: tuple[str, str
     parser = argparse.ArgumentParser()
     importlib.import_module(f"kvos.bench.{module}").add_arguments(parser)
     assert [getattr(parser.parse_args([flag, "32"]), dest) for flag in flags] == [32, 32]
+
+
+def test_the_cpu_beside_every_figure(tmp_path: Path) -> None:
+    """The CPU's model and SIMD flags, read from /proc/cpuinfo's lines (every core repeats them)."""
+    info = tmp_path / "cpuinfo"
+    core = (
+        "processor\t: {n}\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13 64-Core Processor\n"
+        "flags\t\t: fpu sse2 avx f16c fma avx2 bmi2 sha_ni\n\n"
+    )
+    info.write_text(core.format(n=0) + core.format(n=1))
+    assert cpu_model(str(info)) == "AMD EPYC 7B13 64-Core Processor"
+    assert simd_flags(str(info)) == ["avx2", "fma", "f16c"]
+    info.write_text("flags\t\t: avx2 fma avx512f avx512bw avx512vl avx512_vnni avx_vnni amx_int8\n")
+    assert simd_flags(str(info)) == [
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_vnni",
+        "avx_vnni",
+        "amx_int8",
+    ]
+    missing = str(tmp_path / "absent")
+    assert simd_flags(missing) == [] and cpu_model(missing)  # elsewhere: what the platform says

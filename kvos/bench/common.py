@@ -22,7 +22,37 @@ def header(benchmark: str, model: str, device: str = "cpu") -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "simd": simd_flags(),
     }
+
+
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``; elsewhere what :mod:`platform` says): kernels rank
+    differently on each kind of CPU, so every figure carries it."""
+    for line in _read(cpuinfo).splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def simd_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """Which of :data:`SIMD_FLAGS` the CPU has (empty where ``/proc/cpuinfo`` is not there to say)."""
+    for line in _read(cpuinfo).splitlines():
+        if line.startswith("flags"):
+            present = set(line.split(":", 1)[1].split())
+            return [f for f in SIMD_FLAGS if f in present]
+    return []
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -348,8 +348,16 @@ def test_unknown_route_and_health_and_metrics(base: str) -> None:
         "kvos_decoded_tokens_total",
         "kvos_request_seconds_bucket",
         "kvos_session_saved_ram_bytes",
+        "kvos_scheduler_steps_total",
     ):
         assert name in text, name
+    # where the scheduler's time went: both parts counted once a request has run
+    seconds = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith(("kvos_scheduler_forward_seconds_total", "kvos_scheduler_turn_seconds_total"))
+    }
+    assert len(seconds) == 2 and all(v > 0 for v in seconds.values()), seconds
 
 
 def test_completions_endpoint(base: str) -> None:

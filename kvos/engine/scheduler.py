@@ -94,6 +94,8 @@ class StepStats:
     max_items: int = 0
     max_reserved_blocks: int = 0  # the most pool blocks reserved by running work at once
     waited_for_blocks: int = 0  # works that waited for pool blocks at admission
+    forward_s: float = 0.0  # seconds of the steps' forward passes
+    turns_s: float = 0.0  # seconds of the workers' turns between steps (sampling, streaming, bookkeeping)
 
     def add(self, asks: list[_Ask]) -> None:
         self.steps += 1
@@ -291,8 +293,10 @@ class Scheduler(Executor):
                         return
                     self._work.clear()
             if worker is not None:
+                began = time.perf_counter()
                 worker.go.release()
                 self._back.acquire()
+                self.stats.turns_s += time.perf_counter() - began
             elif step:
                 self._run(step)
                 with self._mu:
@@ -339,7 +343,9 @@ class Scheduler(Executor):
             if asks:
                 self._pass(asks, kv)
         decodes = sum(1 for a in step if a.tokens == 1)
-        self.costs.observe(decodes, sum(a.tokens for a in step if a.tokens > 1), time.perf_counter() - began)
+        seconds = time.perf_counter() - began
+        self.stats.forward_s += seconds
+        self.costs.observe(decodes, sum(a.tokens for a in step if a.tokens > 1), seconds)
         self._decoding = decodes > 0
 
     def _pass(self, asks: list[_Ask], kv: KVStore) -> None:

@@ -68,6 +68,25 @@ class ServiceCollector(Collector):
                 f"kvos_{key}", f"{key.replace('_', ' ')} over all requests", value=service.totals[key]
             )
         yield from _tier_metrics(service)
+        yield from _scheduler_metrics(service)
+
+
+def _scheduler_metrics(service: ChatService) -> Iterator[Metric]:
+    """Where the scheduler's time goes: its steps' forward passes, and the sessions' turns between them
+    (sampling, streaming, bookkeeping: the work a step waits on outside the model)."""
+    scheduler = service.registry.scheduler
+    if scheduler is None:
+        return
+    stats = scheduler.stats
+    yield CounterMetricFamily("kvos_scheduler_steps", "batched forward steps run", value=stats.steps)
+    yield CounterMetricFamily(
+        "kvos_scheduler_forward_seconds", "seconds of the steps' forward passes", value=stats.forward_s
+    )
+    yield CounterMetricFamily(
+        "kvos_scheduler_turn_seconds",
+        "seconds of the sessions' turns between steps (sampling, streaming, bookkeeping)",
+        value=stats.turns_s,
+    )
 
 
 def _tier_metrics(service: ChatService) -> Iterator[Metric]:

@@ -111,7 +111,12 @@ def pressure_victim(
     failing that, the same with a unit tied to a held chunk come apart; failing that, the lowest-scored
     one not held, protected or not; None when nothing may go."""
     guarded = residency.protected | holding
-    for keep, loose in ((guarded, frozenset()), (guarded, holding), (holding, holding)):
+    rounds: tuple[tuple[frozenset[int], frozenset[int]], ...] = (
+        (guarded, frozenset()),
+        (guarded, holding),
+        (holding, holding),
+    )
+    for keep, loose in dict.fromkeys(rounds):  # each distinct round once (without holdings, one or two)
         units = _loosen(residency.units, loose)
         victims = select_victims(
             residency.resident,

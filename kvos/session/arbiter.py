@@ -49,12 +49,11 @@ class PoolArbiter:
             if choice is None:
                 return False
             owner_id, evictions = choice
+            owner = requester if owner_id is None else self.members[owner_id]
             for eviction in evictions:
-                if owner_id is None:
-                    requester.carry_out([eviction])
-                    requester.log("pool_full", chunk=eviction.chunk_id)
+                owner.carry_out([eviction])
+                if owner is requester:
+                    owner.log("pool_full", chunk=eviction.chunk_id)
                 else:
-                    owner = self.members[owner_id]
-                    owner.carry_out([eviction])
                     owner.log("pressure", chunk=eviction.chunk_id, by=requester.session_id)
         return True

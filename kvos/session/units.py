@@ -31,19 +31,26 @@ def exchange_units(chunks: Iterable[Chunk]) -> Unit:
     return key
 
 
-def seam_units(chunks: Iterable[Chunk]) -> dict[int, frozenset[int]]:
-    """The planner's units of eviction (:class:`~kvos.policy.planner.Residency`): for each user message
-    followed by an assistant reply, its last chunk and the reply's first, chunk id -> both ids, when both
-    are resident (a long message's earlier chunks and a long reply's later ones stay units of their own)."""
+def seams(chunks: Iterable[Chunk]) -> list[tuple[Chunk, Chunk]]:
+    """Every seam of the history, resident or not: for each user message followed by an assistant reply,
+    ``(the message's last chunk, the reply's first)``."""
     by_message: dict[int, list[Chunk]] = {}
     for c in in_order(chunks):
         by_message.setdefault(c.message_index, []).append(c)
-    units: dict[int, frozenset[int]] = {}
+    out = []
     for index, message in by_message.items():
         reply = by_message.get(index + 1)
-        if message[0].kind is not ChunkKind.USER or not reply or reply[0].kind is not ChunkKind.ASSISTANT:
-            continue
-        last, head = message[-1], reply[0]
+        if message[0].kind is ChunkKind.USER and reply and reply[0].kind is ChunkKind.ASSISTANT:
+            out.append((message[-1], reply[0]))
+    return out
+
+
+def seam_units(chunks: Iterable[Chunk]) -> dict[int, frozenset[int]]:
+    """The planner's units of eviction (:class:`~kvos.policy.planner.Residency`): each seam (:func:`seams`),
+    chunk id -> both ids, when both are resident (a long message's earlier chunks and a long reply's later
+    ones stay units of their own)."""
+    units: dict[int, frozenset[int]] = {}
+    for last, head in seams(chunks):
         if last.resident and head.resident:
             units[last.chunk_id] = units[head.chunk_id] = frozenset((last.chunk_id, head.chunk_id))
     return units

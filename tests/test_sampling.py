@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvos.engine.sampling import Sampler, SamplingParams, filtered_probs, token_logprob
+from kvos.engine.sampling import Sampler, SamplingParams, draw, filtered_probs, token_logprob
 from kvos.errors import ConfigError
 
 
@@ -48,9 +48,85 @@ def test_sampled_draws_come_from_the_penalised_distribution() -> None:
     counts = torch.zeros(30)
     for _ in range(40):
         probs = filtered_probs(openai_penalised(logits, counts, 0.6, 0.9) / 0.8, 0, 0.9)
-        expected = int(torch.multinomial(probs, 1, generator=twin).item())
+        expected = inverse_cdf(probs, float(torch.rand((), dtype=torch.float64, generator=twin)))
         assert sampler(logits) == expected
         counts[expected] += 1
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The reference draw: the first token whose float64 cumulative mass is above u x the total."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    return int(torch.nonzero(cdf > u * float(cdf[-1]))[0, 0])
+
+
+@pytest.mark.parametrize("vocab", [5, 1024, 1025, 49_152, 151_936])
+def test_a_draw_inverts_the_cumulative_distribution(vocab: int) -> None:
+    probs = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * 4, dim=0)
+    probs[torch.arange(0, vocab, 3)] = 0.0  # tokens of no mass, which a draw must never return
+    probs /= probs.sum()
+    generator, twin = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    for _ in range(200):
+        token = draw(probs.numpy(), generator)
+        assert token == inverse_cdf(probs, float(torch.rand((), dtype=torch.float64, generator=twin)))
+        assert probs[token] > 0
+
+
+def test_draws_follow_the_distribution() -> None:
+    probs = torch.zeros(3000)
+    probs[[1, 3, 1500, 2999]] = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(
+        torch.tensor([draw(probs.numpy(), generator) for _ in range(20_000)]), minlength=3000
+    )
+    assert counts.sum() == counts[[1, 3, 1500, 2999]].sum()  # never a token of no mass
+    # 20,000 draws: each frequency within 4.5 standard deviations (sqrt(p (1 - p) / n) <= 0.0036)
+    assert (counts[[1, 3, 1500, 2999]] / 20_000 - probs[[1, 3, 1500, 2999]]).abs().max() < 0.016
+
+
+def test_a_draw_at_the_top_of_the_distribution_takes_the_last_token_with_mass() -> None:
+    probs = torch.zeros(2100)
+    probs[[4, 1030, 2050]] = torch.tensor([0.25, 0.5, 0.25])
+    with pytest.MonkeyPatch.context() as patch:  # a uniform of 1.0 puts u at the total, past every cdf
+        patch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+        assert draw(probs.numpy(), torch.Generator()) == 2050
+
+
+def sorted_nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference top-p in float64: sort the whole vocabulary and keep the prefix whose mass before each
+    token is under top_p (at least the first). Returns the kept mask and the tokens too near the cut to
+    call (their mass before is within 1e-5 of top_p, where float32 rounding may go either way)."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    values, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(values, dim=-1) - values
+    keep = before < top_p
+    keep[0] = True
+    near = (before - top_p).abs() < 1e-5
+    near[0] = False
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.shape[0])
+    return keep[unsort], near[unsort]
+
+
+@pytest.mark.parametrize("vocab", [10, 49_152, 151_936])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat (the nucleus spans thousands), typical, peaked
+@pytest.mark.parametrize("top_p", [1e-9, 0.5, 0.95, 0.999])
+def test_the_nucleus_is_the_sorted_prefix(vocab: int, scale: float, top_p: float) -> None:
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab + int(scale))) * scale
+    kept = filtered_probs(logits, 0, top_p)
+    keep, near = sorted_nucleus(logits, top_p)
+    assert torch.equal((kept > 0) & ~near, keep & ~near)
+    probs = torch.softmax(logits.double(), dim=-1)
+    expected = torch.where(kept > 0, probs, 0.0)
+    assert torch.allclose(kept.double(), expected / expected.sum(), rtol=1e-4, atol=1e-12)
+
+
+def test_top_k_with_top_p_keeps_the_nucleus_of_the_top_k() -> None:
+    logits = torch.randn(151_936, generator=torch.Generator().manual_seed(5)) * 3
+    kept = filtered_probs(logits, 40, 0.9)
+    top = torch.topk(logits, 40).indices
+    keep, near = sorted_nucleus(logits[top], 0.9)
+    assert torch.equal(torch.nonzero(kept).reshape(-1), torch.sort(top[keep]).values)
+    assert not near.any() and kept.sum().item() == pytest.approx(1.0, abs=1e-6)
 
 
 def test_logit_bias_is_added_before_the_pick() -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvos.errors import ConfigError
@@ -101,13 +102,22 @@ class Sampler:
             logits = self.adjust(logits)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
-        scaled = None if self.params.greedy else logits / self.params.temperature
-        if scaled is None or _overflowed(scaled):
-            # greedy, or a temperature so small that the logits overflowed: the limit of sampling is argmax
-            token = int(torch.argmax(logits).item())
+        # the picks are in numpy: a torch operator costs several microseconds of dispatch, a numpy one
+        # about one, and torch's CPU argmax scans 151,936 logits in 0.27 ms where numpy takes 0.01
+        values = logits.detach().cpu().numpy()
+        if self.params.greedy:
+            token = int(values.argmax())  # the first largest (a NaN counts as the largest, as in torch)
         else:
-            probs = filtered_probs(scaled, self.params.top_k, self.params.top_p)
-            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                scaled = values / np.float32(self.params.temperature)
+                peak = scaled.max()  # NaN with any NaN, +inf with any +inf, -inf when all are
+            if not np.isfinite(peak):
+                # a temperature so small that the logits overflowed: the limit of sampling is argmax
+                token = int(values.argmax())
+            elif self.params.top_k > 0 or self.params.top_p < 1.0:
+                token = draw(_filtered(scaled, self.params.top_k, self.params.top_p), self.generator)
+            else:  # softmax's weights before normalising, which a draw does not need
+                token = draw(np.exp(np.subtract(scaled, peak, out=scaled), out=scaled), self.generator)
         if self.params.presence_penalty or self.params.frequency_penalty:
             self._count(token, logits.shape[0])
         return token
@@ -131,12 +141,6 @@ class Sampler:
         self.counts[token] += 1
 
 
-def _overflowed(scaled: torch.Tensor) -> bool:
-    """Logits divided by a tiny temperature that softmax cannot take: a NaN or +inf, or every token at -inf
-    (all the allowed logits were negative)."""
-    return bool(torch.isnan(scaled).any() | torch.isposinf(scaled).any() | ~torch.isfinite(scaled).any())
-
-
 def token_logprob(
     logits: torch.Tensor, token: int, top: int, spell: Callable[[int], bytes] | None = None
 ) -> TokenLogprob:
@@ -153,18 +157,79 @@ def token_logprob(
 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Softmax of logits [vocab] kept to the top-k tokens and the smallest nucleus holding top_p mass (at
-    least the most likely token, however small top_p is)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    """Softmax of logits float32 [vocab] kept to the top-k tokens and the smallest nucleus holding top_p
+    mass (at least the most likely token, however small top_p is)."""
+    return torch.from_numpy(_filtered(logits.detach().cpu().numpy(), top_k, top_p))
+
+
+def _filtered(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """:func:`filtered_probs` on a float32 [vocab] array: the softmax and the nucleus over the top-k
+    tokens alone (a partition finds them, ties at the k-th value kept) when top_k is set."""
+    vocab = logits.shape[0]
+    index = None
+    if 0 < top_k < vocab:
+        kth = np.partition(logits, vocab - top_k)[vocab - top_k]  # the k-th largest
+        index = np.flatnonzero(logits >= kth)
+        logits = logits[index]
+    weights = np.exp(logits - logits.max())
+    probs = weights / np.float32(weights.sum(dtype=np.float64))
     if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = before >= top_p
-        drop[..., 0] = False  # a top_p below float32's smallest value rounds to 0, which would drop them all
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+        probs = _nucleus(probs, top_p)
+    if index is None:
+        return probs
+    out = np.zeros(vocab, dtype=np.float32)
+    out[index] = probs
+    return out
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """``probs`` float32 [n] kept to the smallest set of most likely tokens whose mass reaches ``top_p``,
+    renormalised. Sorting all 151,936 tokens costs ~12 ms; the nucleus is a prefix of that order, and the
+    tokens under ``(1 - top_p) / n`` hold less than 1 - top_p together, so it lies among the tokens at or
+    above that floor: only they are sorted (all of them where rounding left their mass short of top_p)."""
+    floor = (1.0 - top_p) / probs.shape[0]
+    for candidates in (np.flatnonzero(probs >= floor), np.arange(probs.shape[0])):
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]
+        values = probs[order].astype(np.float64)
+        total = np.cumsum(values)
+        if total[-1] >= top_p:
+            break
+    drop = total - values >= top_p  # the mass before each token already reaches top_p
+    drop[0] = False  # a top_p below float32's smallest value rounds to 0, which would drop them all
+    values[drop] = 0.0
+    kept = np.zeros(probs.shape[0], dtype=np.float32)
+    kept[order] = values / values.sum()
+    return kept
+
+
+_DRAW_BLOCK = 1024  # tokens a block of the two-level cumulative distribution
+
+
+def draw(weights: np.ndarray, generator: torch.Generator) -> int:
+    """One token drawn with probability proportional to ``weights`` float32 [vocab] (non-negative, not
+    necessarily normalised): the first token whose cumulative weight passes ``u x total`` for one uniform
+    ``u`` from ``generator`` (inverse-CDF sampling), so a token of zero weight is never chosen. In two
+    levels, in float64: the blocks' sums accumulated, then the cumulative sum inside the block the draw
+    lands in. ``torch.multinomial`` draws an exponential per token: 3.5 ms at 151,936 tokens, this 0.1."""
+    flat = weights.reshape(-1)
+    vocab = flat.shape[0]
+    whole = vocab - vocab % _DRAW_BLOCK
+    sums = flat[:whole].reshape(-1, _DRAW_BLOCK).sum(axis=1, dtype=np.float64)
+    if whole < vocab:
+        sums = np.append(sums, flat[whole:].sum(dtype=np.float64))
+    blocks = np.cumsum(sums)
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * float(blocks[-1])
+    block = _first_above(blocks, u, sums)
+    start = block * _DRAW_BLOCK
+    inside = flat[start : start + _DRAW_BLOCK]
+    below = float(blocks[block - 1]) if block > 0 else 0.0
+    return start + _first_above(np.cumsum(inside, dtype=np.float64), u - below, inside)
+
+
+def _first_above(cdf: np.ndarray, u: float, mass: np.ndarray) -> int:
+    """The first index whose ``cdf`` [n] (float64, non-decreasing) is above ``u``; where rounding left
+    ``u`` at or past the last value, the last index with ``mass`` [n] above zero."""
+    index = int(np.searchsorted(cdf, u, side="right"))
+    if index < cdf.shape[0]:
+        return index
+    return int(np.flatnonzero(mass > 0)[-1])

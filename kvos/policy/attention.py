@@ -11,6 +11,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Literal
 
 import torch
@@ -32,11 +33,12 @@ def chunk_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) 
     if probs.dim() != 2:
         raise SignalError(f"probs must be [heads, T], got shape {tuple(probs.shape)}")
     t = probs.shape[1]
-    b = torch.as_tensor(boundaries, dtype=torch.long, device=probs.device)
-    if b.dim() != 1 or b.numel() < 1 or int(b[0]) != 0 or int(b[-1]) != t:
-        raise SignalError(f"boundaries must be [0, ..., {t}] (T = probs.shape[1]), got {b.tolist()}")
-    if bool((b[1:] < b[:-1]).any()):
-        raise SignalError(f"boundaries must be non-decreasing, got {b.tolist()}")
+    bounds = boundaries.tolist() if isinstance(boundaries, torch.Tensor) else list(boundaries)
+    if not bounds or not all(isinstance(x, int) for x in bounds) or bounds[0] != 0 or bounds[-1] != t:
+        raise SignalError(f"boundaries must be [0, ..., {t}] (T = probs.shape[1]), got {bounds}")
+    if any(b < a for a, b in pairwise(bounds)):
+        raise SignalError(f"boundaries must be non-decreasing, got {bounds}")
+    b = torch.tensor(bounds, dtype=torch.long, device=probs.device)
     per_token = probs.float().mean(dim=0)  # mean over heads commutes with the per-chunk sum
     cs = torch.cat([per_token.new_zeros(1), per_token.cumsum(0)])
     return (cs[b[1:]] - cs[b[:-1]]).clamp_min(0.0)

@@ -312,9 +312,10 @@ class SessionMemory:
             self.journal.log(self.history.turn, "drop", chunk=chunk_id)
 
     def observe(self, captured: dict[int, torch.Tensor]) -> None:
-        """Per-chunk attention mass of this decode step, averaged over the captured layers and heads."""
+        """Per-chunk attention mass of this decode step, averaged over the captured layers and heads
+        (every layer has as many heads, so the mean over the layers' rows stacked together is the mean of
+        the layers' means: one pass, where a pass per layer cost 0.1 ms a token each)."""
         if not captured:
             return
-        bounds = self.pager.seq.boundaries()
-        masses = torch.stack([chunk_masses(p, bounds) for p in captured.values()]).mean(0)
+        masses = chunk_masses(torch.cat(list(captured.values())), self.pager.seq.boundaries())
         self.tracker.observe(dict(zip(self.pager.order(), masses.tolist(), strict=True)))

@@ -4,6 +4,7 @@ sessions get the replies they would get one at a time, and a cancelled stream le
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -102,6 +103,49 @@ def test_never_more_than_max_running(engine: Engine, scheduler: Scheduler) -> No
     for f in [scheduler.submit(work, seed) for seed in range(8)]:
         f.result(timeout=120)
     assert peak == scheduler.max_running
+
+
+def test_the_turn_passes_from_worker_to_worker_and_comes_back_once_a_step(
+    engine: Engine, scheduler: Scheduler
+) -> None:
+    backs = 0
+    real_back = scheduler._back
+
+    class Counted:
+        """The loop's semaphore, counting how often the turn comes back to it."""
+
+        def release(self) -> None:
+            nonlocal backs
+            backs += 1
+            real_back.release()
+
+        def acquire(self) -> bool:
+            return real_back.acquire()
+
+    scheduler._back = Counted()  # type: ignore[assignment]
+    seqs = [engine.new_sequence() for _ in range(3)]
+    futures = [scheduler.submit(_greedy, engine, s, _tokens(4, i), 12) for i, s in enumerate(seqs)]
+    for f in futures:
+        f.result(timeout=120)
+    turns = scheduler.stats.items + len(futures)  # a turn ends at each pass asked for and at each work's end
+    assert scheduler.stats.max_items == 3 and turns >= 3 * 13
+    # once per step (and at most once more per work, where a work ends or enters alone), not once per turn
+    assert backs <= scheduler.stats.steps + 2 * len(futures) < turns
+    for seq in seqs:
+        seq.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is a Linux call")
+@pytest.mark.parametrize("pin", [True, False])
+def test_the_workers_share_one_cpu(engine: Engine, pin: bool) -> None:
+    allowed = os.sched_getaffinity(0)
+    sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, pin_workers=pin)
+    try:
+        seen = [f.result(timeout=60) for f in [sched.submit(os.sched_getaffinity, 0) for _ in range(6)]]
+    finally:
+        sched.shutdown()
+    assert all(cpus == ({min(allowed)} if pin else allowed) for cpus in seen)
+    assert os.sched_getaffinity(0) == allowed  # the calling thread keeps its own
 
 
 def test_prefill_slices_share_steps_with_decodes(engine: Engine, scheduler: Scheduler) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kvos.errors import ConfigError, SignalError
@@ -28,7 +29,7 @@ def chunk_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) 
     ``probs``: float ``[heads, T]``, one query's attention over the ``T`` cached keys of one layer, in cache
     order. ``boundaries``: cumulative token offsets ``[0, b1, ..., T]`` of the resident chunks in cache order
     (non-decreasing). Returns float32 ``[num_chunks]`` on ``probs``' device: chunk ``i`` gets
-    ``mean_h sum(probs[h, b_i:b_{i+1}])``. One cumsum and two gathers, no Python loop over tokens.
+    ``mean_h sum(probs[h, b_i:b_{i+1}])``. One cumsum (float64) and two gathers, no Python loop over tokens.
     """
     if probs.dim() != 2:
         raise SignalError(f"probs must be [heads, T], got shape {tuple(probs.shape)}")
@@ -38,10 +39,12 @@ def chunk_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) 
         raise SignalError(f"boundaries must be [0, ..., {t}] (T = probs.shape[1]), got {bounds}")
     if any(b < a for a, b in pairwise(bounds)):
         raise SignalError(f"boundaries must be non-decreasing, got {bounds}")
-    b = torch.tensor(bounds, dtype=torch.long, device=probs.device)
-    per_token = probs.float().mean(dim=0)  # mean over heads commutes with the per-chunk sum
-    cs = torch.cat([per_token.new_zeros(1), per_token.cumsum(0)])
-    return (cs[b[1:]] - cs[b[:-1]]).clamp_min(0.0)
+    # in numpy: this runs once per decoded token, where a torch operator's dispatch costs more than its math
+    per_token = probs.detach().float().cpu().numpy().mean(axis=0)  # the head mean commutes with the sums
+    cs = np.concatenate([np.zeros(1), np.cumsum(per_token, dtype=np.float64)])
+    b = np.asarray(bounds, dtype=np.int64)
+    masses = np.maximum(cs[b[1:]] - cs[b[:-1]], 0.0).astype(np.float32)
+    return torch.from_numpy(masses).to(probs.device)
 
 
 @dataclass

@@ -115,7 +115,9 @@ class Sampler:
                 # a temperature so small that the logits overflowed: the limit of sampling is argmax
                 token = int(values.argmax())
             elif self.params.top_k > 0 or self.params.top_p < 1.0:
-                token = draw(_filtered(scaled, self.params.top_k, self.params.top_p), self.generator)
+                ids, probs = _support(scaled, self.params.top_k, self.params.top_p)
+                index = draw(probs, self.generator)
+                token = index if ids is None else int(ids[index])
             else:  # softmax's weights before normalising, which a draw does not need
                 token = draw(np.exp(np.subtract(scaled, peak, out=scaled), out=scaled), self.generator)
         if self.params.presence_penalty or self.params.frequency_penalty:
@@ -159,34 +161,39 @@ def token_logprob(
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Softmax of logits float32 [vocab] kept to the top-k tokens and the smallest nucleus holding top_p
     mass (at least the most likely token, however small top_p is)."""
-    return torch.from_numpy(_filtered(logits.detach().cpu().numpy(), top_k, top_p))
+    values = logits.detach().cpu().numpy()
+    ids, probs = _support(values, top_k, top_p)
+    if ids is None:
+        return torch.from_numpy(probs)
+    dense = np.zeros(values.shape[0], dtype=np.float32)
+    dense[ids] = probs
+    return torch.from_numpy(dense)
 
 
-def _filtered(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """:func:`filtered_probs` on a float32 [vocab] array: the softmax and the nucleus over the top-k
-    tokens alone (a partition finds them, ties at the k-th value kept) when top_k is set."""
+def _support(logits: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray | None, np.ndarray]:
+    """:func:`filtered_probs` without its zeros: the token ids kept, ascending (None: every token), and
+    their probabilities, float32. The softmax and the nucleus run over the top-k tokens alone when top_k is
+    set (a partition finds them, ties at the k-th value kept); a draw then reads only what was kept."""
     vocab = logits.shape[0]
-    index = None
+    ids = None
     if 0 < top_k < vocab:
         kth = np.partition(logits, vocab - top_k)[vocab - top_k]  # the k-th largest
-        index = np.flatnonzero(logits >= kth)
-        logits = logits[index]
+        ids = np.flatnonzero(logits >= kth)
+        logits = logits[ids]
     weights = np.exp(logits - logits.max())
     probs = weights / np.float32(weights.sum(dtype=np.float64))
     if top_p < 1.0:
-        probs = _nucleus(probs, top_p)
-    if index is None:
-        return probs
-    out = np.zeros(vocab, dtype=np.float32)
-    out[index] = probs
-    return out
+        kept, probs = _nucleus(probs, top_p)
+        ids = kept if ids is None else ids[kept]
+    return ids, probs
 
 
-def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """``probs`` float32 [n] kept to the smallest set of most likely tokens whose mass reaches ``top_p``,
-    renormalised. Sorting all 151,936 tokens costs ~12 ms; the nucleus is a prefix of that order, and the
-    tokens under ``(1 - top_p) / n`` hold less than 1 - top_p together, so it lies among the tokens at or
-    above that floor: only they are sorted (all of them where rounding left their mass short of top_p)."""
+def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest set of most likely entries of ``probs`` float32 [n] whose mass reaches ``top_p``: their
+    indices, ascending, and their probabilities renormalised. Sorting all 151,936 tokens costs ~12 ms; the
+    nucleus is a prefix of that order, and the tokens under ``(1 - top_p) / n`` hold less than 1 - top_p
+    together, so it lies among the tokens at or above that floor: only they are sorted (all of them where
+    rounding left their mass short of top_p)."""
     floor = (1.0 - top_p) / probs.shape[0]
     for candidates in (np.flatnonzero(probs >= floor), np.arange(probs.shape[0])):
         order = candidates[np.argsort(-probs[candidates], kind="stable")]
@@ -196,10 +203,9 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
             break
     drop = total - values >= top_p  # the mass before each token already reaches top_p
     drop[0] = False  # a top_p below float32's smallest value rounds to 0, which would drop them all
-    values[drop] = 0.0
-    kept = np.zeros(probs.shape[0], dtype=np.float32)
-    kept[order] = values / values.sum()
-    return kept
+    kept = np.sort(order[~drop])
+    mass = probs[kept].astype(np.float64)
+    return kept, (mass / mass.sum()).astype(np.float32)
 
 
 _DRAW_BLOCK = 1024  # tokens a block of the two-level cumulative distribution

@@ -3,6 +3,7 @@ frequency penalties, an optional grammar mask; the log-probabilities of what was
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -147,15 +148,24 @@ def token_logprob(
     logits: torch.Tensor, token: int, top: int, spell: Callable[[int], bytes] | None = None
 ) -> TokenLogprob:
     """The model's log-softmax at ``token`` and at its ``top`` most likely tokens, spelled by ``spell``
-    (token id -> bytes). logits: float [vocab]."""
-    logp = torch.log_softmax(logits.reshape(-1).float(), dim=-1)
+    (token id -> bytes). logits: float [vocab]. In numpy, as the sampler (it runs for every token of a
+    request that asks for log-probabilities): the log of the normaliser summed in float64."""
+    values = logits.detach().reshape(-1).float().cpu().numpy()
+    peak = float(values.max())
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = float(np.exp(values - np.float32(peak)).sum(dtype=np.float64))
+    normaliser = peak + math.log(total)
 
-    def scored(token_id: int, value: float) -> Scored:
+    def scored(token_id: int) -> Scored:
+        value = float(values[token_id]) - normaliser
         return Scored(token_id, value, spell(token_id) if spell is not None else b"")
 
-    best = torch.topk(logp, top) if top > 0 else None
-    pairs = [] if best is None else zip(best.indices.tolist(), best.values.tolist(), strict=True)
-    return TokenLogprob(scored(token, float(logp[token].item())), [scored(t, v) for t, v in pairs])
+    best: list[int] = []
+    if top > 0:
+        count = min(top, values.shape[0])
+        ids = np.argpartition(values, values.shape[0] - count)[values.shape[0] - count :]
+        best = ids[np.argsort(-values[ids], kind="stable")].tolist()
+    return TokenLogprob(scored(token), [scored(t) for t in best])
 
 
 def filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

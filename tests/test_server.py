@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +332,23 @@ def test_bad_requests_are_answered_and_leave_the_session_intact(
     error = r.json()["error"]
     assert error["code"] == code and error["message"] and error["type"]
     assert history(base, "intact") == before
+
+
+def test_a_body_sent_without_its_length_is_read_to_the_limit(base: str) -> None:
+    """Chunked bodies (no Content-Length): one under the limit reaches the endpoint whole, one over it is
+    a 413 once the limit is passed."""
+
+    def chunked(body: bytes) -> Iterator[bytes]:
+        for start in range(0, len(body), 1 << 16):
+            yield body[start : start + (1 << 16)]
+
+    headers = {"Content-Type": "application/json", "X-Session-Id": "chunked"}
+    small = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi " * 3000}], "max_tokens": 2}
+    r = httpx.post(f"{base}/chat/completions", content=chunked(json.dumps(small).encode()), headers=headers)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 3000
+    large = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x" * (17 << 20)}]}
+    r = httpx.post(f"{base}/chat/completions", content=chunked(json.dumps(large).encode()), headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_unknown_route_and_health_and_metrics(base: str) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Annotated, Any
@@ -34,9 +34,8 @@ from kvos.server.errors import (
     forbidden,
     memory_full,
     not_found,
-    too_large,
-    unauthorized,
 )
+from kvos.server.gate import RequestGate
 from kvos.server.lifecycle import Cancelled, RequestRecord, ResponseForm, drain, sse, watch_disconnect
 from kvos.server.metrics import Metrics
 from kvos.server.pins import budget_error, check_locked
@@ -92,30 +91,9 @@ def create_app(
     def owner(request: Request) -> str:
         return identity(request).owner
 
-    _install_errors(app, max_body_bytes)
+    _install_errors(app)
 
-    @app.middleware("http")
-    async def log_request(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        began = time.perf_counter()
-        response = await call_next(request)
-        record = getattr(request.state, "record", None)
-        if record is None:
-            record = RequestRecord(request, "", began)
-            record.key = str(getattr(request.state, "owner", "-"))
-        if not (record.streaming and response.status_code == 200):
-            record.log(response.status_code, None)  # streams log themselves when they end
-        return response
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        api_key = request.headers.get("x-api-key")  # Anthropic's clients send the key so
-        who = keys.identify(f"Bearer {api_key}" if api_key else request.headers.get("authorization", ""))
-        path = request.url.path
-        if who is None and (path.startswith("/v1") or path == "/metrics"):
-            return error_response(request, unauthorized())
-        request.state.identity = who
-        request.state.owner = who.owner if who is not None else "-"
-        return await call_next(request)
+    app.add_middleware(RequestGate, keys=keys, max_body_bytes=max_body_bytes, error_response=error_response)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -513,9 +491,9 @@ def error_response(request: Request, error: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status)
 
 
-def _install_errors(app: FastAPI, max_body_bytes: int) -> None:
-    """JSON for every error (OpenAI's shape, Anthropic's under /v1/messages), and a cap on request body
-    size."""
+def _install_errors(app: FastAPI) -> None:
+    """JSON for every error (OpenAI's shape, Anthropic's under /v1/messages); the cap on a request body's
+    size is the :class:`RequestGate`'s."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -547,18 +525,3 @@ def _install_errors(app: FastAPI, max_body_bytes: int) -> None:
         return error_response(
             request, APIError(500, f"internal error: {exc}", "internal_error", kind="server_error")
         )
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            error = too_large(
-                f"the request body has {length} bytes; this server takes at most {max_body_bytes}"
-            )
-            return error_response(request, error)
-        if request.method == "POST" and length is None:
-            body = await request.body()
-            if len(body) > max_body_bytes:
-                error = too_large(f"the request body is over this server's limit of {max_body_bytes} bytes")
-                return error_response(request, error)
-        return await call_next(request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,6 +23,7 @@ def test_chunk_masses_hand_computed() -> None:
     # an empty chunk gets 0; one chunk gets everything
     torch.testing.assert_close(chunk_masses(probs, [0, 2, 2, 4]), torch.tensor([0.5, 0.0, 0.5]))
     torch.testing.assert_close(chunk_masses(probs, torch.tensor([0, 4])), torch.tensor([1.0]))
+    torch.testing.assert_close(chunk_masses(probs, list(np.array([0, 1, 4]))), torch.tensor([0.25, 0.75]))
 
 
 def test_chunk_masses_low_precision_input_gives_float32() -> None:
@@ -31,7 +33,7 @@ def test_chunk_masses_low_precision_input_gives_float32() -> None:
     torch.testing.assert_close(out, torch.tensor([0.25, 0.75]))
 
 
-@pytest.mark.parametrize("boundaries", [[1, 4], [0, 3], [0, 3, 2, 4], [], [[0, 4]]])
+@pytest.mark.parametrize("boundaries", [[1, 4], [0, 3], [0, 3, 2, 4], [], [[0, 4]], [0, 1.5, 4]])
 def test_chunk_masses_rejects_bad_boundaries(boundaries: list[int]) -> None:
     with pytest.raises(SignalError):
         chunk_masses(torch.full((1, 4), 0.25), boundaries)

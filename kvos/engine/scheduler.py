@@ -5,11 +5,11 @@ thread of its own, but only one worker runs at a time: the one holding the *turn
 up (to the next ready worker, or back to the scheduler) when its work ends or when it needs a forward
 pass: the scheduler installs itself as the worker's pass runner (:mod:`kvos.engine.passes`), so
 :meth:`Engine.extend` hands the pass to it instead of running the model, with no knowledge of the
-scheduler and no second code path. Once every admitted worker is
-waiting for a forward pass, the scheduler runs one *step*: a single forward pass over the decode tokens
-of every waiting sequence plus the prefill slices that fit in ``step_tokens`` (continuous batching with
-chunked prefill: a prefill *slice* is what is usually called a prefill chunk; here a chunk is a piece of a
-session's history), then hands each worker its output and its turn back, oldest first.
+scheduler and no second code path. Once every admitted worker is waiting for a forward pass, the
+scheduler runs one *step*: a single forward pass over the decode tokens of every waiting sequence plus
+the prefill slices that fit in ``step_tokens`` (continuous batching with chunked prefill: a prefill
+*slice* is what is usually called a prefill chunk; here a chunk is a piece of a session's history), then
+hands each worker its output and its turn back, oldest first (each passing it on to the next).
 
 So the policy code of a session (paging, scoring, sampling) never runs concurrently with another session's
 or with a forward pass, exactly as on a single engine thread, while eight sessions' decode steps share one

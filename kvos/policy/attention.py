@@ -35,7 +35,12 @@ def chunk_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) 
         raise SignalError(f"probs must be [heads, T], got shape {tuple(probs.shape)}")
     t = probs.shape[1]
     bounds = boundaries.tolist() if isinstance(boundaries, torch.Tensor) else list(boundaries)
-    if not bounds or not all(isinstance(x, int) for x in bounds) or bounds[0] != 0 or bounds[-1] != t:
+    if (
+        not bounds
+        or not all(isinstance(x, int | np.integer) for x in bounds)
+        or bounds[0] != 0
+        or bounds[-1] != t
+    ):
         raise SignalError(f"boundaries must be [0, ..., {t}] (T = probs.shape[1]), got {bounds}")
     if any(b < a for a, b in pairwise(bounds)):
         raise SignalError(f"boundaries must be non-decreasing, got {bounds}")

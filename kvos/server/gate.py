@@ -87,26 +87,24 @@ class RequestGate:
         while more:
             message = await receive()
             if message["type"] != "http.request":  # the client went away: let the application see it
-                return _replay([], message, receive)
+                return _replay(message, receive)
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             more = bool(message.get("more_body", False))
             if size > self.max_body_bytes:
                 limit = self.max_body_bytes
                 return too_large(f"the request body is over this server's limit of {limit} bytes")
-        return _replay(chunks, None, receive)
+        return _replay({"type": "http.request", "body": b"".join(chunks), "more_body": False}, receive)
 
 
-def _replay(chunks: list[bytes], pending: Message | None, receive: Receive) -> Receive:
-    """A ``receive`` that gives the body read so far as one message (or ``pending``, a message read but not
-    used), then whatever ``receive`` gives."""
-    body: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-    first: Message | None = pending if pending is not None else body
+def _replay(first: Message, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``first`` (a message read here), then whatever ``receive`` gives."""
+    pending: Message | None = first
 
     async def replayed() -> Message:
-        nonlocal first
-        if first is not None:
-            message, first = first, None
+        nonlocal pending
+        if pending is not None:
+            message, pending = pending, None
             return message
         return await receive()
 

@@ -66,14 +66,18 @@ def _assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, c: torc
     assert bool(((got - expected).abs() <= bound).all()), float((got - expected).abs().max())
 
 
-@pytest.fixture(params=["simd", "portable"])
+BUILDS = {
+    "simd": lambda: (quant_kernel.kernel(), gguf_kernel.kernel()),
+    "avx2": lambda: (quant_kernel.avx2_kernel(), gguf_kernel.avx2_kernel()),
+    "portable": lambda: (quant_kernel.portable_kernel(), gguf_kernel.portable_kernel()),
+}
+
+
+@pytest.fixture(params=sorted(BUILDS))
 def build(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
-    """(the quantized-weight kernel, the GGUF-block kernel) as this CPU builds them, or built without SIMD."""
-    pair = (
-        (quant_kernel.kernel(), gguf_kernel.kernel())
-        if request.param == "simd"
-        else (quant_kernel.portable_kernel(), gguf_kernel.portable_kernel())
-    )
+    """(the quantized-weight kernel, the GGUF-block kernel) as this CPU builds them, without their 512-bit
+    tiles (an AVX2 CPU's path, on a CPU with AVX-512), or without SIMD."""
+    pair = BUILDS[request.param]()
     if None in pair:
         pytest.skip("the kernels cannot be built here (no C++ compiler?)")
     yield pair
@@ -126,6 +130,26 @@ def test_products_are_those_of_the_quantized_activations(
     c = torch.randn(n, OUT, generator=torch.Generator().manual_seed(n + 1))
     _assert_product(w.mm(x), x, dense, None)
     _assert_product(w.addmm(c, x), x, dense, c)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("groups", [1, 2, 3, 5, 7, 9, 18])
+def test_rows_of_any_number_of_groups(qtype: str, groups: int, build: tuple[Any, Any], int8: None) -> None:
+    """Rows whose groups are not a whole number of the kernels' tiles (four 4-bit or 5-bit groups, two 8-bit
+    ones, read in pairs of tiles): the tails are masked, not read past, and add what they hold."""
+    values = np.random.default_rng(groups).standard_normal((OUT, 32 * groups)).astype(np.float32)
+    raw = encode(values, qtype, np.random.default_rng(groups))[0]
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32))
+    empty = torch.empty(0)
+    for n in (1, 2, 5):
+        x = torch.randn(n, 32 * groups, generator=torch.Generator().manual_seed(n))
+        if qtype in KEPT_TYPES:
+            packed = QuantizedWeight.from_gguf(qtype, raw, (OUT, 32 * groups))
+            mins = empty if packed.min is None else packed.min
+            got = build[0].mm_i8(x, packed.q, packed.scale, mins, packed.min is not None, empty)
+        else:
+            got = build[1].mm_i8(x, torch.from_numpy(raw), gguf_kernel.TYPE_IDS[qtype], empty)
+        _assert_product(got, x, dense, None)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K", "IQ4_XS"])

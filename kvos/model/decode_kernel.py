@@ -32,8 +32,10 @@ import torch
 
 from kvos.extensions import build
 from kvos.model.attention import DecodeGroup
+from kvos.model.simd_exp import SOURCE as EXP8
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -45,7 +47,9 @@ _SOURCE = r"""
 #include <immintrin.h>
 #define KVOS_AVX2 1
 #endif
-
+"""
+    + EXP8
+    + r"""
 // a . b over n floats, in 8 running sums (vectorised by the compiler, no fast-math needed).
 static inline float dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -58,24 +62,6 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 #if KVOS_AVX2
-// e^x for 8 floats: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n into the exponent bits.
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 // The sums of eight vectors, as one vector: [sum r0, ..., sum r7].
 static inline __m256 sums8(const __m256* r) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
@@ -236,6 +222,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   return out;
 }
 """
+)
 
 
 @functools.cache

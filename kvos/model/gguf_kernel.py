@@ -12,6 +12,9 @@ ids follow :data:`TYPE_IDS`.
 rows, its dot products summed per half in float32 and scaled once, and the mins enter as min * sum(x over the
 half). ``dequantize(w, type, K)`` writes float32 rows with the decoders' exact products (scale * q is the
 product gguf.quants forms, and the min is added once), bit-identical to ``gguf.quants.dequantize``.
+With int8 activations on a CPU with AVX-512 VNNI, Q5_0/Q5_1 (four blocks' nibbles in one 64-byte vector, the
+fifth bits set through byte masks) and Q6_K (a half super-block's 6-bit values in two vectors, in the values'
+own order) skip the decoders: 1.4x and 2.5x the decoder path on Qwen2.5-Coder-0.5B's products (warm caches).
 Compiled on first use (AVX2/FMA intrinsics for the products where the CPU has them, portable loops otherwise);
 without a compiler, or with ``KVOS_NO_EXTENSIONS=1``, :mod:`kvos.model.gguf_weight` falls back to
 gguf.quants and torch.
@@ -510,6 +513,163 @@ static inline void tile_i8(const int8_t* xq, const float* xd, const float* xh, i
 #endif
 }
 
+#if KVOS_VNNI512
+// total[i] = x_i . w_r for T rows of x laid out as Int8Chunks, w_r a row of Q5_0 or Q5_1 blocks: four blocks
+// an iteration, their 16 bytes of nibbles side by side in 64 bytes, the fifth bits (qh: bit l of element l)
+// set through byte masks. q = nibble + 16 * bit in 0..31; w = d * q + m with m = -16 d for Q5_0.
+template <int T, int Q>
+static inline void tile_q5_512(const Int8Chunks& xc, int64_t i0, int64_t groups, const uint8_t* wr,
+                               float* total) {
+  constexpr int64_t BYTES = Layout<Q>::BYTES, QS = Q == Q5_0 ? 6 : 8, QH = Q == Q5_0 ? 2 : 4;
+  const int64_t stride = xc.chunks * 4;
+  const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[T];
+  __m128 macc[T];
+  for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps(), macc[i] = _mm_setzero_ps();
+  for (int64_t c = 0; c < xc.chunks; ++c) {
+    const int64_t g = c * 4, left = std::min<int64_t>(4, groups - g);
+    alignas(16) uint16_t dh[4] = {0, 0, 0, 0}, mh[4] = {0, 0, 0, 0};
+    uint64_t bits_lo = 0, bits_hi = 0;
+    __m512i w = _mm512_setzero_si512();
+    for (int64_t k = 0; k < left; ++k) {
+      const uint8_t* b = wr + (g + k) * BYTES;
+      std::memcpy(&dh[k], b, 2);
+      if (Q == Q5_1) std::memcpy(&mh[k], b + 2, 2);
+      const uint64_t qh = u32(b + QH);
+      bits_lo |= (qh & 0xFFFF) << (16 * k);
+      bits_hi |= (qh >> 16) << (16 * k);
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + QS));
+      switch (k) {
+        case 0: w = _mm512_inserti32x4(w, qs, 0); break;
+        case 1: w = _mm512_inserti32x4(w, qs, 1); break;
+        case 2: w = _mm512_inserti32x4(w, qs, 2); break;
+        default: w = _mm512_inserti32x4(w, qs, 3); break;
+      }
+    }
+    __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits_lo), lo, fifth);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits_hi), hi, fifth);
+    const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dh)));
+    const __m128 m4 = Q == Q5_0 ? _mm_mul_ps(d4, _mm_set1_ps(-16.0f))
+                                : _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mh)));
+    for (int i = 0; i < T; ++i) {
+      const int8_t* x = xc.q.data() + ((i0 + i) * xc.chunks + c) * 128;
+      const float* xd = xc.d.data() + (i0 + i) * stride + g;
+      const float* xs = xc.s.data() + (i0 + i) * stride + g;
+      __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+      p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512(x + 64));
+      const __m128 sc = _mm_mul_ps(d4, _mm_loadu_ps(xd));
+      const __m512 lane_scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sc));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), lane_scales, acc[i]);
+      macc[i] = _mm_fmadd_ps(m4, _mm_loadu_ps(xs), macc[i]);
+    }
+  }
+  for (int i = 0; i < T; ++i) {
+    __m128 h = _mm_add_ps(macc[i], _mm_movehl_ps(macc[i], macc[i]));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    total[i] = _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(h);
+  }
+}
+
+// total[i] = x_i . w_r for T rows of x (Int8Rows), w_r a row of Q6_K super-blocks: each half of 128 values
+// in two 64-byte vectors of 6-bit q (0..63: ql's low nibbles then its high ones, qh's 2-bit pairs shifted
+// into bits 4-5), in the values' own order, so x is read as it lies. Lanes of four hold 16 values, one
+// int8 sub-scale; w = d * sc * (q - 32), the -32 entering through x's sums of 16.
+template <int T>
+static inline void tile_q6k_512(const Int8Rows& xi, int64_t i0, int64_t K, const uint8_t* wr,
+                                float* total) {
+  const int64_t groups = K / 32, supers = K / 256;
+  const __m512i low = _mm512_set1_epi8(0x0F), pair_bits = _mm512_set1_epi8(0x30);
+  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i spread_lo = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i spread_hi = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+  const __m256i twice = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);  // each group's scale for its two 16s
+  __m512 acc_lo[T], acc_hi[T];
+  __m256 macc[T];
+  for (int i = 0; i < T; ++i) acc_lo[i] = acc_hi[i] = _mm512_setzero_ps(), macc[i] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* b = wr + sb * 210;
+    const __m256 d = _mm256_set1_ps(f16(b + 208));
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+      const __m256i qh256 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m512i qh = _mm512_broadcast_i64x4(qh256);
+      const __m512i q_lo = _mm512_or_si512(_mm512_and_si512(ql, low),
+                                           _mm512_and_si512(_mm512_sllv_epi16(qh, up), pair_bits));
+      const __m512i q_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                           _mm512_and_si512(_mm512_srlv_epi16(qh, down), pair_bits));
+      const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h));
+      const __m256 s8 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      const int64_t g0 = sb * 8 + h * 4;
+      for (int i = 0; i < T; ++i) {
+        const int64_t row = i0 + i;
+        const int8_t* x = xi.q.data() + row * K + g0 * 32;
+        const __m512i p_lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q_lo, _mm512_loadu_si512(x));
+        const __m512i p_hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q_hi, _mm512_loadu_si512(x + 64));
+        const __m128 xd = _mm_loadu_ps(xi.d.data() + row * groups + g0);
+        const __m256 sx = _mm256_mul_ps(s8, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(xd), twice));
+        const __m512 sx512 = _mm512_castps256_ps512(sx);
+        const __m512 s_lo = _mm512_permutexvar_ps(spread_lo, sx512);
+        const __m512 s_hi = _mm512_permutexvar_ps(spread_hi, sx512);
+        acc_lo[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), s_lo, acc_lo[i]);
+        acc_hi[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), s_hi, acc_hi[i]);
+        macc[i] = _mm256_fmadd_ps(s8, _mm256_loadu_ps(xi.h.data() + 2 * (row * groups + g0)), macc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < T; ++i)
+    total[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[i], acc_hi[i])) - 32.0f * hsum256(macc[i]);
+}
+
+// out[:, r0:r1] for every row of x, a Q6_K weight, four rows of x at a time.
+static void mm_rows_q6k_512(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w, int64_t row_bytes,
+                            float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
+  float total[4];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    for (int64_t i0 = 0; i0 < n; i0 += 4) {
+      const int64_t t = std::min<int64_t>(4, n - i0);
+      switch (t) {
+        case 1: tile_q6k_512<1>(xi, i0, K, wr, total); break;
+        case 2: tile_q6k_512<2>(xi, i0, K, wr, total); break;
+        case 3: tile_q6k_512<3>(xi, i0, K, wr, total); break;
+        default: tile_q6k_512<4>(xi, i0, K, wr, total); break;
+      }
+      for (int64_t i = 0; i < t; ++i) {
+        float* dst = out + (i0 + i) * N + r;
+        *dst = add ? *dst + total[i] : total[i];
+      }
+    }
+  }
+}
+
+// out[:, r0:r1] for every row of x (Int8Chunks), a Q5_0 or Q5_1 weight, four rows of x at a time.
+template <int Q>
+static void mm_rows_q5_512(const Int8Chunks& xc, int64_t n, int64_t K, const uint8_t* w, int64_t row_bytes,
+                           float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
+  const int64_t groups = K / 32;
+  float total[4];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    for (int64_t i0 = 0; i0 < n; i0 += 4) {
+      const int64_t t = std::min<int64_t>(4, n - i0);
+      switch (t) {
+        case 1: tile_q5_512<1, Q>(xc, i0, groups, wr, total); break;
+        case 2: tile_q5_512<2, Q>(xc, i0, groups, wr, total); break;
+        case 3: tile_q5_512<3, Q>(xc, i0, groups, wr, total); break;
+        default: tile_q5_512<4, Q>(xc, i0, groups, wr, total); break;
+      }
+      for (int64_t i = 0; i < t; ++i) {
+        float* dst = out + (i0 + i) * N + r;
+        *dst = add ? *dst + total[i] : total[i];
+      }
+    }
+  }
+}
+#endif
+
 // out[:, r0:r1] for every row of quantized x, four rows of x at a time.
 template <int T>
 static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64_t n, int64_t K,
@@ -647,6 +807,22 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tenso
   const Int8Rows xi(x.data_ptr<float>(), n, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+#if KVOS_VNNI512
+  if (type == Q5_0 || type == Q5_1) {
+    const Int8Chunks xc(xi, n, K / 32);
+    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+      if (type == Q5_0) mm_rows_q5_512<Q5_0>(xc, n, K, wp, rb, op, N, r0, r1, add);
+      else mm_rows_q5_512<Q5_1>(xc, n, K, wp, rb, op, N, r0, r1, add);
+    });
+    return out;
+  }
+  if (type == Q6_K) {
+    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+      mm_rows_q6k_512(xi, n, K, wp, rb, op, N, r0, r1, add);
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     const int8_t* q = xi.q.data();
     KVOS_DISPATCH(type, mm_rows_i8<T>(q, xi.d.data(), xi.h.data(), n, K, wp, rb, op, N, r0, r1, add));
@@ -673,15 +849,24 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
 )
 
 FUNCTIONS = ["mm", "mm_i8", "dequantize"]
+NAME = "kvos_gguf_v3"  # the build's name (and its cache directory's)
 
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_gguf_v2", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "gguf.quants")
+    return build(NAME, _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "gguf.quants")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA/F16C), for tests."""
-    return build("kvos_gguf_portable_v2", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
+    return build("kvos_gguf_portable_v3", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
+
+
+@functools.cache
+def avx2_kernel() -> Any | None:
+    """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
+    CPU with AVX-512."""
+    flags = ["-O3", "-march=native", "-mno-avx512f"]
+    return build("kvos_gguf_avx2_v3", _SOURCE, FUNCTIONS, flags, "gguf.quants")

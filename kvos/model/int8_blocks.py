@@ -2,7 +2,8 @@
 
 ``SOURCE`` defines ``quantize_blocks`` (activation rows to llama.cpp's Q8_0 blocks: for each 32 values
 ``d = max|x| / 127`` and ``q = round(x * (1 / d))``, ties to even, with ``d * sum(q)`` for each half of 16,
-what a weight's min multiplies), ``Int8Rows`` (a tensor's rows so quantized) and, where the including
+what a weight's min multiplies), ``Int8Rows`` (a tensor's rows so quantized), ``Int8Chunks`` (those rows
+re-laid for 4-bit weights read four groups at a time, with AVX-512 VNNI) and, where the including
 kernel defines ``KVOS_INT8_SIMD`` (AVX2; then ``<immintrin.h>`` is included), ``dot4``: the dot products of
 32 unsigned with 32 signed bytes, four at a time (``maddubs`` + ``madd``, or one ``vpdpbusd`` with
 AVX512-VNNI). :mod:`kvos.model.quant_kernel` and :mod:`kvos.model.gguf_kernel` put it into their sources,
@@ -12,6 +13,9 @@ so both quantize activations the same way.
 SOURCE = r"""
 #if KVOS_INT8_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVOS_VNNI 1  // one instruction for the four-byte dot products
+#endif
+#if KVOS_VNNI && defined(__AVX512BW__)
+#define KVOS_VNNI512 1  // 64-byte tiles: four 4-bit groups (two 8-bit ones) an instruction
 #endif
 
 // x [blocks * 32] to q int8 [blocks * 32], d [blocks] and hsum [blocks * 2] (see kvos/model/int8_blocks.py).
@@ -48,6 +52,30 @@ struct Int8Rows {
     quantize_blocks(x, n * K / 32, q.data(), d.data(), h.data());
   }
 };
+
+#if KVOS_VNNI512
+// Quantized activation rows laid out for 4-bit weights read 64 bytes (four groups) at a time, the weights'
+// low nibbles being elements 0-15 of their group and the high ones 16-31: per chunk of four groups, the
+// first halves (16 values) of the four, then their second halves; with each group's scale d and sum
+// h0 + h1 (what a min multiplies). Zeros pad the last chunk. q [n, chunks, 128], d and s [n, chunks * 4].
+struct Int8Chunks {
+  int64_t chunks;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  Int8Chunks(const Int8Rows& x, int64_t n, int64_t groups)
+      : chunks((groups + 3) / 4), q(n * chunks * 128, 0), d(n * chunks * 4, 0.0f), s(n * chunks * 4, 0.0f) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t b = i * groups + g, c = i * chunks * 4 + g;
+        int8_t* dst = q.data() + (i * chunks + g / 4) * 128 + (g % 4) * 16;
+        std::copy_n(x.q.data() + b * 32, 16, dst);
+        std::copy_n(x.q.data() + b * 32 + 16, 16, dst + 64);
+        d[c] = x.d[b];
+        s[c] = x.h[2 * b] + x.h[2 * b + 1];
+      }
+  }
+};
+#endif
 
 #if KVOS_INT8_SIMD
 // Dot products of 32 unsigned bytes u with 32 signed bytes s, four at a time: int32 [8] (lanes 0-3 are

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvos.errors import ModelLoadError
-from kvos.model import decode_kernel
+from kvos.model import decode_kernel, layer_kernel
 from kvos.model.attention import (
     AttentionMetadata,
     Batch,
@@ -84,7 +84,10 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 and cast back, as the reference implementations do."""
+    """RMSNorm over the last dim, computed in float32 and cast back, as the reference implementations do
+    (rows [n, d] of float32 on the CPU in :mod:`kvos.model.layer_kernel`)."""
+    if x.dim() == 2 and layer_kernel.usable(x) and weight.dtype == torch.float32:
+        return layer_kernel.module().rms_norm(x.contiguous(), weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
@@ -157,8 +160,7 @@ class Transformer:
             if layer.o_bias is not None:
                 x = x + layer.o_bias
             x = addmm(x, out, layer.o)
-            gate, up = matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            x = addmm(x, F.silu(gate) * up, layer.down)
+            x = addmm(x, swiglu(matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up)), layer.down)
         return rms_norm(x, self.final_norm, eps)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -189,9 +191,29 @@ class Transformer:
     ) -> torch.Tensor:
         """h: [n, hidden] -> attention output [n, H * D], before the output projection."""
         c = self.config
-        n = h.shape[0]
+        if isinstance(meta, Batch) and layer_kernel.usable(h):
+            q, k, v = self._qkv_fused(index, layer, h, cos, sin, meta, kv)
+        else:
+            q, k, v = self._qkv(layer, h, cos, sin)
+            if isinstance(meta, HeadAttentionMetadata):
+                return head_attention(q, k, v, meta, kv, c.window(index), index)
+            kv.write(index, meta.write_slots, k, v)
+        group = meta.decodes
+        together = self._attend_decodes(index, q, group, kv) if group is not None else {}
+        outs = [
+            together[i] if i in together else self._attend(index, q[lo:hi], k[lo:hi], v[lo:hi], m, kv)
+            for i, (m, (lo, hi)) in enumerate(zip(meta.metas, pairwise(meta.bounds), strict=True))
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _qkv(
+        self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [n, hidden] -> q [n, H, D], k and v [n, Hkv, D]: projected, biased, q/k-normed and rotated,
+        in eager ops."""
+        c = self.config
         qkv = matmul(h, layer.qkv) if layer.qkv_bias is None else addmm(layer.qkv_bias, h, layer.qkv)
-        qkv = qkv.view(n, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qkv = qkv.view(h.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         qk, v = qkv[:, : c.num_heads + c.num_kv_heads], qkv[:, c.num_heads + c.num_kv_heads :]
         if layer.q_norm is not None and layer.k_norm is not None:
             qk = torch.cat(
@@ -202,17 +224,44 @@ class Transformer:
                 dim=1,
             )
         qk = Rope.apply(qk, cos, sin)  # queries and keys rotated together: one pass
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        if isinstance(meta, HeadAttentionMetadata):
-            return head_attention(q, k, v, meta, kv, c.window(index), index)
-        kv.write(index, meta.write_slots, k, v)
-        group = meta.decodes
-        together = self._attend_decodes(index, q, group, kv) if group is not None else {}
-        outs = [
-            together[i] if i in together else self._attend(index, q[lo:hi], k[lo:hi], v[lo:hi], m, kv)
-            for i, (m, (lo, hi)) in enumerate(zip(meta.metas, pairwise(meta.bounds), strict=True))
-        ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return qk[:, : c.num_heads], qk[:, c.num_heads :], v
+
+    def _qkv_fused(
+        self,
+        index: int,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: Batch,
+        kv: KVStore,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_qkv` and the pool write in one kernel call after the product
+        (:mod:`kvos.model.layer_kernel`): the same q, k, v, with k and v written to ``meta.write_slots``."""
+        c = self.config
+        module, empty = layer_kernel.module(), layer_kernel.EMPTY
+        qkv = matmul(h, layer.qkv).contiguous()
+        k_slab, v_slab = (empty, empty) if kv is NO_STORE else kv.slabs(index)
+        direct = k_slab.dtype == torch.float32 and k_slab.device.type == "cpu" and k_slab.is_contiguous()
+        module.qkv_step(
+            qkv,
+            empty if layer.qkv_bias is None else layer.qkv_bias,
+            empty if layer.q_norm is None else layer.q_norm,
+            empty if layer.k_norm is None else layer.k_norm,
+            c.rms_norm_eps,
+            cos,
+            sin,
+            k_slab if direct else empty,
+            v_slab if direct else empty,
+            meta.write_slots,
+            c.num_heads,
+            c.num_kv_heads,
+        )
+        qkv = qkv.view(h.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split((c.num_heads, c.num_kv_heads, c.num_kv_heads), dim=1)
+        if not direct and kv is not NO_STORE:
+            kv.write(index, meta.write_slots, k, v)
+        return q, k, v
 
     def _attend_decodes(
         self, index: int, q: torch.Tensor, group: DecodeGroup, kv: KVStore
@@ -259,6 +308,14 @@ class Transformer:
         else:
             keys, values = kv.gather(index, meta.read_slots)
         return paged_attention(q, keys, values, meta, self.config.window(index), index)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [n, 2 * inter] (the gate, then the up projection) -> silu(gate) * up [n, inter]."""
+    if gate_up.dim() == 2 and layer_kernel.usable(gate_up):
+        return layer_kernel.module().silu_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _need(weights: Mapping[str, Weight], name: str) -> Weight:

@@ -20,7 +20,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
-from kvos.model import activations, decode_kernel, dense_kernel, gguf_kernel, quant_kernel
+from kvos.model import activations, decode_kernel, dense_kernel, gguf_kernel, layer_kernel, quant_kernel
 from kvos.model.catalogue import add_model_argument, default_model, model_name
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
@@ -377,12 +377,13 @@ def open_state(
 
 def prepare_kernels() -> None:
     """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode
-    attention, the dense, quantized and GGUF block products; say so when it takes a while (the first start
-    compiles them, about 30 s each)."""
+    attention, the steps between a layer's products, the dense, quantized and GGUF block products; say so
+    when it takes a while (the first start compiles them, about 30 s each)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
     kernels = (
         ("restore", fused.kernel, "restores use the eager path"),
         ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),
+        ("layer step", layer_kernel.kernel, "norms, RoPE and SwiGLU run as eager torch ops"),
         ("dense product", dense_kernel.kernel, "products use torch's matmul"),
         ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),
         ("GGUF block product", gguf_kernel.kernel, "GGUF block products dequantize with gguf.quants"),

@@ -1,0 +1,30 @@
+"""The C++ exponential the CPU kernels share: ``exp8`` (e^x for 8 floats in AVX2/FMA registers), defined where
+the including kernel defines ``KVOS_AVX2`` (and has included ``<immintrin.h>``).
+
+x = n ln2 + r with r in [-ln2 / 2, ln2 / 2] (ln2 split in two parts for an exact reduction), e^r by Cephes'
+degree-6 polynomial, 2^n built in the exponent bits; inputs clamped to [-87.3, 88.3] so that 2^n stays a
+normal float. Relative error within 2 ulp of ``std::exp`` over that range. :mod:`kvos.model.decode_kernel`
+(the softmax) and :mod:`kvos.model.layer_kernel` (SiLU) put it into their sources.
+"""
+
+SOURCE = r"""
+#if KVOS_AVX2
+// e^x for 8 floats: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n into the exponent bits.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+"""

@@ -228,7 +228,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v4", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v5", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
 
 
 def usable(q: torch.Tensor, k_slab: torch.Tensor) -> bool:

@@ -74,6 +74,11 @@ def test_kernel_equals_float64_attention(heads: int, kv_heads: int, dim: int, wi
         assert (out[b].double() - expected).abs().max().item() < 1e-5
         assert (probs[b, :, :n].double() - expected_probs).abs().max().item() < 1e-6
     assert float(probs[3, :, 0].abs().max()) == 0.0  # the key past the query has no weight
+    # the queries as the fused projection's output holds them, rows apart (keys and values between): the same
+    apart = torch.cat((q, torch.randn(len(lengths), 2 * kv_heads, dim, generator=g)), dim=1)[:, :heads]
+    assert not apart.is_contiguous()
+    again = module.attend(apart, k, v, slots, torch.tensor(lengths), kpos, positions, window, torch.empty(0))
+    assert torch.equal(again, out)
 
 
 def test_kernel_refuses_slots_outside_the_pool() -> None:

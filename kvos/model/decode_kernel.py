@@ -3,7 +3,8 @@
 ``attend(q, k, v, slots, lengths, key_positions, positions, window, probs)`` computes the attention of one
 new token per sequence for B sequences at once, each over its own cached keys, without gathering them:
 
-- q float32 [B, H, D] (the new tokens' queries, RoPE applied);
+- q float32 [B, H, D] (the new tokens' queries, RoPE applied; its heads contiguous, its rows may lie apart, as
+  in the fused projection's output);
 - k, v float32 [S, Hkv, D]: one layer of the pool seen as flat slots (its own storage, not a copy);
 - slots int64 [B, T]: each sequence's slots in cache order, padded to the longest; lengths int64 [B];
 - key_positions int64 [B, T] and positions int64 [B]: a key is seen when its position is at or before the
@@ -134,7 +135,7 @@ static void weighted_sum(const float* p, const float* const* rows, int64_t m, in
 }
 
 // One (sequence b, KV head h) task: the G query heads that read KV head h, over the keys the query sees.
-static void attend_one(const float* q, const float* k, const float* v, const int64_t* slots,
+static void attend_one(const float* q, int64_t q_row, const float* k, const float* v, const int64_t* slots,
                        const int64_t* kpos, int64_t qpos, int64_t n, int64_t window, int64_t H,
                        int64_t Hkv, int64_t D, int64_t T, int64_t b, int64_t h, float* out, float* probs) {
   const int64_t G = H / Hkv;
@@ -158,7 +159,7 @@ static void attend_one(const float* q, const float* k, const float* v, const int
   std::vector<float> s(G * m), inv(G);
   for (int64_t i0 = 0; i0 < m; i0 += TILE)
     for (int64_t g = 0; g < G; ++g)
-      scores_of(q + (b * H + h * G + g) * D, krows.data() + i0, std::min(TILE, m - i0), D, scale,
+      scores_of(q + b * q_row + (h * G + g) * D, krows.data() + i0, std::min(TILE, m - i0), D, scale,
                 s.data() + g * m + i0);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t head = b * H + h * G + g;
@@ -183,7 +184,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
                      torch::Tensor probs) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 &&
                   v.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && slots.is_contiguous() &&
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() && v.is_contiguous() &&
+                  slots.is_contiguous() &&
                   kpos.is_contiguous() && lengths.is_contiguous() && qpos.is_contiguous(),
               "contiguous inputs");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && slots.dim() == 2,
@@ -206,6 +208,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   }
   auto out = torch::empty({B, H * D}, q.options());
   const float* qp = q.data_ptr<float>();
+  const int64_t q_row = q.stride(0);  // a row of the fused projection's output: q is read where it lies
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t* kpp = kpos.data_ptr<int64_t>();
@@ -215,8 +218,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      attend_one(qp, kp, vp, sl + b * T, kpp + b * T, qpp[b], len[b], window, H, Hkv, D, T, b, h, op,
-                 pp);
+      attend_one(qp, q_row, kp, vp, sl + b * T, kpp + b * T, qpp[b], len[b], window, H, Hkv, D, T, b, h,
+                 op, pp);
     }
   });
   return out;
@@ -228,7 +231,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v5", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v6", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
 
 
 def usable(q: torch.Tensor, k_slab: torch.Tensor) -> bool:
@@ -259,7 +262,15 @@ def decode_attention(
     wanted = [layer in m.capture_layers for m in group.metas]
     probs = torch.zeros(b, num_heads, slots.shape[1]) if any(wanted) else _EMPTY
     out = module.attend(
-        q.contiguous(), k_slab, v_slab, slots, lengths, key_positions, positions, window or 0, probs
+        q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous(),
+        k_slab,
+        v_slab,
+        slots,
+        lengths,
+        key_positions,
+        positions,
+        window or 0,
+        probs,
     )
     for row, (meta, n) in enumerate(zip(group.metas, group.lengths, strict=True)):
         if wanted[row]:

@@ -191,15 +191,20 @@ class Transformer:
     ) -> torch.Tensor:
         """h: [n, hidden] -> attention output [n, H * D], before the output projection."""
         c = self.config
+        slabs = None
         if isinstance(meta, Batch) and layer_kernel.usable(h):
-            q, k, v = self._qkv_fused(index, layer, h, cos, sin, meta, kv)
+            q, k, v, slabs = self._qkv_fused(index, layer, h, cos, sin, meta, kv)
         else:
             q, k, v = self._qkv(layer, h, cos, sin)
             if isinstance(meta, HeadAttentionMetadata):
                 return head_attention(q, k, v, meta, kv, c.window(index), index)
             kv.write(index, meta.write_slots, k, v)
-        group = meta.decodes
-        together = self._attend_decodes(index, q, group, kv) if group is not None else {}
+        group, together = meta.decodes, {}
+        decoded = None if group is None else self._attend_decodes(index, q, group, kv, slabs)
+        if group is not None and decoded is not None:
+            if len(group.items) == len(meta.metas):
+                return decoded  # every item a decode step: its rows are the items' in order
+            together = {i: decoded[r : r + 1] for r, i in enumerate(group.items)}
         outs = [
             together[i] if i in together else self._attend(index, q[lo:hi], k[lo:hi], v[lo:hi], m, kv)
             for i, (m, (lo, hi)) in enumerate(zip(meta.metas, pairwise(meta.bounds), strict=True))
@@ -235,9 +240,10 @@ class Transformer:
         sin: torch.Tensor,
         meta: Batch,
         kv: KVStore,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """:meth:`_qkv` and the pool write in one kernel call after the product
-        (:mod:`kvos.model.layer_kernel`): the same q, k, v, with k and v written to ``meta.write_slots``."""
+        (:mod:`kvos.model.layer_kernel`): the same q, k, v, with k and v written to ``meta.write_slots``; and
+        the pool layer's slabs (None for a standalone pass)."""
         c = self.config
         module, empty = layer_kernel.module(), layer_kernel.EMPTY
         qkv = matmul(h, layer.qkv).contiguous()
@@ -261,33 +267,37 @@ class Transformer:
         q, k, v = qkv.split((c.num_heads, c.num_kv_heads, c.num_kv_heads), dim=1)
         if not direct and kv is not NO_STORE:
             kv.write(index, meta.write_slots, k, v)
-        return q, k, v
+        return q, k, v, None if kv is NO_STORE else (k_slab, v_slab)
 
     def _attend_decodes(
-        self, index: int, q: torch.Tensor, group: DecodeGroup, kv: KVStore
-    ) -> dict[int, torch.Tensor]:
+        self,
+        index: int,
+        q: torch.Tensor,
+        group: DecodeGroup,
+        kv: KVStore,
+        slabs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         """The decode items of a batch attend together, straight from the pool where the decode kernel
         runs (:mod:`kvos.model.decode_kernel`), else over one padded gather of their keys (with at least
-        two of them; one alone takes :meth:`_attend`). q: [rows, H, D] of the whole batch -> item index ->
-        [1, H * D]; an empty dict when the items are left to :meth:`_attend`."""
+        two of them; one alone takes :meth:`_attend`). q: [rows, H, D] of the whole batch -> [items, H * D],
+        a row for each of ``group.items`` in order; None when the items are left to :meth:`_attend`."""
         c = self.config
-        k_slab, v_slab = kv.slabs(index)
+        k_slab, v_slab = kv.slabs(index) if slabs is None else slabs
         fast = decode_kernel.usable(q, k_slab)
         if not fast and len(group.items) == 1:
-            return {}
+            return None
         for meta, row in zip(group.metas, group.rows, strict=True):
             if index in meta.query_layers:
                 seen, mine = meta.queries.get(index), q[row : row + 1].float()
                 meta.queries[index] = mine if seen is None else torch.cat((seen, mine))
+        every = len(group.rows) == q.shape[0]  # every row a decode step (rows distinct, ascending)
+        mine = q if every else q[group.rows]
         if fast:
-            out = decode_kernel.decode_attention(q[group.rows], k_slab, v_slab, group, c.window(index), index)
-        else:
-            keys, values = kv.gather_rows(index, group.head_rows(c.num_kv_heads))  # [B * Hkv * T, D]
-            shape = (len(group.items) * c.num_kv_heads, -1, c.head_dim)
-            out = grouped_decode_attention(
-                q[group.rows], keys.view(shape), values.view(shape), group, c.window(index), index
-            )
-        return {i: out[r : r + 1] for r, i in enumerate(group.items)}
+            return decode_kernel.decode_attention(mine, k_slab, v_slab, group, c.window(index), index)
+        keys, values = kv.gather_rows(index, group.head_rows(c.num_kv_heads))  # [B * Hkv * T, D]
+        shape = (len(group.items) * c.num_kv_heads, -1, c.head_dim)
+        window = c.window(index)
+        return grouped_decode_attention(mine, keys.view(shape), values.view(shape), group, window, index)
 
     def _attend(
         self,

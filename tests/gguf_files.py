@@ -142,9 +142,12 @@ def write_file(
     return path
 
 
-def write_model(hf_dir: Path, path: Path, arch: str, qtype: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def write_model(
+    hf_dir: Path, path: Path, arch: str, qtype: str, seed: int = 0, types: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
     """Convert the checkpoint in ``hf_dir`` to a GGUF at ``path`` with every matrix as ``qtype`` (vectors
-    F32); return the weights the file holds, in Hugging Face names and layout (float32)."""
+    F32), or as ``types[part]`` for the matrices whose name contains ``part`` (a llama.cpp-like mix); return
+    the weights the file holds, in Hugging Face names and layout (float32)."""
     config = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
@@ -157,7 +160,8 @@ def write_model(hf_dir: Path, path: Path, arch: str, qtype: str, seed: int = 0) 
         permute = arch in ("llama", "mistral") and proj is not None
         if permute:
             values = halves_to_interleaved(values, heads[proj])  # type: ignore[index]
-        kind = qtype if values.ndim == 2 else "F32"
+        mixed = next((t for part, t in (types or {}).items() if part in name), qtype)
+        kind = mixed if values.ndim == 2 else "F32"
         raw, held = encode(values, kind, rng)
         tensors[gguf_name(name)] = (raw, kind)
         held_t = torch.from_numpy(np.array(held, dtype=np.float32))

@@ -234,6 +234,13 @@ def kernel() -> Any | None:
     return build("kvos_decode_v6", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
 
 
+def module() -> Any:
+    """The compiled module, where :func:`usable` said yes."""
+    built = kernel()
+    assert built is not None, "the decode kernel is not built: check usable() first"
+    return built
+
+
 def usable(q: torch.Tensor, k_slab: torch.Tensor) -> bool:
     """Whether the kernel computes this decode attention: float32 queries and pool on the CPU, the kernel
     built."""
@@ -255,13 +262,12 @@ def decode_attention(
     """The decode steps of ``group`` over the pool layer ``k_slab``/``v_slab`` [S, Hkv, D]: q [B, H, D]
     float32 -> [B, H * D]. Each sequence's probabilities [H, n] are captured where its metadata asks, as
     the gathered path captures them."""
-    module = kernel()
-    assert module is not None, "decode_attention without the kernel: check usable() first"
+    built = module()
     slots, lengths, key_positions, positions = group.kernel_inputs()
     b, num_heads, _ = q.shape
     wanted = [layer in m.capture_layers for m in group.metas]
     probs = torch.zeros(b, num_heads, slots.shape[1]) if any(wanted) else _EMPTY
-    out = module.attend(
+    out = built.attend(
         q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous(),
         k_slab,
         v_slab,

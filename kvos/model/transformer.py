@@ -30,6 +30,7 @@ from kvos.model.attention import (
     paged_attention,
 )
 from kvos.model.config import ModelConfig
+from kvos.model.decode_plan import DecodePlan
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
 from kvos.model.rope import Rope
@@ -110,6 +111,8 @@ class Transformer:
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else head
         self.layers = [_layer(config, weights, i) for i in range(config.num_layers)]
         self.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling)
+        self._plan: DecodePlan | None = None
+        self._planned = False
 
     @torch.inference_mode()
     def forward(
@@ -155,6 +158,10 @@ class Transformer:
         x = embedding(token_ids.to(self.device), self.embed)
         cos, sin = self.rope.cos_sin(positions, self.dtype, self.device)
         eps = self.config.rms_norm_eps
+        if isinstance(meta, Batch) and kv is not NO_STORE:
+            plan = self.decode_plan()
+            if plan is not None and plan.takes(x, meta, kv):
+                return rms_norm(plan.run(x, cos, sin, meta, kv), self.final_norm, eps)
         for i, layer in enumerate(self.layers):
             out = self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv)
             if layer.o_bias is not None:
@@ -162,6 +169,13 @@ class Transformer:
             x = addmm(x, out, layer.o)
             x = addmm(x, swiglu(matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up)), layer.down)
         return rms_norm(x, self.final_norm, eps)
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The layers bound for decode steps (:mod:`kvos.model.decode_plan`), made on first use; None where
+        the model cannot have one."""
+        if not self._planned:
+            self._plan, self._planned = DecodePlan.of(self), True
+        return self._plan
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> float32 logits [n, vocab]."""

@@ -1,0 +1,154 @@
+"""A decode step's layers with nothing between the kernels but the calls: each layer's products bound once.
+
+:meth:`Transformer._layers <kvos.model.transformer.Transformer._layers>` goes through the generic seams for
+every product (:mod:`kvos.model.linear`: the weight's kind, the activations' dtype and layout, the mode, the
+residual's shape) and for the attention (the batch's items, the decode group, the pool's checks): about 55 us
+of Python a layer, 1.65 ms a token on SmolLM2's 30 layers, against 7.97 ms of kernels at 2 threads. When a
+step is decode steps only (one new token per sequence, each over its cache) and every kernel is there, a
+:class:`DecodePlan` runs the layers instead: the products are closures over their kernel and tensors, made
+once per model (each checked to take this step's rows), and a layer is nine calls: RMSNorm, QKV product,
+``qkv_step``, decode attention, O product with the residual, RMSNorm, gate/up product, SwiGLU, down product
+with the residual. The results are those of the generic path (the same kernels in the same order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvos.model import activations, decode_kernel, layer_kernel
+from kvos.model.attention import Batch
+from kvos.model.gguf_kernel import TYPE_IDS
+from kvos.model.gguf_weight import GGUFWeight
+from kvos.model.gguf_weight import kernel as gguf_kernel
+from kvos.model.linear import RowStack, addmm, matmul
+from kvos.model.quant import QuantizedWeight
+from kvos.model.quant import kernel as quant_kernel
+
+if TYPE_CHECKING:
+    from kvos.model.transformer import KVStore, LayerWeights, Transformer
+
+EMPTY = torch.empty(0)
+SMALL_N = 32  # the most rows a step may have here: the product kernels' limit (kvos.model.quant, gguf_weight)
+Product = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+"""(x float32 [n, in] contiguous, c float32 [n, out] contiguous or EMPTY, int8) -> c + x @ W.T [n, out]."""
+
+
+def bind(weight: Any) -> Product:
+    """The weight's product as one call: its kernel with its tensors bound (a quantized weight kept in
+    repacked groups or in the file's blocks, on the CPU, with the kernel built), the parts' products side by
+    side (a :class:`RowStack`), else the generic seam (:mod:`kvos.model.linear`: dense weights, no kernel)."""
+    k, g = quant_kernel(), gguf_kernel()
+    if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu" and k is not None:
+        q, scale, is4 = weight.q, weight.scale, weight.min is not None
+        mins = EMPTY if weight.min is None else weight.min
+        i8, f32 = k.mm_i8, k.mm
+        return lambda x, c, int8: (i8 if int8 else f32)(x, q, scale, mins, is4, c)
+    if isinstance(weight, GGUFWeight) and weight.device.type == "cpu" and g is not None:
+        raw, type_id = weight.raw, TYPE_IDS[weight.qtype]
+        gi8, gf32 = g.mm_i8, g.mm
+        return lambda x, c, int8: (gi8 if int8 else gf32)(x, raw, type_id, c)
+    if isinstance(weight, RowStack):
+        parts = [bind(p) for p in weight.parts]
+
+        def stacked(x: torch.Tensor, c: torch.Tensor, int8: bool) -> torch.Tensor:
+            out = torch.cat([p(x, EMPTY, int8) for p in parts], dim=1)
+            return out if c.numel() == 0 else out.add_(c)
+
+        return stacked
+    return lambda x, c, int8: matmul(x, weight) if c.numel() == 0 else addmm(c, x, weight)
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    """One layer's weights as the plan calls them."""
+
+    attn_norm: torch.Tensor
+    qkv: Product
+    bias: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: Product
+    mlp_norm: torch.Tensor
+    gate_up: Product
+    down: Product
+    window: int
+
+
+class DecodePlan:
+    """The layers of ``model`` bound for decode steps (see the module docstring); :meth:`of` says whether the
+    model can have one."""
+
+    def __init__(self, model: Transformer, layers: Sequence[PlannedLayer]) -> None:
+        self.model, self.layers = model, list(layers)
+        c = model.config
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+
+    @classmethod
+    def of(cls, model: Transformer) -> DecodePlan | None:
+        """The plan of a float32 model without an output bias; None otherwise (the generic path then runs
+        every step)."""
+        if model.dtype != torch.float32 or any(layer.o_bias is not None for layer in model.layers):
+            return None
+        return cls(model, [_planned(model, i, layer) for i, layer in enumerate(model.layers)])
+
+    def takes(self, x: torch.Tensor, meta: Batch, kv: KVStore) -> bool:
+        """Whether this step is the plan's: decode steps only, few enough rows for the product kernels,
+        float32 rows and pool on the CPU with the layer and decode kernels built, no query capture (the
+        recovery signal's queries)."""
+        group = meta.decodes
+        if group is None or len(group.items) != len(meta.metas) or x.shape[0] > SMALL_N:
+            return False
+        if not layer_kernel.usable(x) or any(m.query_layers for m in meta.metas):
+            return False
+        k_slab = kv.slabs(0)[0]
+        return decode_kernel.usable(x, k_slab) and k_slab.is_contiguous()
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Batch, kv: KVStore
+    ) -> torch.Tensor:
+        """x [n, hidden] (the embedded tokens) -> the last layer's output [n, hidden] (before the final norm),
+        as the generic layer loop computes it; attention probabilities captured where the metadata asks."""
+        group = meta.decodes
+        assert group is not None
+        kernels = layer_kernel.module()
+        norm, step, silu = kernels.rms_norm, kernels.qkv_step, kernels.silu_mul
+        attend = decode_kernel.module().attend
+        int8, eps, h, hkv, d = activations.int8(), self.eps, self.heads, self.kv_heads, self.head_dim
+        slots, lengths, key_positions, positions = group.kernel_inputs()
+        write_slots, n = meta.write_slots, int(x.shape[0])
+        captured = [(row, m) for row, m in enumerate(group.metas) if m.capture_layers]
+        x = x.contiguous()
+        for index, layer in enumerate(self.layers):
+            k_slab, v_slab = kv.slabs(index)
+            qkv = layer.qkv(norm(x, layer.attn_norm, eps), EMPTY, int8)
+            norms = (layer.q_norm, layer.k_norm)
+            step(qkv, layer.bias, *norms, eps, cos, sin, k_slab, v_slab, write_slots, h, hkv)
+            wanted = [(row, m) for row, m in captured if index in m.capture_layers]
+            probs = torch.zeros(n, h, slots.shape[1]) if wanted else EMPTY
+            q = qkv.view(n, h + 2 * hkv, d)[:, :h]
+            out = attend(q, k_slab, v_slab, slots, lengths, key_positions, positions, layer.window, probs)
+            for row, m in wanted:
+                m.captured[index] = probs[row, :, : group.lengths[row]]
+            x = layer.o(out, x, int8)
+            x = layer.down(silu(layer.gate_up(norm(x, layer.mlp_norm, eps), EMPTY, int8)), x, int8)
+        return x
+
+
+def _planned(model: Transformer, index: int, layer: LayerWeights) -> PlannedLayer:
+    return PlannedLayer(
+        attn_norm=layer.attn_norm,
+        qkv=bind(layer.qkv),
+        bias=EMPTY if layer.qkv_bias is None else layer.qkv_bias,
+        q_norm=EMPTY if layer.q_norm is None else layer.q_norm,
+        k_norm=EMPTY if layer.k_norm is None else layer.k_norm,
+        o=bind(layer.o),
+        mlp_norm=layer.mlp_norm,
+        gate_up=bind(layer.gate_up),
+        down=bind(layer.down),
+        window=model.config.window(index) or 0,
+    )

@@ -624,49 +624,20 @@ static inline void tile_q6k_512(const Int8Rows& xi, int64_t i0, int64_t K, const
 }
 
 // out[:, r0:r1] for every row of x, a Q6_K weight, four rows of x at a time.
-static void mm_rows_q6k_512(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w, int64_t row_bytes,
-                            float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
-  float total[4];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      const int64_t t = std::min<int64_t>(4, n - i0);
-      switch (t) {
-        case 1: tile_q6k_512<1>(xi, i0, K, wr, total); break;
-        case 2: tile_q6k_512<2>(xi, i0, K, wr, total); break;
-        case 3: tile_q6k_512<3>(xi, i0, K, wr, total); break;
-        default: tile_q6k_512<4>(xi, i0, K, wr, total); break;
-      }
-      for (int64_t i = 0; i < t; ++i) {
-        float* dst = out + (i0 + i) * N + r;
-        *dst = add ? *dst + total[i] : total[i];
-      }
-    }
-  }
+static void mm_rows_q6k_512(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w,
+                            int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
+  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+    tile_q6k_512<decltype(rows)::value>(xi, i0, K, w + r * row_bytes, total);
+  });
 }
 
 // out[:, r0:r1] for every row of x (Int8Chunks), a Q5_0 or Q5_1 weight, four rows of x at a time.
 template <int Q>
-static void mm_rows_q5_512(const Int8Chunks& xc, int64_t n, int64_t K, const uint8_t* w, int64_t row_bytes,
-                           float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
-  const int64_t groups = K / 32;
-  float total[4];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      const int64_t t = std::min<int64_t>(4, n - i0);
-      switch (t) {
-        case 1: tile_q5_512<1, Q>(xc, i0, groups, wr, total); break;
-        case 2: tile_q5_512<2, Q>(xc, i0, groups, wr, total); break;
-        case 3: tile_q5_512<3, Q>(xc, i0, groups, wr, total); break;
-        default: tile_q5_512<4, Q>(xc, i0, groups, wr, total); break;
-      }
-      for (int64_t i = 0; i < t; ++i) {
-        float* dst = out + (i0 + i) * N + r;
-        *dst = add ? *dst + total[i] : total[i];
-      }
-    }
-  }
+static void mm_rows_q5_512(const Int8Chunks& xc, int64_t n, int64_t K, const uint8_t* w,
+                           int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
+  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+    tile_q5_512<decltype(rows)::value, Q>(xc, i0, K / 32, w + r * row_bytes, total);
+  });
 }
 #endif
 
@@ -676,23 +647,10 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64
                        const uint8_t* w, int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1,
                        bool add) {
   const int64_t groups = K / 32;
-  float total[4];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      const int64_t t = std::min<int64_t>(4, n - i0), o = i0 * groups;
-      switch (t) {
-        case 1: tile_i8<T, 1>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
-        case 2: tile_i8<T, 2>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
-        case 3: tile_i8<T, 3>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
-        default: tile_i8<T, 4>(xq + o * 32, xd + o, xh + 2 * o, K, wr, total); break;
-      }
-      for (int64_t i = 0; i < t; ++i) {
-        float* dst = out + (i0 + i) * N + r;
-        *dst = add ? *dst + total[i] : total[i];
-      }
-    }
-  }
+  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+    const int64_t o = i0 * groups;
+    tile_i8<T, decltype(rows)::value>(xq + o * 32, xd + o, xh + 2 * o, K, w + r * row_bytes, total);
+  });
 }
 
 // out[:, r0:r1] for every row of x, four rows of x at a time.

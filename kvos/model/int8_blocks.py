@@ -2,7 +2,8 @@
 
 ``SOURCE`` defines ``quantize_blocks`` (activation rows to llama.cpp's Q8_0 blocks: for each 32 values
 ``d = max|x| / 127`` and ``q = round(x * (1 / d))``, ties to even, with ``d * sum(q)`` for each half of 16,
-what a weight's min multiplies), ``Int8Rows`` (a tensor's rows so quantized), ``Int8Chunks`` (those rows
+what a weight's min multiplies), ``Int8Rows`` (a tensor's rows so quantized), ``each_tile`` (the products'
+loop over weight rows and tiles of up to four activation rows), ``Int8Chunks`` (those rows
 re-laid for 4-bit weights read four groups at a time, with AVX-512 VNNI) and, where the including
 kernel defines ``KVOS_INT8_SIMD`` (AVX2; then ``<immintrin.h>`` is included), ``dot4``: the dot products of
 32 unsigned with 32 signed bytes, four at a time (``maddubs`` + ``madd``, or one ``vpdpbusd`` with
@@ -11,6 +12,7 @@ so both quantize activations the same way.
 """
 
 SOURCE = r"""
+#include <type_traits>
 #if KVOS_INT8_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVOS_VNNI 1  // one instruction for the four-byte dot products
 #endif
@@ -52,6 +54,29 @@ struct Int8Rows {
     quantize_blocks(x, n * K / 32, q.data(), d.data(), h.data());
   }
 };
+
+// The products' loop: for weight rows r0..r1 and the n rows of x four at a time, tile(r, i0, rows, total)
+// with rows a std::integral_constant<int, t> (t = 1..4 rows of x from i0) fills total[0..t) with their dot
+// products with weight row r; out[i0 + i, r] (N columns) is set to it, or has it added (add).
+template <typename Tile>
+static inline void each_tile(int64_t n, int64_t r0, int64_t r1, float* out, int64_t N, bool add,
+                             Tile&& tile) {
+  float total[4];
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t i0 = 0; i0 < n; i0 += 4) {
+      const int64_t t = std::min<int64_t>(4, n - i0);
+      switch (t) {
+        case 1: tile(r, i0, std::integral_constant<int, 1>{}, total); break;
+        case 2: tile(r, i0, std::integral_constant<int, 2>{}, total); break;
+        case 3: tile(r, i0, std::integral_constant<int, 3>{}, total); break;
+        default: tile(r, i0, std::integral_constant<int, 4>{}, total); break;
+      }
+      for (int64_t i = 0; i < t; ++i) {
+        float* dst = out + (i0 + i) * N + r;
+        *dst = add ? *dst + total[i] : total[i];
+      }
+    }
+}
 
 #if KVOS_VNNI512
 // Quantized activation rows laid out for 4-bit weights read 64 bytes (four groups) at a time, the weights'

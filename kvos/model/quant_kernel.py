@@ -380,34 +380,13 @@ static void mm_rows_512(const Int8Rows& xi, const Int8Chunks* xc, int64_t n, int
                         const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1,
                         bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  float total[4];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    const float* sr = scale + r * groups;
-    const float* mr = Q4 ? mins + r * groups : nullptr;
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      const int64_t t = std::min<int64_t>(4, n - i0);
-      if (Q4) {
-        switch (t) {
-          case 1: tile_q4_512<1>(*xc, i0, groups, wr, sr, mr, total); break;
-          case 2: tile_q4_512<2>(*xc, i0, groups, wr, sr, mr, total); break;
-          case 3: tile_q4_512<3>(*xc, i0, groups, wr, sr, mr, total); break;
-          default: tile_q4_512<4>(*xc, i0, groups, wr, sr, mr, total); break;
-        }
-      } else {
-        switch (t) {
-          case 1: tile_q8_512<1>(xi, i0, groups, wr, sr, total); break;
-          case 2: tile_q8_512<2>(xi, i0, groups, wr, sr, total); break;
-          case 3: tile_q8_512<3>(xi, i0, groups, wr, sr, total); break;
-          default: tile_q8_512<4>(xi, i0, groups, wr, sr, total); break;
-        }
-      }
-      for (int64_t i = 0; i < t; ++i) {
-        float* dst = out + (i0 + i) * N + r;
-        *dst = add ? *dst + total[i] : total[i];
-      }
-    }
-  }
+  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+    constexpr int T = decltype(rows)::value;
+    if constexpr (Q4)
+      tile_q4_512<T>(*xc, i0, groups, w + r * row_bytes, scale + r * groups, mins + r * groups, total);
+    else
+      tile_q8_512<T>(xi, i0, groups, w + r * row_bytes, scale + r * groups, total);
+  });
 }
 #endif
 
@@ -417,25 +396,11 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64
                        const uint8_t* w, const float* scale, const float* mins, float* out, int64_t N,
                        int64_t r0, int64_t r1, bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  float total[4];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    const float* sr = scale + r * groups;
-    const float* mr = Q4 ? mins + r * groups : nullptr;
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      const int64_t t = std::min<int64_t>(4, n - i0), o = i0 * groups;
-      switch (t) {
-        case 1: tile_i8<Q4, 1>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
-        case 2: tile_i8<Q4, 2>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
-        case 3: tile_i8<Q4, 3>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
-        default: tile_i8<Q4, 4>(xq + o * GROUP, xd + o, xh + 2 * o, K, wr, sr, mr, total); break;
-      }
-      for (int64_t i = 0; i < t; ++i) {
-        float* dst = out + (i0 + i) * N + r;
-        *dst = add ? *dst + total[i] : total[i];
-      }
-    }
-  }
+  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+    const int64_t o = i0 * groups;
+    tile_i8<Q4, decltype(rows)::value>(xq + o * GROUP, xd + o, xh + 2 * o, K, w + r * row_bytes,
+                                       scale + r * groups, Q4 ? mins + r * groups : nullptr, total);
+  });
 }
 
 // As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import mixed_run
 from gguf_files import write_model
 from hf_models import VARIANTS, build
 
-from kvos.engine.engine import Engine
 from kvos.model import decode_kernel, layer_kernel
 from kvos.model.decode_plan import DecodePlan
 from kvos.model.linear import RowStack
@@ -24,27 +24,6 @@ pytestmark = pytest.mark.skipif(
 GGUF_DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
 
 
-def _run(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Three prefills, six batched decode steps, a step mixing a prefill with decodes, one decode step with
-    attention captured at every layer and one with queries recorded: every output."""
-    model = load_model(path)
-    engine = Engine(model, block_size=4)
-    seqs = [engine.new_sequence() for _ in range(3)]
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (30, 7, 19)]
-    logits = list(engine.step(list(zip(seqs, prompts, strict=True))))
-    for i in range(6):
-        logits += engine.step([(s, [(i * 7 + j) % vocab]) for j, s in enumerate(seqs)])
-    logits += engine.step([(seqs[0], [1, 2, 3, 4, 5]), (seqs[1], [6]), (seqs[2], [7])])
-    captured: dict[int, torch.Tensor] = {}
-    layers = frozenset(range(model.config.num_layers))
-    logits.append(engine.extend(seqs[1], [4], capture_layers=layers, captured=captured))
-    queries: dict[int, torch.Tensor] = {}
-    logits.append(engine.extend(seqs[2], [9], query_layers=layers, queries=queries))
-    return logits, [captured[i] for i in sorted(captured)], [queries[i] for i in sorted(queries)]
-
-
 def _assert_plan_is_the_generic_path(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[bool] = []
     takes = DecodePlan.takes
@@ -54,10 +33,10 @@ def _assert_plan_is_the_generic_path(path: Path, monkeypatch: pytest.MonkeyPatch
         return taken[-1]
 
     monkeypatch.setattr(DecodePlan, "takes", counted)
-    planned = _run(path)
+    planned = mixed_run(path)
     assert sum(taken) == 6 + 1  # the six decode steps and the captured one; not the mixed or query steps
     monkeypatch.setattr(DecodePlan, "takes", lambda *args: False)
-    generic = _run(path)
+    generic = mixed_run(path)
     for got, expected in zip(planned, generic, strict=True):
         assert len(got) == len(expected)
         for a, b in zip(got, expected, strict=True):

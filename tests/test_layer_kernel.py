@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_runs import mixed_run
 from hf_models import VARIANTS, build
 
-from kvos.engine.engine import Engine
 from kvos.model import layer_kernel
-from kvos.model.loader import load_model
 from kvos.model.rope import Rope
 
 pytestmark = pytest.mark.skipif(layer_kernel.kernel() is None, reason="no C++ compiler for the kernel")
@@ -138,32 +137,15 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return build(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _run(model_path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefills of 30, 7 and 19 tokens, six batched steps of one token each, then a prefill of 5 tokens
-    beside two decode steps, attention captured at every layer of one: every output."""
-    model = load_model(model_path)
-    engine = Engine(model, block_size=4)
-    seqs = [engine.new_sequence() for _ in range(3)]
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (30, 7, 19)]
-    logits = list(engine.step(list(zip(seqs, prompts, strict=True))))
-    for i in range(6):
-        logits += engine.step([(s, [(i * 7 + j) % 97]) for j, s in enumerate(seqs)])
-    logits += engine.step([(seqs[0], [1, 2, 3, 4, 5]), (seqs[1], [6]), (seqs[2], [7])])
-    captured: dict[int, torch.Tensor] = {}
-    layers = frozenset(range(model.config.num_layers))
-    logits.append(engine.extend(seqs[1], [4], capture_layers=layers, captured=captured))
-    return logits, [captured[i] for i in sorted(captured)]
-
-
 def test_a_model_through_the_kernels_equals_the_eager_path(
     model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fast_logits, fast_probs = _run(model_path)
+    fast_logits, fast_probs, fast_queries = mixed_run(model_path)
     monkeypatch.setattr(layer_kernel, "usable", lambda *args: False)
-    slow_logits, slow_probs = _run(model_path)
-    assert len(fast_logits) == len(slow_logits) == 3 + 18 + 3 + 1
+    slow_logits, slow_probs, slow_queries = mixed_run(model_path)
     for a, b in zip(fast_logits, slow_logits, strict=True):
         assert (a - b).abs().max().item() < 1e-5
     for a, b in zip(fast_probs, slow_probs, strict=True):
         assert a.shape == b.shape and (a - b).abs().max().item() < 1e-6
+    for a, b in zip(fast_queries, slow_queries, strict=True):  # rotated queries: norms differ by ulps at most
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5

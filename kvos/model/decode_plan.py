@@ -13,52 +13,31 @@ with the residual. The results are those of the generic path (the same kernels i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvos.model import activations, decode_kernel, layer_kernel
 from kvos.model.attention import Batch
-from kvos.model.gguf_kernel import TYPE_IDS
-from kvos.model.gguf_weight import GGUFWeight
-from kvos.model.gguf_weight import kernel as gguf_kernel
-from kvos.model.linear import RowStack, addmm, matmul
-from kvos.model.quant import QuantizedWeight
-from kvos.model.quant import kernel as quant_kernel
+from kvos.model.linear import Weight, addmm, matmul
+from kvos.model.quant import KernelProduct
 
 if TYPE_CHECKING:
     from kvos.model.transformer import KVStore, LayerWeights, Transformer
 
 EMPTY = torch.empty(0)
 SMALL_N = 32  # the most rows a step may have here: the product kernels' limit (kvos.model.quant, gguf_weight)
-Product = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
-"""(x float32 [n, in] contiguous, c float32 [n, out] contiguous or EMPTY, int8) -> c + x @ W.T [n, out]."""
 
 
-def bind(weight: Any) -> Product:
-    """The weight's product as one call: its kernel with its tensors bound (a quantized weight kept in
-    repacked groups or in the file's blocks, on the CPU, with the kernel built), the parts' products side by
-    side (a :class:`RowStack`), else the generic seam (:mod:`kvos.model.linear`: dense weights, no kernel)."""
-    k, g = quant_kernel(), gguf_kernel()
-    if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu" and k is not None:
-        q, scale, is4 = weight.q, weight.scale, weight.min is not None
-        mins = EMPTY if weight.min is None else weight.min
-        i8, f32 = k.mm_i8, k.mm
-        return lambda x, c, int8: (i8 if int8 else f32)(x, q, scale, mins, is4, c)
-    if isinstance(weight, GGUFWeight) and weight.device.type == "cpu" and g is not None:
-        raw, type_id = weight.raw, TYPE_IDS[weight.qtype]
-        gi8, gf32 = g.mm_i8, g.mm
-        return lambda x, c, int8: (gi8 if int8 else gf32)(x, raw, type_id, c)
-    if isinstance(weight, RowStack):
-        parts = [bind(p) for p in weight.parts]
-
-        def stacked(x: torch.Tensor, c: torch.Tensor, int8: bool) -> torch.Tensor:
-            out = torch.cat([p(x, EMPTY, int8) for p in parts], dim=1)
-            return out if c.numel() == 0 else out.add_(c)
-
-        return stacked
+def bind(weight: Weight) -> KernelProduct:
+    """The weight's product as one call: its kernel with its tensors bound where it has one
+    (``kernel_product``: quantized weights on the CPU, and stacks of them), else the generic seam
+    (:mod:`kvos.model.linear`: dense weights, no kernel built)."""
+    bound = None if isinstance(weight, torch.Tensor) else weight.kernel_product()
+    if bound is not None:
+        return bound
     return lambda x, c, int8: matmul(x, weight) if c.numel() == 0 else addmm(c, x, weight)
 
 
@@ -67,14 +46,14 @@ class PlannedLayer:
     """One layer's weights as the plan calls them."""
 
     attn_norm: torch.Tensor
-    qkv: Product
+    qkv: KernelProduct
     bias: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    o: Product
+    o: KernelProduct
     mlp_norm: torch.Tensor
-    gate_up: Product
-    down: Product
+    gate_up: KernelProduct
+    down: KernelProduct
     window: int
 
 
@@ -83,7 +62,7 @@ class DecodePlan:
     model can have one."""
 
     def __init__(self, model: Transformer, layers: Sequence[PlannedLayer]) -> None:
-        self.model, self.layers = model, list(layers)
+        self.layers = list(layers)
         c = model.config
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps

@@ -22,6 +22,7 @@ import torch
 from kvos.errors import ModelLoadError
 from kvos.model import activations
 from kvos.model.gguf_kernel import TYPE_IDS, kernel
+from kvos.model.quant import KernelProduct
 
 SMALL_N = 32  # activation rows up to which the block kernel runs; more go through float32 tiles
 TILE_FLOATS = 1 << 20  # weights dequantized at once on the prefill path (4 MiB of float32)
@@ -104,12 +105,11 @@ class GGUFWeight:
         ``int8``: whether a small product quantizes ``x`` to int8 blocks (:mod:`kvos.model.activations`;
         None: the mode in force)."""
         xf = x.float().contiguous()
-        k = kernel()
-        if k is not None and xf.shape[0] <= SMALL_N and xf.device.type == "cpu":
+        product = self.kernel_product()
+        if product is not None and xf.shape[0] <= SMALL_N:
             fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
             add = c.contiguous() if fused and c is not None else _EMPTY
-            product = k.mm_i8 if (activations.int8() if int8 is None else int8) else k.mm
-            out = product(xf, self.raw, TYPE_IDS[self.qtype], add)
+            out = product(xf, add, activations.int8() if int8 is None else int8)
             if c is not None and not fused:
                 out += c
         else:
@@ -117,6 +117,15 @@ class GGUFWeight:
             if c is not None:
                 out += c
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def kernel_product(self) -> KernelProduct | None:
+        """The block kernel's product with this weight's bytes bound, as
+        :meth:`kvos.model.quant.QuantizedWeight.kernel_product`; None off the CPU or without the kernel."""
+        k = kernel()
+        if k is None or self.device.type != "cpu":
+            return None
+        raw, type_id, i8, f32 = self.raw, TYPE_IDS[self.qtype], k.mm_i8, k.mm
+        return lambda x, c, int8: (i8 if int8 else f32)(x, raw, type_id, c)
 
     def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [n, in] @ W.T through float32 tiles of at most TILE_FLOATS weights."""

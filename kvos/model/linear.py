@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvos.model import dense_kernel
 from kvos.model.gguf_kernel import TYPE_IDS
 from kvos.model.gguf_weight import GGUFWeight
-from kvos.model.quant import QuantizedWeight
+from kvos.model.quant import KernelProduct, QuantizedWeight
 
 Packed = QuantizedWeight | GGUFWeight
 
@@ -76,6 +76,20 @@ class RowStack:
         """c [n, out] (or broadcastable, or None) + x [n, in] @ W.T."""
         out = self.mm(x, int8)
         return out if c is None else out + c
+
+    def kernel_product(self) -> KernelProduct | None:
+        """The parts' kernel products side by side, the outputs concatenated (see
+        :meth:`QuantizedWeight.kernel_product`); None unless every part has one."""
+        parts = [p.kernel_product() for p in self.parts]
+        if any(p is None for p in parts):
+            return None
+        bound = [p for p in parts if p is not None]
+
+        def stacked(x: torch.Tensor, c: torch.Tensor, int8: bool) -> torch.Tensor:
+            out = torch.cat([p(x, _EMPTY, int8) for p in bound], dim=1)
+            return out if c.numel() == 0 else out.add_(c)
+
+        return stacked
 
 
 Weight = torch.Tensor | QuantizedWeight | GGUFWeight | RowStack

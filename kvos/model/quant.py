@@ -18,7 +18,7 @@ decode step, batched or not) runs from the packed bytes (:mod:`kvos.model.quant_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +35,8 @@ BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
 # activation rows up to which the packed-bytes kernel beats dequantize + float32 matmul: a decode step of
 # up to 32 batched sequences (SmolLM2's shapes, 2 cores: 1.1-1.4x at 32 rows, 5-8x at 8; docs/benchmarks.md)
 SMALL_N = 32
+KernelProduct = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+"""A product kernel with its weight bound: (x [n, in], c [n, out] or empty, int8) -> c + x @ W.T."""
 TILE_FLOATS = 1 << 20  # weights dequantized at once on the prefill path (4 MiB of float32)
 
 
@@ -131,13 +133,11 @@ class QuantizedWeight:
         ``int8``: whether a small product quantizes ``x`` to int8 blocks (:mod:`kvos.model.activations`;
         None: the mode in force)."""
         xf = x.float().contiguous()
-        k = kernel()
-        if k is not None and xf.shape[0] <= SMALL_N and xf.device.type == "cpu":
+        product = self.kernel_product()
+        if product is not None and xf.shape[0] <= SMALL_N:
             fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
             add = c.contiguous() if fused and c is not None else _EMPTY
-            mins = _EMPTY if self.min is None else self.min
-            product = k.mm_i8 if (activations.int8() if int8 is None else int8) else k.mm
-            out = product(xf, self.q, self.scale, mins, self.min is not None, add)
+            out = product(xf, add, activations.int8() if int8 is None else int8)
             if c is not None and not fused:
                 out += c
         else:
@@ -145,6 +145,17 @@ class QuantizedWeight:
             if c is not None:
                 out += c
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def kernel_product(self) -> KernelProduct | None:
+        """The kernel's product with this weight's tensors bound: (x float32 [n <= SMALL_N, in] contiguous, c
+        float32 [n, out] contiguous or empty, int8) -> c + x @ W.T; None off the CPU or without the kernel."""
+        k = kernel()
+        if k is None or self.device.type != "cpu":
+            return None
+        q, scale, is4 = self.q, self.scale, self.min is not None
+        mins = _EMPTY if self.min is None else self.min
+        i8, f32 = k.mm_i8, k.mm
+        return lambda x, c, int8: (i8 if int8 else f32)(x, q, scale, mins, is4, c)
 
     def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [n, in] @ W.T through float32 tiles of at most TILE_FLOATS weights."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import pairwise
 from typing import Literal, Protocol
 
@@ -111,8 +112,6 @@ class Transformer:
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else head
         self.layers = [_layer(config, weights, i) for i in range(config.num_layers)]
         self.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling)
-        self._plan: DecodePlan | None = None
-        self._planned = False
 
     @torch.inference_mode()
     def forward(
@@ -159,7 +158,7 @@ class Transformer:
         cos, sin = self.rope.cos_sin(positions, self.dtype, self.device)
         eps = self.config.rms_norm_eps
         if isinstance(meta, Batch) and kv is not NO_STORE:
-            plan = self.decode_plan()
+            plan = self.decode_plan
             if plan is not None and plan.takes(x, meta, kv):
                 return rms_norm(plan.run(x, cos, sin, meta, kv), self.final_norm, eps)
         for i, layer in enumerate(self.layers):
@@ -170,12 +169,11 @@ class Transformer:
             x = addmm(x, swiglu(matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up)), layer.down)
         return rms_norm(x, self.final_norm, eps)
 
+    @cached_property
     def decode_plan(self) -> DecodePlan | None:
         """The layers bound for decode steps (:mod:`kvos.model.decode_plan`), made on first use; None where
         the model cannot have one."""
-        if not self._planned:
-            self._plan, self._planned = DecodePlan.of(self), True
-        return self._plan
+        return DecodePlan.of(self)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] -> float32 logits [n, vocab]."""

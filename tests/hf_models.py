@@ -35,6 +35,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mistral-window": dict(arch="mistral", sliding_window=7, num_key_value_heads=1),
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(arch="qwen3", head_dim=24, num_attention_heads=6, num_key_value_heads=3),
+    # every Gemma 3 difference at once: windows on two layers of three, a rope per layer kind (the global
+    # one scaled), a query scale other than head_dim's, soft-capped logits, GELU, sandwich norms
+    "gemma3": dict(
+        arch="gemma3",
+        num_key_value_heads=1,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+    ),
 }
 
 
@@ -49,13 +63,15 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**spec))
+    unit = 0.0 if arch == "gemma3" else 1.0  # Gemma's norms scale by 1 + w
     with torch.no_grad():  # random norms and biases, so a wrong norm or bias cannot hide behind ones/zeros
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                param.copy_(unit + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     model.save_pretrained(path, **({"max_shard_size": shard_size} if shard_size else {}))

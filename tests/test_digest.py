@@ -11,7 +11,7 @@ import torch
 
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
-from kvos.model.rope import Rope
+from kvos.model.rope import LayerRopes, Rope
 from kvos.policy.digest import attention_shares, digest_keys, unrotate, upper_bound
 
 
@@ -32,7 +32,7 @@ def test_the_bound_is_never_below_any_keys_logit(dtype: torch.dtype) -> None:
     for seed in range(20):
         keys, positions, _ = rotated_keys(37, 3, 2, 64, rope, seed)
         keys = keys.to(dtype)
-        digest = digest_keys(keys, positions, rope, [0, 2])
+        digest = digest_keys(keys, positions, LayerRopes([rope] * keys.shape[0]), [0, 2])
         assert digest.lo.dtype == torch.float16 and digest.lo.shape == (2, 2, 64)
         # the true content of the stored keys (rotated back in float32 from what the pool holds)
         content = torch.stack([unrotate(keys[i], positions, rope) for i in (0, 2)])  # [2, n, kv, D]
@@ -47,7 +47,7 @@ def test_a_one_token_chunk_is_bounded_exactly() -> None:
     """A box around one key is that key (to float16 rounding): the bound is its logit."""
     rope = Rope(64, 10000.0)
     keys, positions, content = rotated_keys(1, 1, 1, 64, rope, 3)
-    digest = digest_keys(keys, positions, rope, [0])
+    digest = digest_keys(keys, positions, LayerRopes([rope] * keys.shape[0]), [0])
     queries = torch.randn(1, 5, 2, 64, generator=torch.Generator().manual_seed(4))
     bound = upper_bound(queries, digest.lo[None], digest.hi[None])[0]
     logits = torch.einsum("lqhd,ld->lqh", queries, content[:, 0, 0])
@@ -60,8 +60,8 @@ def test_content_is_the_same_wherever_a_chunk_sits() -> None:
     rope = Rope(32, 10000.0)
     keys, positions, content = rotated_keys(16, 2, 2, 32, rope, 7)
     moved = torch.stack([rope.reanchor(keys[i], positions, positions + 3000) for i in range(2)])
-    a = digest_keys(keys, positions, rope, [0, 1])
-    b = digest_keys(moved, positions + 3000, rope, [0, 1])
+    a = digest_keys(keys, positions, LayerRopes([rope] * keys.shape[0]), [0, 1])
+    b = digest_keys(moved, positions + 3000, LayerRopes([rope] * moved.shape[0]), [0, 1])
     for box in (a, b):  # rounded outwards: the box holds every key
         assert (box.lo.float() <= content.amin(1) + 1e-5).all() and (
             box.hi.float() >= content.amax(1) - 1e-5
@@ -90,7 +90,7 @@ def test_the_shares_find_a_planted_chunk() -> None:
 def test_digest_bytes_against_the_saved_bytes() -> None:
     rope = Rope(64, 10000.0)
     keys, positions, _ = rotated_keys(128, 4, 2, 64, rope, 1)
-    digest = digest_keys(keys, positions, rope, range(4))
+    digest = digest_keys(keys, positions, LayerRopes([rope] * keys.shape[0]), range(4))
     saved = 2 * keys.numel() * keys.element_size()  # K and V in float32
     assert digest.nbytes == 2 * 4 * 2 * 64 * 2
     assert digest.nbytes / saved < 0.005
@@ -100,7 +100,7 @@ def test_tapped_queries_come_back_rotated_to_position_zero(model_dir: Path) -> N
     """Layer 0's queries depend only on the tokens: prefilled at two different positions, the tapped
     queries rotated back agree; a later layer's differ only through the different context."""
     engine = Engine(load_model(model_dir), block_size=8)
-    rope = engine.model.rope
+    rope = engine.model.ropes[0]
     tokens = [5, 17, 33, 64, 65, 66, 90, 12, 3]
     out = []
     for start in (0, 700):

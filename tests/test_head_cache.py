@@ -51,7 +51,7 @@ def masked_reference(model: Transformer, ids: list[int], mask: torch.Tensor) -> 
     c, n = model.config, len(ids)
     group, d = c.group_size, c.head_dim
     x = F.embedding(torch.tensor(ids), model.embed)
-    cos, sin = model.rope.cos_sin(torch.arange(n), model.dtype, model.device)
+    cos, sin = model.ropes[0].cos_sin(torch.arange(n), model.dtype, model.device)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     for i, layer in enumerate(model.layers):
         qkv = F.linear(rms_norm(x, layer.attn_norm, c.rms_norm_eps), layer.qkv).view(n, -1, d)

@@ -145,7 +145,9 @@ def test_a_model_through_the_kernels_equals_the_eager_path(
     slow_logits, slow_probs, slow_queries = mixed_run(model_path)
     for a, b in zip(fast_logits, slow_logits, strict=True):
         assert (a - b).abs().max().item() < 1e-5
+    # the norms' 1-2 ulp reach later layers' probabilities: 1e-6 absolute, and on Gemma 3 (six norms a layer)
+    # up to 8e-6 relative
     for a, b in zip(fast_probs, slow_probs, strict=True):
-        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-6
-    for a, b in zip(fast_queries, slow_queries, strict=True):  # rotated queries: norms differ by ulps at most
-        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fast_queries, slow_queries, strict=True):  # rotated queries: the same rounding, carried
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -79,7 +79,7 @@ def test_first_queries_are_the_prefills_layer_0_queries(model_dir: Path) -> None
     taps: dict[int, torch.Tensor] = {}
     positions = torch.arange(300, 300 + len(tokens))
     engine.extend(seq, tokens, positions.tolist(), query_layers=frozenset({0}), queries=taps)
-    tapped = unrotate(taps[0], positions, engine.model.rope)
+    tapped = unrotate(taps[0], positions, engine.model.ropes[0])
     first = engine.model.first_queries(torch.tensor(tokens))
     assert first.shape == (len(tokens), 4, 16) and first.dtype == torch.float32
     assert torch.allclose(first, tapped, atol=1e-5)

@@ -21,9 +21,10 @@ TOL = 1e-4
 LENGTHS = [5, 7, 9, 6, 8]  # segment lengths, deliberately not multiples of the block size
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build("llama", tmp_path_factory.mktemp("llama"), max_position_embeddings=512)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])  # gemma3: a rope per layer kind, windows
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kind = request.param
+    return build(kind, tmp_path_factory.mktemp(kind), max_position_embeddings=512)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -113,10 +114,10 @@ def test_compact_mode_matches_freshly_rotated_cache(model_dir: Path, monkeypatch
     start = 0
     for i in (0, 2, 3, 4):
         pos = torch.arange(start, start + LENGTHS[i])
-        cos, sin = model.rope.cos_sin(pos, model.dtype, model.device)
         seg = ref.open_segment()
         ref.extend(segs[i].token_ids, pos.tolist())
         for layer in range(layers):
+            cos, sin = model.ropes[layer].cos_sin(pos, model.dtype, model.device)
             engine.pool.write(layer, seg.slots, Rope.apply(per_seg[i][layer], cos, sin), values[i][layer])
         start += LENGTHS[i]
     assert_close(decode_logits(engine, seq, 8), decode_logits(engine, ref, 8))
@@ -239,8 +240,7 @@ def test_direct_pool_writes_equal_indexed_writes(
     monkeypatch.setattr(engine_module, "MAX_RUNS", 0)
     k_indexed, v_indexed, _ = splice_with(engine, k, v, old, old + 40, fragmented)
     assert torch.equal(k_direct, k_indexed) and torch.equal(v_direct, v_indexed)
-    rope = engine.model.rope
-    expected = torch.stack([rope.reanchor(k[i], old, old + 40) for i in range(k.shape[0])])
+    expected = torch.stack([engine.model.ropes[i].reanchor(k[i], old, old + 40) for i in range(k.shape[0])])
     assert (k_direct - expected).abs().max().item() <= TOL
 
 

@@ -152,8 +152,9 @@ class _Round:
         saved = self.store.get("chunk")
         k, v = self.engine.read_kv(self.seg)
         v_diff = float((v - saved.v).abs().max())
-        rope = self.engine.model.rope
-        expected = torch.stack([rope.reanchor(saved.k[i], self.old, positions) for i in range(k.shape[0])])
+        ropes = self.engine.model.ropes
+        moved = [ropes[i].reanchor(saved.k[i], self.old, positions) for i in range(k.shape[0])]
+        expected = torch.stack(moved)
         k_diff = float((k - expected).abs().max())
         if v_diff != 0.0 or k_diff > K_TOLERANCE or not torch.equal(self.seg.positions, positions):
             raise RuntimeError(

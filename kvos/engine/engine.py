@@ -255,10 +255,11 @@ class Engine:
             self._copy_blocks(seg, shared)
             seq.rebuild()
         slots = seg.slots.to(self.model.device)
-        rotation = self.model.rope.rotation(old, positions, self.model.device)
-        for layer in range(self.pool.layout.num_layers):
-            k, v = self.pool.gather(layer, slots)
-            self.pool.write(layer, slots, Rope.rotate(k, rotation), v)
+        for rope, layers in self.model.ropes.groups():
+            rotation = rope.rotation(old, positions, self.model.device)
+            for layer in layers:
+                k, v = self.pool.gather(layer, slots)
+                self.pool.write(layer, slots, Rope.rotate(k, rotation), v)
         seg.set_positions(positions)
         seq.rebuild()
 
@@ -282,13 +283,19 @@ class Engine:
         slots = seg.extend(list(token_ids), positions).to(self.model.device)
         keys, values = k.to(self.model.device), v.to(self.model.device)
         moved = not torch.equal(saved_positions, positions)
-        rope, device = self.model.rope, self.model.device
-        if fused.usable(self.pool.k, keys, values):  # one pass: read, rotate in registers, write the slot
-            half = fused.half_rotation(rope, saved_positions, positions) if moved else None
-            fused.rotate_write(keys, values, slots, self.pool.k, self.pool.v, half)
-        else:
-            rotation = rope.rotation(saved_positions, positions, device) if moved else None
-            self._write_eager(slots, keys, values, rotation)
+        device, groups = self.model.device, self.model.ropes.groups()
+        for rope, layers in groups:  # each rope's layers (every layer, but for Gemma 3's two ropes)
+            if len(groups) > 1:
+                k_part, v_part = keys[layers], values[layers]
+            else:
+                k_part, v_part = keys, values
+            if fused.usable(self.pool.k, k_part, v_part):  # one pass: read, rotate in registers, write
+                half = fused.half_rotation(rope, saved_positions, positions) if moved else None
+                pool_k, pool_v = [self.pool.k[i] for i in layers], [self.pool.v[i] for i in layers]
+                fused.rotate_write(k_part, v_part, slots, pool_k, pool_v, half)
+            else:
+                rotation = rope.rotation(saved_positions, positions, device) if moved else None
+                self._write_eager(slots, k_part, v_part, rotation, layers)
         seq.insert(index, seg)
         return seg
 
@@ -298,28 +305,29 @@ class Engine:
         keys: torch.Tensor,
         values: torch.Tensor,
         rotation: tuple[torch.Tensor, torch.Tensor] | None,
+        layers: Seq[int],
     ) -> None:
-        """Write K/V [L, n, Hkv, D] into ``slots`` (int64 [n]) of every layer, keys rotated by a
+        """Write K/V [len(layers), n, Hkv, D] into ``slots`` (int64 [n]) of ``layers``, keys rotated by a
         :meth:`Rope.rotation` (or copied): straight into pool views when the slots form at most
         :data:`MAX_RUNS` runs, else one rotation of all layers and indexed writes."""
         runs = contiguous_runs(slots)
         if len(runs) > MAX_RUNS:
             if rotation is not None:
                 keys = Rope.rotate(keys, (rotation[0][None], rotation[1][None]))
-            for layer in range(self.pool.layout.num_layers):
-                self.pool.write(layer, slots, keys[layer], values[layer])
+            for row, layer in enumerate(layers):
+                self.pool.write(layer, slots, keys[row], values[row])
             return
         if rotation is not None:  # tables as dense as the keys: the elementwise ops then vectorise
             cos, signed_sin = rotation
             rotation = (cos.expand_as(keys[0]).contiguous(), signed_sin.expand_as(keys[0]).contiguous())
-        for layer in range(self.pool.layout.num_layers):
+        for row, layer in enumerate(layers):
             for lo, hi in runs:
                 kdst, vdst = self.pool.run_views(layer, int(slots[lo]), hi - lo)
                 if rotation is None:
-                    kdst.copy_(keys[layer, lo:hi])
+                    kdst.copy_(keys[row, lo:hi])
                 else:
-                    Rope.rotate_into(kdst, keys[layer, lo:hi], (rotation[0][lo:hi], rotation[1][lo:hi]))
-                vdst.copy_(values[layer, lo:hi])
+                    Rope.rotate_into(kdst, keys[row, lo:hi], (rotation[0][lo:hi], rotation[1][lo:hi]))
+                vdst.copy_(values[row, lo:hi])
 
     def evict(self, seq: Sequence, seg: Segment) -> int:
         """Take a segment out of ``seq`` and free its blocks; returns the index it had."""

@@ -1,8 +1,10 @@
 """Model configuration: the shape and numerics of a Llama-family decoder.
 
-One dataclass covers Llama 2/3, Mistral, Qwen2/2.5 and Qwen3; the differences are fields (qkv bias,
-q/k RMSNorm, rope scaling, sliding windows, tied head). It reads Hugging Face ``config.json`` in both the
-older (``rope_theta`` + ``rope_scaling``) and the transformers 5 (``rope_parameters``) spellings.
+One dataclass covers Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and Gemma 3; the differences are fields (qkv bias,
+q/k RMSNorm, rope scaling, sliding windows, tied head; for Gemma 3 a scaled embedding, norms after the
+attention and the MLP as well as before, a GELU MLP, a second rotary base for the sliding-window layers, a
+query scale of its own and an optional soft cap on the logits). It reads Hugging Face ``config.json`` in both
+the older (``rope_theta`` + ``rope_scaling``) and the transformers 5 (``rope_parameters``) spellings.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GELU (tanh approximation) as Gemma
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    embedding_multiplier: float | None = None  # the embedded tokens are scaled by it (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False  # a norm after the attention's output and after the MLP's too (Gemma)
+    local_rope_theta: float | None = None  # the sliding-window layers' rotary base, where it differs
+    query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power (default head_dim)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -62,6 +72,11 @@ class ModelConfig:
             )
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ConfigError("sliding_windows must have one entry per layer")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"MLP activation {self.hidden_act!r} is not supported; kvos implements "
+                f"{', '.join(ACTIVATIONS)}"
+            )
 
     @property
     def group_size(self) -> int:
@@ -71,6 +86,12 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The sliding-window length of ``layer``, or None for full attention."""
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def rope_theta_of(self, layer: int) -> float:
+        """The rotary base of ``layer``: :attr:`local_rope_theta` on sliding-window layers where it is set."""
+        if self.local_rope_theta is not None and self.window(layer) is not None:
+            return self.local_rope_theta
+        return self.rope_theta
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +105,8 @@ class ModelConfig:
                 f"architecture {arch!r} is not supported; kvos loads {', '.join(sorted(ARCHITECTURES))}"
             )
         model_type = ARCHITECTURES[arch]
+        if model_type == "gemma3":
+            _check_gemma3(raw)
         if raw.get("mlp_bias"):
             raise UnsupportedModelError(
                 "mlp_bias=true is not supported (no released Llama-family model uses it)"
@@ -92,7 +115,8 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             num_layers = int(raw["num_hidden_layers"])
-            theta, scaling = _rope_settings(raw)
+            gemma = model_type == "gemma3"
+            theta, scaling, local_theta = _gemma3_rope(raw) if gemma else (*_rope_settings(raw), None)
             return cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -106,13 +130,19 @@ class ModelConfig:
                 rope_theta=theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "gemma3"),
                 sliding_windows=_sliding_windows(raw, model_type, num_layers),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+                hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
+                embedding_multiplier=hidden**0.5 if gemma else None,
+                sandwich_norms=gemma,
+                local_rope_theta=local_theta,
+                query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
+                final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks the required field {exc.args[0]!r}") from exc
@@ -151,6 +181,31 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _check_gemma3(raw: dict[str, Any]) -> None:
+    """Refuse the Gemma 3 variants kvos does not run (typed errors naming the setting)."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError("attention logit soft-capping (Gemma 2) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention (an encoder's setting) is not supported")
+
+
+def _gemma3_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(global theta, global scaling or None, local theta) of a Gemma 3 config: transformers 5 writes
+    ``rope_parameters`` per layer type; older configs ``rope_theta``, ``rope_scaling`` and
+    ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = dict(params["full_attention"])
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = {"rope_theta": raw.get("rope_theta", 1_000_000.0), **dict(raw.get("rope_scaling") or {})}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise UnsupportedModelError("rope scaling on Gemma 3's sliding-window layers is not supported")
+    theta, scaling = _rope_settings({"rope_parameters": full})
+    return theta, scaling, float(local.get("rope_theta", 10_000.0))
+
+
 def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer window lengths (None = full attention), or () when no layer slides."""
     window = raw.get("sliding_window")
@@ -159,6 +214,9 @@ def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> t
     layer_types = raw.get("layer_types")
     if layer_types:
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    elif model_type == "gemma3":  # older configs: every n-th layer global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        windows = tuple(window if (i + 1) % pattern else None for i in range(num_layers))
     elif model_type == "mistral":
         windows = (window,) * num_layers
     elif raw.get("use_sliding_window"):

@@ -8,7 +8,9 @@ step is decode steps only (one new token per sequence, each over its cache) and 
 :class:`DecodePlan` runs the layers instead: the products are closures over their kernel and tensors, made
 once per model (each checked to take this step's rows), and a layer is nine calls: RMSNorm, QKV product,
 ``qkv_step``, decode attention, O product with the residual, RMSNorm, gate/up product, SwiGLU, down product
-with the residual. The results are those of the generic path (the same kernels in the same order).
+with the residual (Gemma 3: the O and down products' outputs normed before the residual adds them, a GELU
+gate, each layer's rotary tables). The results are those of the generic path (the same kernels in the
+same order).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class PlannedLayer:
     gate_up: KernelProduct
     down: KernelProduct
     window: int
+    post_attn_norm: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None
 
 
 class DecodePlan:
@@ -66,6 +70,8 @@ class DecodePlan:
         c = model.config
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
+        self.gate = model.gate
+        self.silu = c.hidden_act == "silu"
 
     @classmethod
     def of(cls, model: Transformer) -> DecodePlan | None:
@@ -88,10 +94,15 @@ class DecodePlan:
         return decode_kernel.usable(x, k_slab) and k_slab.is_contiguous()
 
     def run(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Batch, kv: KVStore
+        self,
+        x: torch.Tensor,
+        tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: Batch,
+        kv: KVStore,
     ) -> torch.Tensor:
-        """x [n, hidden] (the embedded tokens) -> the last layer's output [n, hidden] (before the final norm),
-        as the generic layer loop computes it; attention probabilities captured where the metadata asks."""
+        """x [n, hidden] (the embedded tokens), each layer's rotary (cos, sin) [n, 1, D] -> the last layer's
+        output [n, hidden] (before the final norm), as the generic layer loop computes it; attention
+        probabilities captured where the metadata asks."""
         group = meta.decodes
         assert group is not None
         kernels = layer_kernel.module()
@@ -105,7 +116,7 @@ class DecodePlan:
         for index, layer in enumerate(self.layers):
             k_slab, v_slab = kv.slabs(index)
             qkv = layer.qkv(norm(x, layer.attn_norm, eps), EMPTY, int8)
-            norms = (layer.q_norm, layer.k_norm)
+            norms, (cos, sin) = (layer.q_norm, layer.k_norm), tables[index]
             step(qkv, layer.bias, *norms, eps, cos, sin, k_slab, v_slab, write_slots, h, hkv)
             wanted = [(row, m) for row, m in captured if index in m.capture_layers]
             probs = torch.zeros(n, h, slots.shape[1]) if wanted else EMPTY
@@ -113,8 +124,16 @@ class DecodePlan:
             out = attend(q, k_slab, v_slab, slots, lengths, key_positions, positions, layer.window, probs)
             for row, m in wanted:
                 m.captured[index] = probs[row, :, : group.lengths[row]]
-            x = layer.o(out, x, int8)
-            x = layer.down(silu(layer.gate_up(norm(x, layer.mlp_norm, eps), EMPTY, int8)), x, int8)
+            if layer.post_attn_norm is None:
+                x = layer.o(out, x, int8)
+            else:
+                x = x + norm(layer.o(out, EMPTY, int8), layer.post_attn_norm, eps)
+            gate_up = layer.gate_up(norm(x, layer.mlp_norm, eps), EMPTY, int8)
+            gated = silu(gate_up) if self.silu else self.gate(gate_up)
+            if layer.post_mlp_norm is None:
+                x = layer.down(gated, x, int8)
+            else:
+                x = x + norm(layer.down(gated, EMPTY, int8), layer.post_mlp_norm, eps)
         return x
 
 
@@ -130,4 +149,6 @@ def _planned(model: Transformer, index: int, layer: LayerWeights) -> PlannedLaye
         gate_up=bind(layer.gate_up),
         down=bind(layer.down),
         window=model.config.window(index) or 0,
+        post_attn_norm=layer.post_attn_norm,
+        post_mlp_norm=layer.post_mlp_norm,
     )

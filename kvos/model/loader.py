@@ -52,14 +52,25 @@ def read_safetensors(files: list[Path], dtype: torch.dtype, device: torch.device
 def load_hf(
     path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Load a Hugging Face model directory (LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3ForCausalLM)."""
+    """Load a Hugging Face model directory (LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3ForCausalLM,
+    Gemma3ForCausalLM)."""
     root = Path(path)
     if not (root / "config.json").exists():
         raise ModelLoadError(f"{root} has no config.json; expected a Hugging Face model directory")
     config = ModelConfig.from_file(root / "config.json")
     torch_dtype = resolve_dtype(dtype, config)
     weights = read_safetensors(safetensors_files(root), torch_dtype, torch.device(device))
+    if config.model_type == "gemma3":
+        shift_gemma_norms(weights)
     return Transformer(config, weights)
+
+
+def shift_gemma_norms(weights: dict[str, torch.Tensor]) -> None:
+    """Gemma's RMSNorms scale by ``1 + w``: store that sum (computed in float32, as Gemma does, then cast),
+    the weight every other norm applies (llama.cpp's converter does the same)."""
+    for name, value in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = (1.0 + value.float()).to(value.dtype)
 
 
 def load_model(

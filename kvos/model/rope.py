@@ -7,6 +7,7 @@ another position by rotating it by the delta alone: :meth:`Rope.shift` is how kv
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -161,3 +162,47 @@ class Rope:
     def shift(self, keys: torch.Tensor, delta: int, positions: torch.Tensor) -> torch.Tensor:
         """Re-anchor keys stored at ``positions`` (int64 [n]) by ``delta`` positions: see :meth:`reanchor`."""
         return self.reanchor(keys, positions, positions + delta)
+
+
+class LayerRopes:
+    """The rotary embedding of each layer: one :class:`Rope` shared by every layer, or (Gemma 3) one for the
+    sliding-window layers and another for the global ones. Whatever moves keys or rotates them back (a
+    restore, a reposition, the key digests, the tapped queries) takes each layer's own."""
+
+    def __init__(self, per_layer: Sequence[Rope]) -> None:
+        if not per_layer:
+            raise ValueError("a model has at least one layer")
+        self.per_layer = list(per_layer)
+
+    @classmethod
+    def of(
+        cls, head_dim: int, thetas: Sequence[float], scalings: Sequence[dict[str, Any] | None]
+    ) -> LayerRopes:
+        """One rope per distinct (theta, scaling) among the layers' ``thetas`` and ``scalings``."""
+        made: dict[str, Rope] = {}
+        ropes = []
+        for theta, scaling in zip(thetas, scalings, strict=True):
+            key = repr((theta, sorted((scaling or {}).items())))
+            if key not in made:
+                made[key] = Rope(head_dim, theta, scaling)
+            ropes.append(made[key])
+        return cls(ropes)
+
+    def __getitem__(self, layer: int) -> Rope:
+        return self.per_layer[layer]
+
+    def __len__(self) -> int:
+        return len(self.per_layer)
+
+    def groups(self) -> list[tuple[Rope, list[int]]]:
+        """Each distinct rope with its layers (ascending), in the order of their first layers."""
+        found: dict[int, tuple[Rope, list[int]]] = {}
+        for layer, rope in enumerate(self.per_layer):
+            found.setdefault(id(rope), (rope, []))[1].append(layer)
+        return list(found.values())
+
+    @property
+    def uniform(self) -> Rope | None:
+        """The rope of every layer when they share one, else None."""
+        first = self.per_layer[0]
+        return first if all(r is first for r in self.per_layer) else None

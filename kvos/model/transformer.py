@@ -34,7 +34,7 @@ from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
-from kvos.model.rope import Rope
+from kvos.model.rope import LayerRopes, Rope
 
 
 class KVStore(Protocol):
@@ -71,7 +71,9 @@ NO_STORE = _NoStore()
 @dataclass
 class LayerWeights:
     """One decoder layer, projections [out, in]: qkv [(H + 2 Hkv) * D, hidden], o [hidden, H * D],
-    gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D])."""
+    gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D]). ``post_attn_norm``
+    and ``post_mlp_norm`` (Gemma's sandwich) norm the attention's and the MLP's outputs before the residual
+    adds them."""
 
     attn_norm: torch.Tensor
     qkv: Weight
@@ -83,6 +85,8 @@ class LayerWeights:
     mlp_norm: torch.Tensor
     gate_up: Weight
     down: Weight
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,7 +102,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Transformer:
-    """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV store."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 decoder over a paged KV store.
+
+    Norm weights are the scale each norm applies: Gemma's ``1 + w`` is added up front by whoever reads its
+    checkpoint (as llama.cpp's converter writes it into GGUF files), so every norm is one RMSNorm here. A
+    query scale other than ``head_dim ** -0.5`` (Gemma's ``query_pre_attn_scalar``) is folded into the query
+    norm's weights: the attention kernels keep their one scale."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]) -> None:
         self.config = config
@@ -111,7 +120,16 @@ class Transformer:
             raise ModelLoadError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else head
         self.layers = [_layer(config, weights, i) for i in range(config.num_layers)]
-        self.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling)
+        layers = range(config.num_layers)
+        self.ropes = LayerRopes.of(
+            config.head_dim,
+            [config.rope_theta_of(i) for i in layers],
+            [None if config.rope_theta_of(i) != config.rope_theta else config.rope_scaling for i in layers],
+        )
+        self.embed_scale = None
+        if config.embedding_multiplier is not None:  # as transformers: a float32 scalar cast to the dtype
+            self.embed_scale = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(self.dtype)
+        _fold_query_scale(config, self.layers)
 
     @torch.inference_mode()
     def forward(
@@ -154,20 +172,41 @@ class Transformer:
         kv: KVStore,
     ) -> torch.Tensor:
         """token_ids int64 [n], positions int64 [n] -> final hidden states [n, hidden] (normed)."""
-        x = embedding(token_ids.to(self.device), self.embed)
-        cos, sin = self.rope.cos_sin(positions, self.dtype, self.device)
+        x = self.embed_tokens(token_ids)
+        tables = {id(r): r.cos_sin(positions, self.dtype, self.device) for r, _ in self.ropes.groups()}
         eps = self.config.rms_norm_eps
         if isinstance(meta, Batch) and kv is not NO_STORE:
             plan = self.decode_plan
             if plan is not None and plan.takes(x, meta, kv):
-                return rms_norm(plan.run(x, cos, sin, meta, kv), self.final_norm, eps)
+                per_layer = [tables[id(rope)] for rope in self.ropes.per_layer]
+                return rms_norm(plan.run(x, per_layer, meta, kv), self.final_norm, eps)
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[id(self.ropes[i])]
             out = self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv)
             if layer.o_bias is not None:
                 x = x + layer.o_bias
-            x = addmm(x, out, layer.o)
-            x = addmm(x, swiglu(matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up)), layer.down)
+            if layer.post_attn_norm is None:
+                x = addmm(x, out, layer.o)
+            else:
+                x = x + rms_norm(matmul(out, layer.o), layer.post_attn_norm, eps)
+            gated = self.gate(matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up))
+            if layer.post_mlp_norm is None:
+                x = addmm(x, gated, layer.down)
+            else:
+                x = x + rms_norm(matmul(gated, layer.down), layer.post_mlp_norm, eps)
         return rms_norm(x, self.final_norm, eps)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids int64 [n] -> the embedded rows [n, hidden], scaled where the model scales them."""
+        x = embedding(token_ids.to(self.device), self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's gated activation: gate_up [n, 2 * inter] -> [n, inter] (SwiGLU, or GELU-tanh)."""
+        if self.config.hidden_act == "silu":
+            return swiglu(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     @cached_property
     def decode_plan(self) -> DecodePlan | None:
@@ -176,15 +215,18 @@ class Transformer:
         return DecodePlan.of(self)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [n, hidden] -> float32 logits [n, vocab]."""
-        return logits(hidden, self.lm_head)
+        """Final hidden states [n, hidden] -> float32 logits [n, vocab] (soft-capped where the model caps
+        them: ``cap * tanh(logits / cap)``)."""
+        out = logits(hidden, self.lm_head)
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else torch.tanh(out / cap) * cap
 
     @torch.inference_mode()
     def first_queries(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The first layer's queries of ``token_ids`` (int64 [n]) as at position 0, before any rotation:
         no attention runs before them, so they depend on the tokens alone -> float32 [n, heads, head_dim]."""
         c, layer = self.config, self.layers[0]
-        h = rms_norm(embedding(token_ids.to(self.device), self.embed), layer.attn_norm, c.rms_norm_eps)
+        h = rms_norm(self.embed_tokens(token_ids), layer.attn_norm, c.rms_norm_eps)
         qkv = matmul(h, layer.qkv) if layer.qkv_bias is None else addmm(layer.qkv_bias, h, layer.qkv)
         q = qkv.view(h.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)[:, : c.num_heads]
         if layer.q_norm is not None:
@@ -359,12 +401,26 @@ def _dense_or_none(weights: Mapping[str, Weight], name: str) -> torch.Tensor | N
     return _dense(weights, name) if name in weights else None
 
 
+def _fold_query_scale(config: ModelConfig, layers: Seq[LayerWeights]) -> None:
+    """Scale the query norms by sqrt(head_dim / query_pre_attn_scalar), so that attention's
+    ``head_dim ** -0.5`` gives the model's ``query_pre_attn_scalar ** -0.5``."""
+    scalar = config.query_pre_attn_scalar
+    if scalar is None or scalar == config.head_dim:
+        return
+    ratio = (config.head_dim / scalar) ** 0.5
+    for layer in layers:
+        if layer.q_norm is None:
+            raise ModelLoadError("a query scale of its own needs the query norm to carry it")
+        layer.q_norm = layer.q_norm * ratio
+
+
 def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights:
     p = f"model.layers.{i}."
     names = ("q_proj", "k_proj", "v_proj")
     bias = None
     if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
         bias = torch.cat([_dense(w, f"{p}self_attn.{n}.bias") for n in names])
+    sandwich = config.sandwich_norms
     return LayerWeights(
         attn_norm=_dense(w, f"{p}input_layernorm.weight"),
         qkv=fuse([_need(w, f"{p}self_attn.{n}.weight") for n in names]),
@@ -373,7 +429,9 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         o_bias=_dense_or_none(w, f"{p}self_attn.o_proj.bias"),
         q_norm=_dense(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
         k_norm=_dense(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
-        mlp_norm=_dense(w, f"{p}post_attention_layernorm.weight"),
+        mlp_norm=_dense(w, f"{p}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
         gate_up=fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
         down=stored(_need(w, f"{p}mlp.down_proj.weight")),
+        post_attn_norm=_dense(w, f"{p}post_attention_layernorm.weight") if sandwich else None,
+        post_mlp_norm=_dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None,
     )

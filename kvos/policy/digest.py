@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvos.errors import ConfigError
-from kvos.model.rope import Rope
+from kvos.model.rope import LayerRopes, Rope
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,12 @@ def unrotate(x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tens
     return Rope.rotate(x.float(), rope.rotation(old, torch.zeros_like(old), x.device))
 
 
-def digest_keys(k: torch.Tensor, positions: torch.Tensor, rope: Rope, layers: Sequence[int]) -> KeyDigest:
+def digest_keys(
+    k: torch.Tensor, positions: torch.Tensor, ropes: LayerRopes, layers: Sequence[int]
+) -> KeyDigest:
     """The :class:`KeyDigest` of a chunk's keys ``k`` ``[num_layers, n, kv_heads, head_dim]`` (rotated at
-    ``positions``, int64 ``[n]``) over ``layers``; ``n`` must be at least 1."""
-    chosen = torch.stack([unrotate(k[i], positions, rope) for i in layers])  # [Ld, n, kv, D]
+    ``positions``, int64 ``[n]``, each layer by its rope) over ``layers``; ``n`` must be at least 1."""
+    chosen = torch.stack([unrotate(k[i], positions, ropes[i]) for i in layers])  # [Ld, n, kv, D]
     lo, hi = chosen.amin(dim=1), chosen.amax(dim=1)
     return KeyDigest(tuple(layers), _round(lo, down=True), _round(hi, down=False))
 

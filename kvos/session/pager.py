@@ -151,7 +151,7 @@ class Pager:
                 assert self.store is not None
                 k, v = self.engine.read_kv(seg)
                 if self.digest_layers:
-                    chunk.digest = digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
+                    chunk.digest = digest_keys(k, seg.positions, self.engine.model.ropes, self.digest_layers)
                 if self.retriever is not None and chunk.key_code is None:
                     chunk.key_code = self._code(k, seg.positions)
                 self.saved.add(chunk.chunk_id)  # before put: a store over its caps may drop it at once
@@ -187,7 +187,7 @@ class Pager:
         from its keys in the pool (needs ``digest_layers``)."""
         seg = seg if seg is not None else self.segments[chunk.chunk_id]
         k, _ = self.engine.read_kv(seg)
-        return digest_keys(k, seg.positions, self.engine.model.rope, self.digest_layers)
+        return digest_keys(k, seg.positions, self.engine.model.ropes, self.digest_layers)
 
     def key_codes(self, chunks: list[Chunk]) -> list[torch.Tensor | None]:
         """The retriever's codes of these chunks' keys (:meth:`Retriever.code`, float16 ``[n, rank]``
@@ -231,8 +231,14 @@ class Pager:
         assert self.retriever is not None
         chosen = k if k.shape[0] == len(self.retriever.key_layers) else k[list(self.retriever.key_layers)]
         layers, n, kv, dim = chosen.shape
-        flat = chosen.permute(1, 0, 2, 3).reshape(n, layers * kv, dim)  # the layers as more heads
-        back = unrotate(flat, positions, self.engine.model.rope).reshape(n, -1)  # = Retriever.key_features
+        ropes = self.engine.model.ropes
+        if ropes.uniform is not None:
+            flat = chosen.permute(1, 0, 2, 3).reshape(n, layers * kv, dim)  # the layers as more heads
+            back = unrotate(flat, positions, ropes.uniform).reshape(n, -1)  # = Retriever.key_features
+        else:  # each key layer by its own rope
+            layer_ids = self.retriever.key_layers
+            parts = [unrotate(c, positions, ropes[i]) for c, i in zip(chosen, layer_ids, strict=True)]
+            back = torch.stack(parts, dim=1).reshape(n, -1)
         return self.retriever.project_keys(back).to(torch.float16)
 
     def restore(self, chunk: Chunk, at: Place = "end", before: int | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvos.model.rope import Rope
+from kvos.model.rope import LayerRopes
 from kvos.policy.digest import unrotate
 
 
@@ -13,8 +13,8 @@ class QueryTap:
     each chunk at its own positions: paging between chunks may move the cache) and hands back the last ones
     rotated back to position 0. ``layers`` empty: nothing is tapped (``wanted`` is empty)."""
 
-    def __init__(self, layers: tuple[int, ...], rope: Rope) -> None:
-        self.layers, self.rope = layers, rope
+    def __init__(self, layers: tuple[int, ...], ropes: LayerRopes) -> None:
+        self.layers, self.ropes = layers, ropes
         self.passes: list[tuple[dict[int, torch.Tensor], torch.Tensor]] = []
 
     @property
@@ -34,6 +34,6 @@ class QueryTap:
         passes, self.passes = self.passes, []
         per_layer = []
         for layer in self.layers:
-            parts = [unrotate(q[layer], pos, self.rope) for q, pos in passes if layer in q]
+            parts = [unrotate(q[layer], pos, self.ropes[layer]) for q, pos in passes if layer in q]
             per_layer.append(torch.cat(parts)[-window:])
         return torch.stack(per_layer)

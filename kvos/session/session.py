@@ -103,7 +103,7 @@ class Session:
         self.signal = signal(self.memory, answer)  # similarity recovery's scorer, chosen once
         tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
         self.pager.digest_layers = tapped
-        self.queries = QueryTap(tapped if signal.taps_message else (), engine.model.rope)
+        self.queries = QueryTap(tapped if signal.taps_message else (), engine.model.ropes)
         if signal.needs_retriever:
             assert config.retriever is not None
             c = engine.model.config

@@ -23,7 +23,7 @@ class Hybrid(Answer):
     ) -> dict[int, float]:
         assert self.answer is not None
         memory = self.memory
-        tap = QueryTap(memory.pager.digest_layers, memory.pager.engine.model.rope)
+        tap = QueryTap(memory.pager.digest_layers, memory.pager.engine.model.ropes)
         answer = self.answer.null_answer(self.answer.base(prefix, query), tap)
         shares = memory.attention_shares(tap.take(memory.config.query_window))
         shortlist = self.shortlist(query, shares, unit, set(candidates))

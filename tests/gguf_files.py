@@ -52,6 +52,13 @@ _LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Gemma 3's four norms a layer: ffn_norm is the one before the MLP
+_GEMMA3 = {
+    **_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -59,13 +66,13 @@ _GLOBAL = {
 }
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
     """llama.cpp's name for a Hugging Face tensor name."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{(_GEMMA3 if arch == 'gemma3' else _LAYER)[module]}.{kind}"
 
 
 def halves_to_interleaved(w: np.ndarray, heads: int) -> np.ndarray:
@@ -106,13 +113,32 @@ def metadata_keys(config: dict[str, Any], arch: str) -> dict[str, Any]:
         "feed_forward_length": config["intermediate_size"],
         "attention.head_count": heads,
         "attention.head_count_kv": config["num_key_value_heads"],
-        "rope.freq_base": float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"]),
         "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
     }
+    if arch != "gemma3":
+        keys["rope.freq_base"] = float(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     keys["attention.key_length"] = keys["attention.value_length"] = head_dim
     keys["rope.dimension_count"] = head_dim
+    if arch == "gemma3":
+        keys.update(gemma3_keys(config))
     return {f"{arch}.{key}": value for key, value in keys.items()}
+
+
+def gemma3_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's keys: the global layers' rope (its base and linear scaling), the window, which layers slide
+    (as a per-layer array), the sliding layers' base where it is not llama.cpp's default, the logits' cap."""
+    full, local = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
+    keys: dict[str, Any] = {"rope.freq_base": float(full["rope_theta"])}
+    if full.get("rope_type") == "linear":
+        keys["rope.scaling.type"], keys["rope.scaling.factor"] = "linear", float(full["factor"])
+    if local["rope_theta"] != 10_000.0:
+        keys["rope.freq_base_swa"] = float(local["rope_theta"])
+    keys["attention.sliding_window"] = config["sliding_window"]
+    keys["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in config["layer_types"]]
+    if config.get("final_logit_softcapping"):
+        keys["final_logit_softcapping"] = float(config["final_logit_softcapping"])
+    return keys
 
 
 def write_file(
@@ -162,9 +188,10 @@ def write_model(
             values = halves_to_interleaved(values, heads[proj])  # type: ignore[index]
         mixed = next((t for part, t in (types or {}).items() if part in name), qtype)
         kind = mixed if values.ndim == 2 else "F32"
-        raw, held = encode(values, kind, rng)
-        tensors[gguf_name(name)] = (raw, kind)
-        held_t = torch.from_numpy(np.array(held, dtype=np.float32))
+        shift = arch == "gemma3" and name.endswith("norm.weight")  # the file holds 1 + w; the model w
+        raw, held = encode(values + 1.0 if shift else values, kind, rng)
+        tensors[gguf_name(name, arch)] = (raw, kind)
+        held_t = torch.from_numpy(np.array(values if shift else held, dtype=np.float32))
         reference[name] = interleaved_to_halves(held_t, heads[proj]) if permute else held_t  # type: ignore[index]
     scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "llama3":

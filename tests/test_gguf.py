@@ -31,6 +31,12 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("mistral-window", "mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", "qwen2", {}),
     "qwen3": ("qwen3", "qwen3", {"head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2}),
+    # llama.cpp assumes the query scale of head_dim (GGUF has no key for it)
+    "gemma3": (
+        "gemma3",
+        "gemma3",
+        {"head_dim": 64, "query_pre_attn_scalar": 64, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
 }
 
 
@@ -91,6 +97,77 @@ def test_config_from_metadata(tmp_path: Path) -> None:
     )
     assert config.qk_norm and not config.tie_word_embeddings and "lm_head.weight" in tensors
     assert config.rms_norm_eps == pytest.approx(1e-6) and metadata["general.architecture"] == "qwen3"
+
+
+def _gemma3_metadata(layers: int, **extra: Any) -> dict[str, Any]:
+    keys = {
+        "block_count": layers,
+        "embedding_length": 5376,
+        "feed_forward_length": 21504,
+        "attention.head_count": 32,
+        "attention.head_count_kv": 16,
+        "attention.key_length": 128,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 1_000_000.0,
+        "attention.sliding_window": 1024,
+        **extra,
+    }
+    return {"general.architecture": "gemma3", **{f"gemma3.{k}": v for k, v in keys.items()}}
+
+
+def test_gemma3_config_takes_llama_cpps_defaults_where_the_file_is_silent() -> None:
+    """No pattern key: every sixth layer global; no swa base: 10,000; the query scale: head_dim, but
+    hidden / heads (168) on the 62-layer 27B, as llama.cpp computes it; linear scaling on the global
+    layers only."""
+    from kvos.model.gguf_config import config_from_metadata
+
+    config = config_from_metadata(_gemma3_metadata(12), vocab_rows=100, tied=True)
+    assert [config.window(i) for i in range(12)] == [1024] * 5 + [None] + [1024] * 5 + [None]
+    assert config.local_rope_theta == 10_000.0 and config.query_pre_attn_scalar == 128
+    assert config.sandwich_norms and config.qk_norm and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.embedding_multiplier == pytest.approx(5376**0.5) and config.final_logit_softcapping is None
+    big = config_from_metadata(
+        _gemma3_metadata(62, **{"rope.scaling.type": "linear", "rope.scaling.factor": 8.0}), 100, True
+    )
+    assert big.query_pre_attn_scalar == 168
+    assert big.rope_of(0) == (10_000.0, None)
+    assert big.rope_of(5) == (1_000_000.0, {"rope_type": "linear", "factor": 8.0})
+    explicit = config_from_metadata(
+        _gemma3_metadata(3, **{"attention.sliding_window_pattern": [True, False, False]}), 100, True
+    )
+    assert [explicit.window(i) for i in range(3)] == [1024, None, None]
+    with pytest.raises(ModelLoadError, match="3 layers"):
+        config_from_metadata(_gemma3_metadata(3, **{"attention.sliding_window_pattern": [True]}), 100, True)
+
+
+def test_gemma3_hf_config_in_the_older_spelling() -> None:
+    """rope_theta / rope_local_base_freq / sliding_window_pattern (configs written before transformers 5);
+    Gemma 2's attention soft-capping is refused by name."""
+    from kvos.model.config import ModelConfig
+
+    raw = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 7,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256,
+    }
+    config = ModelConfig.from_hf_dict(raw)
+    assert [config.window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert config.rope_of(0) == (10_000.0, None)
+    assert config.rope_of(5) == (1_000_000.0, {"rope_type": "linear", "factor": 8.0})
+    assert config.tie_word_embeddings
+    with pytest.raises(UnsupportedModelError, match="soft-capping"):
+        ModelConfig.from_hf_dict({**raw, "attn_logit_softcapping": 50.0})
 
 
 def _block_reference(raw: np.ndarray, qtype: str) -> np.ndarray:

@@ -87,11 +87,16 @@ class ModelConfig:
         """The sliding-window length of ``layer``, or None for full attention."""
         return self.sliding_windows[layer] if self.sliding_windows else None
 
-    def rope_theta_of(self, layer: int) -> float:
-        """The rotary base of ``layer``: :attr:`local_rope_theta` on sliding-window layers where it is set."""
-        if self.local_rope_theta is not None and self.window(layer) is not None:
-            return self.local_rope_theta
-        return self.rope_theta
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` has the sliding-window layers' own rope (:attr:`local_rope_theta`, unscaled)."""
+        return self.local_rope_theta is not None and self.window(layer) is not None
+
+    def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of ``layer``'s rotary embedding."""
+        if self.local_rope(layer):
+            assert self.local_rope_theta is not None
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -185,7 +185,7 @@ def _unpermute(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
                 tensors[name] = tensor.permute_rows(order)
 
 
-def _named_tensors(reader: gguf.GGUFReader) -> tuple[dict[str, GGUFTensor], np.ndarray | None]:
+def _named_tensors(reader: gguf.GGUFReader, arch: str) -> tuple[dict[str, GGUFTensor], np.ndarray | None]:
     """The weights under kvos names, and the values of ``rope_freqs.weight`` (Llama 3.1+ RoPE frequency
     divisors, which kvos turns into rope scaling), if the file has it."""
     tensors: dict[str, GGUFTensor] = {}
@@ -195,7 +195,7 @@ def _named_tensors(reader: gguf.GGUFReader) -> tuple[dict[str, GGUFTensor], np.n
         if item.name == "rope_freqs.weight":
             divisors = record.dequantize(torch.float32).numpy()
             continue
-        record.name = hf_name(item.name)
+        record.name = hf_name(item.name, arch)
         tensors[record.name] = record
     return tensors, divisors
 
@@ -216,7 +216,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
         raise ModelLoadError(f"{path} is GGUF version {version}; kvos reads versions 2 and 3")
     arch = architecture(metadata)
     try:
-        tensors, divisors = _named_tensors(reader)
+        tensors, divisors = _named_tensors(reader, arch)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from exc
     embed = tensors.get("model.embed_tokens.weight")

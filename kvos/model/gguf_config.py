@@ -1,10 +1,13 @@
 """A :class:`ModelConfig` from a GGUF file's metadata, and the GGUF -> Hugging Face tensor names.
 
 GGUF keys are prefixed by the architecture (``llama.block_count``, ``qwen2.attention.head_count``, ...),
-as llama.cpp's converter writes them. kvos reads the llama, mistral, qwen2 and qwen3 architectures:
+as llama.cpp's converter writes them. kvos reads the llama, mistral, qwen2, qwen3 and gemma3 architectures:
 llama.cpp writes Llama and Mistral checkpoints as ``llama`` (attn_q/attn_k rows permuted for interleaved
-RoPE; see :data:`PERMUTED_ARCHITECTURES`) and Qwen2/Qwen3 under their own names (rows in Hugging Face
-order).
+RoPE; see :data:`PERMUTED_ARCHITECTURES`) and Qwen2/Qwen3/Gemma 3 under their own names (rows in Hugging
+Face order). Gemma 3's norms are stored as ``1 + w`` (the converter adds the one), and what the file does
+not say is llama.cpp's: every sixth layer global unless ``attention.sliding_window_pattern`` says otherwise,
+a sliding-window rotary base of 10,000 unless ``rope.freq_base_swa`` says otherwise, and the query scale of
+``head_dim`` (of ``hidden / heads`` for the 62-layer 27B).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from kvos.model.config import ModelConfig
 from kvos.model.rope import inverse_frequencies
 
 # GGUF architecture -> kvos model_type.
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {name: name for name in ("llama", "mistral", "qwen2", "qwen3", "gemma3")}
 # Architectures whose attn_q / attn_k rows llama.cpp's converter permutes for interleaved-pair RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
 
@@ -42,11 +45,18 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms the attention's and the MLP's outputs too; its ffn_norm is the norm before the MLP.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face-style name kvos uses for a GGUF tensor (``blk.3.attn_q.weight`` ->
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face-style name kvos uses for a GGUF tensor of ``arch`` (``blk.3.attn_q.weight`` ->
     ``model.layers.3.self_attn.q_proj.weight``).
 
     Raises:
@@ -54,10 +64,11 @@ def hf_name(gguf_name: str) -> str:
     """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in kvos's Llama-family model")
 
 
@@ -157,17 +168,19 @@ def config_from_metadata(
             f"partial rotary embedding ({rope_dims} of {head_dim} head dims) is not supported"
         )
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    layers = int(_get(metadata, f"{arch}.block_count"))
     theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = _rope_scaling(metadata, arch)
     if rope_divisors is not None:
         if scaling is not None:
             raise UnsupportedModelError("a GGUF file with both rope_freqs.weight and rope scaling keys")
         scaling = llama3_scaling(rope_divisors, head_dim, theta)
+    gemma = _gemma3_fields(metadata, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,
         intermediate_size=int(_get(metadata, f"{arch}.feed_forward_length")),
-        num_layers=int(_get(metadata, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
@@ -178,7 +191,36 @@ def config_from_metadata(
         max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=tied,
         attention_bias=False,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        **gemma,
     )
+
+
+def _gemma3_fields(
+    metadata: Mapping[str, Any], layers: int, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a ``gemma3`` file beyond the Llama ones (see the module
+    docstring for what llama.cpp assumes where the file is silent)."""
+    window = int(metadata.get("gemma3.attention.sliding_window") or 0)
+    windows: tuple[int | None, ...] = ()
+    if window > 0:
+        pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != layers:
+                raise ModelLoadError(f"sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+            windows = tuple(window if bool(swa) else None for swa in pattern)
+        else:
+            n = int(pattern)
+            windows = tuple(window if n == 0 or i % n < n - 1 else None for i in range(layers))
+    cap = metadata.get("gemma3.final_logit_softcapping")
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "embedding_multiplier": hidden**0.5,
+        "sandwich_norms": True,
+        "sliding_windows": windows if any(w is not None for w in windows) else (),
+        "local_rope_theta": float(metadata.get("gemma3.rope.freq_base_swa", 10_000.0)) if window else None,
+        "query_pre_attn_scalar": float(hidden // heads if layers == 62 else head_dim),
+        "final_logit_softcapping": float(cap) if cap else None,
+    }

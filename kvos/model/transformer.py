@@ -120,12 +120,8 @@ class Transformer:
             raise ModelLoadError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else head
         self.layers = [_layer(config, weights, i) for i in range(config.num_layers)]
-        layers = range(config.num_layers)
-        self.ropes = LayerRopes.of(
-            config.head_dim,
-            [config.rope_theta_of(i) for i in layers],
-            [None if config.rope_theta_of(i) != config.rope_theta else config.rope_scaling for i in layers],
-        )
+        thetas, scalings = zip(*(config.rope_of(i) for i in range(config.num_layers)), strict=True)
+        self.ropes = LayerRopes.of(config.head_dim, thetas, scalings)
         self.embed_scale = None
         if config.embedding_multiplier is not None:  # as transformers: a float32 scalar cast to the dtype
             self.embed_scale = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(self.dtype)

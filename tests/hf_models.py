@@ -49,6 +49,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
         query_pre_attn_scalar=24,
         final_logit_softcapping=30.0,
     ),
+    # four experts, two a row, renormalised; layer 1 keeps a dense MLP
+    "qwen3-moe": dict(
+        arch="qwen3_moe",
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
 }
 
 
@@ -64,6 +74,7 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**spec))
@@ -72,6 +83,8 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(unit + 0.2 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):  # a router that prefers some experts, without ties
+                param.copy_(torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     model.save_pretrained(path, **({"max_shard_size": shard_size} if shard_size else {}))

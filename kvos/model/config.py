@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GELU (tanh approximation) as Gemma
@@ -56,6 +57,12 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the sliding-window layers' rotary base, where it differs
     query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power (default head_dim)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    num_experts: int = 0  # mixture-of-experts layers route each row to num_experts_per_tok of these
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    decoder_sparse_step: int = 1  # every n-th layer is a mixture of experts ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... but these, which keep a dense MLP
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -72,6 +79,10 @@ class ModelConfig:
             )
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ConfigError("sliding_windows must have one entry per layer")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}"
+            )
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(
                 f"MLP activation {self.hidden_act!r} is not supported; kvos implements "
@@ -86,6 +97,14 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The sliding-window length of ``layer``, or None for full attention."""
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def moe(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (transformers' rule for Qwen3-MoE)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % max(self.decoder_sparse_step, 1) == 0
+        )
 
     def local_rope(self, layer: int) -> bool:
         """Whether ``layer`` has the sliding-window layers' own rope (:attr:`local_rope_theta`, unscaled)."""
@@ -137,7 +156,7 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "gemma3"),
+                qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe"),
                 sliding_windows=_sliding_windows(raw, model_type, num_layers),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
@@ -148,6 +167,7 @@ class ModelConfig:
                 local_rope_theta=local_theta,
                 query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
                 final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
+                **_moe_fields(raw),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks the required field {exc.args[0]!r}") from exc
@@ -184,6 +204,24 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling.get("rope_type", "default") == "default":
         return theta, None
     return theta, scaling
+
+
+def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config (none for a dense model); transformers writes the expert
+    count as ``num_experts`` or ``num_local_experts``."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    if raw.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts (Qwen2-MoE, Qwen3-Next) are not supported yet")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
+        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }
 
 
 def _check_gemma3(raw: dict[str, Any]) -> None:

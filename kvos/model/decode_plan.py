@@ -9,8 +9,8 @@ step is decode steps only (one new token per sequence, each over its cache) and 
 once per model (each checked to take this step's rows), and a layer is nine calls: RMSNorm, QKV product,
 ``qkv_step``, decode attention, O product with the residual, RMSNorm, gate/up product, SwiGLU, down product
 with the residual (Gemma 3: the O and down products' outputs normed before the residual adds them, a GELU
-gate, each layer's rotary tables). The results are those of the generic path (the same kernels in the
-same order).
+gate, each layer's rotary tables; a mixture of experts in place of the three MLP calls). The results are
+those of the generic path (the same kernels in the same order).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvos.model.linear import Weight, addmm, matmul
 from kvos.model.quant import KernelProduct
 
 if TYPE_CHECKING:
+    from kvos.model.experts import Experts
     from kvos.model.transformer import KVStore, LayerWeights, Transformer
 
 EMPTY = torch.empty(0)
@@ -54,11 +55,12 @@ class PlannedLayer:
     k_norm: torch.Tensor
     o: KernelProduct
     mlp_norm: torch.Tensor
-    gate_up: KernelProduct
-    down: KernelProduct
+    gate_up: KernelProduct | None
+    down: KernelProduct | None
     window: int
     post_attn_norm: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None
+    experts: Experts | None
 
 
 class DecodePlan:
@@ -128,6 +130,11 @@ class DecodePlan:
                 x = layer.o(out, x, int8)
             else:
                 x = x + norm(layer.o(out, EMPTY, int8), layer.post_attn_norm, eps)
+            if layer.experts is not None:  # as the generic path: the mixture, added
+                mixed = layer.experts(norm(x, layer.mlp_norm, eps), self.gate)
+                x = x + (mixed if layer.post_mlp_norm is None else norm(mixed, layer.post_mlp_norm, eps))
+                continue
+            assert layer.gate_up is not None and layer.down is not None
             gate_up = layer.gate_up(norm(x, layer.mlp_norm, eps), EMPTY, int8)
             gated = silu(gate_up) if self.silu else self.gate(gate_up)
             if layer.post_mlp_norm is None:
@@ -146,9 +153,10 @@ def _planned(model: Transformer, index: int, layer: LayerWeights) -> PlannedLaye
         k_norm=EMPTY if layer.k_norm is None else layer.k_norm,
         o=bind(layer.o),
         mlp_norm=layer.mlp_norm,
-        gate_up=bind(layer.gate_up),
-        down=bind(layer.down),
+        gate_up=None if layer.gate_up is None else bind(layer.gate_up),
+        down=None if layer.down is None else bind(layer.down),
         window=model.config.window(index) or 0,
         post_attn_norm=layer.post_attn_norm,
         post_mlp_norm=layer.post_mlp_norm,
+        experts=layer.experts,
     )

@@ -32,6 +32,7 @@ from kvos.model.attention import (
 )
 from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
+from kvos.model.experts import Experts
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
 from kvos.model.rope import LayerRopes, Rope
@@ -73,7 +74,7 @@ class LayerWeights:
     """One decoder layer, projections [out, in]: qkv [(H + 2 Hkv) * D, hidden], o [hidden, H * D],
     gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D]). ``post_attn_norm``
     and ``post_mlp_norm`` (Gemma's sandwich) norm the attention's and the MLP's outputs before the residual
-    adds them."""
+    adds them. A mixture-of-experts layer has ``experts`` in place of ``gate_up`` and ``down``."""
 
     attn_norm: torch.Tensor
     qkv: Weight
@@ -83,10 +84,11 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     mlp_norm: torch.Tensor
-    gate_up: Weight
-    down: Weight
+    gate_up: Weight | None
+    down: Weight | None
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
+    experts: Experts | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,12 +187,21 @@ class Transformer:
                 x = addmm(x, out, layer.o)
             else:
                 x = x + rms_norm(matmul(out, layer.o), layer.post_attn_norm, eps)
-            gated = self.gate(matmul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up))
-            if layer.post_mlp_norm is None:
-                x = addmm(x, gated, layer.down)
-            else:
-                x = x + rms_norm(matmul(gated, layer.down), layer.post_mlp_norm, eps)
+            x = self._mlp(layer, x, eps)
         return rms_norm(x, self.final_norm, eps)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """The residual stream x [n, hidden] after the layer's MLP (or mixture of experts) adds to it."""
+        h = rms_norm(x, layer.mlp_norm, eps)
+        if layer.experts is not None:
+            out = layer.experts(h, self.gate)
+        else:
+            assert layer.gate_up is not None and layer.down is not None
+            gated = self.gate(matmul(h, layer.gate_up))
+            if layer.post_mlp_norm is None:
+                return addmm(x, gated, layer.down)
+            out = matmul(gated, layer.down)
+        return x + (out if layer.post_mlp_norm is None else rms_norm(out, layer.post_mlp_norm, eps))
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids int64 [n] -> the embedded rows [n, hidden], scaled where the model scales them."""
@@ -417,6 +428,7 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
     if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
         bias = torch.cat([_dense(w, f"{p}self_attn.{n}.bias") for n in names])
     sandwich = config.sandwich_norms
+    experts = _experts(config, w, i) if config.moe(i) else None
     return LayerWeights(
         attn_norm=_dense(w, f"{p}input_layernorm.weight"),
         qkv=fuse([_need(w, f"{p}self_attn.{n}.weight") for n in names]),
@@ -426,8 +438,27 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         q_norm=_dense(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
         k_norm=_dense(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
         mlp_norm=_dense(w, f"{p}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
-        gate_up=fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
-        down=stored(_need(w, f"{p}mlp.down_proj.weight")),
+        gate_up=None
+        if experts
+        else fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
+        down=None if experts else stored(_need(w, f"{p}mlp.down_proj.weight")),
         post_attn_norm=_dense(w, f"{p}post_attention_layernorm.weight") if sandwich else None,
         post_mlp_norm=_dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None,
+        experts=experts,
+    )
+
+
+def _experts(config: ModelConfig, w: Mapping[str, Weight], i: int) -> Experts:
+    """Layer ``i``'s router and experts (Hugging Face names: ``mlp.gate`` and ``mlp.experts.E.*``)."""
+    p = f"model.layers.{i}.mlp."
+    names = range(config.num_experts)
+    return Experts(
+        router=_dense(w, f"{p}gate.weight"),
+        gate_up=[
+            fuse([_need(w, f"{p}experts.{e}.gate_proj.weight"), _need(w, f"{p}experts.{e}.up_proj.weight")])
+            for e in names
+        ],
+        down=[stored(_need(w, f"{p}experts.{e}.down_proj.weight")) for e in names],
+        top_k=config.num_experts_per_tok,
+        renormalise=config.norm_topk_prob,
     )

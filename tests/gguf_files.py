@@ -51,6 +51,7 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router
 }
 # Gemma 3's four norms a layer: ffn_norm is the one before the MLP
 _GEMMA3 = {
@@ -122,6 +123,10 @@ def metadata_keys(config: dict[str, Any], arch: str) -> dict[str, Any]:
     keys["rope.dimension_count"] = head_dim
     if arch == "gemma3":
         keys.update(gemma3_keys(config))
+    if arch == "qwen3moe":
+        experts = config.get("num_experts") or config["num_local_experts"]
+        keys["expert_count"], keys["expert_used_count"] = experts, config["num_experts_per_tok"]
+        keys["expert_feed_forward_length"] = config["moe_intermediate_size"]
     return {f"{arch}.{key}": value for key, value in keys.items()}
 
 
@@ -180,14 +185,23 @@ def write_model(
     rng = np.random.default_rng(seed)
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     reference: dict[str, torch.Tensor] = {}
+    experts = _expert_stacks(state) if arch == "qwen3moe" else {}
+    for stack, (names, values) in experts.items():  # llama.cpp's [experts, rows, cols] a projection
+        mixed = next((t for part, t in (types or {}).items() if part in names[0]), qtype)
+        raw, held = encode(values.reshape(-1, values.shape[-1]), mixed, rng)
+        tensors[stack] = (raw.reshape(*values.shape[:2], -1), mixed)
+        for e, name in enumerate(names):
+            reference[name] = torch.from_numpy(np.array(held, dtype=np.float32)).view(values.shape)[e]
     for name, weight in state.items():
+        if ".experts." in name:
+            continue
         values = weight.float().numpy()
         proj = next((p for p in heads if f".{p}." in name), None)
         permute = arch in ("llama", "mistral") and proj is not None
         if permute:
             values = halves_to_interleaved(values, heads[proj])  # type: ignore[index]
         mixed = next((t for part, t in (types or {}).items() if part in name), qtype)
-        kind = mixed if values.ndim == 2 else "F32"
+        kind = mixed if values.ndim == 2 and not name.endswith("mlp.gate.weight") else "F32"  # routers F32
         shift = arch == "gemma3" and name.endswith("norm.weight")  # the file holds 1 + w; the model w
         raw, held = encode(values + 1.0 if shift else values, kind, rng)
         tensors[gguf_name(name, arch)] = (raw, kind)
@@ -199,6 +213,42 @@ def write_model(
         tensors["rope_freqs.weight"] = (divisors, "F32")
     write_file(path, arch, metadata_keys(config, arch), tensors)
     return reference
+
+
+def in_memory_layout(held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``held`` as a transformers 5 model's ``load_state_dict`` takes it: each layer's experts fused into
+    ``mlp.experts.gate_up_proj`` [experts, 2 * inter, hidden] and ``mlp.experts.down_proj`` (what
+    ``from_pretrained`` converts the per-expert names of a checkpoint into)."""
+    out = {k: v for k, v in held.items() if ".mlp.experts." not in k}
+    layers = sorted({k.split(".")[2] for k in held if ".mlp.experts." in k}, key=int)
+    for layer in layers:
+        p = f"model.layers.{layer}.mlp.experts."
+        count = len({k for k in held if k.startswith(p) and k.endswith("down_proj.weight")})
+        out[p + "gate_up_proj"] = torch.stack(
+            [
+                torch.cat((held[f"{p}{e}.gate_proj.weight"], held[f"{p}{e}.up_proj.weight"]))
+                for e in range(count)
+            ]
+        )
+        out[p + "down_proj"] = torch.stack([held[f"{p}{e}.down_proj.weight"] for e in range(count)])
+    return out
+
+
+def _expert_stacks(state: dict[str, torch.Tensor]) -> dict[str, tuple[list[str], np.ndarray]]:
+    """Each layer's experts' gate, up and down matrices stacked as llama.cpp stores them:
+    ``blk.L.ffn_gate_exps.weight`` -> (the Hugging Face names in expert order, float32
+    [experts, rows, cols])."""
+    found: dict[tuple[str, str], dict[int, str]] = {}
+    for name in state:
+        if ".mlp.experts." in name:
+            _, _, layer, _, _, expert, part, _ = name.split(".")
+            found.setdefault((layer, part.removesuffix("_proj")), {})[int(expert)] = name
+    stacks = {}
+    for (layer, part), by_expert in found.items():
+        names = [by_expert[e] for e in sorted(by_expert)]
+        values = np.stack([state[n].float().numpy() for n in names])
+        stacks[f"blk.{layer}.ffn_{part}_exps.weight"] = (names, values)
+    return stacks
 
 
 def llama3_divisors(config: dict[str, Any], scaling: dict[str, Any]) -> np.ndarray:

@@ -10,13 +10,21 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import MATRIX_TYPES, QUANTIZED_TYPES, encode, write_file, write_model
+from gguf_files import (
+    MATRIX_TYPES,
+    QUANTIZED_TYPES,
+    encode,
+    in_memory_layout,
+    write_file,
+    write_model,
+)
 from hf_models import build, hf_model
 
 from kvos.engine.engine import Engine
 from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.model import activations
 from kvos.model.gguf import load_gguf, read_gguf
+from kvos.model.gguf_config import ARCHITECTURES
 from kvos.model.loader import load_model
 
 TOL = 1e-4  # float32 logits, kvos vs transformers on identical weights
@@ -31,6 +39,12 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("mistral-window", "mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", "qwen2", {}),
     "qwen3": ("qwen3", "qwen3", {"head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2}),
+    # every layer a mixture of experts in a GGUF file (as llama.cpp runs qwen3moe); rows of 256 for K-quants
+    "qwen3moe": (
+        "qwen3-moe",
+        "qwen3moe",
+        {"head_dim": 64, "mlp_only_layers": [], "moe_intermediate_size": 256},
+    ),
     # llama.cpp assumes the query scale of head_dim (GGUF has no key for it)
     "gemma3": (
         "gemma3",
@@ -71,13 +85,13 @@ def test_logits_match_transformers(
     arch, hf_dir = hf_checkpoint
     held = write_model(hf_dir, tmp_path / "m.gguf", arch, qtype)
     reference = hf_model(hf_dir)
-    missing, unexpected = reference.load_state_dict(held, strict=False)
+    missing, unexpected = reference.load_state_dict(in_memory_layout(held), strict=False)
     assert not unexpected and all("lm_head" in name for name in missing)  # tied head: only lm_head missing
     ids = _tokens(PROMPT, 1)
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
     model = load_model(tmp_path / "m.gguf", dtype=dtype)
-    assert model.config.model_type == arch
+    assert model.config.model_type == ARCHITECTURES[arch]
     assert model.config.tie_word_embeddings == ("lm_head.weight" in missing)  # qwen2 ties its head
     engine = Engine(model, block_size=4)
     got = engine.extend(engine.new_sequence(), ids, logits="all")

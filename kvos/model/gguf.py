@@ -11,6 +11,8 @@ dequantized or a kept-quantized path sees the weight.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +112,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 def _record(tensor: TensorInfo) -> GGUFTensor:
-    """A directory entry as a :class:`GGUFTensor` (name not yet mapped, rows not yet un-permuted)."""
+    """A directory entry as a :class:`GGUFTensor` (name not yet mapped, rows not yet un-permuted); a stack
+    of experts' matrices [experts, rows, cols] keeps its three dimensions (:func:`_experts` splits it)."""
     qtype = tensor.type.name
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
@@ -118,11 +121,33 @@ def _record(tensor: TensorInfo) -> GGUFTensor:
             f"{', '.join(SUPPORTED_TYPES)}"
         )
     shape = tensor.shape
-    if len(shape) > 2:
+    if len(shape) > 2 and not (len(shape) == 3 and EXPERT_STACK.fullmatch(tensor.name)):
         raise UnsupportedModelError(f"tensor {tensor.name!r} has {len(shape)} dimensions; expected 1 or 2")
-    rows = shape[0] if len(shape) == 2 else 1
+    rows = math.prod(shape[:-1]) if len(shape) >= 2 else 1
     raw = tensor.data.reshape(rows, -1)
     return GGUFTensor(tensor.name, qtype, shape, raw)
+
+
+# llama.cpp stores a layer's experts as one tensor a projection: [experts, rows, cols]
+EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+
+
+def _experts(record: GGUFTensor) -> dict[str, GGUFTensor]:
+    """A stack of experts' matrices as one 2-D tensor each, under kvos names
+    (``model.layers.L.mlp.experts.E.gate_proj.weight``); each expert's rows are a view of the stack's."""
+    match = EXPERT_STACK.fullmatch(record.name)
+    assert match is not None and len(record.shape) == 3
+    layer, part = match.groups()
+    experts, rows, cols = record.shape
+    return {
+        f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight": GGUFTensor(
+            f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight",
+            record.qtype,
+            (rows, cols),
+            record.raw[e * rows : (e + 1) * rows],
+        )
+        for e in range(experts)
+    }
 
 
 def _unpermute(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
@@ -143,6 +168,9 @@ def _named_tensors(file: GGUFFile, arch: str) -> tuple[dict[str, GGUFTensor], np
         record = _record(item)
         if item.name == "rope_freqs.weight":
             divisors = record.dequantize(torch.float32).numpy()
+            continue
+        if len(record.shape) == 3:
+            tensors.update(_experts(record))
             continue
         record.name = hf_name(item.name, arch)
         tensors[record.name] = record

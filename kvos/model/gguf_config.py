@@ -23,7 +23,10 @@ from kvos.model.config import ModelConfig
 from kvos.model.rope import inverse_frequencies
 
 # GGUF architecture -> kvos model_type.
-ARCHITECTURES = {name: name for name in ("llama", "mistral", "qwen2", "qwen3", "gemma3")}
+ARCHITECTURES = {
+    **{name: name for name in ("llama", "mistral", "qwen2", "qwen3", "gemma3")},
+    "qwen3moe": "qwen3_moe",
+}
 # Architectures whose attn_q / attn_k rows llama.cpp's converter permutes for interleaved-pair RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
 
@@ -44,6 +47,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
 # Gemma 3 norms the attention's and the MLP's outputs too; its ffn_norm is the norm before the MLP.
 _GEMMA3_NAMES = {
@@ -176,10 +180,14 @@ def config_from_metadata(
             raise UnsupportedModelError("a GGUF file with both rope_freqs.weight and rope scaling keys")
         scaling = llama3_scaling(rope_divisors, head_dim, theta)
     gemma = _gemma3_fields(metadata, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
+    moe = _moe_fields(metadata, arch) if arch == "qwen3moe" else {}
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,
-        intermediate_size=int(_get(metadata, f"{arch}.feed_forward_length")),
+        intermediate_size=int(
+            metadata.get(f"{arch}.feed_forward_length")
+            or _get(metadata, f"{arch}.expert_feed_forward_length")
+        ),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv") or heads),
@@ -191,11 +199,23 @@ def config_from_metadata(
         max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=tied,
         attention_bias=False,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         **gemma,
+        **moe,
     )
+
+
+def _moe_fields(metadata: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """A ``qwen3moe`` file's experts: every layer a mixture, the chosen experts' weights renormalised (as
+    llama.cpp runs that architecture)."""
+    return {
+        "num_experts": int(_get(metadata, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(_get(metadata, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(_get(metadata, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": True,
+    }
 
 
 def _gemma3_fields(

@@ -404,6 +404,12 @@ def _dense(weights: Mapping[str, Weight], name: str) -> torch.Tensor:
     return value
 
 
+def _dense_or_dequantized(weights: Mapping[str, Weight], name: str) -> torch.Tensor:
+    """A tensor used dense: a quantized one is dequantized (a router is small and read in float32)."""
+    value = _need(weights, name)
+    return value if isinstance(value, torch.Tensor) else value.dequantize()
+
+
 def _dense_or_none(weights: Mapping[str, Weight], name: str) -> torch.Tensor | None:
     return _dense(weights, name) if name in weights else None
 
@@ -453,7 +459,7 @@ def _experts(config: ModelConfig, w: Mapping[str, Weight], i: int) -> Experts:
     p = f"model.layers.{i}.mlp."
     names = range(config.num_experts)
     return Experts(
-        router=_dense(w, f"{p}gate.weight"),
+        router=_dense_or_dequantized(w, f"{p}gate.weight"),
         gate_up=[
             fuse([_need(w, f"{p}experts.{e}.gate_proj.weight"), _need(w, f"{p}experts.{e}.up_proj.weight")])
             for e in names

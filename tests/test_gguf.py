@@ -301,6 +301,14 @@ def test_unknown_tensor_name_is_a_typed_error(tmp_path: Path) -> None:
         read_gguf(path)
 
 
+def test_three_dimensions_outside_an_expert_stack_are_a_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "cube.gguf"
+    meta = {"llama.attention.head_count": 2, "llama.embedding_length": 64}
+    write_file(path, "llama", meta, {"blk.0.attn_q.weight": (np.ones((2, 4, 32), dtype=np.float32), "F32")})
+    with pytest.raises(UnsupportedModelError, match=r"'blk\.0\.attn_q\.weight' has 3 dimensions"):
+        read_gguf(path)
+
+
 def test_llama3_rope_freqs_match_transformers(tmp_path: Path) -> None:
     """Llama 3.1-style files carry RoPE scaling as per-frequency divisors (rope_freqs.weight)."""
     hf_dir = build("llama3-scaled", tmp_path / "hf", **DIMS)

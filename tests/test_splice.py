@@ -21,7 +21,7 @@ TOL = 1e-4
 LENGTHS = [5, 7, 9, 6, 8]  # segment lengths, deliberately not multiples of the block size
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])  # gemma3: a rope per layer kind, windows
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3-moe"])  # gemma3: a rope per layer kind
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     kind = request.param
     return build(kind, tmp_path_factory.mktemp(kind), max_position_embeddings=512)

@@ -77,11 +77,17 @@ class ChatService:
         return spans
 
     def prepare_completion(self, req: CompletionRequest) -> list[Span]:
-        ids = self.manager.tokenizer.encode(req.prompt)
+        ids = self.completion_ids(req)
         if not ids:
             raise bad_request("prompt must not be empty", param="prompt")
         self._check_length(len(ids))
         return [Span(ids, ChunkKind.DOCUMENT)]
+
+    def completion_ids(self, req: CompletionRequest) -> list[int]:
+        """A completion prompt's tokens: BOS first where the model's tokenizer adds one (as ``kvos generate``
+        and llama.cpp's server do; a model trained with it, Gemma for one, degenerates without it)."""
+        tok = self.manager.tokenizer
+        return tok.encode(req.prompt, add_bos=tok.add_bos_token) if req.prompt else []
 
     def _check_length(self, n: int) -> None:
         if n > self.config.max_prompt_tokens:
@@ -270,7 +276,7 @@ class ChatService:
         """The prompt's tokens for prefix routing (rendered whole; None when it cannot be rendered)."""
         tok = self.manager.tokenizer
         if isinstance(req, CompletionRequest):
-            return tok.encode(req.prompt)
+            return self.completion_ids(req)
         template = self.manager.session_template()
         if template is None:
             return None

@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the system kvos is compared with: transformers (default) or llama.cpp on a --model FILE.gguf",
     )
     parser.add_argument(
+        "--llama-bench",
+        type=Path,
+        default=None,
+        help="with --peer llamacpp: llama.cpp's llama-bench binary as the peer (used anyway when "
+        "llama-cpp-python is not installed and llama-bench is on PATH)",
+    )
+    parser.add_argument(
         "--activations",
         default=activations.MODE,
         help="how kvos's quantized products take their activations: int8, float32, or both "
@@ -121,7 +128,15 @@ def _run_llamacpp_peer(args: argparse.Namespace, modes: list[activations.Mode]) 
     if not args.model:
         raise ConfigError("--peer llamacpp needs --model FILE.gguf")
     threads = args.threads or torch.get_num_threads()
-    rows = bench_llamacpp(Path(args.model), args.prompt_tokens, args.new_tokens, args.repeats, threads, modes)
+    rows = bench_llamacpp(
+        Path(args.model),
+        args.prompt_tokens,
+        args.new_tokens,
+        args.repeats,
+        threads,
+        modes,
+        getattr(args, "llama_bench", None),
+    )
     result = header("decode", str(args.model))
     result["peer"] = "llamacpp"
     result["rows"] = rows

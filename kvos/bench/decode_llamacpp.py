@@ -10,6 +10,11 @@ they are resident). ``tokens_match`` compares the greedy tokens: the two compute
 sums, and with float32 activations kvos does not quantize them as llama.cpp does), so a divergence late in
 the run is expected, not a failure. With several activation modes (``--activations int8,float32``) each
 repeat runs kvos in every mode and then llama.cpp: a row per mode against the same llama.cpp runs.
+
+Without llama-cpp-python, or with ``--llama-bench PATH``, llama.cpp's ``llama-bench`` binary is the peer
+(:mod:`kvos.bench.llama_bench`: its own prompt, its own process, speeds only). Every row also gives the
+bandwidth bound (:mod:`kvos.bench.bandwidth`): the bytes kvos reads a decode step, this machine's read
+bandwidth at the same thread count, the tokens per second those allow, and how far kvos's decode is from it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvos.bench.bandwidth import read_bandwidth, step_bytes
 from kvos.bench.common import median
 from kvos.bench.decode_run import Run, run_kvos
+from kvos.bench.llama_bench import BenchRun, find_llama_bench, run_llama_bench
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.memory.heap import release_free_heap
@@ -46,6 +53,10 @@ COLUMNS = (
     "kvos_rss_mb",
     "llamacpp_rss_mb",
     "tokens_match",
+    "step_mb",
+    "read_gb_s",
+    "bound_tok_s",
+    "bound_over_kvos",
     "repeats",
 )
 SEED = 1234
@@ -72,18 +83,25 @@ def bench_llamacpp(
     repeats: int,
     threads: int,
     modes: Sequence[activations.Mode] = ("int8",),
+    llama_bench: Path | None = None,
 ) -> list[dict[str, Any]]:
     """A row per activation mode of kvos (:mod:`kvos.model.activations`): kvos in that mode vs llama.cpp on
-    the GGUF file at ``path``; each repeat runs every mode of kvos, then llama.cpp."""
-    try:
-        from llama_cpp import Llama
-    except ImportError as exc:
-        raise ConfigError(
-            "--peer llamacpp needs llama-cpp-python (it builds llama.cpp from source, ~10 minutes on 2 "
-            "cores): pip install llama-cpp-python"
-        ) from exc
+    the GGUF file at ``path``; each repeat runs every mode of kvos, then llama.cpp (llama-cpp-python, or the
+    ``llama_bench`` binary when given or when the package is absent)."""
     if path.suffix != ".gguf" or not path.is_file():
         raise ConfigError(f"--peer llamacpp needs --model FILE.gguf, got {path}")
+    try:
+        if llama_bench is not None:
+            raise ImportError("the llama-bench binary was asked for")
+        from llama_cpp import Llama
+    except ImportError:
+        binary = find_llama_bench(llama_bench)
+        if binary is None:
+            raise ConfigError(
+                "--peer llamacpp needs llama-cpp-python (pip install llama-cpp-python; it builds llama.cpp, "
+                "~10 minutes on 2 cores) or llama.cpp's llama-bench binary (--llama-bench PATH, or on PATH)"
+            ) from None
+        return _bench_with_binary(binary, path, prompt_tokens, new_tokens, repeats, threads, modes)
     torch.set_num_threads(threads)
     with activations.using(modes[0]):
         engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
@@ -111,10 +129,83 @@ def bench_llamacpp(
                 with activations.using(mode):
                     kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, eos))
             peer_runs.append(_run_llamacpp(llm, prompt, new_tokens, eos))
+    bound = _bound(engine, threads)
     return [
-        {"activations": mode, **_row(path, prompt_tokens, new_tokens, threads, runs, peer_runs, rss)}
+        with_bound_ratio(
+            {
+                "activations": mode,
+                **_row(path, prompt_tokens, new_tokens, threads, runs, peer_runs, rss),
+                **bound,
+            }
+        )
         for mode, runs in kvos_runs.items()
     ]
+
+
+def _bench_with_binary(
+    binary: Path,
+    path: Path,
+    prompt_tokens: int,
+    new_tokens: int,
+    repeats: int,
+    threads: int,
+    modes: Sequence[activations.Mode],
+) -> list[dict[str, Any]]:
+    """As :func:`bench_llamacpp`, llama.cpp being ``binary`` (llama-bench): one call a repeat."""
+    torch.set_num_threads(threads)
+    with activations.using(modes[0]):
+        engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
+    prompt = _prompt(engine.model.config.vocab_size, prompt_tokens)
+    run_llama_bench(binary, path, threads, prompt_tokens, new_tokens)  # warm-up: the file in the page cache
+    kvos_runs: dict[str, list[Run]] = {mode: [] for mode in modes}
+    peer_runs: list[BenchRun] = []
+    with torch.inference_mode():
+        for mode in modes[1:]:
+            with activations.using(mode):
+                run_kvos(engine, prompt, new_tokens, [])
+        for _ in range(repeats):
+            for mode in modes:
+                with activations.using(mode):
+                    kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, []))
+            peer_runs.append(run_llama_bench(binary, path, threads, prompt_tokens, new_tokens))
+    bound = _bound(engine, threads)
+    rows = []
+    for name, runs in kvos_runs.items():
+        kvos_tok_s = median([r.decode_tok_s() for r in runs])
+        peer_tok_s = median([r.decode_tok_s for r in peer_runs])
+        kvos_prefill = median([r.prefill_tok_s(prompt_tokens) for r in runs])
+        peer_prefill = median([r.prefill_tok_s for r in peer_runs])
+        rows.append(
+            with_bound_ratio(
+                {
+                    "activations": name,
+                    "model": str(path),
+                    "prompt_tokens": prompt_tokens,
+                    "new_tokens": new_tokens,
+                    "threads": threads,
+                    "kvos_tok_s": kvos_tok_s,
+                    "llamacpp_tok_s": peer_tok_s,
+                    "ratio": kvos_tok_s / peer_tok_s,
+                    "kvos_prefill_tok_s": kvos_prefill,
+                    "llamacpp_prefill_tok_s": peer_prefill,
+                    "prefill_ratio": kvos_prefill / peer_prefill,
+                    "kvos_rss_mb": kvos_rss,
+                    "llamacpp_rss_mb": None,  # another process
+                    "tokens_match": None,  # llama-bench does not report its tokens
+                    "llamacpp": f"llama-bench {peer_runs[-1].build}",
+                    "repeats": len(runs),
+                    **bound,
+                }
+            )
+        )
+    return rows
+
+
+def _bound(engine: Engine, threads: int) -> dict[str, float]:
+    """The bandwidth bound of the model's decode at ``threads`` (:mod:`kvos.bench.bandwidth`)."""
+    step = step_bytes(engine.model)
+    bandwidth = read_bandwidth(threads)
+    return {"step_mb": step / 1e6, "read_gb_s": bandwidth / 1e9, "bound_tok_s": bandwidth / step}
 
 
 def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine, float]:
@@ -186,3 +277,8 @@ def _row(
         "tokens_match": all(k.tokens == p.tokens for k, p in zip(kvos_runs, peer_runs, strict=True)),
         "repeats": len(kvos_runs),
     }
+
+
+def with_bound_ratio(row: dict[str, Any]) -> dict[str, Any]:
+    """``bound_over_kvos``: how many times faster the bandwidth bound is than kvos's decode (1.0 = at it)."""
+    return {**row, "bound_over_kvos": row["bound_tok_s"] / row["kvos_tok_s"]}

@@ -1,0 +1,100 @@
+"""``kvos bench decode --peer llamacpp`` with llama.cpp's llama-bench binary as the peer, and the bandwidth
+bound every row carries: llama-bench's JSON read right, a fake llama-bench driven end to end, bad output a
+typed error, and the bytes a decode step reads counted weight by weight."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import build
+
+from kvos.bench import decode_llamacpp
+from kvos.bench.bandwidth import read_bandwidth, step_bytes, weight_bytes
+from kvos.bench.llama_bench import find_llama_bench, parse_llama_bench
+from kvos.errors import ConfigError
+from kvos.model.loader import load_model
+
+# llama-bench -o json, as commit 0c1e570 writes it (fields trimmed to those read, plus two others)
+OUTPUT = json.dumps(
+    [
+        {"build_commit": "0c1e570", "n_prompt": 128, "n_gen": 0, "n_threads": 2, "avg_ts": 540.1023},
+        {"build_commit": "0c1e570", "n_prompt": 0, "n_gen": 64, "n_threads": 2, "avg_ts": 54.329568},
+    ]
+)
+
+
+def test_llama_bench_output_is_read() -> None:
+    run = parse_llama_bench(OUTPUT, 128, 64)
+    assert (run.prefill_tok_s, run.decode_tok_s, run.build) == (540.1023, 54.329568, "0c1e570")
+    with pytest.raises(ConfigError, match="no prefill and decode rows"):
+        parse_llama_bench(OUTPUT, 256, 64)  # another prompt length than the one asked for
+    with pytest.raises(ConfigError, match="no prefill and decode rows"):
+        parse_llama_bench("main: error: failed to load model", 128, 64)
+
+
+def _fake_llama_bench(path: Path, prefill: float, decode: float) -> Path:
+    """An executable that answers as llama-bench does for its -p and -n, and logs its argv."""
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        "a = sys.argv\n"
+        f"open({str(path) + '.log'!r}, 'a').write(' '.join(a[1:]) + '\\n')\n"
+        "p, n = int(a[a.index('-p') + 1]), int(a[a.index('-n') + 1])\n"
+        f"print(json.dumps([{{'n_prompt': p, 'n_gen': 0, 'avg_ts': {prefill}, 'build_commit': 'fake'}},\n"
+        f"                  {{'n_prompt': 0, 'n_gen': n, 'avg_ts': {decode}, 'build_commit': 'fake'}}]))\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_a_llama_bench_binary_is_the_peer(
+    shared_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = shared_dir / "models" / "stories260K" / "stories260K.gguf"
+    fake = _fake_llama_bench(tmp_path / "llama-bench", prefill=1000.0, decode=250.0)
+    monkeypatch.setattr(decode_llamacpp, "read_bandwidth", lambda threads: 8e9)
+    (row,) = decode_llamacpp.bench_llamacpp(model, 16, 8, 2, 1, ("int8",), llama_bench=fake)
+    calls = Path(str(fake) + ".log").read_text().splitlines()
+    assert calls == [f"-m {model} -t 1 -p 16 -n 8 -r 1 -o json"] * 3  # a warm-up, then one call a repeat
+    assert (row["llamacpp_tok_s"], row["llamacpp_prefill_tok_s"]) == (250.0, 1000.0)
+    assert row["ratio"] == pytest.approx(row["kvos_tok_s"] / 250.0)
+    assert row["tokens_match"] is None and row["llamacpp"] == "llama-bench fake" and row["repeats"] == 2
+    step = step_bytes(load_model(model))
+    assert row["step_mb"] == step / 1e6 and row["bound_tok_s"] == pytest.approx(8e9 / step)
+    assert row["bound_over_kvos"] == pytest.approx(row["bound_tok_s"] / row["kvos_tok_s"])
+
+
+def test_a_missing_llama_bench_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        find_llama_bench(tmp_path / "nothing")
+
+
+def test_a_decode_step_reads_every_weight_once(tmp_path: Path) -> None:
+    """Dense float32: the projections and the head at 4 bytes a value; a mixture of experts: its router
+    and top_k / num_experts of its experts."""
+    dense = load_model(build("llama", tmp_path / "llama"))
+    c = dense.config
+    per_layer = (
+        (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
+    ) + c.num_heads * c.head_dim * c.hidden_size
+    per_layer += 3 * c.intermediate_size * c.hidden_size
+    assert step_bytes(dense) == 4 * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)
+    moe = load_model(build("qwen3-moe", tmp_path / "moe"))
+    total = weight_bytes(moe.lm_head)
+    for layer in moe.layers:
+        total += sum(weight_bytes(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        if layer.experts is not None:
+            one = weight_bytes(layer.experts.gate_up[0]) + weight_bytes(layer.experts.down[0])
+            total += weight_bytes(layer.experts.router) + one * 2  # 2 of 4 experts, all the same size
+    assert step_bytes(moe) == total
+    assert weight_bytes(torch.zeros(3, 5, dtype=torch.float16)) == 30 and weight_bytes(None) == 0
+
+
+def test_read_bandwidth_is_bytes_over_seconds() -> None:
+    rate = read_bandwidth(1, nbytes=32 << 20, passes=2)
+    assert 1e8 < rate < 1e12  # between 0.1 GB/s and 1 TB/s: a measurement, not a constant

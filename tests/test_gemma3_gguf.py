@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_quant import CHUNK, DECODED, _Run
-from test_qwen_gguf import rss_growth
+from test_quant import agreement
+from test_qwen_gguf import logits_beside_transformers, rss_growth
 
-from kvos.engine.engine import Engine
 from kvos.errors import ModelNotPulledError
 from kvos.model.catalogue import resolve_model
 from kvos.model.gguf import load_gguf
@@ -47,17 +46,9 @@ def test_float32_logits_match_transformers_past_the_window(dense: Transformer) -
     within 1e-5 of their largest magnitude (~50 on this model; measured 4.6e-6) of transformers loading the
     same file (``gguf_file=``), the same argmax everywhere. A window one key too wide gives 2.6e-2 past
     position 512."""
-    from transformers import AutoModelForCausalLM
-
     path = _pulled()
     ids = [dense.config.bos_token_id or 2, *_text_ids(699)]
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0].float()
-    engine = Engine(dense)
-    got = engine.extend(engine.new_sequence(), ids, logits="all")
+    got, expected = logits_beside_transformers(path, dense, ids)
     relative = (got - expected).abs().amax(-1) / expected.abs().amax(-1)
     print(f"max relative logit difference {relative.max().item():.2e} over {len(ids)} tokens")
     assert dense.config.window(0) == 512 and dense.config.window(5) is None
@@ -94,16 +85,6 @@ def test_quantized_agrees_with_float32(dense: Transformer) -> None:
     the default load (matrices kept quantized, int8 activations) against the dequantized float32 model:
     >= 99% and within 0.5%, as for Qwen2.5-Coder (measured 99.90% and +0.014%)."""
     ids = _text_ids(1000)
-    runs = [_Run(load_gguf(_pulled())), _Run(dense)]
-    same = 0
-    prefill = len(ids) - DECODED
-    starts = [*range(0, prefill, CHUNK), *range(prefill, len(ids))]
-    for lo, hi in zip(starts, [*starts[1:], len(ids)], strict=True):
-        chunk, targets = ids[lo:hi], torch.tensor(ids[lo + 1 : hi + 1])
-        kept_logits, dense_logits = (run.step(chunk, targets) for run in runs)
-        same += int((kept_logits.argmax(-1) == dense_logits.argmax(-1)).sum())
-    agreement = same / len(ids)
-    ppl_kept, ppl_dense = (run.perplexity() for run in runs)
-    print(f"top-1 agreement {agreement:.4f}; perplexity {ppl_kept:.4f} vs {ppl_dense:.4f}")
-    assert agreement >= 0.99
+    share, ppl_kept, ppl_dense = agreement(load_gguf(_pulled()), dense, ids)
+    assert share >= 0.99
     assert abs(ppl_kept / ppl_dense - 1) <= 0.005

@@ -181,21 +181,30 @@ def test_smollm2_quantized_agrees_with_float32(smol: tuple[Path, list[int]]) -> 
     """Top-1 agreement >= 99% and perplexity within 0.5% of the dequantized float32 model, on 2,000 tokens
     (the last 48 decoded one at a time)."""
     path, ids = smol
-    runs = [_Run(load_gguf(path)), _Run(load_gguf(path, dtype="float32"))]
-    assert isinstance(runs[0].engine.model.layers[0].gate_up, QuantizedWeight)
-    assert isinstance(runs[1].engine.model.layers[0].gate_up, torch.Tensor)
+    kept, dense = load_gguf(path), load_gguf(path, dtype="float32")
+    assert isinstance(kept.layers[0].gate_up, QuantizedWeight)
+    assert isinstance(dense.layers[0].gate_up, torch.Tensor)
+    share, ppl_kept, ppl_dense = agreement(kept, dense, ids)
+    assert share >= 0.99
+    assert abs(ppl_kept / ppl_dense - 1) <= 0.005
+
+
+def agreement(kept: Transformer, dense: Transformer, ids: list[int]) -> tuple[float, float, float]:
+    """Both models read ``ids`` in chunks (the tiled prefill path), the last :data:`DECODED` one at a time
+    (the decode kernels): the share of positions where their next-token argmax agrees, and each one's
+    perplexity (printed too)."""
+    runs = [_Run(kept), _Run(dense)]
     same = 0
-    prefill = len(ids) - DECODED  # in chunks (tiled prefill path), then one token at a time (decode kernel)
+    prefill = len(ids) - DECODED
     starts = [*range(0, prefill, CHUNK), *range(prefill, len(ids))]
     for lo, hi in zip(starts, [*starts[1:], len(ids)], strict=True):
         chunk, targets = ids[lo:hi], torch.tensor(ids[lo + 1 : hi + 1])
-        kept, dense = (run.step(chunk, targets) for run in runs)
-        same += int((kept.argmax(-1) == dense.argmax(-1)).sum())
-    agreement = same / len(ids)
+        kept_logits, dense_logits = (run.step(chunk, targets) for run in runs)
+        same += int((kept_logits.argmax(-1) == dense_logits.argmax(-1)).sum())
+    share = same / len(ids)
     ppl_kept, ppl_dense = (run.perplexity() for run in runs)
-    print(f"top-1 agreement {agreement:.4f}; perplexity {ppl_kept:.4f} vs {ppl_dense:.4f}")
-    assert agreement >= 0.99
-    assert abs(ppl_kept / ppl_dense - 1) <= 0.005
+    print(f"top-1 agreement {share:.4f}; perplexity {ppl_kept:.4f} vs {ppl_dense:.4f}")
+    return share, ppl_kept, ppl_dense
 
 
 class _Run:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_quant import CHUNK, DECODED, _Run
+from test_quant import agreement
 
 from kvos.errors import ModelNotPulledError
 from kvos.model.catalogue import resolve_model
@@ -93,40 +93,38 @@ def test_quantized_agrees_with_float32(kept: Transformer, dense: Transformer) ->
     if not data.exists():
         pytest.skip(f"{data} is absent (../shared holds the text)")
     ids = load_tokenizer(path).encode(data.read_text(encoding="utf-8")[:30_000])[:QWEN_TEXT_TOKENS]
-    runs = [_Run(kept), _Run(dense)]
-    same = 0
-    prefill = len(ids) - DECODED
-    starts = [*range(0, prefill, CHUNK), *range(prefill, len(ids))]
-    for lo, hi in zip(starts, [*starts[1:], len(ids)], strict=True):
-        chunk, targets = ids[lo:hi], torch.tensor(ids[lo + 1 : hi + 1])
-        kept_logits, dense_logits = (run.step(chunk, targets) for run in runs)
-        same += int((kept_logits.argmax(-1) == dense_logits.argmax(-1)).sum())
-    agreement = same / len(ids)
-    ppl_kept, ppl_dense = (run.perplexity() for run in runs)
-    print(f"top-1 agreement {agreement:.4f}; perplexity {ppl_kept:.4f} vs {ppl_dense:.4f}")
-    assert agreement >= 0.99
+    share, ppl_kept, ppl_dense = agreement(kept, dense, ids)
+    assert share >= 0.99
     assert abs(ppl_kept / ppl_dense - 1) <= 0.005
 
 
 def test_float32_logits_match_transformers_on_the_same_file(dense: Transformer) -> None:
     """kvos with every weight dequantized to float32 against transformers loading the same GGUF file
     (``gguf_file=``, which dequantizes with gguf.quants): 200 tokens of wikitext-2, logits within 1e-4."""
-    from transformers import AutoModelForCausalLM
-
-    from kvos.engine.engine import Engine
-
     path = _pulled(SMALL)
     ids = load_tokenizer(path).encode(
         "The tower is 324 metres tall, about the same height as an 81-storey "
         "building, and the tallest structure in Paris. " * 8
     )[:200]
+    got, expected = logits_beside_transformers(path, dense, ids)
+    print(f"max |logit difference| {(got - expected).abs().max().item():.2e} over {len(ids)} tokens")
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def logits_beside_transformers(
+    path: Path, model: Transformer, ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits [len(ids), vocab] of ``model`` (read from ``path``) and of transformers loading the same
+    GGUF file (``gguf_file=``, which dequantizes with gguf.quants) over ``ids``."""
+    from transformers import AutoModelForCausalLM
+
+    from kvos.engine.engine import Engine
+
     reference = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].float()
-    engine = Engine(dense)
-    got = engine.extend(engine.new_sequence(), ids, logits="all")
-    print(f"max |logit difference| {(got - expected).abs().max().item():.2e} over {len(ids)} tokens")
-    assert (got - expected).abs().max().item() <= 1e-4
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    engine = Engine(model)
+    return engine.extend(engine.new_sequence(), ids, logits="all"), expected

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,14 +131,14 @@ def bench_llamacpp(
                     kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, eos))
             peer_runs.append(_run_llamacpp(llm, prompt, new_tokens, eos))
     bound = _bound(engine, threads)
+    peer = Peer(
+        "llama-cpp-python",
+        median([r.decode_tok_s() for r in peer_runs]),
+        median([r.prefill_tok_s(prompt_tokens) for r in peer_runs]),
+        rss[1],
+    )
     return [
-        with_bound_ratio(
-            {
-                "activations": mode,
-                **_row(path, prompt_tokens, new_tokens, threads, runs, peer_runs, rss),
-                **bound,
-            }
-        )
+        _row(mode, path, prompt_tokens, threads, runs, peer, rss[0], bound, _same_tokens(runs, peer_runs))
         for mode, runs in kvos_runs.items()
     ]
 
@@ -169,36 +170,17 @@ def _bench_with_binary(
                     kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, []))
             peer_runs.append(run_llama_bench(binary, path, threads, prompt_tokens, new_tokens))
     bound = _bound(engine, threads)
-    rows = []
-    for name, runs in kvos_runs.items():
-        kvos_tok_s = median([r.decode_tok_s() for r in runs])
-        peer_tok_s = median([r.decode_tok_s for r in peer_runs])
-        kvos_prefill = median([r.prefill_tok_s(prompt_tokens) for r in runs])
-        peer_prefill = median([r.prefill_tok_s for r in peer_runs])
-        rows.append(
-            with_bound_ratio(
-                {
-                    "activations": name,
-                    "model": str(path),
-                    "prompt_tokens": prompt_tokens,
-                    "new_tokens": new_tokens,
-                    "threads": threads,
-                    "kvos_tok_s": kvos_tok_s,
-                    "llamacpp_tok_s": peer_tok_s,
-                    "ratio": kvos_tok_s / peer_tok_s,
-                    "kvos_prefill_tok_s": kvos_prefill,
-                    "llamacpp_prefill_tok_s": peer_prefill,
-                    "prefill_ratio": kvos_prefill / peer_prefill,
-                    "kvos_rss_mb": kvos_rss,
-                    "llamacpp_rss_mb": None,  # another process
-                    "tokens_match": None,  # llama-bench does not report its tokens
-                    "llamacpp": f"llama-bench {peer_runs[-1].build}",
-                    "repeats": len(runs),
-                    **bound,
-                }
-            )
-        )
-    return rows
+    peer = Peer(
+        f"llama-bench {peer_runs[-1].build}",
+        median([r.decode_tok_s for r in peer_runs]),
+        median([r.prefill_tok_s for r in peer_runs]),
+        None,  # another process
+    )
+    # llama-bench does not report its tokens: no tokens_match
+    return [
+        _row(mode, path, prompt_tokens, threads, runs, peer, kvos_rss, bound, None)
+        for mode, runs in kvos_runs.items()
+    ]
 
 
 def _bound(engine: Engine, threads: int) -> dict[str, float]:
@@ -248,37 +230,52 @@ def _greedy(llm: Any, eos: list[int]) -> int:
     return int(logits.argmax())
 
 
+@dataclass(frozen=True)
+class Peer:
+    """What llama.cpp measured: which build or binding, decode and prefill tok/s (medians), its RSS growth in
+    MiB (None when it ran in another process)."""
+
+    name: str
+    decode_tok_s: float
+    prefill_tok_s: float
+    rss_mb: float | None
+
+
+def _same_tokens(kvos_runs: Sequence[Run], peer_runs: Sequence[Run]) -> bool:
+    return all(k.tokens == p.tokens for k, p in zip(kvos_runs, peer_runs, strict=True))
+
+
 def _row(
+    mode: str,
     path: Path,
     prompt_tokens: int,
-    new_tokens: int,
     threads: int,
-    kvos_runs: list[Any],
-    peer_runs: list[Any],
-    rss: tuple[float, float],
+    kvos_runs: Sequence[Run],
+    peer: Peer,
+    kvos_rss: float,
+    bound: dict[str, float],
+    tokens_match: bool | None,
 ) -> dict[str, Any]:
+    """One table row: kvos's runs in ``mode`` beside the peer's medians, and the bandwidth bound."""
     kvos_tok_s = median([r.decode_tok_s() for r in kvos_runs])
-    peer_tok_s = median([r.decode_tok_s() for r in peer_runs])
     kvos_prefill = median([r.prefill_tok_s(prompt_tokens) for r in kvos_runs])
-    peer_prefill = median([r.prefill_tok_s(prompt_tokens) for r in peer_runs])
     return {
+        "activations": mode,
         "model": str(path),
         "prompt_tokens": prompt_tokens,
-        "new_tokens": new_tokens,
+        "new_tokens": len(kvos_runs[0].tokens),
         "threads": threads,
         "kvos_tok_s": kvos_tok_s,
-        "llamacpp_tok_s": peer_tok_s,
-        "ratio": kvos_tok_s / peer_tok_s,
+        "llamacpp_tok_s": peer.decode_tok_s,
+        "ratio": kvos_tok_s / peer.decode_tok_s,
         "kvos_prefill_tok_s": kvos_prefill,
-        "llamacpp_prefill_tok_s": peer_prefill,
-        "prefill_ratio": kvos_prefill / peer_prefill,
-        "kvos_rss_mb": rss[0],
-        "llamacpp_rss_mb": rss[1],
-        "tokens_match": all(k.tokens == p.tokens for k, p in zip(kvos_runs, peer_runs, strict=True)),
+        "llamacpp_prefill_tok_s": peer.prefill_tok_s,
+        "prefill_ratio": kvos_prefill / peer.prefill_tok_s,
+        "kvos_rss_mb": kvos_rss,
+        "llamacpp_rss_mb": peer.rss_mb,
+        "tokens_match": tokens_match,
+        "llamacpp": peer.name,
         "repeats": len(kvos_runs),
+        **bound,
+        "bound_over_kvos": bound["bound_tok_s"] / kvos_tok_s,
     }
-
-
-def with_bound_ratio(row: dict[str, Any]) -> dict[str, Any]:
-    """``bound_over_kvos``: how many times faster the bandwidth bound is than kvos's decode (1.0 = at it)."""
-    return {**row, "bound_over_kvos": row["bound_tok_s"] / row["kvos_tok_s"]}

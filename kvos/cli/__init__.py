@@ -34,6 +34,8 @@ def _add_pull(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
+    from kvos.model.tokenizer import add_chat_template_argument
+
     add_model_argument(p, "the built-in model")
     p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
     p.add_argument("--prompt", required=True)
@@ -46,6 +48,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
+    add_chat_template_argument(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     activations.add_argument(p)

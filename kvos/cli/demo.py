@@ -28,7 +28,7 @@ from kvos.engine.sampling import SamplingParams
 from kvos.model.catalogue import add_model_argument, default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
-from kvos.model.tokenizer import Tokenizer, load_tokenizer
+from kvos.model.tokenizer import Tokenizer, add_chat_template_argument, load_tokenizer, with_chat_template
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever
 from kvos.session.config import SessionConfig
@@ -55,6 +55,7 @@ class Plan:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p, "the built-in model")
+    add_chat_template_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--backend", choices=["discard", "breadcrumb", "kv_restore"], default="kv_restore")
     p.add_argument(
@@ -113,7 +114,7 @@ def session_config(args: argparse.Namespace, path: Path, budget: int, context: i
 
 def run_demo(args: argparse.Namespace) -> int:
     path = Path(args.model) if args.model else default_model()
-    tokenizer = load_tokenizer(path)
+    tokenizer = with_chat_template(load_tokenizer(path), getattr(args, "chat_template", None))
     demo = plan(args, path, tokenizer)
     engine = Engine(load_model(path, dtype=args.dtype))
     config = session_config(args, path, demo.budget, engine.model.config.max_position_embeddings)

@@ -14,14 +14,16 @@ from kvos.model import activations
 from kvos.model.catalogue import default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
-from kvos.model.tokenizer import Tokenizer, find_tokenizer
+from kvos.model.tokenizer import Tokenizer, find_tokenizer, with_chat_template
 
 
 def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:
     if not chat:
         return prompt
     if not tokenizer.chat_template:
-        raise TokenizerError("--chat needs a tokenizer with a chat template (tokenizer_config.json)")
+        raise TokenizerError(
+            "--chat needs a chat template: this model has none; give one with --chat-template FILE"
+        )
     template = ChatTemplate(
         tokenizer.chat_template, getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)
     )
@@ -32,7 +34,7 @@ def run_generate(args: argparse.Namespace) -> int:
     activations.apply(args.activations)
     path = Path(args.model) if args.model else default_model()
     model = load_model(path, dtype=args.dtype, device=args.device)
-    tokenizer = find_tokenizer(path, args.tokenizer)
+    tokenizer = with_chat_template(find_tokenizer(path, args.tokenizer), getattr(args, "chat_template", None))
     text = render_prompt(tokenizer, args.prompt, args.chat)
     # HF tokenizers say whether prompts start with BOS; llama2.c prompts always do; templates add their own.
     add_bos = not args.chat and bool(getattr(tokenizer, "add_bos_token", not path.is_dir()))

@@ -10,6 +10,7 @@ before a raw prompt.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -19,7 +20,14 @@ from kvos.model.gguf_tokenizer import load_gguf_tokenizer
 from kvos.model.hf_tokenizer import HFTokenizer
 from kvos.model.llama2c_tokenizer import Llama2cTokenizer
 
-__all__ = ["HFTokenizer", "Llama2cTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = [
+    "HFTokenizer",
+    "Llama2cTokenizer",
+    "Tokenizer",
+    "add_chat_template_argument",
+    "load_tokenizer",
+    "with_chat_template",
+]
 
 
 @runtime_checkable
@@ -88,3 +96,39 @@ def find_tokenizer(model_path: Path, explicit: str | None) -> Tokenizer:
         if candidate.exists():
             return load_tokenizer(candidate)
     raise TokenizerError(f"no tokenizer beside {model_path}; pass --tokenizer PATH")
+
+
+def with_chat_template(tokenizer: Tokenizer, path: str | Path | None) -> Tokenizer:
+    """``tokenizer`` with the chat template in the file at ``path`` in place of its own (``--chat-template``:
+    for a model file that has none, a base model, or one whose template is wrong); ``tokenizer`` as it is when
+    ``path`` is None. The template is compiled (and checked, :mod:`kvos.model.chat_template`) here, so a bad
+    one fails at start-up, not at the first request.
+
+    Raises:
+        TokenizerError: the file cannot be read.
+        UnsafeTemplateError: the template reaches for what the sandbox refuses.
+    """
+    if path is None:
+        return tokenizer
+    from kvos.model.chat_template import ChatTemplate
+
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"cannot read the chat template {path}: {exc}") from exc
+    tokenizer.chat_template = source
+    templates = getattr(tokenizer, "chat_templates", None)
+    if isinstance(templates, dict):
+        templates["default"] = source
+    ChatTemplate.from_tokenizer(tokenizer)
+    return tokenizer
+
+
+def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+    """The ``--chat-template FILE`` option of every command that renders chats."""
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's own (for a model file without one)",
+    )

@@ -23,7 +23,7 @@ from kvos.memory.heap import limit_heap_arenas
 from kvos.model import activations, decode_kernel, dense_kernel, gguf_kernel, layer_kernel, quant_kernel
 from kvos.model.catalogue import add_model_argument, default_model, model_name
 from kvos.model.loader import load_model
-from kvos.model.tokenizer import Tokenizer, load_tokenizer
+from kvos.model.tokenizer import Tokenizer, add_chat_template_argument, load_tokenizer, with_chat_template
 from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import find_retriever, retriever_path
@@ -76,6 +76,7 @@ def byte_size(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p, "the built-in model")
+    add_chat_template_argument(p)
     p.add_argument(
         "--served-model-name",
         help="the model id clients send (default: the pulled model's name, else the file or directory name)",
@@ -299,7 +300,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
         layers = config.digest_layers(model.config.num_layers)
         head_mask(config.retrieval_heads, layers, model.config.num_heads)  # a clear error now, not per turn
-    tokenizer = load_tokenizer(path)
+    tokenizer = with_chat_template(load_tokenizer(path), getattr(args, "chat_template", None))
     state = open_state(args, model, tokenizer, config)
     factory = state.store_factory if state is not None else None
     engine = Engine(model, growth=GrowthPolicy(max_bytes=args.kv_memory))

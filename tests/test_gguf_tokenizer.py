@@ -16,7 +16,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from kvos.errors import TokenizerError, UnsafeTemplateError
 from kvos.model.chat_template import ChatTemplate
-from kvos.model.gguf_tokenizer import end_of_generation_ids
+from kvos.model.gguf_tokenizer import end_of_generation_ids, score_merges
 from kvos.model.llama2c_tokenizer import Llama2cTokenizer
 from kvos.model.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
@@ -250,3 +250,21 @@ def test_qwen_files_end_replies_where_llama_cpp_does() -> None:
     for entry in entries:
         tok = load_tokenizer(model_file(entry))
         assert tok.eos_ids == [151645, 151643, 151662, 151663, 151664]
+
+
+def test_merges_follow_sentencepieces_scores_and_ties() -> None:
+    """Every split of a token into two tokens, best-scored token first; equal scores: the longer left part,
+    then the longer right part, then vocabulary order; a token's own splits by their parts' ids."""
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "ca", "cab", "bca"]
+    scores = [0.0, 0.0, 0.0, -1.0, -1.0, -2.0, -1.0, -2.0, -2.0]
+    assert score_merges(tokens, scores) == [
+        ("a", "b"),  # ab, bc and ca score -1, each one split
+        ("b", "c"),
+        ("c", "a"),
+        ("ab", "c"),  # abc, cab and bca score -2: left parts of two before left parts of one
+        ("ca", "b"),
+        ("bc", "a"),
+        ("a", "bc"),
+        ("c", "ab"),
+        ("b", "ca"),
+    ]

@@ -97,16 +97,23 @@ def score_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[s
     """BPE merges that reproduce SentencePiece's merge-by-score: every split of a token into two tokens,
     best-scored result first (ties: longer left part, then longer right part, then vocabulary order)."""
     ids = {token: index for index, token in enumerate(tokens)}
-    candidates: list[tuple[float, int, int, str, str]] = []
+    # (-score, -len(left), -len(right), order): ascending is the order above, the candidates of one
+    # token by their parts' ids, then the tokens' vocabulary order (the last field keeps ties in it)
+    keyed: list[tuple[float, int, int, int, int, int]] = []
     for token, score in zip(tokens, scores, strict=True):
-        local = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
-        local = sorted(
-            (pair for pair in local if pair[0] in ids and pair[1] in ids),
-            key=lambda p: (ids[p[0]], ids[p[1]]),
-        )
-        candidates.extend((score, len(left), len(right), left, right) for left, right in local)
-    candidates.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
-    return [(left, right) for _, _, _, left, right in candidates]
+        n = len(token)
+        local = []
+        for cut in range(1, n):
+            left = ids.get(token[:cut])
+            if left is not None:
+                right = ids.get(token[cut:])
+                if right is not None:
+                    local.append((left, right, cut))
+        local.sort()
+        for left, right, cut in local:
+            keyed.append((-score, -cut, cut - n, len(keyed), left, right))
+    keyed.sort()
+    return [(tokens[left], tokens[right]) for *_, left, right in keyed]
 
 
 def _spm_tokenizer(metadata: Mapping[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:

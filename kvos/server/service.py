@@ -13,7 +13,7 @@ from typing import Any
 
 from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams, TokenLogprob
-from kvos.errors import KvosError, PrefillCancelled
+from kvos.errors import KvosError, PrefillCancelled, TokenizerError
 from kvos.policy.chunks import ChunkKind
 from kvos.server.autosave import Autosave
 from kvos.server.errors import APIError, bad_request, not_found
@@ -26,6 +26,9 @@ from kvos.server.tools import plan_tools, template_inputs
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span, flatten
 from kvos.session.session import Session
+
+# what follows the reply in the next turn, for rendering it as that turn will (its own span is dropped)
+NEXT_TURN = {"role": "user", "content": "next"}
 
 
 @dataclass
@@ -219,7 +222,11 @@ class ChatService:
             echo["reasoning_content"] = reasoning
         assert entry.renderer is not None
         messages, tools = template_inputs(entry.renderer.template, req, [echo])
-        spans = entry.renderer.render(messages, False, tools, **(req.chat_template_kwargs or {}))
+        kwargs = req.chat_template_kwargs or {}
+        try:  # the reply as the next turn renders it: followed by a user message (see kvos.session.prompt)
+            spans = entry.renderer.render([*messages, NEXT_TURN], False, tools, **kwargs)[:-1]
+        except TokenizerError:
+            spans = entry.renderer.render(messages, False, tools, **kwargs)
         entry.session.sync(spans, need_logits=False)
 
     def _account(

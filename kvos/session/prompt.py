@@ -4,6 +4,12 @@ Each message becomes the tokens of its part of the rendering (the text its addit
 conversation's tokens are the concatenation of its spans and a span knows its role and hints. Tokenising
 each part on its own keeps a message's tokens the same whatever follows it: the same history always gives
 the same tokens, which is what lets a stateful server decode only the new tail.
+
+Some templates render a message differently once another follows it: Qwen3's writes the last assistant
+reply after the last user message with its ``<think>`` block, and the same reply without it once a new user
+message comes. A message's part is then the text it has once followed (what every later turn renders):
+the following message's own text is found by rendering the conversation without the message before it, and
+the boundary is put where that text begins.
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ class SpanRenderer:
         previous = texts[-1] if texts else ""
         for i in range(reuse, len(messages)):
             full = self.template.render(messages[: i + 1], tools=tools, **extra)
+            if not full.startswith(previous) and i > 0:  # message i - 1 renders otherwise once followed
+                before = texts[i - 2] if i >= 2 else ""
+                cut = self._followed_end(messages, i, full, before, tools, extra)
+                spans[i - 1] = self._span(full[:cut], before, messages[i - 1], i - 1)
+                texts[i - 1] = previous = full[:cut]
             spans.append(self._span(full, previous, messages[i], i))
             texts.append(full)
             previous = full
@@ -74,6 +85,31 @@ class SpanRenderer:
             return list(spans)
         full = self.template.render(messages, add_generation_prompt=True, tools=tools, **extra)
         return [*spans, self._span(full, previous, {"role": "assistant"}, -1)]
+
+    def _followed_end(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        i: int,
+        full: str,
+        before: str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        extra: dict[str, Any],
+    ) -> int:
+        """Where message ``i - 1`` ends in ``full`` (the rendering of ``messages[: i + 1]``), given that its
+        text once followed differs from its text as the last message: message ``i``'s own text is what it
+        appends after ``before`` (the rendering through message ``i - 2``) when message ``i - 1`` is left out.
+
+        Raises:
+            TokenizerError: the template's renderings do not line up that way either.
+        """
+        without = self.template.render([*messages[: i - 1], messages[i]], tools=tools, **extra)
+        own = without[len(before) :]
+        if not (full.startswith(before) and without.startswith(before) and own and full.endswith(own)):
+            raise TokenizerError(
+                "the chat template renders an earlier message differently once a later one follows; kvos "
+                "needs templates whose rendering of a conversation extends the rendering of its prefix"
+            )
+        return len(full) - len(own)
 
     def _span(self, full: str, previous: str, message: Mapping[str, Any], index: int) -> Span:
         if not full.startswith(previous):

@@ -11,7 +11,8 @@ straight through:
 1. the key: a request to ``/v1`` or ``/metrics`` without a valid one is a 401 before its body is read;
 2. the body: over ``max_body_bytes`` (by its Content-Length, or read up to the limit when it has none) is
    a 413; a body read here is handed to the application as it came;
-3. the log line, once the response is sent (a stream writes its own when it ends).
+3. the log line, as the response's last body message goes out: before the client can have the whole answer,
+   so that whoever reads the log after a response sees its line (a stream writes its own when it ends).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class RequestGate:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                _log_request(request, began, status)  # before the client can have the whole answer
             await send(message)
 
         body_or_error = await self._read_body(request, receive)
@@ -62,11 +65,7 @@ class RequestGate:
             await self.error_response(request, body_or_error)(scope, receive, send_noting_status)
         else:
             await self.app(scope, body_or_error, send_noting_status)
-        record = getattr(request.state, "record", None)
-        if record is None:
-            record = RequestRecord(request, "", began)
-        if not (record.streaming and status == 200):
-            record.log(status, None)  # streams log themselves when they end
+        _log_request(request, began, status)  # when the application sent no body (the line is written once)
 
     @staticmethod
     def _credential(request: Request) -> str:
@@ -109,3 +108,13 @@ def _replay(first: Message, receive: Receive) -> Receive:
         return await receive()
 
     return replayed
+
+
+def _log_request(request: Request, began: float, status: int) -> None:
+    """The request's log line, once (:class:`RequestRecord`), unless it is a stream's that writes its own
+    when the stream ends."""
+    record = getattr(request.state, "record", None)
+    if record is None:
+        record = RequestRecord(request, "", began)
+    if not (record.streaming and status == 200):
+        record.log(status, None)

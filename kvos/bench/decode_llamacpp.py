@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,13 +32,14 @@ import torch
 from kvos.bench.bandwidth import read_bandwidth, step_bytes
 from kvos.bench.common import median
 from kvos.bench.decode_run import Run, run_kvos
-from kvos.bench.llama_bench import BenchRun, find_llama_bench, run_llama_bench
+from kvos.bench.llama_bench import find_llama_bench, run_llama_bench
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.memory.heap import release_free_heap
 from kvos.model import activations
 from kvos.model.loader import load_model
 
+P = TypeVar("P")  # one run of the peer
 COLUMNS = (
     "model",
     "activations",
@@ -119,17 +120,9 @@ def bench_llamacpp(
     eos = [int(llm.token_eos())]
     _run_llamacpp(llm, prompt, new_tokens, eos)  # warm-up
     rss = (kvos_rss, rss_mb() - before)
-    kvos_runs: dict[str, list[Run]] = {mode: [] for mode in modes}
-    peer_runs: list[Run] = []
-    with torch.inference_mode():
-        for mode in modes[1:]:  # the first mode was warmed up at load
-            with activations.using(mode):
-                run_kvos(engine, prompt, new_tokens, [])
-        for _ in range(repeats):  # side by side, alternating
-            for mode in modes:
-                with activations.using(mode):
-                    kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, eos))
-            peer_runs.append(_run_llamacpp(llm, prompt, new_tokens, eos))
+    kvos_runs, peer_runs = _alternate(
+        engine, prompt, new_tokens, eos, modes, repeats, lambda: _run_llamacpp(llm, prompt, new_tokens, eos)
+    )
     bound = _bound(engine, threads)
     peer = Peer(
         "llama-cpp-python",
@@ -158,17 +151,15 @@ def _bench_with_binary(
         engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
     prompt = _prompt(engine.model.config.vocab_size, prompt_tokens)
     run_llama_bench(binary, path, threads, prompt_tokens, new_tokens)  # warm-up: the file in the page cache
-    kvos_runs: dict[str, list[Run]] = {mode: [] for mode in modes}
-    peer_runs: list[BenchRun] = []
-    with torch.inference_mode():
-        for mode in modes[1:]:
-            with activations.using(mode):
-                run_kvos(engine, prompt, new_tokens, [])
-        for _ in range(repeats):
-            for mode in modes:
-                with activations.using(mode):
-                    kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, []))
-            peer_runs.append(run_llama_bench(binary, path, threads, prompt_tokens, new_tokens))
+    kvos_runs, peer_runs = _alternate(
+        engine,
+        prompt,
+        new_tokens,
+        [],
+        modes,
+        repeats,
+        lambda: run_llama_bench(binary, path, threads, prompt_tokens, new_tokens),
+    )
     bound = _bound(engine, threads)
     peer = Peer(
         f"llama-bench {peer_runs[-1].build}",
@@ -181,6 +172,31 @@ def _bench_with_binary(
         _row(mode, path, prompt_tokens, threads, runs, peer, kvos_rss, bound, None)
         for mode, runs in kvos_runs.items()
     ]
+
+
+def _alternate(
+    engine: Engine,
+    prompt: list[int],
+    new_tokens: int,
+    eos: list[int],
+    modes: Sequence[activations.Mode],
+    repeats: int,
+    peer: Callable[[], P],
+) -> tuple[dict[str, list[Run]], list[P]]:
+    """kvos in every activation mode, then the peer, ``repeats`` times side by side (the modes after the
+    first, which was warmed up at load, warmed up first): each mode's runs and the peer's."""
+    kvos_runs: dict[str, list[Run]] = {mode: [] for mode in modes}
+    peer_runs: list[P] = []
+    with torch.inference_mode():
+        for mode in modes[1:]:
+            with activations.using(mode):
+                run_kvos(engine, prompt, new_tokens, [])
+        for _ in range(repeats):
+            for mode in modes:
+                with activations.using(mode):
+                    kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, eos))
+            peer_runs.append(peer())
+    return kvos_runs, peer_runs
 
 
 def _bound(engine: Engine, threads: int) -> dict[str, float]:

@@ -188,9 +188,6 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
     path = Path(path)
     file = read_gguf_file(path)
     metadata = file.metadata
-    version = metadata.get("GGUF.version")
-    if version not in (2, 3):
-        raise ModelLoadError(f"{path} is GGUF version {version}; kvos reads versions 2 and 3")
     arch = architecture(metadata)
     try:
         tensors, divisors = _named_tensors(file, arch)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from itertools import pairwise
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -22,6 +22,7 @@ from kvos.model.rope import Rope
 from kvos.model.transformer import Transformer
 
 DEFAULT_BLOCK_SIZE = 16
+T = TypeVar("T")
 DEFAULT_PREFILL_SLICE = 1024
 
 
@@ -244,16 +245,30 @@ class Engine:
             self.pool.free(table.replace(index, block_id))
         seg.refresh_slots()
 
+    def _own(self, seq: Sequence, seg: Segment, first_block: int = 0) -> None:
+        """Copy-on-write before editing a segment in place: private copies of its blocks from logical block
+        ``first_block`` on that another sequence shares (all or nothing; PoolOutOfMemoryError at the
+        pool's cap)."""
+        blocks = seg.page_table.blocks
+        shared = [i for i in range(first_block, len(blocks)) if self._shared(blocks[i])]
+        if shared:
+            self._copy_blocks(seg, shared)
+            seq.rebuild()
+
+    def edit_kv(self, seq: Sequence, seg: Segment, lo: int, edit: Callable[[KVPool, torch.Tensor], T]) -> T:
+        """Let ``edit`` rewrite, in place, the K/V of a resident segment's tokens from ``lo`` on: it gets the
+        pool and their slots (int64 ``[n - lo]``, on the model's device) and returns what it likes. Blocks
+        that another sequence shares are copied first (:meth:`_own`), so a branch never sees the edit."""
+        self._own(seq, seg, lo // self.pool.layout.block_size)
+        return edit(self.pool, seg.slots[lo:].to(self.model.device))
+
     def reposition(self, seq: Sequence, seg: Segment, positions: torch.Tensor) -> None:
         """Move a resident segment to new rotary positions (int64 [n]) by re-rotating its keys in place
         (blocks that another sequence shares are copied first: the rotation must not move its keys)."""
         old = seg.positions
         if torch.equal(old, positions):
             return
-        shared = [i for i, b in enumerate(seg.page_table.blocks) if self._shared(b)]
-        if shared:
-            self._copy_blocks(seg, shared)
-            seq.rebuild()
+        self._own(seq, seg)
         slots = seg.slots.to(self.model.device)
         for rope, layers in self.model.ropes.groups():
             rotation = rope.rotation(old, positions, self.model.device)

@@ -94,6 +94,8 @@ class Chunk:
     - ``digest``: the box of its keys, kept when its K/V leave the pool (:mod:`kvos.policy.digest`).
     - ``key_code``: its keys projected by a calibrated retriever, float16 ``[num_tokens, rank]``
       (:mod:`kvos.policy.retriever`): made once from its K/V, kept while they stay the same.
+    - ``compressed_tokens``: how many of its first tokens the session's K/V compression has been applied to
+      (:mod:`kvos.policy.compression`); its K/V carry the zeros wherever they go (pool, store, snapshot).
 
     Identity semantics (``eq=False``): two chunks are the same chunk only if they are the same object.
     """
@@ -111,6 +113,7 @@ class Chunk:
     message_index: int = 0
     digest: KeyDigest | None = None
     key_code: torch.Tensor | None = None
+    compressed_tokens: int = 0
     placement: Placement = field(default=DETACHED, init=False, repr=False)  # set by the pager that holds it
 
     def __post_init__(self) -> None:

@@ -20,6 +20,8 @@ SESSION_GAUGES = {
     "history_tokens": "tokens in the session's logical history",
     "saved_ram_bytes": "bytes of saved chunks in host RAM",
     "saved_disk_bytes": "bytes of saved chunks on disk",
+    "resident_bytes_per_token": "K/V bytes a resident token takes in the pool (dense)",
+    "saved_bytes_per_token": "K/V bytes a saved token takes in the chunk store, as encoded (0: none saved)",
 }
 SESSION_COUNTERS = {
     "evictions": "chunks paged out",

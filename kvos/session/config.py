@@ -11,6 +11,7 @@ from kvos.policy.attention import AttentionTracker
 from kvos.policy.budget import Budget
 from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import Scorer
+from kvos.policy.sparsify import MagnitudeSparsifier
 from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.pager import Backend, PositionMode
 from kvos.session.recovery import RecoverySignal, signal_class
@@ -51,6 +52,8 @@ class SessionConfig:
         system's rule; off by default: lexically, an earlier question resembles a new one more than the
         statement that answers it, so the bar blocked the right chunk: 57.5% vs 63.3-70% probe recall at
         25-50% budgets on the recall benchmark).
+    kv_compression: the K/V compression applied to each chunk once sealed (:mod:`kvos.policy.compression`,
+        :func:`~kvos.policy.compression.parse_compression`): None (the default) or a sparsifier.
     """
 
     budget: Budget = field(default_factory=Budget)
@@ -74,6 +77,7 @@ class SessionConfig:
     query_window: int = 64
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
+    kv_compression: MagnitudeSparsifier | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:

@@ -43,9 +43,10 @@ class Journal:
 class TurnCosts:
     """Seconds spent per user message: finding what to bring back (``recovery_s``, the recovery signal),
     bringing it back (``restore_s``), prefilling the message itself (``prefill_s``) and making the key codes
-    of the learned signal for what was prefilled since the message came, its reply included (``code_s``)."""
+    of the learned signal for what was prefilled since the message came, its reply included (``code_s``),
+    and compressing the chunks sealed meanwhile (``compress_s``, :mod:`kvos.session.compressor`)."""
 
-    KEYS = ("recovery_s", "restore_s", "prefill_s", "code_s")
+    KEYS = ("recovery_s", "restore_s", "prefill_s", "code_s", "compress_s")
 
     def __init__(self) -> None:
         self.turns: list[dict[str, float]] = []

@@ -26,8 +26,10 @@ from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
+from kvos.policy.compression import compression_name
 from kvos.policy.planner import plan_truncate
 from kvos.session.arbiter import PoolArbiter
+from kvos.session.compressor import ChunkCompressor
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
 from kvos.session.history import History
@@ -114,6 +116,7 @@ class Session:
         self.logits_at = -1  # history length at which last_logits were computed
         self._swapped: list[tuple[int, list[int]]] = []
         self.writer = ReplyWriter(self)
+        self.compressor = ChunkCompressor(config.kv_compression, engine)
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
 
     @property
@@ -261,12 +264,20 @@ class Session:
             self.history.tokens += len(part)
             self.logits_at = self.history.tokens
             made.append(chunk)
+            if kind is not ChunkKind.ASSISTANT or lo + len(part) < len(ids):  # a reply may continue it
+                self.seal(chunk)
         self.memory.journal.seen(self.pager.active_tokens)
         if self.pager.retriever is not None:  # the learned signal's codes, made while the keys are fresh
             began = time.perf_counter()
             self.pager.key_codes([c for c in made if c.resident])
             self.memory.costs.add(code_s=time.perf_counter() - began)
         return made
+
+    def seal(self, chunk: Chunk) -> None:
+        """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens."""
+        seconds = self.compressor.seal(chunk, self.pager)
+        if seconds:
+            self.memory.costs.add(compress_s=seconds)
 
     def _prefill(self, chunk: Chunk, observe: bool, tap: frozenset[int] = frozenset()) -> None:
         """Page as needed, then prefill one new chunk; with ``observe``, the attention of its last 32
@@ -560,7 +571,20 @@ class Session:
             "saved_ram_bytes": store.get("ram_bytes", 0),
             "saved_disk_bytes": store.get("disk_bytes", 0),
             "pool_bytes": self.engine.pool.nbytes,
+            **self.bytes_per_token(),
+            "kv_compression": compression_name(self.config.kv_compression),
+            **self.compressor.stats(),
         }
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """K/V bytes a token takes where it rests: resident (the pool is dense: the layout's bytes whatever
+        compression zeroed) and saved (the store's encoded bytes over its dense bytes, times that; 0 when
+        nothing is saved)."""
+        store = self.pager.store.stats() if self.pager.store is not None else {}
+        dense = self.engine.pool.layout.bytes_per_token
+        raw = store.get("raw_bytes", 0)
+        saved = dense * store.get("stored_bytes", 0) / raw if raw else 0.0
+        return {"resident_bytes_per_token": dense, "saved_bytes_per_token": round(saved, 1)}
 
     def close(self) -> None:
         """Free the session's pool blocks and saved chunks."""

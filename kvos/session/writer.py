@@ -41,6 +41,8 @@ class ReplyWriter:
             return self.s.last_logits
 
         yield from decode_loop(self.s.last_logits, feed, picker, assembler, params.max_tokens, feed_last=True)
+        if self.chunk is not None:
+            self.s.seal(self.chunk)
         return assembler.text
 
     def feed(self, token: int, chunk: Chunk | None) -> Chunk:
@@ -49,6 +51,7 @@ class ReplyWriter:
         if chunk is None or chunk.num_tokens >= self.s.config.chunk_tokens:
             if chunk is not None:
                 chunk.embedding = None  # embedded from its whole text when next needed
+                self.s.seal(chunk)
             chunk = Chunk(
                 chunk_id=self.s.history.new_chunk_id(),
                 kind=ChunkKind.ASSISTANT,

@@ -1,0 +1,197 @@
+"""K/V compression as a session setting: chunks sparsified once sealed, stored sparse when paged out,
+restored bit-exact, never visible to a branch that shares the blocks, reported per token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkKind
+from kvos.policy.compression import compression_name, parse_compression
+from kvos.policy.sparsify import MagnitudeSparsifier
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+from kvos.session.prompt import Span
+
+CHUNK = 24
+BLOCK = 8
+
+
+def make_manager(model_dir: Path, spec: str, budget: int = 4096) -> MemoryManager:
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=budget, policy="hard"),
+        chunk_tokens=CHUNK,
+        embedder="tokens",
+        recovery_signal="lexical",
+        position_mode="sparse",  # restores land at their own positions: K/V comparable bit for bit
+        kv_compression=parse_compression(spec),
+    )
+    engine = Engine(load_model(model_dir), block_size=BLOCK)
+    return MemoryManager(engine, load_tokenizer(model_dir), config)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_parse_compression_names_and_refusals() -> None:
+    assert parse_compression("none") is None and parse_compression(None) is None
+    default = parse_compression("sparse")
+    assert isinstance(default, MagnitudeSparsifier)
+    assert (default.k_scale, default.v_scale, default.key_unit, default.n_sink) == (
+        0.35,
+        0.17,
+        "rotary_pair",
+        64,
+    )
+    sweet = parse_compression("sparse:sweet")
+    assert sweet is not None and (sweet.k_scale, sweet.v_scale) == (0.45, 0.50)
+    assert compression_name(sweet) == "sparse:sweet" and compression_name(None) == "none"
+    with pytest.raises(ConfigError, match="per-KV-head page tables"):
+        parse_compression("entropy")
+    with pytest.raises(ConfigError, match="unknown sparsification preset 'loose'"):
+        parse_compression("sparse:loose")
+    with pytest.raises(ConfigError, match="unknown --kv-compression 'zip'"):
+        parse_compression("zip")
+
+
+def test_each_chunk_is_sparsified_once_prefilled_as_the_engine_would(model_dir: Path) -> None:
+    """The session's cache equals a plain sequence prefilled chunk by chunk, each chunk thresholded right
+    after its prefill by the sparsifier (tokens before position 64 untouched)."""
+    ids = tokens(1, 5 * CHUNK + 7)
+    manager = make_manager(model_dir, "sparse:sweet")
+    session = manager.session("s")
+    session.sync([Span(ids, ChunkKind.DOCUMENT)])
+    method = manager.config.kv_compression
+    assert method is not None
+    engine = Engine(load_model(model_dir), block_size=BLOCK)
+    seq = engine.new_sequence()
+    for lo in range(0, len(ids), CHUNK):
+        part = ids[lo : lo + CHUNK]
+        engine.extend(seq, part, range(lo, lo + len(part)))
+        method.apply(engine.pool, seq.slots[lo:], torch.arange(lo, lo + len(part)))
+    got = [engine_kv for engine_kv in _cache(session.engine, session.pager.seq.slots)]
+    want = [kv for kv in _cache(engine, seq.slots)]
+    for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    k0, v0 = got[0]
+    assert not bool((k0[:64] == 0).any()) and not bool((v0[:64] == 0).any())  # sinks untouched
+    assert bool((k0[64:] == 0).any()) and bool((v0[64:] == 0).any())
+    assert all(c.compressed_tokens == c.num_tokens for c in session.chunks.values())
+    stats = session.stats()
+    assert stats["kv_compression"] == "sparse:sweet" and stats["compressed_chunks"] == 6
+    assert 0.1 < stats["v_zero_fraction"] < 0.9
+
+
+def _cache(engine: Engine, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [engine.pool.gather(layer, slots) for layer in range(engine.pool.layout.num_layers)]
+
+
+def test_uncompressed_session_keeps_every_element(model_dir: Path) -> None:
+    session = make_manager(model_dir, "none").session("s")
+    session.sync([Span(tokens(1, 5 * CHUNK), ChunkKind.DOCUMENT)])
+    k, v = _cache(session.engine, session.pager.seq.slots)[0]
+    assert not bool((k == 0).any()) and not bool((v == 0).any())
+    assert session.stats()["compressed_chunks"] == 0
+
+
+def test_paged_out_chunks_are_stored_sparse_and_come_back_bit_exact(model_dir: Path) -> None:
+    manager = make_manager(model_dir, "sparse:sweet")
+    session = manager.session("s")
+    session.sync([Span(tokens(2, 8 * CHUNK), ChunkKind.DOCUMENT)])
+    victims = [c for c in session.chunks.values() if c.original_start >= 64]
+    before = {c.chunk_id: session.engine.read_kv(session.pager.segments[c.chunk_id]) for c in victims}
+    session.pager.evict(victims)
+    store = session.pager.store
+    assert store is not None
+    stats = store.stats()
+    assert stats["stored_bytes"] < 0.9 * stats["raw_bytes"]  # the zeros are not stored
+    per_token = session.bytes_per_token()
+    assert per_token["saved_bytes_per_token"] < 0.9 * per_token["resident_bytes_per_token"]
+    for chunk in victims:
+        session.pager.restore(chunk, at="place")
+        k, v = session.engine.read_kv(session.pager.segments[chunk.chunk_id])
+        assert torch.equal(k, before[chunk.chunk_id][0]) and torch.equal(v, before[chunk.chunk_id][1])
+        assert chunk.compressed_tokens == chunk.num_tokens  # not sparsified a second time
+
+
+def test_sealing_a_shared_chunk_leaves_the_branch_its_own_blocks(model_dir: Path) -> None:
+    """The generation prompt's ASSISTANT chunk is not sealed (the reply continues it); a branch forked
+    then shares its blocks, and when the parent seals it the branch still reads the dense K/V."""
+    manager = make_manager(model_dir, "sparse")
+    parent = manager.session("main")
+    doc, header = tokens(3, 4 * CHUNK), tokens(4, 2 * BLOCK)
+    parent.sync([Span(doc, ChunkKind.DOCUMENT), Span(header, ChunkKind.ASSISTANT, message_index=1)])
+    last = parent.history.last()
+    assert last is not None and last.kind is ChunkKind.ASSISTANT and last.compressed_tokens == 0
+    child = manager.fork("main", "branch", len(doc) + len(header))
+    child_last = child.chunks[last.chunk_id]
+    dense = child.engine.read_kv(child.pager.segments[last.chunk_id])
+    used = manager.engine.pool.allocator.num_used
+    parent.seal(last)
+    assert manager.engine.pool.allocator.num_used == used + 2  # the shared blocks copied, then edited
+    assert last.compressed_tokens == len(header) and child_last.compressed_tokens == 0
+    k_child, v_child = child.engine.read_kv(child.pager.segments[last.chunk_id])
+    assert torch.equal(k_child, dense[0]) and torch.equal(v_child, dense[1])
+    k_parent, _ = parent.engine.read_kv(parent.pager.segments[last.chunk_id])
+    assert bool((k_parent == 0).any()) and not torch.equal(k_parent, dense[0])
+    child.seal(child_last)  # the same chunk in the same state: the same zeros
+    k_child, v_child = child.engine.read_kv(child.pager.segments[last.chunk_id])
+    assert torch.equal(k_child, k_parent)
+
+
+def test_reply_chunks_are_sealed_as_they_fill_and_when_the_reply_ends(model_dir: Path) -> None:
+    from kvos.engine.sampling import SamplingParams
+
+    session = make_manager(model_dir, "sparse").session("s")
+    session.sync([Span(tokens(5, 4 * CHUNK), ChunkKind.DOCUMENT)])
+    for _ in session.reply(SamplingParams(max_tokens=2 * CHUNK + 5, temperature=0.0)):
+        pass
+    replies = [c for c in session.chunks.values() if c.kind is ChunkKind.ASSISTANT]
+    assert replies and all(c.compressed_tokens == c.num_tokens for c in replies)
+    assert sum(c.num_tokens for c in replies) == 2 * CHUNK + 5
+
+
+def test_served_sessions_report_what_compression_saves(model_dir: Path) -> None:
+    """`kvos serve --kv-compression sparse:sweet` at its own defaults but a small budget: a conversation
+    that pages out reports fewer bytes per saved token than per resident one, in usage, /v1/sessions and
+    /metrics."""
+    import httpx
+    from server_harness import MODEL_NAME, running_server
+
+    budget = 256
+    with running_server(model_dir, "--kv-compression", "sparse:sweet", budget=budget) as url:
+        messages = [{"role": "system", "content": "You are a terse assistant. " * 4}]
+        for turn in range(12):
+            messages.append({"role": "user", "content": f"message {turn}: " + "waves and wind and salt " * 5})
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
+            r = httpx.post(f"{url}/chat/completions", json=body, headers={"X-Session-Id": "c"}, timeout=60)
+            assert r.status_code == 200, r.text
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        usage = r.json()["usage"]["kvos"]
+        stats = next(s for s in httpx.get(f"{url}/sessions").json()["data"] if s["id"] == "c")
+        metrics = httpx.get(url.replace("/v1", "/metrics")).text
+    assert stats["evictions"] > 0 and stats["kv_compression"] == "sparse:sweet"
+    assert 0 < usage["saved_bytes_per_token"] < 0.9 * usage["resident_bytes_per_token"]
+    assert stats["saved_bytes_per_token"] == usage["saved_bytes_per_token"]
+    assert stats["compressed_chunks"] > 0 and stats["k_zero_fraction"] > 0.05
+    assert 'kvos_session_saved_bytes_per_token{session="' in metrics
+
+
+def test_serve_refuses_an_unknown_compression(model_dir: Path) -> None:
+    import argparse
+
+    from kvos.server.main import add_arguments, build_service
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for spec, why in (("entropy", "per-KV-head page tables"), ("sparse:tight", "unknown sparsification")):
+        with pytest.raises(ConfigError, match=why):
+            build_service(parser.parse_args(["--model", str(model_dir), "--kv-compression", spec]))

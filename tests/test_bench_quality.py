@@ -14,7 +14,14 @@ import torch
 from bench_harness import run_bench
 
 from kvos.bench.quality import DEFAULT_POLICIES, ENGINE_POLICIES
-from kvos.bench.quality_runs import NoHook, RandomZeroHook, SparsifyHook, codec_bytes, teacher_forced
+from kvos.bench.quality_runs import (
+    NoHook,
+    RandomZeroHook,
+    SparsifyHook,
+    codec_bytes,
+    teacher_forced,
+    zero_counts,
+)
 from kvos.cli import main
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
@@ -128,6 +135,26 @@ def test_random_zero_matches_sweet_counts(model_dir: Path, one_thread: None) -> 
     full = teacher_forced(engine, ids, 32, NoHook())
     assert torch.equal(full.logits[:128], ablation.logits[:128])  # nothing zeroed before the warm-up
     assert not torch.equal(ablation.logits, sweet_run.logits)
+
+
+def test_session_schedule_seals_each_chunk_once(model_dir: Path, one_thread: None) -> None:
+    """The session-* policies: every 128 new tokens thresholded once by their own statistics, the same
+    zeros as a sequence fed the same way with the sparsifier applied to each window by hand."""
+    engine = Engine(load_model(model_dir))
+    ids = _ids(300, 300, seed=2)
+    method = MagnitudeSparsifier.preset("sweet", key_unit="rotary_pair")
+    hook = SparsifyHook(method, chunk=128)
+    run = teacher_forced(engine, ids, 32, hook)
+    assert [tokens for tokens, _ in hook.passes] == [128, 256]
+    seq = engine.new_sequence()
+    with torch.inference_mode():
+        engine.extend(seq, ids[:32])
+        for n in range(33, 300):  # as teacher_forced feeds: one token at a time, the last one not fed
+            engine.extend(seq, ids[n - 1 : n])
+            if n % 128 == 0:
+                method.apply(engine.pool, seq.slots[n - 128 :], seq.positions[n - 128 :])
+        zeros = zero_counts(engine.pool, seq.slots, seq.positions, 64)
+    assert run.zeros.sum() > 0 and torch.equal(run.zeros, zeros)
 
 
 @dataclass

@@ -10,7 +10,9 @@ every policy is acting), top-1 agreement and KL(full || policy) per position, me
 - ``full``, ``elastic-*`` (magnitude sparsification presets on their schedule; ``elastic-*-pair``
   threshold the keys' rotary pairs by modulus, :mod:`kvos.policy.sparsify`) and ``random-zero`` /
   ``random-zero-pair`` (the ablation: as many zeros per layer, KV head and K/V as ``elastic-sweet`` /
-  ``elastic-sweet-pair`` made, at random non-sink places, same schedule) run on the kvos engine;
+  ``elastic-sweet-pair`` made, at random non-sink places, same schedule) and ``session-*`` (what
+  ``kvos serve --kv-compression sparse:PRESET`` does: keys by pair, each 128 new tokens thresholded once
+  by their own statistics, :mod:`kvos.session.compressor`) run on the kvos engine;
   ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes of the final cached K/V, cut into pool
   blocks, each encoded as the chunk store encodes what it saves.
 - ``uniform``, ``entropy``, ``entropy_matched``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the
@@ -60,7 +62,7 @@ from kvos.model.tokenizer import find_tokenizer
 from kvos.policy import budgeted
 from kvos.policy.calibration import calibrate
 from kvos.policy.entropy import HeadMap, kv_head_entropies
-from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier
+from kvos.policy.sparsify import PRESETS, KeyUnit, MagnitudeSparsifier
 
 PRESET_POLICIES = {
     "elastic-default": "default",
@@ -68,10 +70,16 @@ PRESET_POLICIES = {
     "elastic-aggressive": "aggressive",
     "elastic-konly": "k-only",
 }
-# policy -> (preset, key unit): the element-wise rule and its rotary-pair form ("-pair")
-SPARSIFY = {
-    **{policy: (preset, "element") for policy, preset in PRESET_POLICIES.items()},
-    **{f"{policy}-pair": (preset, "rotary_pair") for policy, preset in PRESET_POLICIES.items()},
+SESSION_CHUNK = 128  # SessionConfig's chunk_tokens: the "session-*" policies seal this many tokens at once
+# policy -> (preset, key unit, chunk): the element-wise rule, its rotary-pair form ("-pair"), both on the
+# paper's schedule (chunk None), and what `kvos serve --kv-compression sparse:PRESET` does ("session-*")
+SPARSIFY: dict[str, tuple[str, KeyUnit, int | None]] = {
+    **{policy: (preset, "element", None) for policy, preset in PRESET_POLICIES.items()},
+    **{f"{policy}-pair": (preset, "rotary_pair", None) for policy, preset in PRESET_POLICIES.items()},
+    **{
+        policy.replace("elastic", "session"): (preset, "rotary_pair", SESSION_CHUNK)
+        for policy, preset in PRESET_POLICIES.items()
+    },
 }
 ABLATIONS = {"random-zero": "elastic-sweet", "random-zero-pair": "elastic-sweet-pair"}  # -> matched run
 ENGINE_POLICIES = ("full", *SPARSIFY, *ABLATIONS)
@@ -217,10 +225,10 @@ def _engine_contenders(engine: Engine, policies: list[str], prefill: int, seed: 
         return _outcome(teacher_forced(engine, ids, prefill, NoHook()))
 
     def sparsified(policy: str) -> Contender:
-        preset, unit = SPARSIFY[policy]
+        preset, unit, chunk = SPARSIFY[policy]
 
         def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
-            hook = SparsifyHook(MagnitudeSparsifier.preset(preset, key_unit=unit))
+            hook = SparsifyHook(MagnitudeSparsifier.preset(preset, key_unit=unit), chunk)
             out = _outcome(teacher_forced(engine, ids, prefill, hook))
             memo.setdefault(policy, hook.passes)
             return out

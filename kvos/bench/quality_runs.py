@@ -56,15 +56,27 @@ class NoHook:
 @dataclass
 class SparsifyHook:
     """Runs a :class:`MagnitudeSparsifier` on its schedule and records, per pass, the sequence's token
-    count and the zero counts per (layer, KV head, K/V) over the non-sink positions right after it."""
+    count and the zero counts per (layer, KV head, K/V) over the non-sink positions right after it.
+
+    With ``chunk``, the schedule is the sessions' (:mod:`kvos.session.compressor`): every ``chunk`` new
+    tokens are thresholded once, by their own statistics, and never again."""
 
     sparsifier: MagnitudeSparsifier
+    chunk: int | None = None
     passes: list[Pass] = field(default_factory=list)
+    _sealed: int = field(default=0, init=False, repr=False)
 
     def after_step(self, pool: KVPool, seq: KVSequence) -> None:
-        s = self.sparsifier
-        if s.maybe_apply(pool, seq.slots, seq.positions, seq.num_tokens) is not None:
-            self.passes.append((seq.num_tokens, zero_counts(pool, seq.slots, seq.positions, s.n_sink)))
+        s, n = self.sparsifier, seq.num_tokens
+        if self.chunk is None:
+            if s.maybe_apply(pool, seq.slots, seq.positions, n) is None:
+                return
+        elif n - self._sealed >= self.chunk:
+            s.apply(pool, seq.slots[self._sealed :], seq.positions[self._sealed :])
+            self._sealed = n
+        else:
+            return
+        self.passes.append((n, zero_counts(pool, seq.slots, seq.positions, s.n_sink)))
 
 
 @dataclass

@@ -31,6 +31,7 @@ from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
+from kvos.policy.compression import COMPRESSION_HELP, parse_compression
 from kvos.policy.digest import load_retrieval_heads
 from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
@@ -101,6 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--min-distance", type=int, default=0, help="fewest turns between plant and probe (builtin corpus)"
     )
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP)
     p.add_argument(
         "--quick",
         action="store_true",
@@ -223,6 +225,7 @@ def _play_one(
     config.recovery_signal = args.recovery_signal
     config.retriever = args.loaded_retriever
     config.recovery_bar = args.bar
+    config.kv_compression = parse_compression(args.kv_compression)
     if args.retrieval_heads:
         config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
     if args.weights and name.startswith("kvos-"):
@@ -274,6 +277,7 @@ def _result(
         "message's own prefill, the learned signal's key codes made for what was prefilled since it came "
         "(its reply included); medians over every user message of every session",
         "bar": args.bar,
+        "kv_compression": args.kv_compression,
         "weights": args.weights or "default",
         "rows": [_row(name, frac, results) for (name, frac), results in outcomes.items()],
     }

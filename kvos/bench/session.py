@@ -13,6 +13,9 @@ change), the pool's bytes, and RSS at start (model loaded, manager built, before
 the end, read from ``VmRSS`` in /proc/self/status (current resident set, not the peak; ``ru_maxrss`` where
 /proc is missing, see ``rss_source``). With ``kv_restore`` the saved K/V live in host RAM, so they should
 account for most of the RSS growth; the pool's growth is the other part. A PNG plots the tokens per turn.
+With ``--kv-compression sparse[:PRESET]`` the session sparsifies its chunks (:mod:`kvos.policy.compression`):
+``saved_bytes_per_token`` (the store's encoded bytes per saved token, beside the dense ``bytes_per_token``),
+the zeroed fractions of K and V, and ``compress_share``, the share of the run's seconds spent compressing.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
+from kvos.policy.compression import COMPRESSION_HELP, parse_compression
 from kvos.policy.retriever import find_retriever
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
@@ -69,6 +73,8 @@ SUMMARY = (
     "recoveries_restore",
     "recoveries_recompute",
     "saved_bytes",
+    "saved_bytes_per_token",
+    "compress_share",
     "pool_bytes",
     "rss_start",
     "rss_end",
@@ -102,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest chunk a message is cut into (--block-tokens: the same, its older name)",
     )
     parser.add_argument("--backend", default="kv_restore", choices=("kv_restore", "breadcrumb", "discard"))
+    parser.add_argument(
+        "--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP
+    )
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
     add_signal_argument(parser)
@@ -181,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         embedder="tokens",
         recovery_signal=args.recovery_signal,
         retriever=find_retriever(path, args.retriever),
+        kv_compression=parse_compression(args.kv_compression),
     )
     manager = MemoryManager(Engine(load_model(path, dtype=torch.float32)), load_tokenizer(path), config)
     target = args.factor * args.budget
@@ -228,6 +238,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         saved_ram_bytes=stats["saved_ram_bytes"],
         saved_disk_bytes=stats["saved_disk_bytes"],
         bytes_per_token=manager.engine.pool.layout.bytes_per_token,
+        kv_compression=stats["kv_compression"],
+        saved_bytes_per_token=stats["saved_bytes_per_token"],
+        k_zero_fraction=stats["k_zero_fraction"],
+        v_zero_fraction=stats["v_zero_fraction"],
+        compress_share=stats["compress_s"] / seconds,
         pool_bytes=stats["pool_bytes"],
         pool_bytes_start=pool_bytes_start,
         rss_source=rss_source,

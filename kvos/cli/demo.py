@@ -30,6 +30,7 @@ from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, add_chat_template_argument, load_tokenizer, with_chat_template
 from kvos.policy.budget import Budget
+from kvos.policy.compression import COMPRESSION_HELP, parse_compression
 from kvos.policy.retriever import find_retriever
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_chat_template_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--backend", choices=["discard", "breadcrumb", "kv_restore"], default="kv_restore")
+    p.add_argument("--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP)
     p.add_argument(
         "--budget",
         type=int,
@@ -108,6 +110,7 @@ def session_config(args: argparse.Namespace, path: Path, budget: int, context: i
             f"kvos-{args.backend}", Budget(max_active_tokens=budget, policy="hard"), chunk_tokens
         )
     config.embedder = args.embedder
+    config.kv_compression = parse_compression(getattr(args, "kv_compression", "none"))
     config.retriever = find_retriever(path)  # the auto recovery signal: learned with one, else lexical
     return config
 
@@ -132,6 +135,13 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     events = fact_events(session, demo.chat.probes[0].plant_index)
     print(f"the fact's message (turn 1): {_describe(events)}")
+    if config.kv_compression is not None:
+        print(
+            f"{stats['kv_compression']}: K {stats['k_zero_fraction']:.1%} and "
+            f"V {stats['v_zero_fraction']:.1%} zeroed; a saved token takes "
+            f"{stats['saved_bytes_per_token']:.0f} bytes, a resident one {stats['resident_bytes_per_token']} "
+            "(the pool is dense)"
+        )
     if args.json:
         _write_json(args, path.name, played, {**stats, "fact_events": events}, demo)
     return 0

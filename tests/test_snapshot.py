@@ -20,6 +20,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.chunks import ChunkState
+from kvos.policy.compression import parse_compression
 from kvos.session import fields, snapshot
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
@@ -41,6 +42,7 @@ def manager(
     mode: str = "compact",
     signal: str = "lexical",
     embedder: EmbedderName = DEFAULT_EMBEDDER,
+    compression: str = "none",
 ) -> MemoryManager:
     config = SessionConfig(
         budget=Budget(max_active_tokens=160, policy="watermark"),
@@ -48,6 +50,7 @@ def manager(
         position_mode=mode,  # type: ignore[arg-type]
         recovery_signal=signal,  # type: ignore[arg-type]
         embedder=embedder,
+        kv_compression=parse_compression(compression),
     )
     engine = Engine(load_model(model_dir), block_size=8)
     return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=durable(directory))
@@ -69,27 +72,40 @@ def resident_kv(s: Session) -> list[tuple[int, list[int], torch.Tensor, torch.Te
 
 
 def restored(
-    model_dir: Path, source: Path, target: Path, mode: str = "compact", signal: str = "lexical"
+    model_dir: Path,
+    source: Path,
+    target: Path,
+    mode: str = "compact",
+    signal: str = "lexical",
+    compression: str = "none",
 ) -> Session:
     """The session saved in ``source``, restored from a copy of it (a restart reads what is on disk)."""
     shutil.copytree(source, target)
     (path,) = target.glob(f"*{snapshot.SUFFIX}")
-    s = manager(model_dir, target, mode, signal).session("s")
+    s = manager(model_dir, target, mode, signal, compression=compression).session("s")
     snapshot.restore(snapshot.load(path), s, target)
     return s
 
 
 @pytest.mark.parametrize(
-    ("mode", "signal"), [("compact", "lexical"), ("sparse", "lexical"), ("compact", "attention")]
+    ("mode", "signal", "compression"),
+    [
+        ("compact", "lexical", "none"),
+        ("sparse", "lexical", "none"),
+        ("compact", "attention", "none"),
+        ("compact", "lexical", "sparse:sweet"),
+    ],
 )
 def test_round_trip_is_bit_exact_and_keeps_decoding_identically(
-    model_dir: Path, tmp_path: Path, mode: str, signal: str
+    model_dir: Path, tmp_path: Path, mode: str, signal: str, compression: str
 ) -> None:
-    original = manager(model_dir, tmp_path / "a", mode, signal).session("s")
+    original = manager(model_dir, tmp_path / "a", mode, signal, compression=compression).session("s")
     conversation(original, 5)
     assert original.stats()["chunks"]["saved"] > 0  # evicted chunks are in the store, on disk already
     snapshot.save(original, tmp_path / "a", "s-1.snap")
-    copy = restored(model_dir, tmp_path / "a", tmp_path / "b", mode, signal)
+    copy = restored(model_dir, tmp_path / "a", tmp_path / "b", mode, signal, compression)
+    if compression != "none":  # compressed chunks keep their count, so none is sparsified twice
+        assert any(c.compressed_tokens for c in copy.chunks.values())
 
     assert copy.history.token_ids() == original.history.token_ids() and copy.swapped
     copy.swap_in()

@@ -243,3 +243,44 @@ def test_decode_loop_serves_generate_replies_and_the_null_answer(
     events = list(session.stream(SamplingParams(max_tokens=3)))
     assert calls[2:] == ["loop"] and events[-1].finish_reason is not None
     session.close()
+
+
+def test_stream_seals_each_window_of_128_tokens_once(
+    model_dir: Path, tokenizer: HFTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvos generate --kv-compression sparse`: every complete 128-token window of the prompt and the reply
+    thresholded once (WindowSealer) as the sequence grows; the sinks and an incomplete tail left alone."""
+    from kvos.policy.compression import parse_compression
+    from kvos.policy.sparsify import WindowSealer
+
+    engine = Engine(load_model(model_dir))
+    method = parse_compression("sparse:sweet")
+    assert method is not None
+    sealer = WindowSealer(method)
+    seq = engine.new_sequence()
+    prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(max_tokens=90, ignore_eos=True)
+    events = list(
+        stream(engine, seq, prompt, params, tokenizer, lambda s: sealer(engine.pool, s.slots, s.positions))
+    )
+    assert len(events) == 90 and seq.num_tokens == 289 and sealer.sealed == 256
+    k, v = engine.pool.gather(0, seq.slots)
+    assert not bool((k[:64] == 0).any()) and bool((k[64:256] == 0).any()) and bool((v[64:256] == 0).any())
+    assert not bool((k[256:] == 0).any())  # the tail waits for a whole window
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "4",
+                "--kv-compression",
+                "zip",
+            ]
+        )
+        == 2
+    )
+    assert "unknown --kv-compression 'zip'" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.sequence import Sequence as KVSequence
 from kvos.memory.codec import encode
 from kvos.memory.pool import KVPool
-from kvos.policy.sparsify import MagnitudeSparsifier
+from kvos.policy.sparsify import MagnitudeSparsifier, WindowSealer
 
 Pass = tuple[int, torch.Tensor]  # (tokens in the sequence, zero counts int64 [L, Hkv, 2]) after a pass
 
@@ -64,19 +64,20 @@ class SparsifyHook:
     sparsifier: MagnitudeSparsifier
     chunk: int | None = None
     passes: list[Pass] = field(default_factory=list)
-    _sealed: int = field(default=0, init=False, repr=False)
+    _sealer: WindowSealer | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.chunk is not None:
+            self._sealer = WindowSealer(self.sparsifier, self.chunk)
 
     def after_step(self, pool: KVPool, seq: KVSequence) -> None:
         s, n = self.sparsifier, seq.num_tokens
-        if self.chunk is None:
-            if s.maybe_apply(pool, seq.slots, seq.positions, n) is None:
-                return
-        elif n - self._sealed >= self.chunk:
-            s.apply(pool, seq.slots[self._sealed :], seq.positions[self._sealed :])
-            self._sealed = n
+        if self._sealer is not None:
+            ran = self._sealer(pool, seq.slots, seq.positions)
         else:
-            return
-        self.passes.append((n, zero_counts(pool, seq.slots, seq.positions, s.n_sink)))
+            ran = s.maybe_apply(pool, seq.slots, seq.positions, n)
+        if ran is not None:
+            self.passes.append((n, zero_counts(pool, seq.slots, seq.positions, s.n_sink)))
 
 
 @dataclass

@@ -15,6 +15,8 @@ from kvos.model.catalogue import default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, find_tokenizer, with_chat_template
+from kvos.policy.compression import parse_compression
+from kvos.policy.sparsify import WindowSealer
 
 
 def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:
@@ -49,10 +51,13 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     engine = Engine(model)
     seq = engine.new_sequence()
+    method = parse_compression(getattr(args, "kv_compression", "none"))
+    sealer = WindowSealer(method) if method is not None else None
+    seal = None if sealer is None else lambda s: sealer(engine.pool, s.slots, s.positions)
     sys.stdout.write(args.prompt if not args.chat else "")
     reason = None
     count = 0
-    for event in stream(engine, seq, prompt_ids, params, tokenizer):
+    for event in stream(engine, seq, prompt_ids, params, tokenizer, seal):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         count += event.token_id is not None

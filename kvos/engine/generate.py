@@ -136,8 +136,10 @@ def stream(
     prompt_ids: Seq[int],
     params: SamplingParams,
     tokenizer: Tokenizer,
+    after_extend: Callable[[Sequence], object] | None = None,
 ) -> Iterator[StreamEvent]:
-    """Prefill ``prompt_ids`` into ``seq`` and yield events until a finish reason.
+    """Prefill ``prompt_ids`` into ``seq`` and yield events until a finish reason; ``after_extend(seq)``
+    runs after the prefill and after every token fed (K/V compression, ``kvos generate --kv-compression``).
 
     The last sampled token is not fed back (its K/V are not in ``seq``): a later turn feeds it with the
     next prompt, so nothing is decoded that may be thrown away.
@@ -148,7 +150,15 @@ def stream(
         yield StreamEvent("", None, "length")
         return
     logits = engine.extend(seq, prompt_ids)[0]
-    feed = lambda token: engine.decode(seq, token)  # noqa: E731
+
+    def feed(token: int) -> torch.Tensor:
+        out = engine.decode(seq, token)
+        if after_extend is not None:
+            after_extend(seq)
+        return out
+
+    if after_extend is not None:
+        after_extend(seq)
     yield from decode_loop(logits, feed, picker, assembler, params.max_tokens)
 
 

@@ -203,3 +203,24 @@ class MagnitudeSparsifier:
     def reset(self) -> None:
         """Forget the last pass (for a new sequence)."""
         self._last_run = None
+
+
+@dataclass
+class WindowSealer:
+    """The sessions' schedule for one plain sequence (:mod:`kvos.session.compressor` seals chunks): each
+    window of ``chunk`` new tokens is thresholded once, by its own statistics, as soon as it is complete;
+    a shorter tail waits for more tokens. One instance per sequence."""
+
+    method: MagnitudeSparsifier
+    chunk: int = 128
+    sealed: int = 0
+
+    def __call__(self, pool: KVPool, slots: torch.Tensor, positions: torch.Tensor) -> SparsifyReport | None:
+        """Seal the complete windows after :attr:`sealed` of a sequence's ``slots``, ``positions`` (int64
+        ``[T]``, cache order); the report of the last one, or None when no window was complete."""
+        report = None
+        while slots.numel() - self.sealed >= self.chunk:
+            lo, hi = self.sealed, self.sealed + self.chunk
+            report = self.method.apply(pool, slots[lo:hi], positions[lo:hi])
+            self.sealed = hi
+        return report

@@ -24,8 +24,9 @@ CHUNK = 24
 BLOCK = 8
 
 
-def make_manager(model_dir: Path, spec: str, budget: int = 4096) -> MemoryManager:
+def make_manager(model_dir: Path, spec: str, budget: int = 4096, disk: Path | None = None) -> MemoryManager:
     config = SessionConfig(
+        store_disk_dir=disk,
         budget=Budget(max_active_tokens=budget, policy="hard"),
         chunk_tokens=CHUNK,
         embedder="tokens",
@@ -195,3 +196,46 @@ def test_serve_refuses_an_unknown_compression(model_dir: Path) -> None:
     for spec, why in (("entropy", "per-KV-head page tables"), ("sparse:tight", "unknown sparsification")):
         with pytest.raises(ConfigError, match=why):
             build_service(parser.parse_args(["--model", str(model_dir), "--kv-compression", spec]))
+
+
+def test_a_request_sets_its_sessions_compression(model_dir: Path) -> None:
+    """`"kvos": {"kv_compression": ...}` on a server started without compression: that session compresses
+    from then on, another does not; a bad value is a 400 naming the field and changes nothing."""
+    import httpx
+    from server_harness import MODEL_NAME, running_server
+
+    with running_server(model_dir) as url:
+
+        def ask(sid: str, kvos: dict[str, str] | None = None) -> httpx.Response:
+            body: dict[str, object] = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "the tide and the moon " * 30}],
+                "max_tokens": 4,
+            }
+            if kvos is not None:
+                body["kvos"] = kvos
+            return httpx.post(f"{url}/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=60)
+
+        bad = ask("a", {"kv_compression": "sparse:tight"})
+        assert (
+            bad.status_code == 400 and "kv_compression" in bad.text and "unknown sparsification" in bad.text
+        )
+        assert ask("a", {"kv_compression": "sparse:sweet"}).status_code == 200
+        assert ask("b").status_code == 200
+        rows = {s["id"]: s for s in httpx.get(f"{url}/sessions").json()["data"]}
+    assert rows["a"]["kv_compression"] == "sparse:sweet" and rows["a"]["compressed_chunks"] > 0
+    assert rows["b"]["kv_compression"] == "none" and rows["b"]["compressed_chunks"] == 0
+
+
+def test_a_sessions_compression_survives_a_snapshot(model_dir: Path, tmp_path: Path) -> None:
+    from kvos.session import snapshot
+
+    manager = make_manager(model_dir, "none", disk=tmp_path)
+    session = manager.session("s")
+    session.compressor.method = parse_compression("sparse:aggressive")
+    session.sync([Span(tokens(6, 4 * CHUNK), ChunkKind.DOCUMENT)])
+    snap = snapshot.save(session, tmp_path, "s.snap")
+    fresh = make_manager(model_dir, "none", disk=tmp_path).session("s")
+    snapshot.restore(snapshot.load(tmp_path / "s.snap"), fresh, tmp_path)
+    assert snap.header["session"]["kv_compression"] == "sparse:aggressive"
+    assert fresh.stats()["kv_compression"] == "sparse:aggressive"

@@ -6,17 +6,27 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvos.policy.compression import parse_compression
+
 # what kvos itself passes the chat template (and its own render methods take): not settable by a request
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "self"})
 
 
 class Hints(BaseModel):
-    """kvos's per-request memory hints (``"kvos": {...}`` in the body)."""
+    """kvos's per-request memory hints (``"kvos": {...}`` in the body). ``kv_compression`` sets the
+    session's K/V compression from this request on (``none``, ``sparse[:PRESET]``), kept across restarts."""
 
     model_config = ConfigDict(extra="forbid")
     priority: float = Field(1.0, gt=0.0, le=100.0)
     pinned: bool = False
     task_boundary: bool = False
+    kv_compression: str | None = None
+
+    @field_validator("kv_compression")
+    @classmethod
+    def _known_compression(cls, value: str | None) -> str | None:
+        parse_compression(value)  # ConfigError is a ValueError: a 400 naming the field
+        return value
 
 
 class ChunkHint(BaseModel):
@@ -100,6 +110,7 @@ class SamplingFields(BaseModel):
             task_boundary=self.evoke_task_boundary
             if self.evoke_task_boundary is not None
             else hints.task_boundary,
+            kv_compression=hints.kv_compression,
         )
 
     def stops(self) -> tuple[str, ...]:

@@ -572,7 +572,7 @@ class Session:
             "saved_disk_bytes": store.get("disk_bytes", 0),
             "pool_bytes": self.engine.pool.nbytes,
             **self.bytes_per_token(),
-            "kv_compression": compression_name(self.config.kv_compression),
+            "kv_compression": compression_name(self.compressor.method),
             **self.compressor.stats(),
         }
 

@@ -239,3 +239,37 @@ def test_a_sessions_compression_survives_a_snapshot(model_dir: Path, tmp_path: P
     snapshot.restore(snapshot.load(tmp_path / "s.snap"), fresh, tmp_path)
     assert snap.header["session"]["kv_compression"] == "sparse:aggressive"
     assert fresh.stats()["kv_compression"] == "sparse:aggressive"
+
+
+def test_the_learned_signals_codes_come_from_the_keys_before_sparsification(model_dir: Path) -> None:
+    """A chunk's key code is what the uncompressed session makes for it: the retriever was calibrated on
+    the keys the model writes, so the code is taken before the zeros go in; a reply that continues the
+    generation prompt's chunk gets a code of the whole chunk, not of the prompt's few tokens."""
+    from test_retriever import random_retriever
+
+    from kvos.engine.sampling import SamplingParams
+
+    c = load_model(model_dir).config
+    width = len((0,)) * c.num_kv_heads * c.head_dim
+    sessions = {}
+    for spec in ("none", "sparse:aggressive"):
+        manager = make_manager(model_dir, spec)
+        manager.config.retriever = random_retriever(c.num_heads * c.head_dim, (0,), width)
+        manager.config.recovery_signal = "learned"
+        session = manager.session("s")
+        ids = tokens(7, 4 * CHUNK)
+        session.sync(
+            [Span(ids, ChunkKind.DOCUMENT), Span(tokens(8, 3), ChunkKind.ASSISTANT, message_index=1)]
+        )
+        for _ in session.reply(SamplingParams(max_tokens=CHUNK - 3, temperature=0.0, ignore_eos=True)):
+            pass
+        sessions[spec] = session
+    plain, sparse = sessions["none"], sessions["sparse:aggressive"]
+    assert sparse.stats()["compressed_chunks"] > 0
+    late = [c for c in sparse.chunks.values() if c.original_start >= 64 and c.kind is ChunkKind.DOCUMENT]
+    for chunk in late:
+        assert chunk.key_code is not None
+        assert torch.equal(chunk.key_code, plain.pager.key_codes([plain.chunks[chunk.chunk_id]])[0])
+    reply = sparse.history.last()
+    assert reply is not None and reply.num_tokens == CHUNK and reply.key_code is not None
+    assert reply.key_code.shape[0] == CHUNK

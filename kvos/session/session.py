@@ -274,7 +274,15 @@ class Session:
         return made
 
     def seal(self, chunk: Chunk) -> None:
-        """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens."""
+        """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens. The learned
+        signal's key code is made first, from the keys as the model wrote them (its retriever was
+        calibrated on those: codes of sparsified keys matched other messages and brought back 20x more)."""
+        if self.compressor.method is None or not chunk.resident:
+            return
+        if self.pager.retriever is not None and chunk.key_code is None:
+            began = time.perf_counter()
+            self.pager.key_code(chunk)
+            self.memory.costs.add(code_s=time.perf_counter() - began)
         seconds = self.compressor.seal(chunk, self.pager)
         if seconds:
             self.memory.costs.add(compress_s=seconds)
@@ -436,6 +444,8 @@ class Session:
         The reply continues the last chunk when it is the generation prompt's ASSISTANT chunk."""
         last = self.history.last()
         chunk = last if last is not None and last.kind is ChunkKind.ASSISTANT and last.resident else None
+        if chunk is not None:
+            chunk.key_code = None  # the reply grows it: a code of the generation prompt alone would stay
         anchor = self.history.token_ids()[-4:]
         yield from self.writer.write(params, chunk, anchor)
         if self.writer.chunk is not None:

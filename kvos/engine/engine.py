@@ -22,8 +22,8 @@ from kvos.model.rope import Rope
 from kvos.model.transformer import Transformer
 
 DEFAULT_BLOCK_SIZE = 16
-T = TypeVar("T")
 DEFAULT_PREFILL_SLICE = 1024
+T = TypeVar("T")  # what an edit of the K/V returns (Engine.edit_kv)
 
 
 class Engine:

@@ -275,8 +275,8 @@ class Session:
 
     def seal(self, chunk: Chunk) -> None:
         """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens. The learned
-        signal's key code is made first, from the keys as the model wrote them (its retriever was
-        calibrated on those: codes of sparsified keys matched other messages and brought back 20x more)."""
+        signal's key code is made first, from the keys as the model wrote them: its retriever was
+        calibrated on those, and its threshold does not hold for codes of sparsified keys."""
         if self.compressor.method is None or not chunk.resident:
             return
         if self.pager.retriever is not None and chunk.key_code is None:

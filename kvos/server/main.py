@@ -291,6 +291,10 @@ def build_service(args: argparse.Namespace) -> ChatService:
         c = model.config
         config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
     print(f"[kvos] recovery signal: {config.signal} ({args.recovery_signal})", file=sys.stderr)
+    if config.kv_compression is not None:
+        print(
+            f"[kvos] K/V compression: {args.kv_compression} (paged-out chunks stored sparse)", file=sys.stderr
+        )
     if args.recovery_signal == "auto" and config.retriever is None and args.retriever != "none":
         print(
             f"[kvos] no retriever at {retriever_path(path)}: `kvos calibrate --retriever --model {path}` "

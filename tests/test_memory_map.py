@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import running_server
+from server_harness import MODEL_NAME, running_server
 from test_inspector import KEYS, RULES
 from test_inspector import chat as keyed_chat
 
@@ -119,6 +119,19 @@ def test_the_map_follows_a_session_live_and_pins_a_chunk(url: str, tmp_path: Pat
         assert page.get_attribute(f'.chunk[data-chunk="{target}"]', "data-state") == "resident"
         shot = os.environ.get("KVOS_UI_SCREENSHOT")
         page.screenshot(path=shot or str(tmp_path / "memory-map.png"))
+
+        assert page.locator('[data-session="agent"] .compression').count() == 0  # none: nothing to show
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "Compress this session. " * 60}],
+            "max_tokens": 4,
+            "kvos": {"kv_compression": "sparse:sweet"},
+        }
+        headers = {**KEYS["one"], "X-Session-Id": "packed"}
+        r = httpx.post(f"{url}/chat/completions", json=body, headers=headers, timeout=300)
+        assert r.status_code == 200, r.text
+        page.wait_for_selector('[data-session="packed"] .compression')
+        assert "sparse:sweet" in page.text_content('[data-session="packed"] .counters')
 
         chat(url, "later", [{"role": "user", "content": "A session opened while the page is open."}])
         page.wait_for_selector('[data-session="later"] .chunk')  # it appears, and a deleted one goes

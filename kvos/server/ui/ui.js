@@ -127,13 +127,21 @@ function drawSession(s) {
   s.el.querySelector(".counters").innerHTML =
     `turn <b>${d.turn}</b> · <b>${d.active_tokens}</b> of <b>${d.budget}</b> tokens resident · ` +
     `history <b>${d.history_tokens}</b> · evictions <b>${d.evictions}</b> · restored ` +
-    `<b>${d.recoveries_restore}</b> · recomputed <b>${d.recoveries_recompute}</b>`;
+    `<b>${d.recoveries_restore}</b> · recomputed <b>${d.recoveries_recompute}</b>` + compression(d);
   const strip = s.el.querySelector(".strip");
   const old = new Map([...strip.children].map((c) => [c.dataset.chunk, c.className]));
   strip.replaceChildren(...d.chunks.map((c) => chunkElement(c, old.get(String(c.id)))));
   const pct = Math.round((100 * d.active_tokens) / Math.max(d.budget, 1));
   s.el.querySelector(".budget").textContent = `${pct}% of the session's budget resident`;
   s.el.querySelector(".events").textContent = s.events.slice(-5).reverse().join(" · "); // latest first
+}
+
+function compression(d) {
+  // what K/V compression saves: a paged-out token's stored bytes beside a resident one's (the pool is dense)
+  if (!d.kv_compression || d.kv_compression === "none") return "";
+  const saved = d.saved_bytes_per_token ? Math.round(d.saved_bytes_per_token) : "-";
+  return ` · <span class="compression">${d.kv_compression}: a saved token <b>${saved}</b> bytes, ` +
+    `a resident one <b>${d.resident_bytes_per_token}</b></span>`;
 }
 
 function chunkElement(c, before) {

@@ -3,6 +3,7 @@ restored bit-exact, never visible to a branch that shares the blocks, reported p
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,35 @@ def test_the_learned_signals_codes_come_from_the_keys_before_sparsification(mode
     reply = sparse.history.last()
     assert reply is not None and reply.num_tokens == CHUNK and reply.key_code is not None
     assert reply.key_code.shape[0] == CHUNK
+
+
+def test_a_shared_chunk_stays_whole_when_the_pool_has_no_block_for_a_copy(model_dir: Path) -> None:
+    """At the pool's cap the copy-on-write cannot take a block: the chunk is left as it is (neither side's
+    K/V change) and sealed at a later seal, once a block is free."""
+    from kvos.errors import PoolOutOfMemoryError
+
+    manager = make_manager(model_dir, "sparse")
+    parent = manager.session("main")
+    doc, header = tokens(3, 4 * CHUNK), tokens(4, 2 * BLOCK)
+    parent.sync([Span(doc, ChunkKind.DOCUMENT), Span(header, ChunkKind.ASSISTANT, message_index=1)])
+    last = parent.history.last()
+    assert last is not None
+    child = manager.fork("main", "branch", len(doc) + len(header))
+    dense = parent.engine.read_kv(parent.pager.segments[last.chunk_id])
+    pool = manager.engine.pool
+    pool.growth = replace(pool.growth, max_bytes=pool.nbytes)  # the pool at its cap, every block taken
+    taken = pool.allocator.alloc_n(pool.allocator.num_free)
+    with pytest.raises(PoolOutOfMemoryError):
+        pool.alloc_n(1)
+    sealed = parent.stats()["compressed_chunks"]
+    parent.seal(last)
+    assert last.compressed_tokens == 0 and parent.stats()["compressed_chunks"] == sealed
+    for session in (parent, child):
+        k, v = session.engine.read_kv(session.pager.segments[last.chunk_id])
+        assert torch.equal(k, dense[0]) and torch.equal(v, dense[1])
+    for block in taken:
+        pool.free(block)
+    parent.seal(last)
+    assert last.compressed_tokens == len(header)
+    k, _ = parent.engine.read_kv(parent.pager.segments[last.chunk_id])
+    assert bool((k == 0).any())

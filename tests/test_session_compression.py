@@ -306,3 +306,24 @@ def test_a_shared_chunk_stays_whole_when_the_pool_has_no_block_for_a_copy(model_
     assert last.compressed_tokens == len(header)
     k, _ = parent.engine.read_kv(parent.pager.segments[last.chunk_id])
     assert bool((k == 0).any())
+
+
+def test_a_cut_chunk_keeps_only_what_it_holds(model_dir: Path) -> None:
+    """A truncation or a branch cut inside a sealed chunk: its count of compressed tokens and its key code
+    no longer cover tokens it does not hold (a code of the whole chunk would score the cut tokens)."""
+    from test_retriever import random_retriever
+
+    c = load_model(model_dir).config
+    manager = make_manager(model_dir, "sparse")
+    manager.config.retriever = random_retriever(c.num_heads * c.head_dim, (0,), c.num_kv_heads * c.head_dim)
+    manager.config.recovery_signal = "learned"
+    session = manager.session("s")
+    session.sync([Span(tokens(9, 5 * CHUNK), ChunkKind.DOCUMENT)])
+    chunk = max(session.chunks.values(), key=lambda x: x.original_start)
+    assert chunk.compressed_tokens == CHUNK and chunk.key_code is not None
+    child = manager.fork("s", "branch", chunk.original_start + 10)
+    cut = child.chunks[chunk.chunk_id]
+    assert cut.num_tokens == 10 and cut.compressed_tokens == 10 and cut.key_code is None
+    assert child.pager.key_codes([cut])[0].shape[0] == 10  # type: ignore[union-attr]
+    session.truncate(chunk.original_start + 5)
+    assert chunk.num_tokens == 5 and chunk.compressed_tokens == 5 and chunk.key_code is None

@@ -31,9 +31,18 @@ def shared_chunks(parent: Session, length: int) -> tuple[list[Chunk], int]:
         if keep < chunk.num_tokens and not chunk.resident:
             return kept, chunk.original_start
         ids = chunk.token_ids[:keep]
-        text = chunk.text if keep == chunk.num_tokens else parent.tokenizer.decode(ids)
-        embedding = chunk.embedding if keep == chunk.num_tokens else None  # a cut chunk's, when needed
-        kept.append(replace(chunk, token_ids=list(ids), text=text, embedding=embedding))
+        whole = keep == chunk.num_tokens
+        text = chunk.text if whole else parent.tokenizer.decode(ids)
+        kept.append(
+            replace(
+                chunk,
+                token_ids=list(ids),
+                text=text,
+                embedding=chunk.embedding if whole else None,  # a cut chunk's, made again when needed
+                key_code=chunk.key_code if whole else None,
+                compressed_tokens=min(chunk.compressed_tokens, keep),
+            )
+        )
     end = kept[-1].original_end if kept else 0
     return kept, min(length, end)
 

@@ -380,6 +380,8 @@ class Session:
             chunk.token_ids = chunk.token_ids[:keep]
             chunk.text = self.tokenizer.decode(chunk.token_ids)
             chunk.embedding = None  # of the tokens kept, when next needed
+            chunk.key_code = None  # its rows were the cut tokens' too
+            chunk.compressed_tokens = min(chunk.compressed_tokens, keep)
         for chunk_id in cut.discard:
             self.pager.discard(self.chunks.pop(chunk_id))
             self.memory.tracker.forget(chunk_id)

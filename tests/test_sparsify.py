@@ -52,6 +52,29 @@ def test_tau_matches_the_formula_per_head() -> None:
     assert torch.equal(thresholds(x, 0.0), torch.zeros(3))
 
 
+def test_layers_at_once_are_each_layer_alone() -> None:
+    """[L, T, H, D] (how MagnitudeSparsifier.apply thresholds every layer in one pass) gives each layer the
+    thresholds and zeros it gets alone, element by element and by rotary pair."""
+    from kvos.policy.sparsify import sparsify_pairs_
+
+    layers = torch.stack([mixed_heads(50, seed=s) for s in range(4)])  # [4, 50, 3, DIM]
+    tau = thresholds(layers, 0.45)
+    assert tau.shape == (4, 3)
+    for i in range(4):
+        assert torch.equal(tau[i], thresholds(layers[i], 0.45))
+        np.testing.assert_allclose(tau[i].numpy(), numpy_tau(layers[i].numpy(), 0.45), rtol=1e-5)
+    for zero, scale in ((sparsify_, None), (sparsify_pairs_, 0.5)):
+        together, alone = layers.clone(), layers.clone()
+        n = zero(together, tau) if scale is None else zero(together, scale)  # type: ignore[operator]
+        m = sum(
+            zero(alone[i], tau[i]) if scale is None else zero(alone[i], scale)  # type: ignore[operator]
+            for i in range(4)
+        )
+        assert n == m > 0 and torch.equal(together, alone)
+    with pytest.raises(ValueError, match="do not match"):
+        sparsify_(layers.clone(), tau[0])
+
+
 def test_sparsify_zeroes_exactly_the_elements_below_tau() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = mixed_heads(64, seed=1).to(dtype)

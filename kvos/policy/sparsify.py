@@ -38,51 +38,60 @@ PRESETS: dict[str, tuple[float, float]] = {
 def thresholds(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Per-head thresholds ``tau_h = max(sigma_h / 2, mu_h) * scale``.
 
-    ``x``: ``[T, num_kv_heads, head_dim]``, one layer's K or V over the non-sink positions. ``mu_h`` and
-    ``sigma_h`` are the mean and population std of ``|x[:, h, :]|`` (computed in float32, or float64 for a
-    float64 ``x``). Returns ``[num_kv_heads]`` in that float dtype, on ``x``'s device; zeros when ``T == 0``.
+    ``x``: ``[T, num_kv_heads, head_dim]``, one layer's K or V over the non-sink positions, or
+    ``[L, T, num_kv_heads, head_dim]``, several layers' at once. ``mu_h`` and ``sigma_h`` are the mean and
+    population std of ``|x[..., :, h, :]|`` (computed in float32, or float64 for a float64 ``x``). Returns
+    ``[num_kv_heads]`` (``[L, num_kv_heads]``) in that float dtype, on ``x``'s device; zeros when ``T == 0``.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [T, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
+    if x.dim() not in (3, 4):
+        raise ValueError(f"x must be [(L,) T, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
     work = torch.promote_types(x.dtype, torch.float32)
-    if x.shape[0] == 0:
-        return torch.zeros(x.shape[1], dtype=work, device=x.device)
-    a = x.to(work).abs().transpose(0, 1).reshape(x.shape[1], -1)  # [H, T * D]
-    mu = a.mean(dim=1)
-    sigma = a.std(dim=1, correction=0)
-    return torch.maximum(sigma / 2, mu) * scale
+    if x.shape[-3] == 0:
+        return torch.zeros((*x.shape[:-3], x.shape[-2]), dtype=work, device=x.device)
+    a = x.to(work).abs().transpose(-3, -2).flatten(-2)  # [(L,) H, T * D]
+    mu = a.mean(dim=-1, keepdim=True)
+    sigma = (a - mu).square_().mean(dim=-1).sqrt_()  # two passes: 8x faster than Tensor.std on a CPU
+    return torch.maximum(sigma / 2, mu.squeeze(-1)) * scale
+
+
+def _per_head(tau: torch.Tensor) -> torch.Tensor:
+    """Thresholds ``[(L,) H]`` shaped to compare with ``[(L,) T, H, D]``: ``[(L,) 1, H, 1]``."""
+    return tau.unsqueeze(-2).unsqueeze(-1)
 
 
 def pair_moduli(x: torch.Tensor) -> torch.Tensor:
-    """``x``: ``[T, num_kv_heads, head_dim]`` (even head_dim, rotate-half pairs ``(i, i + head_dim / 2)``)
-    -> the pairs' moduli ``[T, num_kv_heads, head_dim / 2]``, in float32 (float64 for a float64 ``x``)."""
-    if x.dim() != 3 or x.shape[-1] % 2:
-        raise ValueError(f"x must be [T, num_kv_heads, even head_dim], got shape {tuple(x.shape)}")
+    """``x``: ``[(L,) T, num_kv_heads, head_dim]`` (even head_dim, rotate-half pairs ``(i, i + head_dim /
+    2)``) -> the pairs' moduli ``[(L,) T, num_kv_heads, head_dim / 2]``, in float32 (float64 for a float64
+    ``x``)."""
+    if x.dim() not in (3, 4) or x.shape[-1] % 2:
+        raise ValueError(f"x must be [(L,) T, num_kv_heads, even head_dim], got shape {tuple(x.shape)}")
     half = x.shape[-1] // 2
     work = x.to(torch.promote_types(x.dtype, torch.float32))
     return torch.hypot(work[..., :half], work[..., half:])
 
 
 def sparsify_pairs_(x: torch.Tensor, scale: float) -> int:
-    """Zero, in place, every rotary pair of ``x`` (``[T, num_kv_heads, head_dim]``) whose modulus is below
-    its head's :func:`thresholds` computed over the moduli (both elements become +0.0). Returns how many
-    elements are now below threshold (twice the pairs), already-zero ones included."""
+    """Zero, in place, every rotary pair of ``x`` (``[(L,) T, num_kv_heads, head_dim]``) whose modulus is
+    below its (layer's) head's :func:`thresholds` computed over the moduli (both elements become +0.0).
+    Returns how many elements are now below threshold (twice the pairs), already-zero ones included."""
     moduli = pair_moduli(x)
-    below = moduli < thresholds(moduli, scale)[None, :, None]
+    below = moduli < _per_head(thresholds(moduli, scale))
     x.masked_fill_(torch.cat((below, below), dim=-1), 0.0)
     return 2 * int(below.sum())
 
 
 def sparsify_(x: torch.Tensor, tau: torch.Tensor) -> int:
-    """Set ``x[t, h, d]`` to +0.0 wherever ``|x[t, h, d]| < tau[h]``, in place.
+    """Set ``x[..., t, h, d]`` to +0.0 wherever ``|x[..., t, h, d]| < tau[..., h]``, in place.
 
-    ``x``: ``[T, num_kv_heads, head_dim]``; ``tau``: ``[num_kv_heads]`` (compared in ``tau``'s dtype, into
-    which every float16/bfloat16/float32 value converts exactly). Returns how many elements were below the
-    threshold (now zero), already-zero ones included.
+    ``x``: ``[(L,) T, num_kv_heads, head_dim]``; ``tau``: ``[(L,) num_kv_heads]`` (compared in ``tau``'s
+    dtype, into which every float16/bfloat16/float32 value converts exactly). Returns how many elements
+    were below the threshold (now zero), already-zero ones included.
     """
-    if x.dim() != 3 or tau.shape != (x.shape[1],):
-        raise ValueError(f"x [T, H, D] and tau [H] do not match: {tuple(x.shape)} and {tuple(tau.shape)}")
-    below = x.to(tau.dtype).abs() < tau.to(x.device)[None, :, None]
+    if x.dim() not in (3, 4) or tau.shape != (*x.shape[:-3], x.shape[-2]):
+        raise ValueError(
+            f"x [(L,) T, H, D] and tau [(L,) H] do not match: {tuple(x.shape)} and {tuple(tau.shape)}"
+        )
+    below = x.to(tau.dtype).abs() < _per_head(tau.to(x.device))
     x.masked_fill_(below, 0.0)
     return int(below.sum())
 
@@ -162,20 +171,18 @@ class MagnitudeSparsifier:
             per_layer = chosen.numel() * pool.layout.num_kv_heads * pool.layout.head_dim
             total = per_layer * pool.layout.num_layers
             return SparsifyReport(k_total=total, v_total=total)
-        counts = [0, 0, 0, 0]
-        for layer in range(pool.layout.num_layers):
-            k, v = pool.gather(layer, chosen)
-            if self.k_scale > 0:
-                counts[0] += self._sparsify_keys(k)
-            if self.v_scale > 0:
-                counts[2] += sparsify_(v, thresholds(v, self.v_scale))
-            counts[1] += k.numel()
-            counts[3] += v.numel()
-            pool.write(layer, chosen, k, v)
-        return SparsifyReport(*counts)
+        layers = range(pool.layout.num_layers)
+        pairs = [pool.gather(layer, chosen) for layer in layers]
+        k = torch.stack([kv[0] for kv in pairs])  # [L, T, H, D]: every layer thresholded at once
+        v = torch.stack([kv[1] for kv in pairs])
+        k_zeroed = self._sparsify_keys(k) if self.k_scale > 0 else 0
+        v_zeroed = sparsify_(v, thresholds(v, self.v_scale)) if self.v_scale > 0 else 0
+        for layer in layers:
+            pool.write(layer, chosen, k[layer], v[layer])
+        return SparsifyReport(k_zeroed, k.numel(), v_zeroed, v.numel())
 
     def _sparsify_keys(self, k: torch.Tensor) -> int:
-        """Threshold one layer's keys ``[T, num_kv_heads, head_dim]`` in place by :attr:`key_unit`."""
+        """Threshold keys ``[(L,) T, num_kv_heads, head_dim]`` in place by :attr:`key_unit`."""
         if self.key_unit == "rotary_pair":
             return sparsify_pairs_(k, self.k_scale)
         return sparsify_(k, thresholds(k, self.k_scale))

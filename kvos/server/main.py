@@ -292,9 +292,10 @@ def build_service(args: argparse.Namespace) -> ChatService:
         config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
     print(f"[kvos] recovery signal: {config.signal} ({args.recovery_signal})", file=sys.stderr)
     if config.kv_compression is not None:
-        print(
-            f"[kvos] K/V compression: {args.kv_compression} (paged-out chunks stored sparse)", file=sys.stderr
-        )
+        note = "paged-out chunks are stored sparse"
+        if config.backend != "kv_restore":  # nothing paged out is kept: only snapshots gain
+            note = f"the {config.backend} backend keeps no paged-out K/V: only snapshots are smaller"
+        print(f"[kvos] K/V compression: {args.kv_compression} ({note})", file=sys.stderr)
     if args.recovery_signal == "auto" and config.retriever is None and args.retriever != "none":
         print(
             f"[kvos] no retriever at {retriever_path(path)}: `kvos calibrate --retriever --model {path}` "

@@ -56,6 +56,8 @@ def test_parse_compression_names_and_refusals() -> None:
     sweet = parse_compression("sparse:sweet")
     assert sweet is not None and (sweet.k_scale, sweet.v_scale) == (0.45, 0.50)
     assert compression_name(sweet) == "sparse:sweet" and compression_name(None) == "none"
+    # one the specs do not make (element-wise keys) is named as such, not as the preset of its scales
+    assert compression_name(MagnitudeSparsifier.preset("sweet")) == "sparse:custom"
     with pytest.raises(ConfigError, match="per-KV-head page tables"):
         parse_compression("entropy")
     with pytest.raises(ConfigError, match="unknown sparsification preset 'loose'"):
@@ -79,8 +81,7 @@ def test_each_chunk_is_sparsified_once_prefilled_as_the_engine_would(model_dir: 
         part = ids[lo : lo + CHUNK]
         engine.extend(seq, part, range(lo, lo + len(part)))
         method.apply(engine.pool, seq.slots[lo:], torch.arange(lo, lo + len(part)))
-    got = [engine_kv for engine_kv in _cache(session.engine, session.pager.seq.slots)]
-    want = [kv for kv in _cache(engine, seq.slots)]
+    got, want = _cache(session.engine, session.pager.seq.slots), _cache(engine, seq.slots)
     for (gk, gv), (wk, wv) in zip(got, want, strict=True):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
     k0, v0 = got[0]
@@ -187,16 +188,20 @@ def test_served_sessions_report_what_compression_saves(model_dir: Path) -> None:
     assert 'kvos_session_saved_bytes_per_token{session="' in metrics
 
 
-def test_serve_refuses_an_unknown_compression(model_dir: Path) -> None:
+def test_serve_refuses_an_unknown_compression(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad --kv-compression stops `kvos serve` as its arguments are read, with the reason, before any model
+    is loaded."""
     import argparse
 
-    from kvos.server.main import add_arguments, build_service
+    from kvos.server.main import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for spec, why in (("entropy", "per-KV-head page tables"), ("sparse:tight", "unknown sparsification")):
-        with pytest.raises(ConfigError, match=why):
-            build_service(parser.parse_args(["--model", str(model_dir), "--kv-compression", spec]))
+        with pytest.raises(SystemExit) as stopped:
+            parser.parse_args(["--model", str(model_dir), "--kv-compression", spec])
+        assert stopped.value.code == 2 and why in capsys.readouterr().err
+    assert parser.parse_args(["--kv-compression", "sparse:sweet"]).kv_compression == "sparse:sweet"
 
 
 def test_a_request_sets_its_sessions_compression(model_dir: Path) -> None:
@@ -209,8 +214,8 @@ def test_a_request_sets_its_sessions_compression(model_dir: Path) -> None:
 
         def ask(sid: str, kvos: dict[str, str] | None = None) -> httpx.Response:
             body: dict[str, object] = {
-                "model": MODEL_NAME,
-                "messages": [{"role": "user", "content": "the tide and the moon " * 30}],
+                "model": MODEL_NAME,  # each session its own text: a shared prefix would share the K/V
+                "messages": [{"role": "user", "content": f"{sid}: the tide and the moon " * 30}],
                 "max_tokens": 4,
             }
             if kvos is not None:

@@ -31,7 +31,7 @@ from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.policy.compression import COMPRESSION_HELP, parse_compression
+from kvos.policy.compression import add_compression_argument, parse_compression
 from kvos.policy.digest import load_retrieval_heads
 from kvos.policy.retriever import find_retriever
 from kvos.policy.scorer import Scorer, ScoreWeights
@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--min-distance", type=int, default=0, help="fewest turns between plant and probe (builtin corpus)"
     )
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP)
+    add_compression_argument(p)
     p.add_argument(
         "--quick",
         action="store_true",

@@ -42,7 +42,7 @@ from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.policy.compression import COMPRESSION_HELP, parse_compression
+from kvos.policy.compression import add_compression_argument, parse_compression
 from kvos.policy.retriever import find_retriever
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
@@ -108,9 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest chunk a message is cut into (--block-tokens: the same, its older name)",
     )
     parser.add_argument("--backend", default="kv_restore", choices=("kv_restore", "breadcrumb", "discard"))
-    parser.add_argument(
-        "--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP
-    )
+    add_compression_argument(parser)
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
     add_signal_argument(parser)

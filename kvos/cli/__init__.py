@@ -35,7 +35,7 @@ def _add_pull(p: argparse.ArgumentParser) -> None:
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
     from kvos.model.tokenizer import add_chat_template_argument
-    from kvos.policy.compression import COMPRESSION_HELP
+    from kvos.policy.compression import add_compression_argument
 
     add_model_argument(p, "the built-in model")
     p.add_argument("--tokenizer", help="tokenizer file/directory when it is not beside the model")
@@ -52,7 +52,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     add_chat_template_argument(p)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP)
+    add_compression_argument(p)
     activations.add_argument(p)
 
 

@@ -30,7 +30,7 @@ from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, add_chat_template_argument, load_tokenizer, with_chat_template
 from kvos.policy.budget import Budget
-from kvos.policy.compression import COMPRESSION_HELP, parse_compression
+from kvos.policy.compression import add_compression_argument, parse_compression
 from kvos.policy.retriever import find_retriever
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_chat_template_argument(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--backend", choices=["discard", "breadcrumb", "kv_restore"], default="kv_restore")
-    p.add_argument("--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP)
+    add_compression_argument(p)
     p.add_argument(
         "--budget",
         type=int,

@@ -14,6 +14,8 @@ main pool, and run only in ``kvos bench quality``; asking for them is a :class:`
 
 from __future__ import annotations
 
+import argparse
+
 from kvos.errors import ConfigError
 from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier
 
@@ -42,10 +44,30 @@ def parse_compression(spec: str | None) -> MagnitudeSparsifier | None:
 
 
 def compression_name(method: MagnitudeSparsifier | None) -> str:
-    """The spec a sparsifier was parsed from (``none`` for None), for stats and logs."""
+    """The spec :func:`parse_compression` makes ``method`` from (``none`` for None), or ``sparse:custom``
+    for a sparsifier no spec makes (built in Python with other settings: a snapshot keeps no custom one)."""
     if method is None:
         return "none"
-    for name, scales in PRESETS.items():
-        if scales == (method.k_scale, method.v_scale):
+    for name in PRESETS:
+        if parse_compression(f"sparse:{name}") == method:
             return f"sparse:{name}"
-    return f"sparse:k{method.k_scale}/v{method.v_scale}"
+    return "sparse:custom"
+
+
+def _checked(spec: str) -> str:
+    try:
+        parse_compression(spec)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return spec
+
+
+def add_compression_argument(p: argparse.ArgumentParser) -> None:
+    """``--kv-compression SPEC`` (default ``none``), checked as it is parsed; the value stays the spec."""
+    p.add_argument(
+        "--kv-compression",
+        default="none",
+        type=_checked,
+        metavar="none|sparse[:PRESET]",
+        help=COMPRESSION_HELP,
+    )

@@ -106,6 +106,15 @@ class SparsifyReport:
     v_zeroed: int = 0
     v_total: int = 0
 
+    def __add__(self, other: SparsifyReport) -> SparsifyReport:
+        """The counts of two passes together."""
+        return SparsifyReport(
+            self.k_zeroed + other.k_zeroed,
+            self.k_total + other.k_total,
+            self.v_zeroed + other.v_zeroed,
+            self.v_total + other.v_total,
+        )
+
     @property
     def k_sparsity(self) -> float:
         return self.k_zeroed / self.k_total if self.k_total else 0.0

@@ -26,7 +26,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, add_chat_template_argument, load_tokenizer, with_chat_template
 from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
-from kvos.policy.compression import COMPRESSION_HELP, parse_compression
+from kvos.policy.compression import add_compression_argument, parse_compression
 from kvos.policy.retriever import find_retriever, retriever_path
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
-    p.add_argument("--kv-compression", default="none", metavar="none|sparse[:PRESET]", help=COMPRESSION_HELP)
+    add_compression_argument(p)
     add_embedder_argument(p)
     add_signal_argument(p)
     p.add_argument(

@@ -15,7 +15,6 @@ from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams, TokenLogprob
 from kvos.errors import KvosError, PrefillCancelled, TokenizerError
 from kvos.policy.chunks import ChunkKind
-from kvos.policy.compression import parse_compression
 from kvos.server.autosave import Autosave
 from kvos.server.errors import APIError, bad_request, not_found
 from kvos.server.protocol import logit_bias, logprob_count, note_unknown, reject_unsupported, request_grammar
@@ -162,7 +161,7 @@ class ChatService:
         """:meth:`run` on the branch it chose."""
         hints, prompt = req.hints(), flatten(spans)
         if hints.kv_compression is not None:
-            session.compressor.method = parse_compression(hints.kv_compression)
+            session.set_compression(hints.kv_compression)
         counts = session.event_counts()  # before a swap-in: its recomputes are this request's
         self.registry.make_resident(entry)
         entry.served += 1

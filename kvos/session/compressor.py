@@ -26,22 +26,27 @@ _log = logging.getLogger(__name__)
 
 
 class ChunkCompressor:
-    """One session's compression: what it zeroed so far and the seconds it took."""
+    """One session's compression, and what it zeroed and the seconds it took since this process made the
+    session (what each chunk holds is its own record: ``Chunk.compressed_tokens``)."""
 
     def __init__(self, method: MagnitudeSparsifier | None, engine: Engine) -> None:
         self.method, self.engine = method, engine
         self.report = SparsifyReport()
         self.seconds = 0.0
-        self.chunks = 0  # seal passes that changed something
+
+    def pending(self, chunk: Chunk, pager: Pager) -> bool:
+        """Whether a seal of ``chunk`` has work: a method, the chunk resident, tokens not yet compressed."""
+        resident = chunk.chunk_id in pager.segments
+        return self.method is not None and resident and chunk.compressed_tokens < chunk.num_tokens
 
     def seal(self, chunk: Chunk, pager: Pager) -> float:
         """Compress the resident ``chunk``'s tokens from ``chunk.compressed_tokens`` on; returns the seconds
-        it took (0 when there is no method, nothing new, or the chunk is not resident). When a private copy
-        of a block shared with a branch cannot be allocated, the chunk is left as it is for a later seal."""
-        method, seg = self.method, pager.segments.get(chunk.chunk_id)
-        lo = chunk.compressed_tokens
-        if method is None or seg is None or lo >= chunk.num_tokens:
+        it took (0 when nothing is :meth:`pending`). When a private copy of a block shared with a branch
+        cannot be allocated, the chunk is left as it is for a later seal."""
+        if not self.pending(chunk, pager):
             return 0.0
+        method, seg, lo = self.method, pager.segments[chunk.chunk_id], chunk.compressed_tokens
+        assert method is not None
         began = time.perf_counter()
         positions = torch.arange(chunk.original_start + lo, chunk.original_end, dtype=torch.int64)
 
@@ -54,25 +59,16 @@ class ChunkCompressor:
             _log.info("chunk %d left uncompressed: no block for a private copy", chunk.chunk_id)
             return 0.0
         chunk.compressed_tokens = chunk.num_tokens
-        self.report = add_reports(self.report, report)
-        self.chunks += 1
+        self.report += report
         seconds = time.perf_counter() - began
         self.seconds += seconds
         return seconds
 
     def stats(self) -> dict[str, object]:
-        """Zeroed fractions of K and V over the tokens compressed so far, and the seconds spent."""
+        """Zeroed fractions of K and V over the tokens this process compressed, and the seconds spent."""
         r = self.report
         return {
-            "compressed_chunks": self.chunks,
             "k_zero_fraction": round(r.k_sparsity, 4),
             "v_zero_fraction": round(r.v_sparsity, 4),
             "compress_s": round(self.seconds, 4),
         }
-
-
-def add_reports(a: SparsifyReport, b: SparsifyReport) -> SparsifyReport:
-    """Element counts of two passes together."""
-    return SparsifyReport(
-        a.k_zeroed + b.k_zeroed, a.k_total + b.k_total, a.v_zeroed + b.v_zeroed, a.v_total + b.v_total
-    )

@@ -26,7 +26,7 @@ from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
-from kvos.policy.compression import compression_name
+from kvos.policy.compression import compression_name, parse_compression
 from kvos.policy.planner import plan_truncate
 from kvos.session.arbiter import PoolArbiter
 from kvos.session.compressor import ChunkCompressor
@@ -277,7 +277,7 @@ class Session:
         """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens. The learned
         signal's key code is made first, from the keys as the model wrote them: its retriever was
         calibrated on those, and its threshold does not hold for codes of sparsified keys."""
-        if self.compressor.method is None or not chunk.resident:
+        if not self.compressor.pending(chunk, self.pager):
             return
         if self.pager.retriever is not None and chunk.key_code is None:
             began = time.perf_counter()
@@ -583,16 +583,23 @@ class Session:
             "saved_ram_bytes": store.get("ram_bytes", 0),
             "saved_disk_bytes": store.get("disk_bytes", 0),
             "pool_bytes": self.engine.pool.nbytes,
-            **self.bytes_per_token(),
+            **self.bytes_per_token(store),
             "kv_compression": compression_name(self.compressor.method),
+            "compressed_chunks": sum(1 for c in chunks if c.compressed_tokens),
             **self.compressor.stats(),
         }
 
-    def bytes_per_token(self) -> dict[str, float]:
+    def set_compression(self, spec: str) -> None:
+        """Compress the chunks sealed from now on by ``spec`` (:func:`parse_compression`; ConfigError for a
+        bad one); the chunks compressed before keep their zeros."""
+        self.compressor.method = parse_compression(spec)
+
+    def bytes_per_token(self, store: dict[str, int] | None = None) -> dict[str, float]:
         """K/V bytes a token takes where it rests: resident (the pool is dense: the layout's bytes whatever
         compression zeroed) and saved (the store's encoded bytes over its dense bytes, times that; 0 when
-        nothing is saved)."""
-        store = self.pager.store.stats() if self.pager.store is not None else {}
+        nothing is saved). ``store``: the store's stats when the caller has read them."""
+        if store is None:
+            store = self.pager.store.stats() if self.pager.store is not None else {}
         dense = self.engine.pool.layout.bytes_per_token
         raw = store.get("raw_bytes", 0)
         saved = dense * store.get("stored_bytes", 0) / raw if raw else 0.0

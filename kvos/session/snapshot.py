@@ -34,7 +34,7 @@ from kvos.errors import ChunkDataError, SnapshotError
 from kvos.memory import container
 from kvos.memory.store import FILE_SUFFIX, ChunkStore, write_chunk_file
 from kvos.policy.chunks import Chunk, ChunkState
-from kvos.policy.compression import compression_name, parse_compression
+from kvos.policy.compression import compression_name
 from kvos.policy.focus import TaskFocus
 from kvos.session import fields
 from kvos.session.fields import TensorTable
@@ -273,8 +273,8 @@ def _load_session(session: Session, state: dict[str, Any], table: TensorTable) -
     session.last_logits = None if logits is None else table.get(logits).to(session.engine.model.device)
     session.logits_at = int(state["logits_at"]) if logits is not None else -1
     session.history.next_id = int(state["next_chunk"])
-    if "kv_compression" in state:  # a snapshot from before the setting keeps the server's
-        session.compressor.method = parse_compression(str(state["kv_compression"]))
+    if state.get("kv_compression", "sparse:custom") != "sparse:custom":  # else the server's setting
+        session.set_compression(str(state["kv_compression"]))
 
 
 def _in_order(chunks: Any) -> list[Chunk]:

@@ -64,6 +64,15 @@ def base() -> Any:
 
 
 @pytest.fixture(scope="module")
+def exact_base() -> Any:
+    """The server with a float32 pool, for the tests that hold its log-probabilities to transformers' within
+    1e-4: the default float16 pool moves them by up to 2e-4 (float16's rounding of the cache; the default
+    is held to kvos's own forward pass over a float16 pool in test_kv_dtype)."""
+    with running_server(MODEL_DIR, "--kv-dtype", "float32") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def reference() -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
 
@@ -89,7 +98,8 @@ def log_softmax(model: Any, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def test_chat_logprobs_match_a_direct_forward_pass(base: str, reference: Any) -> None:
+def test_chat_logprobs_match_a_direct_forward_pass(exact_base: str, reference: Any) -> None:
+    base = exact_base
     r = chat(base, logprobs=True, top_logprobs=3, max_tokens=8)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 8
@@ -109,7 +119,10 @@ def test_chat_logprobs_match_a_direct_forward_pass(base: str, reference: Any) ->
     assert [(t.token, t.logprob) for c in chunks for t in c] == [(t.token, t.logprob) for t in content]
 
 
-def test_sampled_logprobs_are_the_models_before_temperature_and_penalties(base: str, reference: Any) -> None:
+def test_sampled_logprobs_are_the_models_before_temperature_and_penalties(
+    exact_base: str, reference: Any
+) -> None:
+    base = exact_base
     ask = [{"role": "user", "content": "Give me a JSON object describing a cat."}]
     r = chat(base, ask, logprobs=True, temperature=0.7, presence_penalty=1.5, seed=11, max_tokens=10)
     content = r.choices[0].logprobs.content
@@ -123,7 +136,8 @@ def test_sampled_logprobs_are_the_models_before_temperature_and_penalties(base: 
         assert item.top_logprobs == []
 
 
-def test_completion_logprobs_in_the_legacy_form(base: str, reference: Any) -> None:
+def test_completion_logprobs_in_the_legacy_form(exact_base: str, reference: Any) -> None:
+    base = exact_base
     c = client(base)
     r = c.completions.create(
         model=MODEL_NAME, prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2

@@ -25,6 +25,7 @@ from kvos.builtin.evaluate import wilson_interval
 from kvos.builtin.knowledge import KNOWLEDGE_SEED, QUESTIONS_PER_SESSION, knowledge_sessions
 from kvos.builtin.playback import play, session_tokens
 from kvos.engine.engine import Engine
+from kvos.engine.kv_dtype import add_kv_dtype_argument, parse_kv_dtype
 from kvos.errors import ConfigError
 from kvos.model.catalogue import add_model_argument, default_model
 from kvos.model.chat_template import ChatTemplate
@@ -103,6 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=24)
     add_compression_argument(p)
+    add_kv_dtype_argument(p)
     p.add_argument(
         "--quick",
         action="store_true",
@@ -139,7 +141,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = Path(args.model) if args.model else default_model()
     tokenizer = load_tokenizer(path)
     template = ChatTemplate.from_tokenizer(tokenizer)
-    manager = MemoryManager(Engine(load_model(path, dtype=args.dtype)), tokenizer)
+    manager = MemoryManager(
+        Engine(load_model(path, dtype=args.dtype), kv_dtype=parse_kv_dtype(args.kv_dtype)), tokenizer
+    )
     args.loaded_retriever = find_retriever(path, args.retriever)
     context = manager.engine.model.config.max_position_embeddings
     chats, meta = sessions(args, path, lambda: auto_fillers(context, tokenizer, template, args.max_tokens))

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from kvos.bench.common import header, print_table, write_json
 from kvos.engine.engine import Engine
+from kvos.engine.kv_dtype import add_kv_dtype_argument, parse_kv_dtype
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import ConfigError
 from kvos.model.catalogue import add_model_argument
@@ -109,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--backend", default="kv_restore", choices=("kv_restore", "breadcrumb", "discard"))
     add_compression_argument(parser)
+    add_kv_dtype_argument(parser)
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
     add_signal_argument(parser)
@@ -190,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         retriever=find_retriever(path, args.retriever),
         kv_compression=parse_compression(args.kv_compression),
     )
-    manager = MemoryManager(Engine(load_model(path, dtype=torch.float32)), load_tokenizer(path), config)
+    engine = Engine(load_model(path, dtype=torch.float32), kv_dtype=parse_kv_dtype(args.kv_dtype))
+    manager = MemoryManager(engine, load_tokenizer(path), config)
     target = args.factor * args.budget
     warm_up(manager)
 

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from kvos.engine.kv_dtype import add_kv_dtype_argument
 from kvos.errors import KvosError
 from kvos.model import activations
 from kvos.model.catalogue import add_model_argument
@@ -53,6 +54,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     add_compression_argument(p)
+    add_kv_dtype_argument(p)
     activations.add_argument(p)
 
 

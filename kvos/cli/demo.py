@@ -24,6 +24,7 @@ from kvos.builtin.corpus import DEMO_SEED, ChatSession, demo_session
 from kvos.builtin.knowledge import knowledge_demo_session
 from kvos.builtin.playback import Played, play, session_tokens
 from kvos.engine.engine import Engine
+from kvos.engine.kv_dtype import add_kv_dtype_argument, parse_kv_dtype
 from kvos.engine.sampling import SamplingParams
 from kvos.model.catalogue import add_model_argument, default_model
 from kvos.model.chat_template import ChatTemplate
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="dequantize a GGUF file's weights")
     p.add_argument("--backend", choices=["discard", "breadcrumb", "kv_restore"], default="kv_restore")
     add_compression_argument(p)
+    add_kv_dtype_argument(p)
     p.add_argument(
         "--budget",
         type=int,
@@ -119,7 +121,7 @@ def run_demo(args: argparse.Namespace) -> int:
     path = Path(args.model) if args.model else default_model()
     tokenizer = with_chat_template(load_tokenizer(path), getattr(args, "chat_template", None))
     demo = plan(args, path, tokenizer)
-    engine = Engine(load_model(path, dtype=args.dtype))
+    engine = Engine(load_model(path, dtype=args.dtype), kv_dtype=parse_kv_dtype(args.kv_dtype))
     config = session_config(args, path, demo.budget, engine.model.config.max_position_embeddings)
     session = MemoryManager(engine, tokenizer).session("demo", config)
     _print_header(path, demo, args.backend, config.signal)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvos.engine.engine import Engine
 from kvos.engine.generate import stream
+from kvos.engine.kv_dtype import parse_kv_dtype
 from kvos.engine.sampling import SamplingParams
 from kvos.errors import TokenizerError
 from kvos.model import activations
@@ -49,7 +50,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    engine = Engine(model)
+    engine = Engine(model, kv_dtype=parse_kv_dtype(getattr(args, "kv_dtype", "auto")))
     seq = engine.new_sequence()
     method = parse_compression(getattr(args, "kv_compression", "none"))
     sealer = WindowSealer(method) if method is not None else None

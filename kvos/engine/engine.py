@@ -35,11 +35,16 @@ class Engine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         growth: GrowthPolicy | None = None,
         prefill_slice: int = DEFAULT_PREFILL_SLICE,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: what the pool holds K and V in (default: the model's dtype). float16 on a float32
+        model halves the pool's bytes and what a decode step reads of it; attention still computes in
+        float32 (:func:`kvos.model.transformer.as_stored`)."""
         if prefill_slice <= 0:
             raise ConfigError(f"prefill_slice must be positive, got {prefill_slice}")
         c = model.config
-        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype, model.device)
+        dtype = model.dtype if kv_dtype is None else kv_dtype
+        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype, model.device)
         self.model = model
         self.pool = KVPool(layout, growth)
         self.prefill_slice = prefill_slice
@@ -199,9 +204,11 @@ class Engine:
 
     def read_keys(self, slots: torch.Tensor, layers: Iterable[int]) -> torch.Tensor:
         """The keys at pool ``slots`` (int64 [n], e.g. several segments' slots together) of ``layers``,
-        for scoring, not for saving: [len(layers), n, num_kv_heads, head_dim], on the pool's device."""
+        for scoring, not for saving: [len(layers), n, num_kv_heads, head_dim] in the model's dtype, on the
+        pool's device."""
         slots = slots.to(self.model.device)
-        return torch.stack([self.pool.gather(layer, slots)[0] for layer in layers])
+        keys = torch.stack([self.pool.gather(layer, slots)[0] for layer in layers])
+        return keys.to(self.model.dtype)  # as the model computes, whatever the pool holds them in
 
     # ------------------------------------------------- blocks shared between sequences
     def share(self, seg: Segment, into: Sequence, num_tokens: int) -> Segment:

@@ -5,7 +5,8 @@ new token per sequence for B sequences at once, each over its own cached keys, w
 
 - q float32 [B, H, D] (the new tokens' queries, RoPE applied; its heads contiguous, its rows may lie apart, as
   in the fused projection's output);
-- k, v float32 [S, Hkv, D]: one layer of the pool seen as flat slots (its own storage, not a copy);
+- k, v float32 or float16 [S, Hkv, D]: one layer of the pool seen as flat slots (its own storage, not a copy;
+  float16 values are widened as they are loaded, F16C's ``vcvtph2ps``, and every sum is float32);
 - slots int64 [B, T]: each sequence's slots in cache order, padded to the longest; lengths int64 [B];
 - key_positions int64 [B, T] and positions int64 [B]: a key is seen when its position is at or before the
   query's and, with ``window`` > 0 (a sliding-window layer), after ``position - window``;
@@ -44,21 +45,33 @@ _SOURCE = (
 #include <cstdint>
 #include <limits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#include <c10/util/Half.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVOS_AVX2 1
 #endif
 """
     + EXP8
     + r"""
-// a . b over n floats, in 8 running sums (vectorised by the compiler, no fast-math needed).
-static inline float dot(const float* a, const float* b, int64_t n) {
+// The pool holds float32 or float16 (E); every sum is in float32.
+static inline float to_f(float x) { return x; }
+static inline float to_f(c10::Half x) { return static_cast<float>(x); }
+#if KVOS_AVX2
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// a . b over n values, in 8 running sums (vectorised by the compiler, no fast-math needed).
+template <typename E>
+static inline float dot(const float* a, const E* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t d = 0;
   for (; d + 8 <= n; d += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[d + l] * b[d + l];
+    for (int l = 0; l < 8; ++l) acc[l] += a[d + l] * to_f(b[d + l]);
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; d < n; ++d) s += a[d] * b[d];
+  for (; d < n; ++d) s += a[d] * to_f(b[d]);
   return s;
 }
 
@@ -71,8 +84,9 @@ static inline __m256 sums8(const __m256* r) {
 }
 #endif
 
-// s[i] = scale * q . k_i for the m keys at rows[i] (D floats each).
-static void scores_of(const float* q, const float* const* rows, int64_t m, int64_t D, float scale, float* s) {
+// s[i] = scale * q . k_i for the m keys at rows[i] (D values each).
+template <typename E>
+static void scores_of(const float* q, const E* const* rows, int64_t m, int64_t D, float scale, float* s) {
   int64_t i = 0;
 #if KVOS_AVX2
   if (D % 8 == 0) {
@@ -81,7 +95,7 @@ static void scores_of(const float* q, const float* const* rows, int64_t m, int64
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + j] + d), acc[j]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(rows[i + j] + d), acc[j]);
       }
       _mm256_storeu_ps(s + i, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
     }
@@ -115,8 +129,9 @@ static float exp_normalised(float* s, int64_t m) {
   return sum;
 }
 
-// o += sum_i p[i] v_i over the m values at rows[i] (D floats each).
-static void weighted_sum(const float* p, const float* const* rows, int64_t m, int64_t D, float* o) {
+// o += sum_i p[i] v_i over the m values at rows[i] (D values each).
+template <typename E>
+static void weighted_sum(const float* p, const E* const* rows, int64_t m, int64_t D, float* o) {
   int64_t d = 0;
 #if KVOS_AVX2
   for (; d + 64 <= D; d += 64) {  // 64 floats of o in registers while every value row passes
@@ -124,24 +139,25 @@ static void weighted_sum(const float* p, const float* const* rows, int64_t m, in
     for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(o + d + 8 * c);
     for (int64_t i = 0; i < m; ++i) {
       const __m256 w = _mm256_set1_ps(p[i]);
-      const float* v = rows[i] + d;
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      const E* v = rows[i] + d;
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + d + 8 * c, acc[c]);
   }
 #endif
   for (int64_t i = 0; i < m && d < D; ++i)
-    for (int64_t e = d; e < D; ++e) o[e] += p[i] * rows[i][e];
+    for (int64_t e = d; e < D; ++e) o[e] += p[i] * to_f(rows[i][e]);
 }
 
 // One (sequence b, KV head h) task: the G query heads that read KV head h, over the keys the query sees.
-static void attend_one(const float* q, int64_t q_row, const float* k, const float* v, const int64_t* slots,
+template <typename E>
+static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, const int64_t* slots,
                        const int64_t* kpos, int64_t qpos, int64_t n, int64_t window, int64_t H,
                        int64_t Hkv, int64_t D, int64_t T, int64_t b, int64_t h, float* out, float* probs) {
   const int64_t G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   std::vector<int64_t> seen;  // which of the n keys the query sees, in cache order
-  std::vector<const float*> krows, vrows;
+  std::vector<const E*> krows, vrows;
   seen.reserve(n);
   krows.reserve(n);
   vrows.reserve(n);
@@ -179,11 +195,25 @@ static void attend_one(const float* q, int64_t q_row, const float* k, const floa
   }
 }
 
+template <typename E>
+static void attend_all(const float* qp, int64_t q_row, const E* kp, const E* vp, const int64_t* sl,
+                       const int64_t* len, const int64_t* kpp, const int64_t* qpp, int64_t window, int64_t B,
+                       int64_t H, int64_t Hkv, int64_t D, int64_t T, float* op, float* pp) {
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      attend_one<E>(qp, q_row, kp, vp, sl + b * T, kpp + b * T, qpp[b], len[b], window, H, Hkv, D, T, b, h,
+                    op, pp);
+    }
+  });
+}
+
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                      torch::Tensor lengths, torch::Tensor kpos, torch::Tensor qpos, int64_t window,
                      torch::Tensor probs) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 &&
-                  v.dtype() == torch::kFloat32, "float32 only");
+  const bool half = k.dtype() == torch::kFloat16;
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && (half || k.dtype() == torch::kFloat32) &&
+                  v.dtype() == k.dtype(), "float32 queries, a float32 or float16 pool");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() && v.is_contiguous() &&
                   slots.is_contiguous() &&
                   kpos.is_contiguous() && lengths.is_contiguous() && qpos.is_contiguous(),
@@ -209,19 +239,16 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   auto out = torch::empty({B, H * D}, q.options());
   const float* qp = q.data_ptr<float>();
   const int64_t q_row = q.stride(0);  // a row of the fused projection's output: q is read where it lies
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   const int64_t* kpp = kpos.data_ptr<int64_t>();
   const int64_t* qpp = qpos.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   float* pp = capture ? probs.data_ptr<float>() : nullptr;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      attend_one(qp, q_row, kp, vp, sl + b * T, kpp + b * T, qpp[b], len[b], window, H, Hkv, D, T, b, h,
-                 op, pp);
-    }
-  });
+  if (half)
+    attend_all<c10::Half>(qp, q_row, k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), sl, len, kpp, qpp,
+                          window, B, H, Hkv, D, T, op, pp);
+  else
+    attend_all<float>(qp, q_row, k.data_ptr<float>(), v.data_ptr<float>(), sl, len, kpp, qpp, window, B, H,
+                      Hkv, D, T, op, pp);
   return out;
 }
 """
@@ -231,7 +258,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v6", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v7", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
 
 
 def module() -> Any:
@@ -242,10 +269,11 @@ def module() -> Any:
 
 
 def usable(q: torch.Tensor, k_slab: torch.Tensor) -> bool:
-    """Whether the kernel computes this decode attention: float32 queries and pool on the CPU, the kernel
-    built."""
+    """Whether the kernel computes this decode attention: float32 queries, a float32 or float16 pool, both
+    on the CPU, the kernel built."""
     return (
-        q.dtype == k_slab.dtype == torch.float32
+        q.dtype == torch.float32
+        and k_slab.dtype in (torch.float32, torch.float16)
         and q.device.type == k_slab.device.type == "cpu"
         and kernel() is not None
     )

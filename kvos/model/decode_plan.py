@@ -85,8 +85,8 @@ class DecodePlan:
 
     def takes(self, x: torch.Tensor, meta: Batch, kv: KVStore) -> bool:
         """Whether this step is the plan's: decode steps only, few enough rows for the product kernels,
-        float32 rows and pool on the CPU with the layer and decode kernels built, no query capture (the
-        recovery signal's queries)."""
+        float32 rows and a float32 or float16 pool on the CPU with the layer and decode kernels built, no
+        query capture (the recovery signal's queries)."""
         group = meta.decodes
         if group is None or len(group.items) != len(meta.metas) or x.shape[0] > SMALL_N:
             return False

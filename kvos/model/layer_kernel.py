@@ -10,7 +10,7 @@ RoPE, the bias, the per-head norms and the two pool writes another fifteen). Thr
   empty), each query and key head RMS-normed (``q_norm``/``k_norm`` [D] or empty; Qwen3), queries and keys
   rotated (``cos``/``sin`` [n, 1, D] from :meth:`kvos.model.rope.Rope.cos_sin`: the sign of rotate-half is
   in ``sin``), then each row's keys and values written to its pool slot (``k_slab``/``v_slab`` [S, Hkv, D],
-  ``slots`` int64 [n]; empty slabs: no write);
+  float32 or float16, rounded to nearest; ``slots`` int64 [n]; empty slabs: no write);
 - ``silu_mul(gu)``: gu float32 [n, 2 I] (gate, then up) -> silu(gate) * up, [n, I].
 
 The rotation is computed as the eager path computes it (``x * cos + roll(x) * sin``, each product rounded,
@@ -117,10 +117,13 @@ void qkv_step(torch::Tensor qkv, torch::Tensor bias, torch::Tensor q_norm, torch
     TORCH_CHECK(q_norm.numel() == D && k_norm.numel() == D, "q_norm and k_norm must be [D]");
   }
   const bool write = k_slab.numel() > 0;
+  const bool half = write && k_slab.dtype() == torch::kFloat16;
   int64_t S = 0;
   if (write) {
-    check_float(k_slab, "k_slab");
-    check_float(v_slab, "v_slab");
+    TORCH_CHECK((half || k_slab.dtype() == torch::kFloat32) && v_slab.dtype() == k_slab.dtype() &&
+                    k_slab.is_contiguous() && v_slab.is_contiguous() && k_slab.device().is_cpu() &&
+                    v_slab.device().is_cpu(),
+                "k_slab and v_slab must be contiguous float32 or float16 CPU tensors");
     TORCH_CHECK(k_slab.dim() == 3 && k_slab.size(1) == Hkv && k_slab.size(2) == D &&
                     v_slab.sizes() == k_slab.sizes(), "k_slab and v_slab must be [S, Hkv, D]");
     TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.dim() == 1 &&
@@ -136,8 +139,10 @@ void qkv_step(torch::Tensor qkv, torch::Tensor bias, torch::Tensor q_norm, torch
   const float* kn = has_norm ? k_norm.data_ptr<float>() : nullptr;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kp = write ? k_slab.data_ptr<float>() : nullptr;
-  float* vp = write ? v_slab.data_ptr<float>() : nullptr;
+  float* kp = write && !half ? k_slab.data_ptr<float>() : nullptr;
+  float* vp = write && !half ? v_slab.data_ptr<float>() : nullptr;
+  c10::Half* kh = half ? k_slab.data_ptr<c10::Half>() : nullptr;
+  c10::Half* vh = half ? v_slab.data_ptr<c10::Half>() : nullptr;
   const int64_t* sl = write ? slots.data_ptr<int64_t>() : nullptr;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, n, GRAIN, [&](int64_t r0, int64_t r1) {
@@ -151,7 +156,12 @@ void qkv_step(torch::Tensor qkv, torch::Tensor bias, torch::Tensor q_norm, torch
         if (qn) norm_row(head, h < H ? qn : kn, D, e, head);
         rotate(head, cp + r * D, sp + r * D, D, tmp.data());
       }
-      if (write) {
+      if (half) {  // rounded to the nearest float16, as Tensor.to(torch.float16) rounds
+        for (int64_t i = 0; i < Hkv * D; ++i) {
+          kh[sl[r] * Hkv * D + i] = c10::Half(row[H * D + i]);
+          vh[sl[r] * Hkv * D + i] = c10::Half(row[(H + Hkv) * D + i]);
+        }
+      } else if (write) {
         std::memcpy(kp + sl[r] * Hkv * D, row + H * D, Hkv * D * sizeof(float));
         std::memcpy(vp + sl[r] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
       }
@@ -193,7 +203,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
     return build(
-        "kvos_layer_v1",
+        "kvos_layer_v2",
         _SOURCE,
         ["rms_norm", "qkv_step", "silu_mul"],
         ["-O3", "-march=native", "-ffp-contract=off"],

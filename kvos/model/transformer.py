@@ -309,7 +309,11 @@ class Transformer:
         module, empty = layer_kernel.module(), layer_kernel.EMPTY
         qkv = matmul(h, layer.qkv).contiguous()
         k_slab, v_slab = (empty, empty) if kv is NO_STORE else kv.slabs(index)
-        direct = k_slab.dtype == torch.float32 and k_slab.device.type == "cpu" and k_slab.is_contiguous()
+        direct = (
+            k_slab.dtype in (torch.float32, torch.float16)
+            and k_slab.device.type == "cpu"
+            and k_slab.is_contiguous()
+        )
         module.qkv_step(
             qkv,
             empty if layer.qkv_bias is None else layer.qkv_bias,
@@ -374,11 +378,20 @@ class Transformer:
         if index in meta.query_layers:
             seen = meta.queries.get(index)
             meta.queries[index] = q.float() if seen is None else torch.cat((seen, q.float()))
-        if meta.fresh:
-            keys, values = k, v
+        if meta.fresh:  # the new keys as the pool holds them: rounded where it holds fewer bits
+            keys, values = (k, v) if kv is NO_STORE else (as_stored(k, kv), as_stored(v, kv))
         else:
             keys, values = kv.gather(index, meta.read_slots)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         return paged_attention(q, keys, values, meta, self.config.window(index), index)
+
+
+def as_stored(x: torch.Tensor, kv: KVStore) -> torch.Tensor:
+    """``x`` as the pool ``kv`` would give it back: rounded to the pool's dtype (float16, say) and widened
+    again, so that a prefill attends to the same values as the decode steps after it; ``x`` itself when
+    the pool holds its dtype."""
+    dtype = kv.slabs(0)[0].dtype
+    return x if dtype == x.dtype else x.to(dtype).to(x.dtype)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from kvos.engine import fused
 from kvos.engine.engine import Engine
+from kvos.engine.kv_dtype import add_kv_dtype_argument, kv_dtype_name, parse_kv_dtype
 from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
@@ -111,6 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["kv_restore", "breadcrumb", "discard"], default="kv_restore")
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
     add_compression_argument(p)
+    add_kv_dtype_argument(p, default="float16")
     add_embedder_argument(p)
     add_signal_argument(p)
     p.add_argument(
@@ -311,8 +313,16 @@ def build_service(args: argparse.Namespace) -> ChatService:
     tokenizer = with_chat_template(load_tokenizer(path), getattr(args, "chat_template", None))
     state = open_state(args, model, tokenizer, config)
     factory = state.store_factory if state is not None else None
-    engine = Engine(model, growth=GrowthPolicy(max_bytes=args.kv_memory))
+    engine = Engine(
+        model, growth=GrowthPolicy(max_bytes=args.kv_memory), kv_dtype=parse_kv_dtype(args.kv_dtype)
+    )
     check_kv_memory(engine, config, args.kv_memory)
+    layout = engine.pool.layout
+    print(
+        f"[kvos] K/V pool: {kv_dtype_name(layout.dtype)}, {layout.bytes_per_token} bytes a token "
+        "(--kv-dtype)",
+        file=sys.stderr,
+    )
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
     prepare_kernels()
     name = args.served_model_name or model_name(path)

@@ -63,7 +63,8 @@ def test_serve_bench_at_ci_scale(tmp_path: Path) -> None:
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
         assert 0 < row["itl_p50_ms"] <= row["itl_p95_ms"]
         assert row["decode_tok_s"] > 0
-        assert row["pool_bytes_peak"] >= row["max_active_tokens"] * 4096  # the built-in's K/V per token
+        # the built-in's K/V per token in kvos serve's default float16 pool: 4 layers x 2 heads x 64 x 2 x 2
+        assert row["pool_bytes_peak"] >= row["max_active_tokens"] * 2048
         assert row["rss_peak_mb"] > 0
         assert row["wall_s"] > 0 and row["sessions"] == n  # one session per client, deleted after the run
 

@@ -9,20 +9,23 @@ values are rounded once, when they are written (:func:`kvos.model.transformer.as
 from __future__ import annotations
 
 import argparse
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvos.errors import ConfigError
 
-KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+KV_DTYPES = ("auto", "float32", "float16")  # names only: the command line parses without importing torch
 
 
 def parse_kv_dtype(name: str) -> torch.dtype | None:
     """``auto`` -> None (the model's dtype), else the torch dtype."""
-    try:
-        return KV_DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"unknown K/V dtype {name!r}: one of {', '.join(KV_DTYPES)}") from None
+    if name not in KV_DTYPES:
+        raise ConfigError(f"unknown K/V dtype {name!r}: one of {', '.join(KV_DTYPES)}")
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
 
 
 def add_kv_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:

@@ -230,3 +230,25 @@ def test_kvos_serve_defaults_to_a_float16_pool_and_reports_its_logprobs() -> Non
         best = torch.topk(logp, 2).values.tolist()
         assert [t.logprob for t in item.top_logprobs] == pytest.approx(best, abs=1e-4)
         logits = engine.extend(seq, [token])
+
+
+def test_a_session_on_a_float16_pool_pages_out_float16_bytes() -> None:
+    """The built-in model (2,048 bytes a token in float16, 4,096 in float32) under a small budget: the chunks
+    it pages out rest in the store at float16's size, and the pool holds float16."""
+    from kvos.builtin import MODEL_DIR
+    from kvos.engine.sampling import SamplingParams
+    from kvos.model.tokenizer import load_tokenizer
+    from kvos.policy.budget import Budget
+    from kvos.session.config import SessionConfig
+    from kvos.session.manager import MemoryManager
+
+    engine = Engine(load_model(MODEL_DIR), kv_dtype=torch.float16)
+    config = SessionConfig(budget=Budget(max_active_tokens=256))
+    session = MemoryManager(engine, load_tokenizer(MODEL_DIR), config).session("a")
+    for turn in range(5):
+        session.add_message("user", f"Turn {turn}: the key is under the blue stone by the harbour. " * 3)
+        session.generate(SamplingParams(max_tokens=16, temperature=0.0))
+    stats = session.stats()
+    assert stats["evictions"] > 0
+    assert stats["resident_bytes_per_token"] == 2048
+    assert stats["saved_bytes_per_token"] == 2048  # dense: no compression asked

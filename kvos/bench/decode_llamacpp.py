@@ -207,9 +207,10 @@ def _bound(engine: Engine, threads: int) -> dict[str, float]:
 
 
 def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine, float]:
-    """kvos's engine on the file (default load: quantized kept) after a warm-up run, and the RSS growth."""
+    """kvos's engine on the file (default load: quantized kept; a float16 pool, as ``kvos serve`` and
+    llama.cpp keep their caches) after a warm-up run, and the RSS growth."""
     before = rss_mb(settle=True)
-    engine = Engine(load_model(path))
+    engine = Engine(load_model(path), kv_dtype=torch.float16)
     with torch.inference_mode():
         run_kvos(engine, _prompt(engine.model.config.vocab_size, prompt_tokens), new_tokens, [])
     return engine, rss_mb() - before

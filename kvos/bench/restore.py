@@ -33,6 +33,7 @@ import torch
 
 from kvos.bench.common import CacheFlush, header, median, print_table, timed, write_json
 from kvos.engine.engine import Engine
+from kvos.engine.kv_dtype import add_kv_dtype_argument, parse_kv_dtype
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError
 from kvos.memory.store import ChunkStore
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
+    add_kv_dtype_argument(parser)
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"--context + 2 x the largest size = {furthest} exceeds the model's max_position_embeddings "
             f"({model.config.max_position_embeddings})"
         )
-    engine = Engine(model)
+    engine = Engine(model, kv_dtype=parse_kv_dtype(args.kv_dtype))
     g = torch.Generator().manual_seed(SEED)
     vocab = model.config.vocab_size
     context = torch.randint(0, vocab, (args.context,), generator=g).tolist()
@@ -111,7 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             chunk = torch.randint(0, vocab, (size,), generator=g).tolist()
             rows.append(bench_size(engine, context, chunk, args.repeats))
     result = header("restore", name)
-    result.update(context=args.context, repeats=args.repeats, rows=rows)
+    kv_dtype = str(engine.pool.layout.dtype).removeprefix("torch.")
+    result.update(context=args.context, repeats=args.repeats, kv_dtype=kv_dtype, rows=rows)
     print_table(rows, COLUMNS)
     write_json(args.json, result)
     return result

@@ -4,8 +4,9 @@ the keys to their new positions in registers and writes both straight into their
 Eager PyTorch needs a temporary and four passes over the keys for the same work (``Rope.rotate`` then
 ``KVPool.write``); a restore is bandwidth-bound, so this kernel is what brings a restore near the cost of a
 plain copy of its bytes. It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler is
-needed; the build is cached) and used only for float32 CPU pools; anything else, a failed build, or
-``KVOS_NO_EXTENSIONS=1`` falls back to the eager path, which gives the same keys within float32 rounding.
+needed; the build is cached) and used for float32 and float16 CPU pools (the saved rows in the pool's dtype);
+anything else, a failed build, or ``KVOS_NO_EXTENSIONS=1`` falls back to the eager path, which gives the same
+keys within float32 rounding (float16: within one float16 step, where that rounding crosses its grid).
 """
 
 from __future__ import annotations
@@ -53,15 +54,56 @@ static inline void rotate_head(float* o, const float* x, const float* c, const f
   }
 }
 
-// count floats from src to dst; with stream, dst is 32-byte aligned and count % 8 == 0.
-static inline void copy_row(float* dst, const float* src, int64_t count, bool stream) {
-#if defined(__AVX__)
-  if (stream) {
-    for (int64_t j = 0; j < count; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+// The same rotation for a float16 row: widened to float32, the same products and sum, rounded to nearest
+// even once (as Tensor.to(torch.float16) rounds). With stream, o is 16-byte aligned and half % 8 == 0.
+static inline void rotate_head(c10::Half* o, const c10::Half* x, const float* c, const float* s, int64_t half,
+                               bool stream) {
+#if defined(__AVX__) && defined(__F16C__)
+  if (half % 8 == 0) {
+    constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int64_t d = 0; d < half; d += 8) {
+      const __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
+      const __m256 x2 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d + half)));
+      const __m256 cd = _mm256_loadu_ps(c + d), sd = _mm256_loadu_ps(s + d);
+      const __m128i lo = _mm256_cvtps_ph(_mm256_sub_ps(_mm256_mul_ps(x1, cd), _mm256_mul_ps(x2, sd)), round);
+      const __m128i hi = _mm256_cvtps_ph(_mm256_add_ps(_mm256_mul_ps(x1, sd), _mm256_mul_ps(x2, cd)), round);
+      __m128i* out_lo = reinterpret_cast<__m128i*>(o + d);
+      __m128i* out_hi = reinterpret_cast<__m128i*>(o + d + half);
+      if (stream) {
+        _mm_stream_si128(out_lo, lo);
+        _mm_stream_si128(out_hi, hi);
+      } else {
+        _mm_storeu_si128(out_lo, lo);
+        _mm_storeu_si128(out_hi, hi);
+      }
+    }
     return;
   }
 #endif
-  std::memcpy(dst, src, sizeof(float) * count);
+  for (int64_t d = 0; d < half; ++d) {
+    const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[d + half]);
+    const float lo = x2 * s[d], hi = x1 * s[d];
+    o[d] = c10::Half(x1 * c[d] - lo);
+    o[d + half] = c10::Half(hi + x2 * c[d]);
+  }
+}
+
+// count values from src to dst; with stream, dst is 32-byte aligned and count values are a multiple of 32
+// bytes.
+template <typename E>
+static inline void copy_row(E* dst, const E* src, int64_t count, bool stream) {
+#if defined(__AVX__)
+  if (stream) {
+    const int64_t bytes = count * static_cast<int64_t>(sizeof(E));
+    char* d = reinterpret_cast<char*>(dst);
+    const char* from = reinterpret_cast<const char*>(src);
+    for (int64_t j = 0; j < bytes; j += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + j),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + j)));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, sizeof(E) * count);
 }
 
 // cos64, sin64: [P, half] float64 angle tables (Rope.angle_tables); old, new: int64 [n] positions
@@ -105,20 +147,28 @@ static bool dense_f32(const torch::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous();
 }
 
+// float32 or float16 (the pool's dtype, which K and V share), contiguous, on the CPU.
+static bool dense_kv(const torch::Tensor& t, at::ScalarType dtype) {
+  return t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous();
+}
+
 // Everything rotate_write relies on, checked before it writes raw memory (ValueError in Python).
 static void check_inputs(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots,
                          const std::vector<torch::Tensor>& pool_k, const std::vector<torch::Tensor>& pool_v,
                          const torch::Tensor& cos, const torch::Tensor& sin, bool rotate) {
-  TORCH_CHECK_VALUE(k.dim() == 4 && k.sizes() == v.sizes() && dense_f32(k) && dense_f32(v),
-                    "rotate_write: K and V must be contiguous float32 CPU tensors [L, n, H, D] of one shape");
+  const at::ScalarType dtype = k.scalar_type();
+  TORCH_CHECK_VALUE((dtype == torch::kFloat32 || dtype == torch::kFloat16) && k.dim() == 4 &&
+                        k.sizes() == v.sizes() && dense_kv(k, dtype) && dense_kv(v, dtype),
+                    "rotate_write: K and V must be contiguous float32 or float16 CPU tensors [L, n, H, D] "
+                    "of one shape and dtype");
   const int64_t L = k.size(0), n = k.size(1);
   TORCH_CHECK_VALUE(static_cast<int64_t>(pool_k.size()) == L && static_cast<int64_t>(pool_v.size()) == L,
                     "rotate_write: the pool has ", pool_k.size(), " layers, K/V have ", L);
   for (int64_t l = 0; l < L; ++l) {
     for (const torch::Tensor* t : {&pool_k[l], &pool_v[l]}) {
-      TORCH_CHECK_VALUE(dense_f32(*t) && t->dim() == 4 && t->sizes() == pool_k[0].sizes() &&
+      TORCH_CHECK_VALUE(dense_kv(*t, dtype) && t->dim() == 4 && t->sizes() == pool_k[0].sizes() &&
                             t->size(2) == k.size(2) && t->size(3) == k.size(3),
-                        "rotate_write: pool layers must be contiguous float32 [blocks, bs, H, D] like K/V");
+                        "rotate_write: pool layers must be contiguous [blocks, bs, H, D] of K/V's dtype");
     }
   }
   TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == n && slots.scalar_type() == torch::kInt64 &&
@@ -141,21 +191,21 @@ static void check_inputs(const torch::Tensor& k, const torch::Tensor& v, const t
 // (measured faster than tiles of tokens across all layers), with software prefetch AHEAD rows ahead.
 // stream asks for non-temporal stores (a large restore: no read-for-ownership of pool lines it overwrites
 // whole); it is honoured where the build has AVX and every pool row is 32-byte aligned.
-void rotate_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots,
-                  std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v,
-                  torch::Tensor cos, torch::Tensor sin, bool rotate, bool stream) {
-  check_inputs(k, v, slots, pool_k, pool_v, cos, sin, rotate);
+template <typename E>
+static void rotate_write_as(torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                            std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v,
+                            torch::Tensor cos, torch::Tensor sin, bool rotate, bool stream) {
   const int64_t L = k.size(0), n = k.size(1), H = k.size(2), D = k.size(3), half = D / 2, row = H * D;
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const E* kp = k.data_ptr<E>();
+  const E* vp = v.data_ptr<E>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const float* cp = rotate ? cos.data_ptr<float>() : nullptr;
   const float* snp = rotate ? sin.data_ptr<float>() : nullptr;
-  std::vector<float*> dk(L), dv(L);
+  std::vector<E*> dk(L), dv(L);
   bool aligned = D % 16 == 0;
   for (int64_t l = 0; l < L; ++l) {
-    dk[l] = pool_k[l].data_ptr<float>();
-    dv[l] = pool_v[l].data_ptr<float>();
+    dk[l] = pool_k[l].data_ptr<E>();
+    dv[l] = pool_v[l].data_ptr<E>();
     aligned = aligned && reinterpret_cast<std::uintptr_t>(dk[l]) % 32 == 0;
     aligned = aligned && reinterpret_cast<std::uintptr_t>(dv[l]) % 32 == 0;
   }
@@ -168,8 +218,8 @@ void rotate_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots,
   at::parallel_for(0, L * n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t l = idx / n, i = idx % n;
-      const float* src = kp + idx * row;
-      float* out = dk[l] + sp[i] * row;
+      const E* src = kp + idx * row;
+      E* out = dk[l] + sp[i] * row;
       if (idx + AHEAD < end) {  // the hardware prefetcher alone leaves this loop waiting on memory
         for (int64_t j = 0; j < row; j += 16) {
           __builtin_prefetch(src + AHEAD * row + j);
@@ -190,6 +240,17 @@ void rotate_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots,
 #endif
   });
 }
+
+// k, v and the pool share one dtype: float32, or float16 (rows widened, rotated in float32, rounded once).
+void rotate_write(torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                  std::vector<torch::Tensor> pool_k, std::vector<torch::Tensor> pool_v,
+                  torch::Tensor cos, torch::Tensor sin, bool rotate, bool stream) {
+  check_inputs(k, v, slots, pool_k, pool_v, cos, sin, rotate);
+  if (k.scalar_type() == torch::kFloat16)
+    rotate_write_as<c10::Half>(k, v, slots, pool_k, pool_v, cos, sin, rotate, stream);
+  else
+    rotate_write_as<float>(k, v, slots, pool_k, pool_v, cos, sin, rotate, stream);
+}
 """
 
 
@@ -201,7 +262,7 @@ STREAM_MIN_BYTES = 4 << 20  # restores this large write the pool with non-tempor
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
     return build(
-        "kvos_fused_restore_v5",
+        "kvos_fused_restore_v6",
         _SOURCE,
         ["rotate_write", "pair_tables"],
         ["-O3", "-march=native", "-ffp-contract=off"],
@@ -227,13 +288,16 @@ def half_rotation(rope: Rope, old: torch.Tensor, new: torch.Tensor) -> tuple[tor
 
 
 def usable(pool_k: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`rotate_write` applies: float32 CPU pool and rows, contiguous, and the kernel built
-    (the pool's layer tensors share one dtype and device: the first stands for all; rotate_write checks
-    their shapes and contiguity)."""
+    """Whether :func:`rotate_write` applies: a float32 or float16 CPU pool and rows of its dtype, contiguous,
+    and the kernel built (the pool's layer tensors share one dtype and device: the first stands for all;
+    rotate_write checks their shapes and contiguity)."""
     tensors = [k, v, pool_k[0]]
-    return all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
-    ) and (kernel() is not None)
+    dtype = pool_k[0].dtype
+    return (
+        dtype in (torch.float32, torch.float16)
+        and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
+        and kernel() is not None
+    )
 
 
 def rotate_write(
@@ -245,8 +309,9 @@ def rotate_write(
     rotation: tuple[torch.Tensor, torch.Tensor] | None,
     stream: bool | None = None,
 ) -> None:
-    """Write saved K/V ([L, n, H, D] float32) into the pool's flat ``slots`` (int64 [n]) of every layer,
-    keys rotated by ``rotation`` ((cos, sin) float32 [n, D / 2] from ``Rope.half_rotation``) or copied as is.
+    """Write saved K/V ([L, n, H, D], float32 or float16 as the pool) into the pool's flat ``slots`` (int64
+    [n]) of every layer, keys rotated by ``rotation`` ((cos, sin) float32 [n, D / 2] from
+    ``Rope.half_rotation``; float16 keys are rotated in float32 and rounded once) or copied as is.
 
     ``stream``: non-temporal stores (default: when K and V together reach :data:`STREAM_MIN_BYTES`, as
     large ``memcpy`` calls do; a small restore is better left in cache for the attention that reads it

@@ -33,7 +33,7 @@ import torch
 
 from kvos.bench.common import CacheFlush, header, median, print_table, timed, write_json
 from kvos.engine.engine import Engine
-from kvos.engine.kv_dtype import add_kv_dtype_argument, parse_kv_dtype
+from kvos.engine.kv_dtype import add_kv_dtype_argument, kv_dtype_name, parse_kv_dtype
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError
 from kvos.memory.store import ChunkStore
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             chunk = torch.randint(0, vocab, (size,), generator=g).tolist()
             rows.append(bench_size(engine, context, chunk, args.repeats))
     result = header("restore", name)
-    kv_dtype = str(engine.pool.layout.dtype).removeprefix("torch.")
+    kv_dtype = kv_dtype_name(engine.pool.layout.dtype)
     result.update(context=args.context, repeats=args.repeats, kv_dtype=kv_dtype, rows=rows)
     print_table(rows, COLUMNS)
     write_json(args.json, result)

@@ -157,12 +157,16 @@ class _Round:
         v_diff = float((v - saved.v).abs().max())
         ropes = self.engine.model.ropes
         moved = [ropes[i].reanchor(saved.k[i], self.old, positions) for i in range(k.shape[0])]
-        expected = torch.stack(moved)
-        k_diff = float((k - expected).abs().max())
+        expected = torch.stack(moved).float()
+        # a float16 pool: one float16 step of each key at most (the rotation's float32 rounding may cross
+        # float16's grid), else K_TOLERANCE
+        relative = 2.0**-10 if k.dtype == torch.float16 else 0.0
+        excess = (k.float() - expected).abs() - relative * expected.abs()
+        k_diff = float(excess.max())
         if v_diff != 0.0 or k_diff > K_TOLERANCE or not torch.equal(self.seg.positions, positions):
             raise RuntimeError(
                 f"restore of {len(self.chunk)} tokens is wrong: max |dV| = {v_diff} (must be 0), "
-                f"max |dK| = {k_diff} (must be <= {K_TOLERANCE})"
+                f"max |dK| - {relative} |K| = {k_diff} (must be <= {K_TOLERANCE})"
             )
 
     def release(self) -> None:

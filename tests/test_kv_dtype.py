@@ -22,6 +22,7 @@ from hf_models import VARIANTS, build
 from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.engine.kv_dtype import add_kv_dtype_argument, parse_kv_dtype
+from kvos.engine.sequence import Sequence
 from kvos.errors import ConfigError
 from kvos.model import decode_kernel, layer_kernel
 from kvos.model.loader import load_model
@@ -154,18 +155,17 @@ def test_a_chunk_saved_and_spliced_back_is_exact_on_a_float16_pool(model_path: P
     engine = Engine(load_model(model_path), block_size=4, kv_dtype=torch.float16)
     ids = _prompt(30, seed=6)
 
-    def three_segments() -> tuple[object, list[torch.Tensor]]:
+    def three_segments() -> Sequence:
         seq = engine.new_sequence()
         engine.extend(seq, ids[:8])
         seq.open_segment()
         engine.extend(seq, ids[8:20], [*range(8, 20)])
         seq.open_segment()
         engine.extend(seq, ids[20:], [*range(20, 30)])
-        return seq, []
+        return seq
 
-    kept, _ = three_segments()
-    reference = engine.extend(kept, [5])
-    seq, _ = three_segments()
+    reference = engine.extend(three_segments(), [5])
+    seq = three_segments()
     middle = seq.segments[1]
     k, v = engine.read_kv(middle)
     assert k.dtype == torch.float16

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvos.extensions import build
+from kvos.model.dtype import KERNEL_KV_DTYPES
 from kvos.model.rope import Rope
 
 _SOURCE = r"""
@@ -294,7 +295,7 @@ def usable(pool_k: Sequence[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> 
     tensors = [k, v, pool_k[0]]
     dtype = pool_k[0].dtype
     return (
-        dtype in (torch.float32, torch.float16)
+        dtype in KERNEL_KV_DTYPES
         and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
         and kernel() is not None
     )

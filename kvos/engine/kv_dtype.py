@@ -23,9 +23,9 @@ def parse_kv_dtype(name: str) -> torch.dtype | None:
     """``auto`` -> None (the model's dtype), else the torch dtype."""
     if name not in KV_DTYPES:
         raise ConfigError(f"unknown K/V dtype {name!r}: one of {', '.join(KV_DTYPES)}")
-    import torch
+    from kvos.model.dtype import DTYPES
 
-    return None if name == "auto" else getattr(torch, name)
+    return None if name == "auto" else DTYPES[name]
 
 
 def add_kv_dtype_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:

@@ -162,6 +162,11 @@ class HeadPool:
         index = rows.to(device=self.layout.device, dtype=torch.long)
         return self._flat(self.k).index_select(0, index), self._flat(self.v).index_select(0, index)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What K and V are kept in (``layout.dtype``)."""
+        return self.layout.dtype
+
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as ``[num_slots, 1, head_dim]`` views (a slot of this pool holds one KV head)."""
         self._check_layer(layer)

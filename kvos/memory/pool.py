@@ -84,6 +84,11 @@ class KVPool:
 
     # ------------------------------------------------------------------ sizes
     @property
+    def dtype(self) -> torch.dtype:
+        """What K and V are kept in (``layout.dtype``)."""
+        return self.layout.dtype
+
+    @property
     def num_blocks(self) -> int:
         """Capacity in blocks."""
         return self.allocator.num_blocks

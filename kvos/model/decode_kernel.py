@@ -34,6 +34,7 @@ import torch
 
 from kvos.extensions import build
 from kvos.model.attention import DecodeGroup
+from kvos.model.dtype import KERNEL_KV_DTYPES
 from kvos.model.simd_exp import SOURCE as EXP8
 
 _SOURCE = (
@@ -273,7 +274,7 @@ def usable(q: torch.Tensor, k_slab: torch.Tensor) -> bool:
     on the CPU, the kernel built."""
     return (
         q.dtype == torch.float32
-        and k_slab.dtype in (torch.float32, torch.float16)
+        and k_slab.dtype in KERNEL_KV_DTYPES
         and q.device.type == k_slab.device.type == "cpu"
         and kernel() is not None
     )

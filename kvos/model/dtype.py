@@ -8,6 +8,9 @@ from kvos.errors import ConfigError
 from kvos.model.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what the CPU kernels read and write a KV pool in (decode attention, the layer step, the restore): float16
+# rows are widened as they are loaded and every sum is float32
+KERNEL_KV_DTYPES = (torch.float32, torch.float16)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig | None = None) -> torch.dtype:

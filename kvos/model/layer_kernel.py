@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvos.extensions import build
+from kvos.model.dtype import KERNEL_KV_DTYPES
 from kvos.model.simd_exp import SOURCE as EXP8
 
 _SOURCE = (
@@ -214,6 +215,12 @@ def kernel() -> Any | None:
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels take these activations: float32 on the CPU, the kernel built."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and kernel() is not None
+
+
+def writes_into(k_slab: torch.Tensor) -> bool:
+    """Whether ``qkv_step`` writes K/V straight into this pool layer: contiguous, on the CPU, in a dtype the
+    kernels take (:data:`~kvos.model.dtype.KERNEL_KV_DTYPES`)."""
+    return k_slab.dtype in KERNEL_KV_DTYPES and k_slab.device.type == "cpu" and k_slab.is_contiguous()
 
 
 def module() -> Any:

@@ -49,6 +49,11 @@ class KVStore(Protocol):
 
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What K and V are kept in (a float32 model may keep them in float16)."""
+        ...
+
 
 class _NoStore:
     """A KV store that keeps nothing: for standalone forward passes (attention uses the fresh K/V)."""
@@ -64,6 +69,10 @@ class _NoStore:
 
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("a standalone forward pass never reads cached K/V")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise AssertionError("a standalone forward pass keeps no K/V")
 
 
 NO_STORE = _NoStore()
@@ -309,11 +318,7 @@ class Transformer:
         module, empty = layer_kernel.module(), layer_kernel.EMPTY
         qkv = matmul(h, layer.qkv).contiguous()
         k_slab, v_slab = (empty, empty) if kv is NO_STORE else kv.slabs(index)
-        direct = (
-            k_slab.dtype in (torch.float32, torch.float16)
-            and k_slab.device.type == "cpu"
-            and k_slab.is_contiguous()
-        )
+        direct = layer_kernel.writes_into(k_slab)
         module.qkv_step(
             qkv,
             empty if layer.qkv_bias is None else layer.qkv_bias,
@@ -390,8 +395,7 @@ def as_stored(x: torch.Tensor, kv: KVStore) -> torch.Tensor:
     """``x`` as the pool ``kv`` would give it back: rounded to the pool's dtype (float16, say) and widened
     again, so that a prefill attends to the same values as the decode steps after it; ``x`` itself when
     the pool holds its dtype."""
-    dtype = kv.slabs(0)[0].dtype
-    return x if dtype == x.dtype else x.to(dtype).to(x.dtype)
+    return x if kv.dtype == x.dtype else x.to(kv.dtype).to(x.dtype)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -61,12 +61,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Hybrid models run their own tests (tests/test_hybrid.py): their recurrent state changes what eviction means.
+# Qwen3.5: three gated delta-net layers, then attention with a quarter of each head rotated and a gated output;
+# two key heads serving four value heads.
+HYBRIDS: dict[str, dict[str, Any]] = {
+    "qwen3.5": dict(
+        arch="qwen3_5",
+        num_hidden_layers=4,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+}
+
 
 def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, **overrides: Any) -> Path:
     """Save a random model of ``kind`` (a key of VARIANTS) into ``path`` with save_pretrained."""
     import transformers
 
-    spec = {**BASE, **VARIANTS[kind], **overrides}
+    spec = {**BASE, **{**VARIANTS, **HYBRIDS}[kind], **overrides}
     arch = spec.pop("arch")
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -75,13 +91,16 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**spec))
-    unit = 0.0 if arch == "gemma3" else 1.0  # Gemma's norms scale by 1 + w
+    unit = 0.0 if arch in ("gemma3", "qwen3_5") else 1.0  # Gemma's and Qwen3.5's norms scale by 1 + w
     with torch.no_grad():  # random norms and biases, so a wrong norm or bias cannot hide behind ones/zeros
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if name.endswith("linear_attn.norm.weight"):  # Qwen3.5's gated norm scales by w
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif "norm" in name:
                 param.copy_(unit + 0.2 * torch.randn_like(param))
             elif name.endswith("mlp.gate.weight"):  # a router that prefers some experts, without ties
                 param.copy_(torch.randn_like(param))

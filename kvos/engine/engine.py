@@ -44,7 +44,7 @@ class Engine:
             raise ConfigError(f"prefill_slice must be positive, got {prefill_slice}")
         c = model.config
         dtype = model.dtype if kv_dtype is None else kv_dtype
-        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype, model.device)
+        layout = KVLayout(c.num_kv_layers, c.num_kv_heads, c.head_dim, block_size, dtype, model.device)
         self.model = model
         self.pool = KVPool(layout, growth)
         self.prefill_slice = prefill_slice
@@ -56,7 +56,8 @@ class Engine:
         return current_runner() or self.direct
 
     def new_sequence(self) -> Sequence:
-        return Sequence(lambda: PageTable(self.pool.layout.block_size, self.pool))
+        recurrent = bool(self.model.config.linear_layers)
+        return Sequence(lambda: PageTable(self.pool.layout.block_size, self.pool), recurrent)
 
     def extend(
         self,
@@ -145,10 +146,15 @@ class Engine:
         if queries is not None:
             item.meta.query_layers, item.meta.queries = query_layers, queries
         try:
-            return self.runner().forward_many([item])[0]
+            out = self.runner().forward_many([item])[0]
         except BaseException:
             seq.drop_last(len(ids))
+            if seq.recurrent is not None:
+                seq.recurrent.discard()
             raise
+        if seq.recurrent is not None:
+            seq.recurrent.commit()
+        return out
 
     def step(
         self, work: Seq[tuple[Sequence, Seq[int]]], logits: Literal["last", "all", "none"] = "last"
@@ -162,11 +168,17 @@ class Engine:
             for seq, ids in work:
                 start = seq.next_position()
                 items.append(self._item(seq, list(ids), list(range(start, start + len(ids))), logits))
-            return self.runner().forward_many(items)
+            outputs = self.runner().forward_many(items)
         except BaseException:
             for (seq, ids), _ in zip(work, items, strict=False):
                 seq.drop_last(len(ids))
+                if seq.recurrent is not None:
+                    seq.recurrent.discard()
             raise
+        for seq, _ in work:
+            if seq.recurrent is not None:
+                seq.recurrent.commit()
+        return outputs
 
     def _item(
         self, seq: Sequence, ids: list[int], positions: list[int], logits: Literal["last", "all", "none"]
@@ -182,6 +194,7 @@ class Engine:
             read_slots=seq.slots.to(self.model.device),
             key_positions=seq.positions,
             fresh=fresh,
+            recurrent=seq.recurrent,
         )
         return BatchItem(torch.tensor(ids, dtype=torch.int64), meta, logits)
 

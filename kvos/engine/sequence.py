@@ -16,6 +16,7 @@ import torch
 from kvos.errors import ConfigError
 from kvos.memory.int64 import as_int64
 from kvos.memory.page_table import PageTable
+from kvos.model.recurrent import RecurrentState
 
 
 class Segment:
@@ -89,9 +90,12 @@ class Segment:
 
 
 class Sequence:
-    """An ordered list of segments with cached flat views of their slots and positions."""
+    """An ordered list of segments with cached flat views of their slots and positions; for a hybrid
+    model also the linear-attention layers' :attr:`recurrent` state, which has absorbed every token the
+    sequence was extended by (evicted ones too: it cannot be cut into segments)."""
 
-    def __init__(self, new_table: Callable[[], PageTable]) -> None:
+    def __init__(self, new_table: Callable[[], PageTable], recurrent: bool = False) -> None:
+        self.recurrent = RecurrentState() if recurrent else None
         self._new_table = new_table
         self._next_id = 0
         self.segments: list[Segment] = []
@@ -188,6 +192,8 @@ class Sequence:
             seg.release()
         self.segments.clear()
         self.rebuild()
+        if self.recurrent is not None:
+            self.recurrent = RecurrentState()
 
 
 def put(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:

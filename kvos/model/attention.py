@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kvos.model.recurrent import RecurrentState
+
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa arrived in 2.5
 
 
@@ -34,6 +36,8 @@ class AttentionMetadata:
         observation window of SnapKV), computed for those queries only.
     query_layers: layers whose queries (after RoPE, at ``positions``) are appended to ``queries`` as float32
         [n, num_heads, head_dim] per layer (the query-aware recovery signal reads them).
+    recurrent: the sequence's linear-attention state (hybrid models), which the pass reads and stages its
+        successor in; None for a model without such layers or a pass that keeps nothing.
     """
 
     positions: torch.Tensor
@@ -46,6 +50,7 @@ class AttentionMetadata:
     capture_window: int = 32
     query_layers: frozenset[int] = frozenset()
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    recurrent: RecurrentState | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property

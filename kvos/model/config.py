@@ -23,7 +23,10 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the released checkpoints: the text model is read
 }
+HYBRID = ("qwen3_5",)  # linear-attention (gated delta-net) layers between the attention layers
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GELU (tanh approximation) as Gemma
 
@@ -63,6 +66,14 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer is a mixture of experts ...
     mlp_only_layers: tuple[int, ...] = ()  # ... but these, which keep a dense MLP
+    linear_layers: tuple[int, ...] = ()  # gated delta-net layers (hybrid models); the rest attend
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    rotary_dim: int | None = None  # the leading dims of each head that rotate (None: all of them)
+    attn_output_gate: bool = False  # the attention's output is gated by sigmoid(a second query projection)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -83,6 +94,18 @@ class ModelConfig:
             raise ConfigError(
                 f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}"
             )
+        if self.linear_layers and (
+            min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim) <= 0
+            or self.linear_conv_kernel <= 1
+            or self.linear_value_heads % self.linear_key_heads
+            or len(self.linear_layers) >= self.num_layers
+        ):
+            raise ConfigError(
+                "a hybrid model needs positive linear-attention head counts and dims, value heads a multiple "
+                "of key heads, a convolution of at least 2 taps and at least one attention layer"
+            )
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ConfigError(f"rotary_dim must be even and in (0, {self.head_dim}], got {self.rotary_dim}")
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(
                 f"MLP activation {self.hidden_act!r} is not supported; kvos implements "
@@ -93,6 +116,18 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that attend, hence keep K/V in the pool (every layer but a hybrid's linear ones);
+        the pool's layer ``j`` is the model's layer ``kv_layers[j]``."""
+        linear = set(self.linear_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """How many layers keep K/V (the pool's layers)."""
+        return self.num_layers - len(self.linear_layers)
 
     def window(self, layer: int) -> int | None:
         """The sliding-window length of ``layer``, or None for full attention."""
@@ -129,6 +164,8 @@ class ModelConfig:
                 f"architecture {arch!r} is not supported; kvos loads {', '.join(sorted(ARCHITECTURES))}"
             )
         model_type = ARCHITECTURES[arch]
+        if model_type in HYBRID and isinstance(raw.get("text_config"), dict):
+            raw = {**raw["text_config"], "architectures": [arch]}
         if model_type == "gemma3":
             _check_gemma3(raw)
         if raw.get("mlp_bias"):
@@ -139,6 +176,7 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             num_layers = int(raw["num_hidden_layers"])
+            head_dim = int(raw.get("head_dim") or hidden // num_heads)
             gemma = model_type == "gemma3"
             theta, scaling, local_theta = _gemma3_rope(raw) if gemma else (*_rope_settings(raw), None)
             return cls(
@@ -148,7 +186,7 @@ class ModelConfig:
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                head_dim=head_dim,
                 model_type=model_type,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
@@ -156,7 +194,7 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe"),
+                qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe", "qwen3_5"),
                 sliding_windows=_sliding_windows(raw, model_type, num_layers),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
@@ -168,6 +206,7 @@ class ModelConfig:
                 query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
                 final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
                 **_moe_fields(raw),
+                **(_hybrid_fields(raw, num_layers, head_dim) if model_type in HYBRID else {}),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks the required field {exc.args[0]!r}") from exc
@@ -221,6 +260,32 @@ def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
         "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
         "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }
+
+
+def _hybrid_fields(raw: dict[str, Any], num_layers: int, head_dim: int) -> dict[str, Any]:
+    """The linear-attention fields of a Qwen3.5 config: which layers are gated delta-nets (``layer_types``,
+    else every ``full_attention_interval``-th layer attends), their shape, the partial rotary dims and the
+    attention's output gate."""
+    types = raw.get("layer_types")
+    if not types:
+        interval = int(raw.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown or len(types) != num_layers:
+        raise UnsupportedModelError(f"layer_types must name each of {num_layers} layers; unknown: {unknown}")
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rotary = int(head_dim * factor)
+    return {
+        "linear_layers": tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        "linear_key_heads": int(raw["linear_num_key_heads"]),
+        "linear_value_heads": int(raw["linear_num_value_heads"]),
+        "linear_key_dim": int(raw["linear_key_head_dim"]),
+        "linear_value_dim": int(raw["linear_value_head_dim"]),
+        "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
+        "rotary_dim": None if rotary == head_dim else rotary,
+        "attn_output_gate": bool(raw.get("attn_output_gate", True)),
     }
 
 

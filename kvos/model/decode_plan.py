@@ -79,7 +79,10 @@ class DecodePlan:
     def of(cls, model: Transformer) -> DecodePlan | None:
         """The plan of a float32 model without an output bias; None otherwise (the generic path then runs
         every step)."""
-        if model.dtype != torch.float32 or any(layer.o_bias is not None for layer in model.layers):
+        if model.dtype != torch.float32 or any(
+            layer.o_bias is not None or layer.gate is not None or layer.delta is not None
+            for layer in model.layers
+        ):
             return None
         return cls(model, [_planned(model, i, layer) for i, layer in enumerate(model.layers)])
 

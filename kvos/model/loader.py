@@ -60,17 +60,33 @@ def load_hf(
     config = ModelConfig.from_file(root / "config.json")
     torch_dtype = resolve_dtype(dtype, config)
     weights = read_safetensors(safetensors_files(root), torch_dtype, torch.device(device))
-    if config.model_type == "gemma3":
+    if config.model_type == "qwen3_5":
+        weights = qwen3_5_text_weights(weights)
+    if config.model_type in ("gemma3", "qwen3_5"):
         shift_gemma_norms(weights)
     return Transformer(config, weights)
 
 
 def shift_gemma_norms(weights: dict[str, torch.Tensor]) -> None:
-    """Gemma's RMSNorms scale by ``1 + w``: store that sum (computed in float32, as Gemma does, then cast),
-    the weight every other norm applies (llama.cpp's converter does the same)."""
+    """Gemma's and Qwen3.5's RMSNorms scale by ``1 + w``: store that sum (computed in float32, as they do,
+    then cast), the weight every other norm applies (llama.cpp's converter does the same). Qwen3.5's gated
+    norm in its linear-attention layers scales by ``w`` and stays as it is."""
     for name, value in weights.items():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             weights[name] = (1.0 + value.float()).to(value.dtype)
+
+
+def qwen3_5_text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text model's tensors under the names of a causal LM: a released Qwen3.5 checkpoint
+    (``Qwen3_5ForConditionalGeneration``) keeps them under ``model.language_model.`` beside its vision
+    tower and multi-token-prediction head, which kvos does not use."""
+    prefix = "model.language_model."
+    if not any(name.startswith(prefix) for name in weights):
+        return weights
+    kept = {"model." + name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
+    if "lm_head.weight" in weights:
+        kept["lm_head.weight"] = weights["lm_head.weight"]
+    return kept
 
 
 def load_model(

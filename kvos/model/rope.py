@@ -50,9 +50,16 @@ TABLE_LIMIT = 1 << 20  # rotations reaching this far compute their angles direct
 class Rope:
     """Cos/sin tables computed on demand for arbitrary (possibly sparse) integer positions."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None, rotary_dim: int | None = None
+    ) -> None:
+        """``rotary_dim``: where only the first dims of a head rotate (Qwen3.5's quarter), their frequencies;
+        the other pairs get frequency 0 (they keep their values), and the head's dims must be laid out
+        as :func:`partial_rotary_order` puts them."""
         self.head_dim = head_dim
-        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.inv_freq = inverse_frequencies(rotary_dim or head_dim, theta, scaling)
+        if rotary_dim is not None and rotary_dim < head_dim:
+            self.inv_freq = torch.cat((self.inv_freq, torch.zeros((head_dim - rotary_dim) // 2)))
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(
@@ -164,6 +171,21 @@ class Rope:
         return self.reanchor(keys, positions, positions + delta)
 
 
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims that turns a partial rotation into a whole-head one: int64 [head_dim],
+    ``new[j] = old[order[j]]``.
+
+    A model that rotates its first ``rotary_dim`` dims pairs dim ``i`` with ``i + rotary_dim / 2``; a
+    whole-head rotation pairs ``j`` with ``j + head_dim / 2``. Putting the rotated pairs at the front of
+    each half, the untouched dims behind them, and giving those frequency 0 (:class:`Rope`) makes every
+    kernel that rotates whole heads compute the partial rotation. Scores do not change when queries and
+    keys are reordered alike (values are not)."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = list(range(0, half)) + list(range(rotary_dim, rotary_dim + rest))
+    second = list(range(half, rotary_dim)) + list(range(rotary_dim + rest, head_dim))
+    return torch.tensor(first + second, dtype=torch.int64)
+
+
 class LayerRopes:
     """The rotary embedding of each layer: one :class:`Rope` shared by every layer, or (Gemma 3) one for the
     sliding-window layers and another for the global ones. Whatever moves keys or rotates them back (a
@@ -176,7 +198,11 @@ class LayerRopes:
 
     @classmethod
     def of(
-        cls, head_dim: int, thetas: Sequence[float], scalings: Sequence[dict[str, Any] | None]
+        cls,
+        head_dim: int,
+        thetas: Sequence[float],
+        scalings: Sequence[dict[str, Any] | None],
+        rotary_dim: int | None = None,
     ) -> LayerRopes:
         """One rope per distinct (theta, scaling) among the layers' ``thetas`` and ``scalings``."""
         made: dict[str, Rope] = {}
@@ -184,7 +210,7 @@ class LayerRopes:
         for theta, scaling in zip(thetas, scalings, strict=True):
             key = repr((theta, sorted((scaling or {}).items())))
             if key not in made:
-                made[key] = Rope(head_dim, theta, scaling)
+                made[key] = Rope(head_dim, theta, scaling, rotary_dim)
             ropes.append(made[key])
         return cls(ropes)
 

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from kvos.errors import ModelLoadError
+from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.model import decode_kernel, layer_kernel
 from kvos.model.attention import (
     AttentionMetadata,
@@ -32,10 +32,11 @@ from kvos.model.attention import (
 )
 from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
+from kvos.model.delta_net import DeltaNet
 from kvos.model.experts import Experts
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
-from kvos.model.rope import LayerRopes, Rope
+from kvos.model.rope import LayerRopes, Rope, partial_rotary_order
 
 
 class KVStore(Protocol):
@@ -83,7 +84,10 @@ class LayerWeights:
     """One decoder layer, projections [out, in]: qkv [(H + 2 Hkv) * D, hidden], o [hidden, H * D],
     gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D]). ``post_attn_norm``
     and ``post_mlp_norm`` (Gemma's sandwich) norm the attention's and the MLP's outputs before the residual
-    adds them. A mixture-of-experts layer has ``experts`` in place of ``gate_up`` and ``down``."""
+    adds them. A mixture-of-experts layer has ``experts`` in place of ``gate_up`` and ``down``. ``gate``
+    [H * D, hidden] gates the attention's output by its sigmoid (Qwen3.5). A hybrid model's linear-attention
+    layer has ``delta`` (:class:`~kvos.model.delta_net.DeltaNet`): its ``qkv`` is the delta-net's fused input
+    projection and ``o`` its output projection; it has no q/k norms."""
 
     attn_norm: torch.Tensor
     qkv: Weight
@@ -98,6 +102,8 @@ class LayerWeights:
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
     experts: Experts | None = None
+    gate: Weight | None = None
+    delta: DeltaNet | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,8 +137,11 @@ class Transformer:
             raise ModelLoadError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
         self.lm_head = self.embed if head is None or config.tie_word_embeddings else head
         self.layers = [_layer(config, weights, i) for i in range(config.num_layers)]
-        thetas, scalings = zip(*(config.rope_of(i) for i in range(config.num_layers)), strict=True)
-        self.ropes = LayerRopes.of(config.head_dim, thetas, scalings)
+        # Everything past the layers counts attention layers only: the pool's layer j is kv_layers[j].
+        thetas, scalings = zip(*(config.rope_of(i) for i in config.kv_layers), strict=True)
+        self.ropes = LayerRopes.of(config.head_dim, thetas, scalings, config.rotary_dim)
+        self.windows = [config.window(i) for i in config.kv_layers]
+        self.kv_index = {layer: j for j, layer in enumerate(config.kv_layers)}
         self.embed_scale = None
         if config.embedding_multiplier is not None:  # as transformers: a float32 scalar cast to the dtype
             self.embed_scale = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(self.dtype)
@@ -188,8 +197,16 @@ class Transformer:
                 per_layer = [tables[id(rope)] for rope in self.ropes.per_layer]
                 return rms_norm(plan.run(x, per_layer, meta, kv), self.final_norm, eps)
         for i, layer in enumerate(self.layers):
-            cos, sin = tables[id(self.ropes[i])]
-            out = self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, meta, kv)
+            h = rms_norm(x, layer.attn_norm, eps)
+            if layer.delta is not None:
+                x = addmm(x, self._linear(i, layer.delta, h, meta), layer.o)
+                x = self._mlp(layer, x, eps)
+                continue
+            j = self.kv_index[i]
+            cos, sin = tables[id(self.ropes[j])]
+            out = self._attention(j, layer, h, cos, sin, meta, kv)
+            if layer.gate is not None:
+                out = out * torch.sigmoid(matmul(h, layer.gate))
             if layer.o_bias is not None:
                 x = x + layer.o_bias
             if layer.post_attn_norm is None:
@@ -211,6 +228,24 @@ class Transformer:
                 return addmm(x, gated, layer.down)
             out = matmul(gated, layer.down)
         return x + (out if layer.post_mlp_norm is None else rms_norm(out, layer.post_mlp_norm, eps))
+
+    def _linear(
+        self, index: int, delta: DeltaNet, h: torch.Tensor, meta: Batch | HeadAttentionMetadata
+    ) -> torch.Tensor:
+        """A linear-attention layer over h [n, hidden] (normed): each sequence's rows from its state
+        (``meta.recurrent``, zeros where it has none), the states after them staged there -> [n, value_heads
+        * value_dim], before the output projection."""
+        if not isinstance(meta, Batch):
+            raise UnsupportedModelError("per-head budgets do not run hybrid (linear-attention) models")
+        proj = delta.project(h)
+        outs = []
+        for m, (lo, hi) in zip(meta.metas, pairwise(meta.bounds), strict=True):
+            state = None if m.recurrent is None else m.recurrent.layers.get(index)
+            out, after = delta.run(proj[lo:hi], delta.empty_state() if state is None else state)
+            if m.recurrent is not None:
+                m.recurrent.stage(index, after, hi - lo)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids int64 [n] -> the embedded rows [n, hidden], scaled where the model scales them."""
@@ -242,6 +277,8 @@ class Transformer:
         """The first layer's queries of ``token_ids`` (int64 [n]) as at position 0, before any rotation:
         no attention runs before them, so they depend on the tokens alone -> float32 [n, heads, head_dim]."""
         c, layer = self.config, self.layers[0]
+        if layer.delta is not None or layer.gate is not None:
+            raise UnsupportedModelError("the first-layer query signal needs a plain attention first layer")
         h = rms_norm(self.embed_tokens(token_ids), layer.attn_norm, c.rms_norm_eps)
         qkv = matmul(h, layer.qkv) if layer.qkv_bias is None else addmm(layer.qkv_bias, h, layer.qkv)
         q = qkv.view(h.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)[:, : c.num_heads]
@@ -267,7 +304,7 @@ class Transformer:
         else:
             q, k, v = self._qkv(layer, h, cos, sin)
             if isinstance(meta, HeadAttentionMetadata):
-                return head_attention(q, k, v, meta, kv, c.window(index), index)
+                return head_attention(q, k, v, meta, kv, self.windows[index], index)
             kv.write(index, meta.write_slots, k, v)
         group, together = meta.decodes, {}
         decoded = None if group is None else self._attend_decodes(index, q, group, kv, slabs)
@@ -363,10 +400,10 @@ class Transformer:
         every = len(group.rows) == q.shape[0]  # every row a decode step (rows distinct, ascending)
         mine = q if every else q[group.rows]
         if fast:
-            return decode_kernel.decode_attention(mine, k_slab, v_slab, group, c.window(index), index)
+            return decode_kernel.decode_attention(mine, k_slab, v_slab, group, self.windows[index], index)
         keys, values = kv.gather_rows(index, group.head_rows(c.num_kv_heads))  # [B * Hkv * T, D]
         shape = (len(group.items) * c.num_kv_heads, -1, c.head_dim)
-        window = c.window(index)
+        window = self.windows[index]
         return grouped_decode_attention(mine, keys.view(shape), values.view(shape), group, window, index)
 
     def _attend(
@@ -388,7 +425,7 @@ class Transformer:
         else:
             keys, values = kv.gather(index, meta.read_slots)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
-        return paged_attention(q, keys, values, meta, self.config.window(index), index)
+        return paged_attention(q, keys, values, meta, self.windows[index], index)
 
 
 def as_stored(x: torch.Tensor, kv: KVStore) -> torch.Tensor:
@@ -446,28 +483,98 @@ def _fold_query_scale(config: ModelConfig, layers: Seq[LayerWeights]) -> None:
 
 def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights:
     p = f"model.layers.{i}."
-    names = ("q_proj", "k_proj", "v_proj")
-    bias = None
-    if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
-        bias = torch.cat([_dense(w, f"{p}self_attn.{n}.bias") for n in names])
     sandwich = config.sandwich_norms
     experts = _experts(config, w, i) if config.moe(i) else None
+    mlp = {
+        "mlp_norm": _dense(w, f"{p}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
+        "gate_up": None
+        if experts
+        else fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
+        "down": None if experts else stored(_need(w, f"{p}mlp.down_proj.weight")),
+        "post_mlp_norm": _dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None,
+        "experts": experts,
+    }
+    if i in config.linear_layers:
+        delta = _delta_net(config, w, i)
+        return LayerWeights(
+            attn_norm=_dense(w, f"{p}input_layernorm.weight"),
+            qkv=delta.in_proj,
+            qkv_bias=None,
+            o=stored(_need(w, f"{p}linear_attn.out_proj.weight")),
+            o_bias=None,
+            q_norm=None,
+            k_norm=None,
+            delta=delta,
+            **mlp,
+        )
+    q, k, v, gate = _attention_projections(config, w, p)
+    bias = None
+    if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
+        names = ("q_proj", "k_proj", "v_proj")
+        bias = torch.cat([_dense(w, f"{p}self_attn.{n}.bias") for n in names])
+        if config.rotary_dim is not None or config.attn_output_gate:
+            raise UnsupportedModelError("query/key biases with a partial rotation or an output gate")
+    q_norm = _dense(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None
+    k_norm = _dense(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None
+    if config.rotary_dim is not None and q_norm is not None and k_norm is not None:
+        order = partial_rotary_order(config.head_dim, config.rotary_dim)
+        q_norm, k_norm = q_norm[order], k_norm[order]
     return LayerWeights(
         attn_norm=_dense(w, f"{p}input_layernorm.weight"),
-        qkv=fuse([_need(w, f"{p}self_attn.{n}.weight") for n in names]),
+        qkv=fuse([q, k, v]),
         qkv_bias=bias,
         o=stored(_need(w, f"{p}self_attn.o_proj.weight")),
         o_bias=_dense_or_none(w, f"{p}self_attn.o_proj.bias"),
-        q_norm=_dense(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None,
-        k_norm=_dense(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None,
-        mlp_norm=_dense(w, f"{p}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
-        gate_up=None
-        if experts
-        else fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
-        down=None if experts else stored(_need(w, f"{p}mlp.down_proj.weight")),
+        q_norm=q_norm,
+        k_norm=k_norm,
         post_attn_norm=_dense(w, f"{p}post_attention_layernorm.weight") if sandwich else None,
-        post_mlp_norm=_dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None,
-        experts=experts,
+        gate=None if gate is None else stored(gate),
+        **mlp,
+    )
+
+
+def _attention_projections(
+    config: ModelConfig, w: Mapping[str, Weight], p: str
+) -> tuple[Weight, Weight, Weight, Weight | None]:
+    """q, k, v [heads * D, hidden] and the output gate (None without one) of an attention layer. Qwen3.5's
+    q_proj holds each head's query rows, then its gate rows; with a partial rotation the query and key rows
+    of each head are put in :func:`~kvos.model.rope.partial_rotary_order`."""
+    q, k, v = (_need(w, f"{p}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj"))
+    c, gate = config, None
+    rows = c.num_heads * c.head_dim
+    if c.attn_output_gate:
+        both = _dense_weight(q, "a gated query projection").view(c.num_heads, 2, c.head_dim, -1)
+        q, gate = both[:, 0].reshape(rows, -1), both[:, 1].reshape(rows, -1)
+    if c.rotary_dim is not None:
+        order = partial_rotary_order(c.head_dim, c.rotary_dim)
+        q = _dense_weight(q, "a partially rotated query").view(c.num_heads, c.head_dim, -1)[:, order]
+        k = _dense_weight(k, "a partially rotated key").view(c.num_kv_heads, c.head_dim, -1)[:, order]
+        q, k = q.reshape(rows, -1), k.reshape(c.num_kv_heads * c.head_dim, -1)
+    return q, k, v, gate
+
+
+def _dense_weight(weight: Weight, what: str) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor):
+        raise UnsupportedModelError(f"{what} must be a dense matrix here, not a quantized one")
+    return weight
+
+
+def _delta_net(config: ModelConfig, w: Mapping[str, Weight], i: int) -> DeltaNet:
+    """Layer ``i``'s gated delta-net (Hugging Face names: ``linear_attn.*``)."""
+    p = f"model.layers.{i}.linear_attn."
+    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    conv = _dense(w, f"{p}conv1d.weight")
+    return DeltaNet(
+        in_proj=fuse([_need(w, f"{p}{n}.weight") for n in names]),
+        conv=conv.reshape(conv.shape[0], -1),
+        neg_a=-_dense(w, f"{p}A_log").float().exp(),
+        dt_bias=_dense(w, f"{p}dt_bias").float(),
+        norm=_dense(w, f"{p}norm.weight"),
+        key_heads=config.linear_key_heads,
+        value_heads=config.linear_value_heads,
+        key_dim=config.linear_key_dim,
+        value_dim=config.linear_value_dim,
+        eps=config.rms_norm_eps,
     )
 
 

@@ -1,0 +1,49 @@
+"""A sequence's recurrent state: what a hybrid model's linear-attention layers carry instead of K/V.
+
+A forward pass reads :attr:`RecurrentState.layers` and leaves the states after its tokens in
+:attr:`RecurrentState.pending`; whoever ran the pass commits them when it succeeded and discards them when
+it failed, so that a failed pass leaves the sequence as it was (as the page tables' all-or-nothing
+appends do for K/V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvos.model.delta_net import DeltaState
+
+
+@dataclass
+class RecurrentState:
+    """Per linear-attention layer (model layer index) the state after :attr:`tokens` tokens."""
+
+    layers: dict[int, DeltaState] = field(default_factory=dict)
+    tokens: int = 0
+    pending: dict[int, DeltaState] = field(default_factory=dict)
+    pending_tokens: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the committed states."""
+        return sum(s.nbytes for s in self.layers.values())
+
+    def stage(self, layer: int, state: DeltaState, tokens: int) -> None:
+        """Keep ``layer``'s state after a pass over ``tokens`` new tokens until :meth:`commit`."""
+        self.pending[layer] = state
+        self.pending_tokens = tokens
+
+    def commit(self) -> None:
+        """The pass succeeded: its states become the sequence's."""
+        if self.pending:
+            self.layers.update(self.pending)
+            self.tokens += self.pending_tokens
+        self.discard()
+
+    def discard(self) -> None:
+        """The pass failed (or was only looked at): forget its states."""
+        self.pending = {}
+        self.pending_tokens = 0
+
+    def clone(self) -> RecurrentState:
+        """A copy of the committed states (a checkpoint, or a branch's own)."""
+        return RecurrentState({i: s.clone() for i, s in self.layers.items()}, self.tokens)

@@ -1,0 +1,174 @@
+"""Hybrid models (Qwen3.5): gated delta-net layers between attention layers, against transformers.
+
+A tiny random Qwen3.5 saved with ``save_pretrained`` is the reference: prefill (across the delta rule's
+chunks), token-by-token decode, slices, batched steps, the state a failed pass leaves, and the released
+checkpoints' layout (the text model under ``model.language_model.``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvos.engine.engine import Engine
+from kvos.errors import PoolOutOfMemoryError
+from kvos.memory.growth import GrowthPolicy
+from kvos.model.config import ModelConfig
+from kvos.model.delta_net import CHUNK
+from kvos.model.loader import load_model
+from kvos.model.rope import Rope, partial_rotary_order
+from tests.hf_models import build, hf_model
+
+pytest.importorskip("transformers")
+
+TOL = 1e-4  # float32 logits vs transformers
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3.5", tmp_path_factory.mktemp("qwen35"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> torch.Tensor:
+    """transformers' logits [150, vocab] over :data:`IDS`."""
+    with torch.no_grad():
+        return hf_model(tiny)(IDS[None]).logits[0].float()
+
+
+IDS = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(7))
+
+
+def test_the_config_names_the_linear_layers_and_the_partial_rotation(tiny: Path) -> None:
+    c = ModelConfig.from_file(tiny / "config.json")
+    assert c.model_type == "qwen3_5"
+    assert c.linear_layers == (0, 1, 2) and c.kv_layers == (3,) and c.num_kv_layers == 1
+    assert (c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim) == (2, 4, 16, 16)
+    assert c.rotary_dim == 8 and c.attn_output_gate and c.qk_norm
+
+
+def test_the_pool_keeps_the_attention_layers_only(tiny: Path) -> None:
+    engine = Engine(load_model(tiny, dtype="float32"))
+    assert engine.pool.layout.num_layers == 1
+    assert engine.pool.layout.bytes_per_token == 2 * 1 * 2 * 32 * 4
+
+
+def test_prefill_logits_match_transformers_across_chunks(tiny: Path, reference: torch.Tensor) -> None:
+    assert IDS.shape[0] > 2 * CHUNK  # three chunks of the delta rule, the last partial
+    engine = Engine(load_model(tiny, dtype="float32"))
+    out = engine.extend(engine.new_sequence(), IDS.tolist(), logits="all")
+    torch.testing.assert_close(out, reference, atol=TOL, rtol=0)
+
+
+def test_decode_steps_carry_the_state(tiny: Path, reference: torch.Tensor) -> None:
+    engine = Engine(load_model(tiny, dtype="float32"))
+    seq = engine.new_sequence()
+    engine.extend(seq, IDS[:20].tolist())
+    for t in range(20, 60):
+        logits = engine.decode(seq, int(IDS[t]))
+        torch.testing.assert_close(logits, reference[t], atol=TOL, rtol=0)
+    assert seq.recurrent is not None and seq.recurrent.tokens == 60
+    assert sorted(seq.recurrent.layers) == [0, 1, 2]
+
+
+def test_slices_equal_one_pass(tiny: Path, reference: torch.Tensor) -> None:
+    engine = Engine(load_model(tiny, dtype="float32"), prefill_slice=7)
+    out = engine.extend(engine.new_sequence(), IDS[:100].tolist(), logits="all")
+    torch.testing.assert_close(out, reference[:100], atol=TOL, rtol=0)
+
+
+def test_batched_steps_keep_each_sequence_its_own_state(tiny: Path, reference: torch.Tensor) -> None:
+    engine = Engine(load_model(tiny, dtype="float32"))
+    other_ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(8))
+    a, b = engine.new_sequence(), engine.new_sequence()
+    engine.extend(a, IDS[:30].tolist())
+    engine.extend(b, other_ids[:10].tolist())
+    alone = Engine(load_model(tiny, dtype="float32"))
+    solo = alone.new_sequence()
+    alone.extend(solo, other_ids[:10].tolist())
+    for t in range(10):
+        got_a, got_b = engine.step([(a, [int(IDS[30 + t])]), (b, [int(other_ids[10 + t])])])
+        torch.testing.assert_close(got_a[0], reference[30 + t], atol=TOL, rtol=0)
+        torch.testing.assert_close(got_b[0], alone.decode(solo, int(other_ids[10 + t])), atol=1e-5, rtol=0)
+    # a prefill slice and a decode step in one pass
+    c = engine.new_sequence()
+    got_c, got_a = engine.step([(c, IDS[:25].tolist()), (a, [int(IDS[40])])])
+    torch.testing.assert_close(got_c[0], reference[24], atol=TOL, rtol=0)
+    torch.testing.assert_close(got_a[0], reference[40], atol=TOL, rtol=0)
+
+
+def test_a_failed_pass_leaves_the_state_as_it_was(tiny: Path, reference: torch.Tensor) -> None:
+    model = load_model(tiny, dtype="float32")
+    block = 16
+    per_block = 2 * 1 * 2 * 32 * 4 * block
+    growth = GrowthPolicy(initial_tokens=block, max_bytes=2 * per_block)
+    engine = Engine(model, block_size=block, growth=growth)
+    seq = engine.new_sequence()
+    engine.extend(seq, IDS[:20].tolist())
+    assert seq.recurrent is not None
+    before = {i: s.ssm.clone() for i, s in seq.recurrent.layers.items()}
+    with pytest.raises(PoolOutOfMemoryError):
+        engine.extend(seq, IDS[20:60].tolist())  # 60 tokens need 4 blocks; the cap holds 2
+    assert seq.num_tokens == 20 and seq.recurrent.tokens == 20 and not seq.recurrent.pending
+    for i, s in seq.recurrent.layers.items():
+        assert torch.equal(s.ssm, before[i])
+    logits = engine.extend(seq, IDS[20:30].tolist(), logits="all")
+    torch.testing.assert_close(logits, reference[20:30], atol=TOL, rtol=0)
+
+
+def test_a_released_sequence_starts_from_zero(tiny: Path, reference: torch.Tensor) -> None:
+    engine = Engine(load_model(tiny, dtype="float32"))
+    seq = engine.new_sequence()
+    engine.extend(seq, IDS[50:80].tolist())
+    engine.release(seq)
+    assert seq.recurrent is not None and seq.recurrent.tokens == 0 and not seq.recurrent.layers
+    out = engine.extend(seq, IDS[:40].tolist(), logits="all")
+    torch.testing.assert_close(out, reference[:40], atol=TOL, rtol=0)
+
+
+def test_a_released_checkpoints_layout_loads_the_text_model(tiny: Path, tmp_path: Path) -> None:
+    """Qwen3.5 as released: ``Qwen3_5ForConditionalGeneration``, the text config nested, the text weights
+    under ``model.language_model.``, a vision tower beside them (ignored)."""
+    raw = json.loads((tiny / "config.json").read_text())
+    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": raw}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    weights = load_file(str(tiny / "model.safetensors"))
+    renamed = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+        for k, v in weights.items()
+    }
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    a = Engine(load_model(tiny, dtype="float32"))
+    b = Engine(load_model(tmp_path, dtype="float32"))
+    ids = IDS[:30].tolist()
+    assert torch.equal(a.extend(a.new_sequence(), ids), b.extend(b.new_sequence(), ids))
+
+
+def test_layer_types_default_to_every_fourth_layer_attending(tiny: Path) -> None:
+    raw = json.loads((tiny / "config.json").read_text())
+    del raw["layer_types"]
+    raw["num_hidden_layers"] = 8
+    assert ModelConfig.from_hf_dict(raw).kv_layers == (3, 7)
+
+
+def test_a_partial_rotation_is_a_whole_head_rotation_of_reordered_dims() -> None:
+    """Qwen3.5 rotates the first ``rotary_dim`` dims of a head (pairs i, i + rotary_dim / 2); reordered by
+    :func:`partial_rotary_order`, a whole-head rope with zero frequencies past them gives the same vector."""
+    head_dim, rotary, theta = 32, 8, 10_000.0
+    x = torch.randn(5, 2, head_dim, generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([0, 1, 7, 300, 4095])
+    inv = 1.0 / theta ** (torch.arange(0, rotary, 2).float() / rotary)
+    angles = positions.float()[:, None] * inv[None, :]
+    cos, sin = torch.cat((angles.cos(),) * 2, -1)[:, None], torch.cat((angles.sin(),) * 2, -1)[:, None]
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    half = torch.cat((-rot[..., rotary // 2 :], rot[..., : rotary // 2]), -1)
+    expected = torch.cat((rot * cos + half * sin, rest), -1)
+    rope, order = Rope(head_dim, theta, None, rotary), partial_rotary_order(head_dim, rotary)
+    got = Rope.apply(x[..., order], *rope.cos_sin(positions, torch.float32, torch.device("cpu")))
+    torch.testing.assert_close(got, expected[..., order], atol=1e-6, rtol=0)
+    assert sorted(order.tolist()) == list(range(head_dim))

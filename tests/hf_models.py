@@ -61,9 +61,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Hybrid models run their own tests (tests/test_hybrid.py): their recurrent state changes what eviction means.
-# Qwen3.5: three gated delta-net layers, then attention with a quarter of each head rotated and a gated output;
-# two key heads serving four value heads.
+# Hybrid models run their own tests (tests/test_hybrid*.py): their recurrent state changes what eviction
+# means. Qwen3.5: three gated delta-net layers, then attention with a quarter of each head rotated and a
+# gated output; two key heads serving four value heads.
 HYBRIDS: dict[str, dict[str, Any]] = {
     "qwen3.5": dict(
         arch="qwen3_5",

@@ -134,7 +134,11 @@ def test_a_released_checkpoints_layout_loads_the_text_model(tiny: Path, tmp_path
     """Qwen3.5 as released: ``Qwen3_5ForConditionalGeneration``, the text config nested, the text weights
     under ``model.language_model.``, a vision tower beside them (ignored)."""
     raw = json.loads((tiny / "config.json").read_text())
-    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": raw}
+    nested = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": raw,
+    }
     (tmp_path / "config.json").write_text(json.dumps(nested))
     weights = load_file(str(tiny / "model.safetensors"))
     renamed = {

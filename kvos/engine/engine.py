@@ -70,6 +70,7 @@ class Engine:
         capture_window: int = 0,
         query_layers: frozenset[int] = frozenset(),
         queries: dict[int, torch.Tensor] | None = None,
+        absorb: bool = True,
     ) -> torch.Tensor:
         """Append tokens to the last segment of ``seq`` and run them through the model in slices of
         :meth:`slice_tokens` tokens.
@@ -80,7 +81,8 @@ class Engine:
         float32 [num_heads, num_tokens], cache order): for a single token its own; for a prefill the mean
         over its last ``capture_window`` queries (0: none), taken in the final slice. The queries of
         ``query_layers`` are appended to ``queries``: layer -> float32 [n, heads, head_dim], rotated at the
-        tokens' positions.
+        tokens' positions. ``absorb=False`` (a hybrid model's recomputed chunk): the linear-attention layers
+        read the sequence's recurrent state and leave it as it was (it holds these tokens already).
         """
         ids = list(token_ids)
         if not ids:
@@ -91,6 +93,14 @@ class Engine:
         pos = list(positions)
         if len(pos) != len(ids):
             raise ConfigError(f"{len(ids)} tokens but {len(pos)} positions")
+        if not absorb and seq.recurrent is not None:
+            before = seq.recurrent.copy()
+            try:
+                return self.extend(
+                    seq, ids, pos, logits, capture_layers, captured, capture_window, query_layers, queries
+                )
+            finally:
+                seq.recurrent.layers, seq.recurrent.tokens = before.layers, before.tokens
         outputs = []
         size = self.slice_tokens()
         for lo in range(0, len(ids), size):

@@ -95,7 +95,8 @@ class ModelConfig:
                 f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}"
             )
         if self.linear_layers and (
-            min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim) <= 0
+            min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim)
+            <= 0
             or self.linear_conv_kernel <= 1
             or self.linear_value_heads % self.linear_key_heads
             or len(self.linear_layers) >= self.num_layers
@@ -104,7 +105,9 @@ class ModelConfig:
                 "a hybrid model needs positive linear-attention head counts and dims, value heads a multiple "
                 "of key heads, a convolution of at least 2 taps and at least one attention layer"
             )
-        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
             raise ConfigError(f"rotary_dim must be even and in (0, {self.head_dim}], got {self.rotary_dim}")
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(
@@ -270,11 +273,14 @@ def _hybrid_fields(raw: dict[str, Any], num_layers: int, head_dim: int) -> dict[
     types = raw.get("layer_types")
     if not types:
         interval = int(raw.get("full_attention_interval", 4))
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+        ]
     unknown = sorted(set(types) - {"full_attention", "linear_attention"})
     if unknown or len(types) != num_layers:
         raise UnsupportedModelError(f"layer_types must name each of {num_layers} layers; unknown: {unknown}")
-    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    params = raw.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
     factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     rotary = int(head_dim * factor)
     return {

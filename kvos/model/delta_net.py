@@ -28,7 +28,8 @@ L2_EPS = 1e-6  # the queries' and keys' L2 normalisation, as the reference kerne
 @dataclass(frozen=True)
 class DeltaState:
     """One sequence's state in one delta-net layer: ``conv`` [kernel - 1, conv_dim] (the last inputs of
-    the convolution, oldest first) and ``ssm`` float32 [value_heads, key_dim, value_dim]."""
+    the convolution, oldest first) and ``ssm`` float32 [value_heads, key_dim, value_dim]. Never written
+    in place (a pass makes a new one), so that checkpoints may share it."""
 
     conv: torch.Tensor
     ssm: torch.Tensor
@@ -36,9 +37,6 @@ class DeltaState:
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
-
-    def clone(self) -> DeltaState:
-        return DeltaState(self.conv.clone(), self.ssm.clone())
 
 
 @dataclass

@@ -83,7 +83,9 @@ def qwen3_5_text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Te
     prefix = "model.language_model."
     if not any(name.startswith(prefix) for name in weights):
         return weights
-    kept = {"model." + name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
+    kept = {
+        "model." + name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)
+    }
     if "lm_head.weight" in weights:
         kept["lm_head.weight"] = weights["lm_head.weight"]
     return kept

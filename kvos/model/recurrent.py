@@ -44,6 +44,7 @@ class RecurrentState:
         self.pending = {}
         self.pending_tokens = 0
 
-    def clone(self) -> RecurrentState:
-        """A copy of the committed states (a checkpoint, or a branch's own)."""
-        return RecurrentState({i: s.clone() for i, s in self.layers.items()}, self.tokens)
+    def copy(self) -> RecurrentState:
+        """The committed states, as a new object (a checkpoint, or a branch's own). Nothing is copied: a
+        pass never writes into a :class:`DeltaState`'s tensors, it makes new ones."""
+        return RecurrentState(dict(self.layers), self.tokens)

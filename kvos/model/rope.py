@@ -51,7 +51,11 @@ class Rope:
     """Cos/sin tables computed on demand for arbitrary (possibly sparse) integer positions."""
 
     def __init__(
-        self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None, rotary_dim: int | None = None
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         """``rotary_dim``: where only the first dims of a head rotate (Qwen3.5's quarter), their frequencies;
         the other pairs get frequency 0 (they keep their values), and the head's dims must be laid out

@@ -296,8 +296,8 @@ class Transformer:
         meta: Batch | HeadAttentionMetadata,
         kv: KVStore,
     ) -> torch.Tensor:
-        """h: [n, hidden] -> attention output [n, H * D], before the output projection."""
-        c = self.config
+        """h: [n, hidden] -> attention output [n, H * D], before the output projection. ``index`` is the
+        pool's layer (:attr:`kv_index` of the model's)."""
         slabs = None
         if isinstance(meta, Batch) and layer_kernel.usable(h):
             q, k, v, slabs = self._qkv_fused(index, layer, h, cos, sin, meta, kv)
@@ -485,15 +485,12 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
     p = f"model.layers.{i}."
     sandwich = config.sandwich_norms
     experts = _experts(config, w, i) if config.moe(i) else None
-    mlp = {
-        "mlp_norm": _dense(w, f"{p}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight"),
-        "gate_up": None
-        if experts
-        else fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")]),
-        "down": None if experts else stored(_need(w, f"{p}mlp.down_proj.weight")),
-        "post_mlp_norm": _dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None,
-        "experts": experts,
-    }
+    mlp_norm = _dense(w, f"{p}{'pre_feedforward' if sandwich else 'post_attention'}_layernorm.weight")
+    gate_up = None
+    if experts is None:
+        gate_up = fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")])
+    down = None if experts else stored(_need(w, f"{p}mlp.down_proj.weight"))
+    post_mlp_norm = _dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None
     if i in config.linear_layers:
         delta = _delta_net(config, w, i)
         return LayerWeights(
@@ -504,8 +501,12 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
             o_bias=None,
             q_norm=None,
             k_norm=None,
+            mlp_norm=mlp_norm,
+            gate_up=gate_up,
+            down=down,
+            post_mlp_norm=post_mlp_norm,
+            experts=experts,
             delta=delta,
-            **mlp,
         )
     q, k, v, gate = _attention_projections(config, w, p)
     bias = None
@@ -528,8 +529,12 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         q_norm=q_norm,
         k_norm=k_norm,
         post_attn_norm=_dense(w, f"{p}post_attention_layernorm.weight") if sandwich else None,
+        mlp_norm=mlp_norm,
+        gate_up=gate_up,
+        down=down,
+        post_mlp_norm=post_mlp_norm,
+        experts=experts,
         gate=None if gate is None else stored(gate),
-        **mlp,
     )
 
 

@@ -16,7 +16,7 @@ from kvos.policy.entropy import QUERY_FRACTIONS, entropy_bits, query_indices
 def text_entropies(engine: Engine, ids: Sequence[int], progress: tqdm | None = None) -> torch.Tensor:
     """Mean attention entropy in bits of the query tokens of ``ids`` (see :func:`query_indices`), per layer
     and query head: float64 ``[num_layers, num_heads]``. Uses and releases a fresh sequence."""
-    layers = frozenset(range(engine.model.config.num_layers))
+    layers = frozenset(range(engine.model.config.num_kv_layers))
     seq = engine.new_sequence()
     rows, start = [], 0
     try:

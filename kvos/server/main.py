@@ -291,7 +291,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
     )
     if config.retriever is not None:
         c = model.config
-        config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
+        config.retriever.check_model(c.num_kv_layers, c.num_heads, c.num_kv_heads, c.head_dim)
     print(f"[kvos] recovery signal: {config.signal} ({args.recovery_signal})", file=sys.stderr)
     if config.kv_compression is not None:
         note = "paged-out chunks are stored sparse"
@@ -308,7 +308,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         from kvos.policy.digest import head_mask, load_retrieval_heads
 
         config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
-        layers = config.digest_layers(model.config.num_layers)
+        layers = config.digest_layers(model.config.num_kv_layers)
         head_mask(config.retrieval_heads, layers, model.config.num_heads)  # a clear error now, not per turn
     tokenizer = with_chat_template(load_tokenizer(path), getattr(args, "chat_template", None))
     state = open_state(args, model, tokenizer, config)

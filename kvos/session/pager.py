@@ -102,10 +102,12 @@ class Pager:
         start: int | None = None,
         tap: frozenset[int] = frozenset(),
         queries: dict[int, torch.Tensor] | None = None,
+        absorb: bool = True,
     ) -> torch.Tensor:
         """Prefill a new chunk at the end of the cache; returns the last logits [1, vocab] or hidden states.
         With ``capture_layers``, the attention of the chunk's last 32 queries goes into ``captured``; the
-        queries of layers ``tap`` go into ``queries``.
+        queries of layers ``tap`` go into ``queries``. ``absorb=False`` for a chunk the history holds already
+        (a recompute): a hybrid model's recurrent state stays as it is (:meth:`Engine.extend`).
         All or nothing: if the pool runs out, the chunk leaves no trace and the error propagates."""
         seg = self.open(chunk, start)
         chunk.key_code = None  # new K/V: a code made from the old ones no longer holds
@@ -114,7 +116,16 @@ class Pager:
         window = 32 if capture_layers else 0
         try:
             return self.engine.extend(
-                self.seq, chunk.token_ids, positions, logits, capture_layers, captured, window, tap, queries
+                self.seq,
+                chunk.token_ids,
+                positions,
+                logits,
+                capture_layers,
+                captured,
+                window,
+                tap,
+                queries,
+                absorb,
             )
         except BaseException:
             del self.segments[chunk.chunk_id]
@@ -265,8 +276,9 @@ class Pager:
             self.compact()
 
     def recompute(self, chunk: Chunk) -> None:
-        """Re-prefill a discarded chunk's tokens at the end of the cache (recovery by recompute)."""
-        self.append(chunk)
+        """Re-prefill a discarded chunk's tokens at the end of the cache (recovery by recompute). A hybrid
+        model's recurrent state has them already: it reads them without taking them in again."""
+        self.append(chunk, absorb=False)
 
     def discard(self, chunk: Chunk) -> None:
         """Forget a chunk entirely (history truncation): free its pool blocks or its saved copy."""
@@ -352,7 +364,7 @@ class Pager:
             pos = torch.tensor(positions, dtype=torch.int64)
             saved = self._take(chunk)
             if saved is None:
-                self.append(chunk, start=positions[0])
+                self.append(chunk, start=positions[0], absorb=False)
                 recomputed.append(cid)
                 continue
             seg = self.engine.splice(

@@ -29,6 +29,7 @@ from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
 from kvos.policy.compression import compression_name, parse_compression
 from kvos.policy.planner import plan_truncate
 from kvos.session.arbiter import PoolArbiter
+from kvos.session.checkpoints import RecurrentCheckpoints
 from kvos.session.compressor import ChunkCompressor
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import make_embedder
@@ -103,7 +104,7 @@ class Session:
         self.embed = make_embedder(config.embedder, engine)
         self.memory = SessionMemory(session_id, config, self.history, self.pager, arbiter, self.embed)
         self.signal = signal(self.memory, answer)  # similarity recovery's scorer, chosen once
-        tapped = config.digest_layers(engine.model.config.num_layers) if config.uses_digests else ()
+        tapped = config.digest_layers(engine.model.config.num_kv_layers) if config.uses_digests else ()
         self.pager.digest_layers = tapped
         self.queries = QueryTap(tapped if signal.taps_message else (), engine.model.ropes)
         if signal.needs_retriever:
@@ -111,13 +112,14 @@ class Session:
             c = engine.model.config
             config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
             self.pager.retriever = config.retriever
-        self.capture = config.layers_to_capture(engine.model.config.num_layers)
+        self.capture = config.layers_to_capture(engine.model.config.num_kv_layers)
         self.last_logits: torch.Tensor | None = None
         self.logits_at = -1  # history length at which last_logits were computed
         self._swapped: list[tuple[int, list[int]]] = []
         self.writer = ReplyWriter(self)
         self.compressor = ChunkCompressor(config.kv_compression, engine)
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
+        self.checkpoints = RecurrentCheckpoints()  # a hybrid model's recurrent state at chunk boundaries
 
     @property
     def chunks(self) -> dict[int, Chunk]:
@@ -199,6 +201,7 @@ class Session:
         costs.add(recovery_s=time.perf_counter() - began - costs.restore_s)
         if self.memory.focus.update(query, boundary=boundary):
             self.memory.journal.log(self.history.turn, "focus", snapped=True)
+        self._checkpoint()  # the state before the message, should it be prefilled again
         began = time.perf_counter()
         chunks = self._append(ids, kind, keep, priority, message_index, tap=tap.wanted)
         costs.add(prefill_s=time.perf_counter() - began)
@@ -222,6 +225,11 @@ class Session:
         if not all(c.resident for c in message) or order[-len(ids) :] != ids:
             return
         starts = [int(c.current_start or 0) for c in message]
+        if self.pager.seq.recurrent is not None:  # a hybrid model reads the message again from before it
+            at, state = self.checkpoints.at_or_before(message[0].original_start)
+            if at != message[0].original_start:
+                return
+            self.pager.seq.recurrent = state
         for chunk in message:
             self.pager.discard(chunk)
         for chunk, start in zip(message, starts, strict=True):
@@ -277,6 +285,7 @@ class Session:
         """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens. The learned
         signal's key code is made first, from the keys as the model wrote them: its retriever was
         calibrated on those, and its threshold does not hold for codes of sparsified keys."""
+        self._checkpoint()
         if not self.compressor.pending(chunk, self.pager):
             return
         if self.pager.retriever is not None and chunk.key_code is None:
@@ -366,13 +375,26 @@ class Session:
                 self._user_turn(ids, span.kind, keep, priority, span.message_index, task_boundary, locked)
             else:
                 self._append(ids, span.kind, keep, priority, span.message_index)
+        self._checkpoint()
         return SyncResult(reused=common, decoded=len(prompt) - common)
+
+    def _checkpoint(self) -> None:
+        """Keep a hybrid model's recurrent state at the history's length (nothing for other models)."""
+        recurrent = self.pager.seq.recurrent
+        if recurrent is not None:
+            self.checkpoints.take(self.history.tokens, recurrent)
 
     def truncate(self, length: int) -> int:
         """Cut the logical history to ``length`` tokens as :func:`~kvos.policy.planner.plan_truncate`
         plans it; returns the length kept (shorter when the cut falls inside a chunk that is not resident:
-        that chunk goes whole)."""
+        that chunk goes whole; for a hybrid model, at the latest checkpoint of its recurrent state)."""
+        state = None
+        if self.pager.seq.recurrent is not None:
+            length, state = self.checkpoints.at_or_before(length)
         cut = plan_truncate(list(self.chunks.values()), length)
+        while state is not None and cut.length != length:  # the cut went further back than the checkpoint
+            length, state = self.checkpoints.at_or_before(cut.length)
+            cut = plan_truncate(list(self.chunks.values()), length)
         if cut.trim is not None:
             chunk_id, keep = cut.trim
             chunk = self.chunks[chunk_id]
@@ -388,6 +410,9 @@ class Session:
         if self.config.position_mode == "compact":
             self.pager.compact()
         self.history.tokens = cut.length
+        if state is not None:
+            self.pager.seq.recurrent = state
+            self.checkpoints.drop_after(cut.length)
         self.memory.journal.log(self.history.turn, "truncate", tokens=cut.length)
         return cut.length
 

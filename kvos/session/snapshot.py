@@ -33,6 +33,8 @@ import torch
 from kvos.errors import ChunkDataError, SnapshotError
 from kvos.memory import container
 from kvos.memory.store import FILE_SUFFIX, ChunkStore, write_chunk_file
+from kvos.model.delta_net import DeltaState
+from kvos.model.recurrent import RecurrentState
 from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.compression import compression_name
 from kvos.policy.focus import TaskFocus
@@ -264,6 +266,30 @@ def _session_state(session: Session, table: TensorTable) -> dict[str, Any]:
         "last_logits": None if logits is None else table.add("last_logits", logits),
         "next_chunk": session.history.next_id,
         "kv_compression": compression_name(session.compressor.method),
+        "recurrent": _recurrent_state(session, table),
+    }
+
+
+def _recurrent_state(session: Session, table: TensorTable) -> dict[str, Any] | None:
+    """A hybrid model's recurrent state and its checkpoints (None for other models); a tensor shared by
+    several of them is stored once."""
+    live = session.pager.seq.recurrent
+    if live is None:
+        return None
+    names: dict[int, dict[str, str]] = {}
+
+    def ref(t: torch.Tensor) -> dict[str, str]:
+        if id(t) not in names:
+            names[id(t)] = table.add(f"recurrent.{len(names)}", t)
+        return names[id(t)]
+
+    def encode(state: RecurrentState) -> dict[str, Any]:
+        layers = {str(i): {"conv": ref(d.conv), "ssm": ref(d.ssm)} for i, d in state.layers.items()}
+        return {"tokens": state.tokens, "layers": layers}
+
+    return {
+        "live": encode(live),
+        "checkpoints": [[at, encode(state)] for at, state in session.checkpoints.entries],
     }
 
 
@@ -275,6 +301,33 @@ def _load_session(session: Session, state: dict[str, Any], table: TensorTable) -
     session.history.next_id = int(state["next_chunk"])
     if state.get("kv_compression", "sparse:custom") != "sparse:custom":  # else the server's setting
         session.set_compression(str(state["kv_compression"]))
+    _load_recurrent(session, state.get("recurrent"), table)
+
+
+def _load_recurrent(session: Session, raw: dict[str, Any] | None, table: TensorTable) -> None:
+    """Give a hybrid model's session its saved recurrent state; ValueError when the snapshot and the model
+    disagree on having one, or the state does not cover the history."""
+    if (raw is None) != (session.pager.seq.recurrent is None):
+        raise ValueError("the snapshot's recurrent state does not match the model (hybrid or not)")
+    if raw is None:
+        return
+    device = session.engine.model.device
+
+    def decode(enc: dict[str, Any]) -> RecurrentState:
+        layers = {
+            int(i): DeltaState(table.get(d["conv"]).to(device), table.get(d["ssm"]).to(device))
+            for i, d in enc["layers"].items()
+        }
+        return RecurrentState(layers, int(enc["tokens"]))
+
+    live = decode(raw["live"])
+    if live.tokens != session.history.tokens:
+        raise ValueError(
+            f"the recurrent state holds {live.tokens} tokens, the history {session.history.tokens}"
+        )
+    session.pager.seq.recurrent = live
+    for at, enc in raw["checkpoints"]:
+        session.checkpoints.entries.append((int(at), decode(enc)))
 
 
 def _in_order(chunks: Any) -> list[Chunk]:

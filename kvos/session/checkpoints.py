@@ -1,0 +1,60 @@
+"""Checkpoints of a hybrid model's recurrent state at a session's chunk boundaries.
+
+The linear-attention layers of a hybrid model (Qwen3.5) fold every token into one fixed-size state per
+sequence, which cannot be cut into chunks as K/V can. A session that truncates its history (a client
+re-sent a different tail, a cancelled reply) or forks a branch needs the state as it was at that length.
+The session keeps it at its last chunk boundaries; a cut between two checkpoints moves back to the one
+before and the prompt's sync prefills the tokens after it again. The empty state at length 0 is always
+there, so a cut older than every checkpoint re-reads the history from its start.
+"""
+
+from __future__ import annotations
+
+from kvos.model.recurrent import RecurrentState
+
+KEPT = 8  # checkpoints a session keeps besides the empty one (each a full recurrent state)
+
+
+class RecurrentCheckpoints:
+    """(history length, recurrent state after it), ascending lengths, at most ``kept`` of them."""
+
+    def __init__(self, kept: int = KEPT) -> None:
+        self.kept = kept
+        self.entries: list[tuple[int, RecurrentState]] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the states held here that the live state does not share (an upper bound: two
+        checkpoints between which no token came share theirs)."""
+        seen: set[int] = set()
+        total = 0
+        for _, state in self.entries:
+            for layer in state.layers.values():
+                if id(layer) not in seen:
+                    seen.add(id(layer))
+                    total += layer.nbytes
+        return total
+
+    def take(self, length: int, state: RecurrentState) -> None:
+        """Remember ``state`` as the state after ``length`` tokens of history (replacing any at or past
+        ``length``: the history was cut and grew again)."""
+        self.drop_after(length - 1)
+        self.entries.append((length, state.copy()))
+        del self.entries[: -self.kept]
+
+    def at_or_before(self, length: int) -> tuple[int, RecurrentState]:
+        """The latest checkpoint at or before ``length`` tokens: (its length, a copy of its state)."""
+        for at, state in reversed(self.entries):
+            if at <= length:
+                return at, state.copy()
+        return 0, RecurrentState()
+
+    def drop_after(self, length: int) -> None:
+        """Forget the checkpoints past ``length`` tokens (the history no longer reaches them)."""
+        self.entries = [(at, s) for at, s in self.entries if at <= length]
+
+    def copy_until(self, length: int) -> RecurrentCheckpoints:
+        """A branch's own checkpoints: these, up to ``length`` tokens."""
+        out = RecurrentCheckpoints(self.kept)
+        out.entries = [(at, s.copy()) for at, s in self.entries if at <= length]
+        return out

@@ -1,0 +1,191 @@
+"""A hybrid model's sessions: the recurrent state under truncation, branches, swaps, restarts and paging.
+
+The attention layers' chunks are paged as for any model; the linear-attention layers' state, which cannot
+be cut into chunks, is checkpointed at chunk boundaries. Each test compares with a fresh session that was
+given the same history directly (never cut, forked, swapped or restarted): the logits must agree within
+the dense models' session tolerance.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvos.engine.engine import Engine
+from kvos.memory.store import ChunkStore
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkKind, ChunkState
+from kvos.session import snapshot
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+from kvos.session.prompt import Span
+from kvos.session.session import Session
+from tests.hf_models import build
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+BUILTIN = Path(__file__).resolve().parents[1] / "kvos" / "builtin" / "model"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3.5 (three delta-net layers, one attention layer, twice) with the built-in tokenizer."""
+    path = build("qwen3.5", tmp_path_factory.mktemp("qwen35"), seed=5, vocab_size=2048, num_hidden_layers=8)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUILTIN / name, path / name)
+    return path
+
+
+def manager(model_dir: Path, budget: int = 4096, store_dir: Path | None = None) -> MemoryManager:
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=budget, policy="hard"),
+        chunk_tokens=24,
+        embedder="tokens",
+        recovery_signal="lexical",
+    )
+    factory = None if store_dir is None else (lambda sid: ChunkStore(1 << 30, store_dir, write_through=True))
+    engine = Engine(load_model(model_dir, dtype="float32"), block_size=8)
+    return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=factory)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def spans(*parts: list[int]) -> list[Span]:
+    return [Span(list(p), ChunkKind.DOCUMENT, message_index=i) for i, p in enumerate(parts)]
+
+
+def fresh_logits(model_dir: Path, *parts: list[int]) -> torch.Tensor:
+    s = manager(model_dir).session("fresh")
+    s.sync(spans(*parts))
+    assert s.last_logits is not None
+    return s.last_logits
+
+
+def test_a_diverging_prompt_goes_back_to_the_checkpoint_before_it(model_dir: Path) -> None:
+    head, middle, tail, other = tokens(1, 50), tokens(2, 40), tokens(3, 20), tokens(4, 15)
+    s = manager(model_dir).session("s")
+    s.sync(spans(head, middle, tail))
+    # diverge 10 tokens into `middle`'s second chunk (chunks of 24: 50 = 24 + 24 + 2, then 24 + 16)
+    result = s.sync(spans(head, middle[:34], other))
+    assert result.reused == 74  # the last checkpoint at or before 84 tokens: the end of middle's first chunk
+    assert s.pager.seq.recurrent is not None and s.pager.seq.recurrent.tokens == s.history.tokens == 99
+    torch.testing.assert_close(
+        s.last_logits, fresh_logits(model_dir, head, middle[:34], other), rtol=0, atol=TOL
+    )
+
+
+def test_a_cut_older_than_every_checkpoint_reads_the_history_again(model_dir: Path) -> None:
+    s = manager(model_dir).session("s")
+    parts = [tokens(10 + i, 24) for i in range(12)]  # 12 chunk boundaries, more than the session keeps
+    for i in range(1, 13):
+        s.sync(spans(*parts[:i]))
+    assert s.checkpoints.entries[0][0] > 24
+    other = tokens(30, 10)
+    result = s.sync(spans(parts[0][:10], other))
+    assert result.reused == 0
+    torch.testing.assert_close(s.last_logits, fresh_logits(model_dir, parts[0][:10], other), rtol=0, atol=TOL)
+
+
+def test_a_branch_starts_from_the_parents_state_at_its_length(model_dir: Path) -> None:
+    head, tail, other = tokens(5, 72), tokens(6, 20), tokens(7, 12)
+    mm = manager(model_dir)
+    parent = mm.session("main")
+    parent.sync(spans(head))
+    parent.sync(spans(head, tail))
+    child = mm.fork("main", "branch", 60)  # inside head's third chunk: back to the checkpoint at 48
+    assert child.history.tokens == 48
+    assert child.pager.seq.recurrent is not None and child.pager.seq.recurrent.tokens == 48
+    child.sync(spans(head, other))
+    torch.testing.assert_close(child.last_logits, fresh_logits(model_dir, head, other), rtol=0, atol=TOL)
+    whole = mm.fork("main", "whole", parent.history.tokens)  # the whole history: the parent's live state
+    whole.sync(spans(head, tail, other))
+    torch.testing.assert_close(
+        whole.last_logits, fresh_logits(model_dir, head, tail, other), rtol=0, atol=TOL
+    )
+
+
+def test_a_swap_keeps_the_state(model_dir: Path) -> None:
+    head, more = tokens(8, 60), tokens(9, 20)
+    mm = manager(model_dir)
+    s = mm.session("s")
+    s.sync(spans(head))
+    s.swap_out()
+    assert s.pager.active_tokens == 0
+    s.swap_in()
+    s.sync(spans(head, more))
+    torch.testing.assert_close(s.last_logits, fresh_logits(model_dir, head, more), rtol=0, atol=TOL)
+
+
+def restored(model_dir: Path, source: Path, target: Path) -> Session:
+    """The session saved in ``source``, restored from a copy of it (a restart reads what is on disk)."""
+    shutil.copytree(source, target)
+    s = manager(model_dir, store_dir=target).session("s")
+    snapshot.restore(snapshot.load(target / "s.snap"), s, target)
+    s.swap_in()
+    return s
+
+
+def test_a_restart_restores_the_state_and_its_checkpoints(model_dir: Path, tmp_path: Path) -> None:
+    head, middle, more = tokens(11, 60), tokens(12, 30), tokens(13, 20)
+    original = manager(model_dir, store_dir=tmp_path / "a").session("s")
+    original.sync(spans(head, middle))
+    snapshot.save(original, tmp_path / "a", "s.snap")
+    copy = restored(model_dir, tmp_path / "a", tmp_path / "b")
+    assert copy.pager.seq.recurrent is not None and copy.pager.seq.recurrent.tokens == 90
+    assert [at for at, _ in copy.checkpoints.entries] == [at for at, _ in original.checkpoints.entries]
+    copy.sync(spans(head, middle, more))
+    torch.testing.assert_close(
+        copy.last_logits, fresh_logits(model_dir, head, middle, more), rtol=0, atol=TOL
+    )
+    cut = restored(model_dir, tmp_path / "a", tmp_path / "c")  # and a cut after the restart
+    cut.sync(spans(head[:50], more))
+    torch.testing.assert_close(cut.last_logits, fresh_logits(model_dir, head[:50], more), rtol=0, atol=TOL)
+
+
+def test_a_snapshot_without_the_state_is_refused_for_a_hybrid_model(model_dir: Path, tmp_path: Path) -> None:
+    original = manager(model_dir, store_dir=tmp_path).session("s")
+    original.sync(spans(tokens(14, 30)))
+    snap = snapshot.save(original, tmp_path, "s.snap")
+    snap.header["session"]["recurrent"] = None
+    with pytest.raises(Exception, match="recurrent state"):
+        snapshot.restore(snap, manager(model_dir, store_dir=tmp_path).session("s"), tmp_path)
+
+
+def test_paging_under_a_budget_keeps_the_state_in_step_with_the_history(model_dir: Path) -> None:
+    """Evicted chunks leave the recurrent state as it is (it holds them already), and a recomputed one is
+    read without being taken in again."""
+    s = manager(model_dir, budget=64).session("s")
+    parts = [tokens(20 + i, 30) for i in range(6)]
+    for i in range(1, 7):
+        s.sync(spans(*parts[:i]))
+        assert s.pager.seq.recurrent is not None and s.pager.seq.recurrent.tokens == s.history.tokens
+    assert s.memory.journal.count("evict") > 0 and s.pager.active_tokens <= 64
+    lost = next(c for c in s.chunks.values() if c.state is not ChunkState.RESIDENT)
+    before = dict(s.pager.seq.recurrent.layers)
+    s.pager.discard(lost)
+    s.pager.recompute(lost)
+    assert s.pager.seq.recurrent.layers == before and s.pager.seq.recurrent.tokens == s.history.tokens
+
+
+def test_a_reply_and_a_new_turn_continue_as_a_fresh_session(model_dir: Path) -> None:
+    """A reply's tokens go into the state as they are decoded; the next turn equals a fresh session given
+    the same history."""
+    head, turn = tokens(40, 40), tokens(41, 12)
+    mm = manager(model_dir)
+    s: Session = mm.session("s")
+    s.sync(spans(head))
+    from kvos.engine.sampling import SamplingParams
+
+    reply = [e.token_id for e in s.reply(SamplingParams(max_tokens=30, ignore_eos=True))]
+    ids = [t for t in reply if t is not None]
+    assert len(ids) == 30
+    s.sync(spans(head, ids, turn))
+    torch.testing.assert_close(s.last_logits, fresh_logits(model_dir, head, ids, turn), rtol=0, atol=TOL)

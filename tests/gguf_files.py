@@ -268,3 +268,118 @@ def llama3_divisors(config: dict[str, Any], scaling: dict[str, Any]) -> np.ndarr
             smooth = (old / wavelength - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(divisors, dtype=np.float32)
+
+
+# Qwen3.5 (``qwen35``) as llama.cpp's converter writes it: the delta-nets under ssm_* / attn_qkv / attn_gate
+# names, the value heads reordered from grouped by key head to tiled over the key heads, -exp(A_log) stored
+# in place of A_log, 1 + w for every norm but the delta-net's gated one, the convolution squeezed to
+# [channels, taps], post_attention_norm before the MLP.
+_QWEN35 = {
+    **{k: v for k, v in _LAYER.items() if k != "post_attention_layernorm"},
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+
+
+def _tiled(values: np.ndarray, axis: int, key_heads: int, head_dim: int, inverse: bool = False) -> np.ndarray:
+    """Value heads (of ``head_dim`` along ``axis``) from grouped by key head to tiled (or back)."""
+    moved = np.moveaxis(values, axis, 0)
+    per_key = moved.shape[0] // key_heads // head_dim
+    shape = (per_key, key_heads) if inverse else (key_heads, per_key)
+    out = moved.reshape(*shape, head_dim, *moved.shape[1:]).swapaxes(0, 1).reshape(moved.shape)
+    return np.moveaxis(out, 0, axis)
+
+
+def write_qwen35(
+    hf_dir: Path, path: Path, qtype: str, seed: int = 0, mtp_block: bool = True
+) -> dict[str, torch.Tensor]:
+    """Convert a tiny Qwen3.5 checkpoint as llama.cpp does (see above) with its matrices as ``qtype``; with
+    ``mtp_block`` a multi-token prediction block is appended as the converter appends one. Returns the values
+    the file holds in Hugging Face names and layout (float32), for transformers."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    hk, dk, dv = (
+        config["linear_num_key_heads"],
+        config["linear_key_head_dim"],
+        config["linear_value_head_dim"],
+    )
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    reference: dict[str, torch.Tensor] = {}
+    key_rows = 2 * hk * dk
+    for name, weight in state.items():
+        values = grouped = weight.float().numpy()
+        axis, head = None, dv  # where the value heads lie (rows, columns), and their size there
+        if name.endswith("in_proj_z.weight"):
+            axis = 0
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log")):
+            axis, head = 0, 1
+        elif name.endswith("out_proj.weight"):
+            axis = 1
+        if name.endswith("in_proj_qkv.weight"):
+            values = np.concatenate((values[:key_rows], _tiled(values[key_rows:], 0, hk, dv)))
+        elif name.endswith("conv1d.weight"):
+            squeezed = values.reshape(values.shape[0], -1)
+            values = np.concatenate((squeezed[:key_rows], _tiled(squeezed[key_rows:], 0, hk, dv)))
+        elif axis is not None:
+            values = _tiled(values, axis, hk, head)
+        stored = -np.exp(values) if name.endswith("A_log") else values
+        shift = name.endswith("norm.weight") and "linear_attn.norm" not in name
+        kind = qtype if stored.ndim == 2 and "conv1d" not in name else "F32"
+        raw, held = encode(stored + 1.0 if shift else stored, kind, rng)
+        tensors[_qwen35_name(name)] = (raw, kind)
+        if shift or name.endswith("A_log") or kind == "F32":
+            reference[name] = torch.from_numpy(np.array(grouped, dtype=np.float32))
+            continue
+        back = held.reshape(stored.shape)
+        if name.endswith("in_proj_qkv.weight"):
+            back = np.concatenate((back[:key_rows], _tiled(back[key_rows:], 0, hk, dv, inverse=True)))
+        elif axis is not None:
+            back = _tiled(back, axis, hk, head, inverse=True)
+        reference[name] = torch.from_numpy(np.array(back, dtype=np.float32))
+    layers = config["num_hidden_layers"]
+    if mtp_block:  # what kvos must leave out: a block past the model's own
+        tensors[f"blk.{layers}.nextn.eh_proj.weight"] = (np.zeros((4, 8), dtype=np.float32), "F32")
+    head_dim = config["head_dim"]
+    rope = config["rope_parameters"]
+    keys = {
+        "block_count": layers + int(mtp_block),
+        "nextn_predict_layers": int(mtp_block),
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "rope.freq_base": float(rope["rope_theta"]),
+        "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        "rope.dimension_sections": [11, 11, 10, 0],
+        "ssm.conv_kernel": config["linear_conv_kernel_dim"],
+        "ssm.state_size": dk,
+        "ssm.group_count": hk,
+        "ssm.time_step_rank": config["linear_num_value_heads"],
+        "ssm.inner_size": config["linear_num_value_heads"] * dv,
+        "full_attention_interval": 4,
+    }
+    write_file(path, "qwen35", {f"qwen35.{k}": v for k, v in keys.items()}, tensors)
+    return reference
+
+
+def _qwen35_name(name: str) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    _, _, layer, rest = name.split(".", 3)
+    if rest == "linear_attn.dt_bias":
+        return f"blk.{layer}.ssm_dt.bias"
+    if rest == "linear_attn.A_log":
+        return f"blk.{layer}.ssm_a"
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_QWEN35[module]}.{kind}"

@@ -72,6 +72,7 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    linear_heads_tiled: bool = False  # value head j reads key head j % key heads (GGUF), else j // group
     rotary_dim: int | None = None  # the leading dims of each head that rotate (None: all of them)
     attn_output_gate: bool = False  # the attention's output is gated by sigmoid(a second query projection)
 

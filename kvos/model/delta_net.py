@@ -49,6 +49,8 @@ class DeltaNet:
     conv: [conv_dim, kernel] depthwise causal convolution (no bias).
     neg_a: float32 [value_heads], ``-exp(A_log)``; dt_bias: float32 [value_heads].
     norm: [value_dim] the gated RMSNorm's weight (applied as is, not as ``1 + w``).
+    tiled: value head ``j`` reads key head ``j % key_heads`` (llama.cpp's GGUF files reorder the value heads
+        so); else ``j // (value_heads / key_heads)`` (Hugging Face's order).
     The output projection is the layer's ``o``.
     """
 
@@ -62,6 +64,7 @@ class DeltaNet:
     key_dim: int
     value_dim: int
     eps: float
+    tiled: bool = False
 
     @property
     def conv_dim(self) -> int:
@@ -104,11 +107,13 @@ class DeltaNet:
         return normed.reshape(n, hv * dv).to(proj.dtype), DeltaState(new_conv, ssm)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """[n, key_heads * key_dim] -> float32 [n, value_heads, key_dim]: each key head serves
-        ``value_heads / key_heads`` consecutive value heads."""
+        """[n, key_heads * key_dim] -> float32 [n, value_heads, key_dim]: the key head of each value head
+        (see :attr:`tiled`)."""
         x = x.float().view(n, self.key_heads, self.key_dim)
         repeat = self.value_heads // self.key_heads
-        return x if repeat == 1 else x.repeat_interleave(repeat, dim=1)
+        if repeat == 1:
+            return x
+        return x.repeat(1, repeat, 1) if self.tiled else x.repeat_interleave(repeat, dim=1)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,19 @@ from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.memory.heap import release_free_heap
 from kvos.model.config import ModelConfig
 from kvos.model.dtype import resolve_dtype
-from kvos.model.gguf_config import PERMUTED_ARCHITECTURES, architecture, config_from_metadata, hf_name
+from kvos.model.gguf_config import (
+    PERMUTED_ARCHITECTURES,
+    architecture,
+    config_from_metadata,
+    decoder_layers,
+    hf_name,
+)
 from kvos.model.gguf_kernel import TYPE_IDS
 from kvos.model.gguf_reader import GGUFFile, TensorInfo, read_gguf_file
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import Weight
 from kvos.model.quant import KEPT_TYPES, QuantizedWeight
+from kvos.model.qwen35_layout import attention_rows
 from kvos.model.transformer import Transformer
 
 QType = gguf.GGMLQuantizationType
@@ -91,6 +98,12 @@ class GGUFTensor:
         elements = self.raw.reshape(self.shape[0], -1)[order]
         return GGUFTensor(self.name, self.qtype, self.shape, elements.reshape(1, -1))
 
+    def take_rows(self, order: np.ndarray, name: str) -> GGUFTensor:
+        """The matrix of this one's rows ``order`` (any subset, in that order), named ``name``."""
+        if len(self.shape) != 2:
+            raise UnsupportedModelError(f"{self.name}: rows are taken from matrices only")
+        return GGUFTensor(name, self.qtype, (len(order), self.shape[1]), self.raw[order])
+
 
 def interleaved_to_halves_order(rows: int, heads: int) -> np.ndarray:
     """Row order that turns a [heads * head_dim, cols] projection written for interleaved-pair RoPE
@@ -129,6 +142,7 @@ def _record(tensor: TensorInfo) -> GGUFTensor:
 
 
 # llama.cpp stores a layer's experts as one tensor a projection: [experts, rows, cols]
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
@@ -161,10 +175,15 @@ def _unpermute(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
 
 def _named_tensors(file: GGUFFile, arch: str) -> tuple[dict[str, GGUFTensor], np.ndarray | None]:
     """The weights under kvos names, and the values of ``rope_freqs.weight`` (Llama 3.1+ RoPE frequency
-    divisors, which kvos turns into rope scaling), if the file has it."""
+    divisors, which kvos turns into rope scaling), if the file has it. The blocks of multi-token prediction
+    heads (``nextn_predict_layers``, after the model's own) are left out: kvos decodes one token a step."""
     tensors: dict[str, GGUFTensor] = {}
     divisors = None
+    first_mtp = decoder_layers(file.metadata)
     for item in file.tensors:
+        block = _BLOCK.match(item.name)
+        if block is not None and int(block.group(1)) >= first_mtp:
+            continue
         record = _record(item)
         if item.name == "rope_freqs.weight":
             divisors = record.dequantize(torch.float32).numpy()
@@ -200,7 +219,26 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
     config = config_from_metadata(metadata, embed.shape[0], tied, rope_divisors=divisors)
     if arch in PERMUTED_ARCHITECTURES:
         _unpermute(tensors, config)
+    if config.attn_output_gate or config.rotary_dim is not None:
+        _rearrange(tensors, config)
     return config, tensors, metadata
+
+
+def _rearrange(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
+    """Qwen3.5's attention rows in kvos's layout (:mod:`kvos.model.qwen35_layout`), in place: quantized
+    rows move whole."""
+    rows = attention_rows(config)
+    for layer in config.kv_layers:
+        p = f"model.layers.{layer}.self_attn."
+        q = tensors[p + "q_proj.weight"]
+        tensors[p + "q_proj.weight"] = q.take_rows(rows.query.numpy(), p + "q_proj.weight")
+        if config.attn_output_gate:
+            tensors[p + "gate_proj.weight"] = q.take_rows(rows.gate.numpy(), p + "gate_proj.weight")
+        k = tensors[p + "k_proj.weight"]
+        tensors[p + "k_proj.weight"] = k.take_rows(rows.key.numpy(), p + "k_proj.weight")
+        for norm in ("q_norm.weight", "k_norm.weight"):
+            if p + norm in tensors:
+                tensors[p + norm] = tensors[p + norm].permute_rows(rows.dims.numpy())
 
 
 WeightMaker = Callable[[GGUFTensor], Weight]

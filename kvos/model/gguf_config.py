@@ -26,6 +26,7 @@ from kvos.model.rope import inverse_frequencies
 ARCHITECTURES = {
     **{name: name for name in ("llama", "mistral", "qwen2", "qwen3", "gemma3")},
     "qwen3moe": "qwen3_moe",
+    "qwen35": "qwen3_5",
 }
 # Architectures whose attn_q / attn_k rows llama.cpp's converter permutes for interleaved-pair RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
@@ -56,7 +57,22 @@ _GEMMA3_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+# Qwen3.5 (``qwen35``): the norm before the MLP is post_attention_norm; the gated delta-nets' tensors
+_QWEN35_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# whole names: the delta-net's dt bias, and its decay rate -exp(A_log) as the file stores it (no suffix)
+_QWEN35_WHOLE = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.neg_a"}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)")
+_WHOLE_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_.]+)")
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -68,7 +84,10 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+    whole = _WHOLE_TENSOR.fullmatch(gguf_name)
+    if arch == "qwen35" and whole and whole.group(2) in _QWEN35_WHOLE:
+        return f"model.layers.{whole.group(1)}.{_QWEN35_WHOLE[whole.group(2)]}"
+    names = {"gemma3": _GEMMA3_NAMES, "qwen35": _QWEN35_NAMES}.get(arch, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in names:
         layer, part, kind = match.groups()
@@ -84,6 +103,13 @@ def architecture(metadata: Mapping[str, Any]) -> str:
             f"GGUF architecture {arch!r} is not supported; kvos loads {', '.join(sorted(ARCHITECTURES))}"
         )
     return str(arch)
+
+
+def decoder_layers(metadata: Mapping[str, Any]) -> int:
+    """The model's own layers: ``block_count`` less the multi-token prediction blocks llama.cpp's converter
+    appends to some (``nextn_predict_layers``, Qwen3.5 and Qwen3-Next)."""
+    arch = architecture(metadata)
+    return int(_get(metadata, f"{arch}.block_count")) - int(metadata.get(f"{arch}.nextn_predict_layers", 0))
 
 
 def _get(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -167,12 +193,12 @@ def config_from_metadata(
     hidden = int(_get(metadata, f"{arch}.embedding_length"))
     head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // heads)
     rope_dims = metadata.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    if rope_dims is not None and int(rope_dims) != head_dim and arch != "qwen35":
         raise UnsupportedModelError(
             f"partial rotary embedding ({rope_dims} of {head_dim} head dims) is not supported"
         )
     eos = metadata.get("tokenizer.ggml.eos_token_id")
-    layers = int(_get(metadata, f"{arch}.block_count"))
+    layers = decoder_layers(metadata)
     theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = _rope_scaling(metadata, arch)
     if rope_divisors is not None:
@@ -181,6 +207,7 @@ def config_from_metadata(
         scaling = llama3_scaling(rope_divisors, head_dim, theta)
     gemma = _gemma3_fields(metadata, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
     moe = _moe_fields(metadata, arch) if arch == "qwen3moe" else {}
+    hybrid = _qwen35_fields(metadata, layers, head_dim) if arch == "qwen35" else {}
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,
@@ -199,11 +226,12 @@ def config_from_metadata(
         max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=tied,
         attention_bias=False,
-        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "qwen35"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         **gemma,
         **moe,
+        **hybrid,
     )
 
 
@@ -215,6 +243,38 @@ def _moe_fields(metadata: Mapping[str, Any], arch: str) -> dict[str, Any]:
         "num_experts_per_tok": int(_get(metadata, f"{arch}.expert_used_count")),
         "moe_intermediate_size": int(_get(metadata, f"{arch}.expert_feed_forward_length")),
         "norm_topk_prob": True,
+    }
+
+
+def _qwen35_fields(metadata: Mapping[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
+    """A ``qwen35`` file's hybrid layout: which layers are gated delta-nets (``attention.recurrent_layers``,
+    else every ``full_attention_interval``-th layer attends, 4 by default), their shape from the ``ssm.*``
+    keys (one head size for keys and values, as llama.cpp reads them), the rotated dims, the output gate.
+    llama.cpp's converter orders the value heads tiled over the key heads."""
+    recurrent = metadata.get("qwen35.attention.recurrent_layers")
+    if recurrent is not None:
+        if len(recurrent) < layers:
+            raise ModelLoadError(f"attention.recurrent_layers has {len(recurrent)} entries, {layers} layers")
+        linear = tuple(i for i in range(layers) if bool(recurrent[i]))
+    else:
+        interval = int(metadata.get("qwen35.full_attention_interval", 4))
+        linear = tuple(i for i in range(layers) if (i + 1) % interval)
+    state = int(_get(metadata, "qwen35.ssm.state_size"))
+    value_heads = int(_get(metadata, "qwen35.ssm.time_step_rank"))
+    inner = int(_get(metadata, "qwen35.ssm.inner_size"))
+    if inner != value_heads * state:
+        raise UnsupportedModelError(f"ssm.inner_size {inner} is not {value_heads} value heads of {state}")
+    rotary = int(metadata.get("qwen35.rope.dimension_count", head_dim))
+    return {
+        "linear_layers": linear,
+        "linear_key_heads": int(_get(metadata, "qwen35.ssm.group_count")),
+        "linear_value_heads": value_heads,
+        "linear_key_dim": state,
+        "linear_value_dim": state,
+        "linear_conv_kernel": int(_get(metadata, "qwen35.ssm.conv_kernel")),
+        "linear_heads_tiled": True,
+        "rotary_dim": None if rotary == head_dim else rotary,
+        "attn_output_gate": True,
     }
 
 

@@ -17,6 +17,7 @@ from kvos.model.config import ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf import load_gguf
 from kvos.model.llama2c import load_llama2c
+from kvos.model.qwen35_layout import rearranged
 from kvos.model.transformer import Transformer
 
 
@@ -64,6 +65,8 @@ def load_hf(
         weights = qwen3_5_text_weights(weights)
     if config.model_type in ("gemma3", "qwen3_5"):
         shift_gemma_norms(weights)
+    if config.model_type == "qwen3_5":
+        weights = rearranged(config, weights)
     return Transformer(config, weights)
 
 

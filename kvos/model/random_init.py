@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    # sized like Qwen3.5-0.8B: 24 layers, every fourth attending (6 keep K/V), 8 / 2 heads of 256 with a
+    # quarter rotated and a gated output, gated delta-nets of 16 key / 16 value heads of 128
+    "qwen3.5-0.8b-shape": dict(
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        full_attention_interval=4,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -79,20 +103,54 @@ def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     }
     if not spec.get("tie_word_embeddings"):
         w["lm_head.weight"] = normal(spec["vocab_size"], hidden)
-    shapes = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
+    hybrid = spec["model_type"] == "qwen3_5_text"
+    gated = 2 if hybrid else 1  # Qwen3.5's q_proj holds each head's query and output gate
+    kv_rows = kv_heads * head_dim
+    shapes = {"q_proj": gated * heads * head_dim, "k_proj": kv_rows, "v_proj": kv_rows}
+    interval = int(spec.get("full_attention_interval", 4))
     for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        w[f"{p}mlp.gate_proj.weight"] = normal(inter, hidden)
+        w[f"{p}mlp.up_proj.weight"] = normal(inter, hidden)
+        w[f"{p}mlp.down_proj.weight"] = normal(hidden, inter)
+        norm = torch.zeros if hybrid else torch.ones  # Qwen3.5's norms scale by 1 + w
+        w[f"{p}input_layernorm.weight"] = norm(hidden)
+        w[f"{p}post_attention_layernorm.weight"] = norm(hidden)
+        if hybrid and (i + 1) % interval:
+            w.update(_delta_net_weights(spec, p + "linear_attn.", normal, g))
+            continue
+        if hybrid:
+            w[f"{p}self_attn.q_norm.weight"] = torch.zeros(head_dim)
+            w[f"{p}self_attn.k_norm.weight"] = torch.zeros(head_dim)
         for name, rows in shapes.items():
             w[f"{p}self_attn.{name}.weight"] = normal(rows, hidden)
             if spec["model_type"] == "qwen2":
                 w[f"{p}self_attn.{name}.bias"] = normal(rows)
         w[f"{p}self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
-        w[f"{p}mlp.gate_proj.weight"] = normal(inter, hidden)
-        w[f"{p}mlp.up_proj.weight"] = normal(inter, hidden)
-        w[f"{p}mlp.down_proj.weight"] = normal(hidden, inter)
-        w[f"{p}input_layernorm.weight"] = torch.ones(hidden)
-        w[f"{p}post_attention_layernorm.weight"] = torch.ones(hidden)
+    if hybrid:
+        w["model.norm.weight"] = torch.zeros(hidden)
     return w
+
+
+def _delta_net_weights(
+    spec: dict[str, Any], p: str, normal: Callable[..., torch.Tensor], g: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """A gated delta-net layer's tensors under Hugging Face names (prefix ``p``): normal projections, the
+    decay's A in [1, 16) as transformers initialises it, dt_bias 1, a unit gated norm."""
+    hidden, hk, hv = spec["hidden_size"], spec["linear_num_key_heads"], spec["linear_num_value_heads"]
+    dk, dv = spec["linear_key_head_dim"], spec["linear_value_head_dim"]
+    conv = 2 * hk * dk + hv * dv
+    return {
+        f"{p}in_proj_qkv.weight": normal(conv, hidden),
+        f"{p}in_proj_z.weight": normal(hv * dv, hidden),
+        f"{p}in_proj_b.weight": normal(hv, hidden),
+        f"{p}in_proj_a.weight": normal(hv, hidden),
+        f"{p}conv1d.weight": torch.randn(conv, 1, spec["linear_conv_kernel_dim"], generator=g) * 0.2,
+        f"{p}A_log": (1 + 15 * torch.rand(hv, generator=g)).log(),
+        f"{p}dt_bias": torch.ones(hv),
+        f"{p}norm.weight": torch.ones(dv),
+        f"{p}out_proj.weight": normal(hidden, hv * dv),
+    }
 
 
 def write_byte_tokenizer(path: Path) -> None:

@@ -36,7 +36,7 @@ from kvos.model.delta_net import DeltaNet
 from kvos.model.experts import Experts
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
-from kvos.model.rope import LayerRopes, Rope, partial_rotary_order
+from kvos.model.rope import LayerRopes, Rope
 
 
 class KVStore(Protocol):
@@ -508,18 +508,14 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
             experts=experts,
             delta=delta,
         )
-    q, k, v, gate = _attention_projections(config, w, p)
+    q, k, v = (_need(w, f"{p}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj"))
     bias = None
     if config.attention_bias or f"{p}self_attn.q_proj.bias" in w:
         names = ("q_proj", "k_proj", "v_proj")
         bias = torch.cat([_dense(w, f"{p}self_attn.{n}.bias") for n in names])
-        if config.rotary_dim is not None or config.attn_output_gate:
-            raise UnsupportedModelError("query/key biases with a partial rotation or an output gate")
     q_norm = _dense(w, f"{p}self_attn.q_norm.weight") if config.qk_norm else None
     k_norm = _dense(w, f"{p}self_attn.k_norm.weight") if config.qk_norm else None
-    if config.rotary_dim is not None and q_norm is not None and k_norm is not None:
-        order = partial_rotary_order(config.head_dim, config.rotary_dim)
-        q_norm, k_norm = q_norm[order], k_norm[order]
+    gate = _need(w, f"{p}self_attn.gate_proj.weight") if config.attn_output_gate else None
     return LayerWeights(
         attn_norm=_dense(w, f"{p}input_layernorm.weight"),
         qkv=fuse([q, k, v]),
@@ -538,41 +534,17 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
     )
 
 
-def _attention_projections(
-    config: ModelConfig, w: Mapping[str, Weight], p: str
-) -> tuple[Weight, Weight, Weight, Weight | None]:
-    """q, k, v [heads * D, hidden] and the output gate (None without one) of an attention layer. Qwen3.5's
-    q_proj holds each head's query rows, then its gate rows; with a partial rotation the query and key rows
-    of each head are put in :func:`~kvos.model.rope.partial_rotary_order`."""
-    q, k, v = (_need(w, f"{p}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj"))
-    c, gate = config, None
-    rows = c.num_heads * c.head_dim
-    if c.attn_output_gate:
-        both = _dense_weight(q, "a gated query projection").view(c.num_heads, 2, c.head_dim, -1)
-        q, gate = both[:, 0].reshape(rows, -1), both[:, 1].reshape(rows, -1)
-    if c.rotary_dim is not None:
-        order = partial_rotary_order(c.head_dim, c.rotary_dim)
-        q = _dense_weight(q, "a partially rotated query").view(c.num_heads, c.head_dim, -1)[:, order]
-        k = _dense_weight(k, "a partially rotated key").view(c.num_kv_heads, c.head_dim, -1)[:, order]
-        q, k = q.reshape(rows, -1), k.reshape(c.num_kv_heads * c.head_dim, -1)
-    return q, k, v, gate
-
-
-def _dense_weight(weight: Weight, what: str) -> torch.Tensor:
-    if not isinstance(weight, torch.Tensor):
-        raise UnsupportedModelError(f"{what} must be a dense matrix here, not a quantized one")
-    return weight
-
-
 def _delta_net(config: ModelConfig, w: Mapping[str, Weight], i: int) -> DeltaNet:
     """Layer ``i``'s gated delta-net (Hugging Face names: ``linear_attn.*``)."""
     p = f"model.layers.{i}.linear_attn."
     names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
     conv = _dense(w, f"{p}conv1d.weight")
+    # -exp(A_log): a GGUF file stores it so (``neg_a`` here), a Hugging Face checkpoint stores A_log
+    neg_a = _dense(w, f"{p}neg_a").float() if f"{p}neg_a" in w else -_dense(w, f"{p}A_log").float().exp()
     return DeltaNet(
         in_proj=fuse([_need(w, f"{p}{n}.weight") for n in names]),
         conv=conv.reshape(conv.shape[0], -1),
-        neg_a=-_dense(w, f"{p}A_log").float().exp(),
+        neg_a=neg_a,
         dt_bias=_dense(w, f"{p}dt_bias").float(),
         norm=_dense(w, f"{p}norm.weight"),
         key_heads=config.linear_key_heads,
@@ -580,6 +552,7 @@ def _delta_net(config: ModelConfig, w: Mapping[str, Weight], i: int) -> DeltaNet
         key_dim=config.linear_key_dim,
         value_dim=config.linear_value_dim,
         eps=config.rms_norm_eps,
+        tiled=config.linear_heads_tiled,
     )
 
 

@@ -1,0 +1,62 @@
+"""Where the rows of Qwen3.5's attention projections go in kvos's layout, for its two file formats.
+
+Qwen3.5's ``q_proj`` holds, head by head, the head's query rows and then its output gate's rows; and only the
+first quarter of each head's dims rotate. kvos keeps the queries and the gate as two matrices
+(``self_attn.q_proj`` and ``self_attn.gate_proj``) and the query and key dims of each head in
+:func:`~kvos.model.rope.partial_rotary_order`, so that every kernel that rotates whole heads computes the
+partial rotation. The orders are row indexes: a Hugging Face tensor is indexed with them, a GGUF one's raw
+rows are (quantized rows move whole), so both formats reach the model in one layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvos.errors import UnsupportedModelError
+from kvos.model.config import ModelConfig
+from kvos.model.rope import partial_rotary_order
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """Row indexes (int64) into a layer's stored projections: ``query`` and ``gate`` into ``q_proj``
+    [heads * 2 * head_dim rows], ``key`` into ``k_proj``; ``dims`` reorders a head's dims (the q/k norms)."""
+
+    query: torch.Tensor
+    gate: torch.Tensor
+    key: torch.Tensor
+    dims: torch.Tensor
+
+
+def attention_rows(config: ModelConfig) -> AttentionRows:
+    """The orders for ``config`` (``attn_output_gate`` and/or a partial ``rotary_dim``)."""
+    d, heads = config.head_dim, config.num_heads
+    dims = torch.arange(d) if config.rotary_dim is None else partial_rotary_order(d, config.rotary_dim)
+    per_head = 2 * d if config.attn_output_gate else d
+    base = torch.arange(heads)[:, None] * per_head
+    query = (base + dims[None, :]).reshape(-1)
+    gate = (base + d + torch.arange(d)[None, :]).reshape(-1) if config.attn_output_gate else query[:0]
+    key = (torch.arange(config.num_kv_heads)[:, None] * d + dims[None, :]).reshape(-1)
+    return AttentionRows(query, gate, key, dims)
+
+
+def rearranged(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of a Qwen3.5 text model in kvos's layout (the module docstring): each attention
+    layer's ``q_proj`` split into queries and ``gate_proj``, queries, keys and their norms reordered."""
+    rows = attention_rows(config)
+    out = dict(weights)
+    for layer in config.kv_layers:
+        p = f"model.layers.{layer}.self_attn."
+        if p + "q_proj.bias" in weights:
+            raise UnsupportedModelError("query/key biases with Qwen3.5's gated, partially rotated attention")
+        q = weights[p + "q_proj.weight"]
+        out[p + "q_proj.weight"] = q[rows.query]
+        if config.attn_output_gate:
+            out[p + "gate_proj.weight"] = q[rows.gate]
+        out[p + "k_proj.weight"] = weights[p + "k_proj.weight"][rows.key]
+        for norm in ("q_norm.weight", "k_norm.weight"):
+            if p + norm in weights:
+                out[p + norm] = weights[p + norm][rows.dims]
+    return out

@@ -1,0 +1,79 @@
+"""Qwen3.5 GGUF files (``qwen35``), written as llama.cpp's converter writes them, against transformers.
+
+The converter tiles the delta-nets' value heads over the key heads, stores -exp(A_log) and 1 + w norms, keeps
+the attention's query and output gate interleaved per head and appends a multi-token prediction block; kvos
+must read every one of those right for its logits to match transformers given the values the file holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvos.engine.engine import Engine
+from kvos.model import activations
+from kvos.model.gguf import read_gguf
+from kvos.model.loader import load_model
+from tests.gguf_files import write_qwen35
+from tests.hf_models import build, hf_model
+
+pytest.importorskip("transformers")
+
+TOL = 2e-4  # float32 logits vs transformers, over 80 tokens (two chunks of the delta rule)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3.5", tmp_path_factory.mktemp("qwen35"), seed=4)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "dtype"), [("F32", "float32"), ("F16", None), ("Q8_0", None), ("Q4_0", None)]
+)
+def test_logits_match_transformers(
+    hf_dir: Path, tmp_path: Path, qtype: str, dtype: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(activations, "MODE", "float32")
+    held = write_qwen35(hf_dir, tmp_path / "m.gguf", qtype)
+    reference = hf_model(hf_dir)
+    missing, unexpected = reference.load_state_dict(held, strict=False)
+    assert not missing and not unexpected
+    ids = torch.randint(0, 97, (80,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    engine = Engine(load_model(tmp_path / "m.gguf", dtype=dtype), block_size=4)
+    seq = engine.new_sequence()
+    got = engine.extend(seq, ids[:60], logits="all")
+    assert (got - expected[:60]).abs().max().item() <= TOL
+    for t in range(60, 80):  # decode steps from the carried state
+        assert (engine.decode(seq, ids[t]) - expected[t]).abs().max().item() <= TOL
+
+
+def test_the_config_reads_the_hybrid_layout_and_leaves_the_prediction_block_out(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    write_qwen35(hf_dir, tmp_path / "m.gguf", "Q8_0")
+    config, tensors, metadata = read_gguf(tmp_path / "m.gguf")
+    assert metadata["qwen35.block_count"] == 5 and config.num_layers == 4
+    assert config.model_type == "qwen3_5" and config.linear_layers == (0, 1, 2) and config.kv_layers == (3,)
+    assert config.rotary_dim == 8 and config.attn_output_gate and config.linear_heads_tiled
+    assert (config.linear_key_heads, config.linear_value_heads, config.linear_key_dim) == (2, 4, 16)
+    assert not any(name.startswith("model.layers.4.") for name in tensors)
+    assert tensors["model.layers.3.self_attn.q_proj.weight"].shape == (4 * 32, 64)  # the gate split off
+    assert tensors["model.layers.3.self_attn.gate_proj.weight"].shape == (4 * 32, 64)
+
+
+def test_value_heads_in_the_wrong_order_give_other_logits(hf_dir: Path, tmp_path: Path) -> None:
+    """The tiled order matters: read as grouped (Hugging Face's order), the same file computes otherwise."""
+    write_qwen35(hf_dir, tmp_path / "m.gguf", "F32")
+    model = load_model(tmp_path / "m.gguf", dtype="float32")
+    ids = list(range(3, 40))
+    engine = Engine(model)
+    right = engine.extend(engine.new_sequence(), ids)
+    for layer in model.layers:
+        if layer.delta is not None:
+            layer.delta.tiled = False
+    wrong = engine.extend(engine.new_sequence(), ids)
+    assert (right - wrong).abs().max().item() > 1e-3

@@ -284,6 +284,10 @@ _QWEN35 = {
     "linear_attn.conv1d": "ssm_conv1d",
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -299,9 +303,10 @@ def _tiled(values: np.ndarray, axis: int, key_heads: int, head_dim: int, inverse
 def write_qwen35(
     hf_dir: Path, path: Path, qtype: str, seed: int = 0, mtp_block: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Convert a tiny Qwen3.5 checkpoint as llama.cpp does (see above) with its matrices as ``qtype``; with
-    ``mtp_block`` a multi-token prediction block is appended as the converter appends one. Returns the values
-    the file holds in Hugging Face names and layout (float32), for transformers."""
+    """Convert a tiny Qwen3.5 (or Qwen3.5-MoE: ``qwen35moe``, experts stacked, the shared expert's gate a
+    vector) checkpoint as llama.cpp does (see above) with its matrices as ``qtype``; with ``mtp_block`` a
+    multi-token prediction block is appended as the converter appends one. Returns the values the file holds
+    in Hugging Face names and layout (float32), for transformers."""
     config = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
     hk, dk, dv = (
@@ -313,8 +318,20 @@ def write_qwen35(
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     reference: dict[str, torch.Tensor] = {}
     key_rows = 2 * hk * dk
+    moe = bool(config.get("num_experts"))
+    for stack, (names, stacked) in _expert_stacks(state).items():
+        raw, held = encode(stacked.reshape(-1, stacked.shape[-1]), qtype, rng)
+        tensors[stack] = (raw.reshape(*stacked.shape[:2], -1), qtype)
+        for e, name in enumerate(names):
+            reference[name] = torch.from_numpy(np.array(held, dtype=np.float32)).view(stacked.shape)[e]
     for name, weight in state.items():
+        if ".mlp.experts." in name:
+            continue
         values = grouped = weight.float().numpy()
+        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers: F32, a gate a vector
+            tensors[_qwen35_name(name)] = (values.reshape(-1) if "shared" in name else values, "F32")
+            reference[name] = weight.float()
+            continue
         axis, head = None, dv  # where the value heads lie (rows, columns), and their size there
         if name.endswith("in_proj_z.weight"):
             axis = 0
@@ -348,12 +365,11 @@ def write_qwen35(
         tensors[f"blk.{layers}.nextn.eh_proj.weight"] = (np.zeros((4, 8), dtype=np.float32), "F32")
     head_dim = config["head_dim"]
     rope = config["rope_parameters"]
-    keys = {
+    keys: dict[str, Any] = {
         "block_count": layers + int(mtp_block),
         "nextn_predict_layers": int(mtp_block),
         "context_length": config["max_position_embeddings"],
         "embedding_length": config["hidden_size"],
-        "feed_forward_length": config["intermediate_size"],
         "attention.head_count": config["num_attention_heads"],
         "attention.head_count_kv": config["num_key_value_heads"],
         "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
@@ -369,7 +385,14 @@ def write_qwen35(
         "ssm.inner_size": config["linear_num_value_heads"] * dv,
         "full_attention_interval": 4,
     }
-    write_file(path, "qwen35", {f"qwen35.{k}": v for k, v in keys.items()}, tensors)
+    if moe:
+        keys["expert_count"], keys["expert_used_count"] = config["num_experts"], config["num_experts_per_tok"]
+        keys["expert_feed_forward_length"] = config["moe_intermediate_size"]
+        keys["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
+    else:
+        keys["feed_forward_length"] = config["intermediate_size"]
+    arch = "qwen35moe" if moe else "qwen35"
+    write_file(path, arch, {f"{arch}.{k}": v for k, v in keys.items()}, tensors)
     return reference
 
 
@@ -381,5 +404,7 @@ def _qwen35_name(name: str) -> str:
         return f"blk.{layer}.ssm_dt.bias"
     if rest == "linear_attn.A_log":
         return f"blk.{layer}.ssm_a"
+    if rest == "mlp.gate.weight":
+        return f"blk.{layer}.ffn_gate_inp.weight"
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{_QWEN35[module]}.{kind}"

@@ -75,6 +75,21 @@ HYBRIDS: dict[str, dict[str, Any]] = {
         linear_num_key_heads=2,
         linear_num_value_heads=4,
     ),
+    # the same hybrid with every MLP a mixture: four experts, two a row, and a gated shared expert
+    "qwen3.5-moe": dict(
+        arch="qwen3_5_moe",
+        num_hidden_layers=4,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
 }
 
 
@@ -92,10 +107,13 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**spec))
-    unit = 0.0 if arch in ("gemma3", "qwen3_5") else 1.0  # Gemma's and Qwen3.5's norms scale by 1 + w
+    unit = (
+        0.0 if arch in ("gemma3", "qwen3_5", "qwen3_5_moe") else 1.0
+    )  # Gemma's and Qwen3.5's norms scale by 1 + w
     with torch.no_grad():  # random norms and biases, so a wrong norm or bias cannot hide behind ones/zeros
         for name, param in model.named_parameters():
             if name.endswith("linear_attn.norm.weight"):  # Qwen3.5's gated norm scales by w

@@ -1,8 +1,10 @@
-"""Hybrid models (Qwen3.5): gated delta-net layers between attention layers, against transformers.
+"""Hybrid models (Qwen3.5, Qwen3.5-MoE): gated delta-net layers between attention layers, against
+transformers.
 
-A tiny random Qwen3.5 saved with ``save_pretrained`` is the reference: prefill (across the delta rule's
-chunks), token-by-token decode, slices, batched steps, the state a failed pass leaves, and the released
-checkpoints' layout (the text model under ``model.language_model.``).
+Tiny random checkpoints (Qwen3.5, and the same with mixtures of experts and a shared expert) saved with
+``save_pretrained`` are the reference: prefill (across the delta rule's chunks), token-by-token decode,
+slices, batched steps, the state a failed pass leaves, and the released checkpoints' layout (the text model
+under ``model.language_model.``).
 """
 
 from __future__ import annotations
@@ -21,16 +23,16 @@ from kvos.model.config import ModelConfig
 from kvos.model.delta_net import CHUNK
 from kvos.model.loader import load_model
 from kvos.model.rope import Rope, partial_rotary_order
-from tests.hf_models import build, hf_model
+from tests.hf_models import HYBRIDS, build, hf_model
 
 pytest.importorskip("transformers")
 
 TOL = 1e-4  # float32 logits vs transformers
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build("qwen3.5", tmp_path_factory.mktemp("qwen35"), seed=3)
+@pytest.fixture(scope="module", params=sorted(HYBRIDS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(request.param, tmp_path_factory.mktemp(request.param), seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,8 @@ IDS = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(7))
 
 def test_the_config_names_the_linear_layers_and_the_partial_rotation(tiny: Path) -> None:
     c = ModelConfig.from_file(tiny / "config.json")
-    assert c.model_type == "qwen3_5"
+    assert c.model_type == ("qwen3_5_moe" if c.num_experts else "qwen3_5")
+    assert c.shared_expert_intermediate_size == (64 if c.num_experts else 0)
     assert c.linear_layers == (0, 1, 2) and c.kv_layers == (3,) and c.num_kv_layers == 1
     assert (c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim) == (2, 4, 16, 16)
     assert c.rotary_dim == 8 and c.attn_output_gate and c.qk_norm
@@ -134,11 +137,10 @@ def test_a_released_checkpoints_layout_loads_the_text_model(tiny: Path, tmp_path
     """Qwen3.5 as released: ``Qwen3_5ForConditionalGeneration``, the text config nested, the text weights
     under ``model.language_model.``, a vision tower beside them (ignored)."""
     raw = json.loads((tiny / "config.json").read_text())
-    nested = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": raw,
-    }
+    arch = (
+        "Qwen3_5MoeForConditionalGeneration" if raw.get("num_experts") else "Qwen3_5ForConditionalGeneration"
+    )
+    nested = {"architectures": [arch], "text_config": raw}
     (tmp_path / "config.json").write_text(json.dumps(nested))
     weights = load_file(str(tiny / "model.safetensors"))
     renamed = {

@@ -16,7 +16,7 @@ from kvos.engine.engine import Engine
 from kvos.model import activations
 from kvos.model.gguf import read_gguf
 from kvos.model.loader import load_model
-from tests.gguf_files import write_qwen35
+from tests.gguf_files import in_memory_layout, write_qwen35
 from tests.hf_models import build, hf_model
 
 pytest.importorskip("transformers")
@@ -27,6 +27,11 @@ TOL = 2e-4  # float32 logits vs transformers, over 80 tokens (two chunks of the 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("qwen3.5", tmp_path_factory.mktemp("qwen35"), seed=4)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3.5-moe", tmp_path_factory.mktemp("qwen35moe"), seed=4)
 
 
 @pytest.mark.parametrize(
@@ -77,3 +82,23 @@ def test_value_heads_in_the_wrong_order_give_other_logits(hf_dir: Path, tmp_path
             layer.delta.tiled = False
     wrong = engine.extend(engine.new_sequence(), ids)
     assert (right - wrong).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), [("F32", "float32"), ("Q8_0", None)])
+def test_the_mixture_of_experts_sibling_matches_transformers(
+    moe_dir: Path, tmp_path: Path, qtype: str, dtype: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``qwen35moe``: the experts stacked a projection, the router, the shared expert and its gate."""
+    monkeypatch.setattr(activations, "MODE", "float32")
+    held = write_qwen35(moe_dir, tmp_path / "m.gguf", qtype)
+    reference = hf_model(moe_dir)
+    missing, unexpected = reference.load_state_dict(in_memory_layout(held), strict=False)
+    assert not missing and not unexpected
+    model = load_model(tmp_path / "m.gguf", dtype=dtype)
+    assert model.config.model_type == "qwen3_5_moe" and model.config.shared_expert_intermediate_size == 64
+    ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    engine = Engine(model, block_size=4)
+    got = engine.extend(engine.new_sequence(), ids, logits="all")
+    assert (got - expected).abs().max().item() <= TOL

@@ -25,8 +25,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the released checkpoints: the text model is read
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
-HYBRID = ("qwen3_5",)  # linear-attention (gated delta-net) layers between the attention layers
+HYBRID = ("qwen3_5", "qwen3_5_moe")  # linear-attention (gated delta-net) layers between the attention layers
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GELU (tanh approximation) as Gemma
 
@@ -66,6 +68,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer is a mixture of experts ...
     mlp_only_layers: tuple[int, ...] = ()  # ... but these, which keep a dense MLP
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones, gated (Qwen3.5-MoE)
     linear_layers: tuple[int, ...] = ()  # gated delta-net layers (hybrid models); the rest attend
     linear_key_heads: int = 0
     linear_value_heads: int = 0
@@ -186,7 +189,7 @@ class ModelConfig:
             return cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=int(raw.get("intermediate_size") or raw["moe_intermediate_size"]),
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
@@ -198,7 +201,7 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe", "qwen3_5"),
+                qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe", *HYBRID),
                 sliding_windows=_sliding_windows(raw, model_type, num_layers),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
@@ -209,7 +212,7 @@ class ModelConfig:
                 local_rope_theta=local_theta,
                 query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
                 final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
-                **_moe_fields(raw),
+                **_moe_fields(raw, model_type),
                 **(_hybrid_fields(raw, num_layers, head_dim) if model_type in HYBRID else {}),
             )
         except KeyError as exc:
@@ -249,19 +252,22 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a config (none for a dense model); transformers writes the expert
-    count as ``num_experts`` or ``num_local_experts``."""
+    count as ``num_experts`` or ``num_local_experts``. Qwen3.5-MoE always renormalises the chosen experts'
+    weights and adds a gated shared expert."""
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     if not experts:
         return {}
-    if raw.get("shared_expert_intermediate_size"):
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    if shared and model_type != "qwen3_5_moe":
         raise UnsupportedModelError("shared experts (Qwen2-MoE, Qwen3-Next) are not supported yet")
     return {
         "num_experts": experts,
         "num_experts_per_tok": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw["moe_intermediate_size"]),
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": shared,
+        "norm_topk_prob": model_type == "qwen3_5_moe" or bool(raw.get("norm_topk_prob", False)),
         "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
         "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
     }

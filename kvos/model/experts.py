@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP (Qwen3-MoE): a router picks ``top_k`` of the layer's experts for each row, and
-the row's output is the chosen experts' SwiGLU outputs weighted by the router's probabilities.
+"""A mixture-of-experts MLP (Qwen3-MoE, Qwen3.5-MoE): a router picks ``top_k`` of the layer's experts for
+each row, and the row's output is the chosen experts' SwiGLU outputs weighted by the router's probabilities
+(plus, in Qwen3.5-MoE, a shared expert every row goes through, scaled by a gate of its own).
 
 The router is a dense [experts, hidden] matrix; its logits go through a float32 softmax, the ``top_k`` largest
 probabilities are kept (renormalised to sum to one where the model says so) and cast back to the rows'
@@ -31,6 +32,7 @@ class Experts:
     down: Sequence[Weight]
     top_k: int
     renormalise: bool
+    shared: SharedExpert | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [n, hidden] -> (weights [n, top_k] in h's dtype, expert ids int64 [n, top_k])."""
@@ -49,4 +51,18 @@ class Experts:
             rows, slot = torch.where(ids == expert)
             y = matmul(gate(matmul(h[rows], self.gate_up[expert])), self.down[expert])
             out.index_add_(0, rows, y * weights[rows, slot, None])
-        return out
+        return out if self.shared is None else out + self.shared(h, gate)
+
+
+@dataclass
+class SharedExpert:
+    """An expert every row goes through (Qwen3.5-MoE), scaled per row by ``sigmoid(h . gate)``: ``gate_up``
+    [2 * inter, hidden], ``down`` [hidden, inter], ``gate`` [1, hidden] (dense)."""
+
+    gate_up: Weight
+    down: Weight
+    gate: torch.Tensor
+
+    def __call__(self, h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """h [n, hidden] -> [n, hidden]."""
+        return torch.sigmoid(F.linear(h, self.gate)) * matmul(act(matmul(h, self.gate_up)), self.down)

@@ -141,8 +141,8 @@ def _record(tensor: TensorInfo) -> GGUFTensor:
     return GGUFTensor(tensor.name, qtype, shape, raw)
 
 
-# llama.cpp stores a layer's experts as one tensor a projection: [experts, rows, cols]
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+# llama.cpp stores a layer's experts as one tensor a projection: [experts, rows, cols]
 EXPERT_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 

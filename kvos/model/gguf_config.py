@@ -27,7 +27,9 @@ ARCHITECTURES = {
     **{name: name for name in ("llama", "mistral", "qwen2", "qwen3", "gemma3")},
     "qwen3moe": "qwen3_moe",
     "qwen35": "qwen3_5",
+    "qwen35moe": "qwen3_5_moe",
 }
+QWEN35 = ("qwen35", "qwen35moe")
 # Architectures whose attn_q / attn_k rows llama.cpp's converter permutes for interleaved-pair RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
 
@@ -68,6 +70,10 @@ _QWEN35_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen3.5-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # whole names: the delta-net's dt bias, and its decay rate -exp(A_log) as the file stores it (no suffix)
 _QWEN35_WHOLE = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.neg_a"}
@@ -85,9 +91,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     whole = _WHOLE_TENSOR.fullmatch(gguf_name)
-    if arch == "qwen35" and whole and whole.group(2) in _QWEN35_WHOLE:
+    if arch in QWEN35 and whole and whole.group(2) in _QWEN35_WHOLE:
         return f"model.layers.{whole.group(1)}.{_QWEN35_WHOLE[whole.group(2)]}"
-    names = {"gemma3": _GEMMA3_NAMES, "qwen35": _QWEN35_NAMES}.get(arch, _LAYER_NAMES)
+    names = _GEMMA3_NAMES if arch == "gemma3" else _QWEN35_NAMES if arch in QWEN35 else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in names:
         layer, part, kind = match.groups()
@@ -193,7 +199,7 @@ def config_from_metadata(
     hidden = int(_get(metadata, f"{arch}.embedding_length"))
     head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // heads)
     rope_dims = metadata.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim and arch != "qwen35":
+    if rope_dims is not None and int(rope_dims) != head_dim and arch not in QWEN35:
         raise UnsupportedModelError(
             f"partial rotary embedding ({rope_dims} of {head_dim} head dims) is not supported"
         )
@@ -206,8 +212,8 @@ def config_from_metadata(
             raise UnsupportedModelError("a GGUF file with both rope_freqs.weight and rope scaling keys")
         scaling = llama3_scaling(rope_divisors, head_dim, theta)
     gemma = _gemma3_fields(metadata, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
-    moe = _moe_fields(metadata, arch) if arch == "qwen3moe" else {}
-    hybrid = _qwen35_fields(metadata, layers, head_dim) if arch == "qwen35" else {}
+    moe = _moe_fields(metadata, arch) if arch in ("qwen3moe", "qwen35moe") else {}
+    hybrid = _qwen35_fields(metadata, arch, layers, head_dim) if arch in QWEN35 else {}
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,
@@ -226,7 +232,7 @@ def config_from_metadata(
         max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=tied,
         attention_bias=False,
-        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "qwen35"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", *QWEN35),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         **gemma,
@@ -236,42 +242,44 @@ def config_from_metadata(
 
 
 def _moe_fields(metadata: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """A ``qwen3moe`` file's experts: every layer a mixture, the chosen experts' weights renormalised (as
-    llama.cpp runs that architecture)."""
+    """A ``qwen3moe`` / ``qwen35moe`` file's experts: every layer a mixture, the chosen experts' weights
+    renormalised (as llama.cpp runs those architectures), a shared expert where the file has its width."""
     return {
         "num_experts": int(_get(metadata, f"{arch}.expert_count")),
         "num_experts_per_tok": int(_get(metadata, f"{arch}.expert_used_count")),
         "moe_intermediate_size": int(_get(metadata, f"{arch}.expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(metadata.get(f"{arch}.expert_shared_feed_forward_length", 0)),
         "norm_topk_prob": True,
     }
 
 
-def _qwen35_fields(metadata: Mapping[str, Any], layers: int, head_dim: int) -> dict[str, Any]:
-    """A ``qwen35`` file's hybrid layout: which layers are gated delta-nets (``attention.recurrent_layers``,
-    else every ``full_attention_interval``-th layer attends, 4 by default), their shape from the ``ssm.*``
-    keys (one head size for keys and values, as llama.cpp reads them), the rotated dims, the output gate.
+def _qwen35_fields(metadata: Mapping[str, Any], arch: str, layers: int, head_dim: int) -> dict[str, Any]:
+    """A ``qwen35`` / ``qwen35moe`` file's hybrid layout: which layers are gated delta-nets
+    (``attention.recurrent_layers``, else every ``full_attention_interval``-th layer attends, 4 by default),
+    their shape from the ``ssm.*`` keys (one head size for keys and values, as llama.cpp reads them), the
+    rotated dims, the output gate.
     llama.cpp's converter orders the value heads tiled over the key heads."""
-    recurrent = metadata.get("qwen35.attention.recurrent_layers")
+    recurrent = metadata.get(f"{arch}.attention.recurrent_layers")
     if recurrent is not None:
         if len(recurrent) < layers:
             raise ModelLoadError(f"attention.recurrent_layers has {len(recurrent)} entries, {layers} layers")
         linear = tuple(i for i in range(layers) if bool(recurrent[i]))
     else:
-        interval = int(metadata.get("qwen35.full_attention_interval", 4))
+        interval = int(metadata.get(f"{arch}.full_attention_interval", 4))
         linear = tuple(i for i in range(layers) if (i + 1) % interval)
-    state = int(_get(metadata, "qwen35.ssm.state_size"))
-    value_heads = int(_get(metadata, "qwen35.ssm.time_step_rank"))
-    inner = int(_get(metadata, "qwen35.ssm.inner_size"))
+    state = int(_get(metadata, f"{arch}.ssm.state_size"))
+    value_heads = int(_get(metadata, f"{arch}.ssm.time_step_rank"))
+    inner = int(_get(metadata, f"{arch}.ssm.inner_size"))
     if inner != value_heads * state:
         raise UnsupportedModelError(f"ssm.inner_size {inner} is not {value_heads} value heads of {state}")
-    rotary = int(metadata.get("qwen35.rope.dimension_count", head_dim))
+    rotary = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
     return {
         "linear_layers": linear,
-        "linear_key_heads": int(_get(metadata, "qwen35.ssm.group_count")),
+        "linear_key_heads": int(_get(metadata, f"{arch}.ssm.group_count")),
         "linear_value_heads": value_heads,
         "linear_key_dim": state,
         "linear_value_dim": state,
-        "linear_conv_kernel": int(_get(metadata, "qwen35.ssm.conv_kernel")),
+        "linear_conv_kernel": int(_get(metadata, f"{arch}.ssm.conv_kernel")),
         "linear_heads_tiled": True,
         "rotary_dim": None if rotary == head_dim else rotary,
         "attn_output_gate": True,

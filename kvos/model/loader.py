@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kvos.errors import ModelLoadError
-from kvos.model.config import ModelConfig
+from kvos.model.config import HYBRID, ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf import load_gguf
 from kvos.model.llama2c import load_llama2c
@@ -61,11 +61,11 @@ def load_hf(
     config = ModelConfig.from_file(root / "config.json")
     torch_dtype = resolve_dtype(dtype, config)
     weights = read_safetensors(safetensors_files(root), torch_dtype, torch.device(device))
-    if config.model_type == "qwen3_5":
+    if config.model_type in HYBRID:
         weights = qwen3_5_text_weights(weights)
-    if config.model_type in ("gemma3", "qwen3_5"):
+    if config.model_type == "gemma3" or config.model_type in HYBRID:
         shift_gemma_norms(weights)
-    if config.model_type == "qwen3_5":
+    if config.model_type in HYBRID:
         weights = rearranged(config, weights)
     return Transformer(config, weights)
 

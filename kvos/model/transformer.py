@@ -33,7 +33,7 @@ from kvos.model.attention import (
 from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
 from kvos.model.delta_net import DeltaNet
-from kvos.model.experts import Experts
+from kvos.model.experts import Experts, SharedExpert
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
 from kvos.model.rope import LayerRopes, Rope
@@ -569,4 +569,16 @@ def _experts(config: ModelConfig, w: Mapping[str, Weight], i: int) -> Experts:
         down=[stored(_need(w, f"{p}experts.{e}.down_proj.weight")) for e in names],
         top_k=config.num_experts_per_tok,
         renormalise=config.norm_topk_prob,
+        shared=_shared_expert(w, p) if config.shared_expert_intermediate_size else None,
+    )
+
+
+def _shared_expert(w: Mapping[str, Weight], p: str) -> SharedExpert:
+    """A layer's shared expert and its gate (Hugging Face names ``mlp.shared_expert.*`` and
+    ``mlp.shared_expert_gate``; a GGUF file stores the gate as a vector)."""
+    s = f"{p}shared_expert."
+    return SharedExpert(
+        gate_up=fuse([_need(w, f"{s}gate_proj.weight"), _need(w, f"{s}up_proj.weight")]),
+        down=stored(_need(w, f"{s}down_proj.weight")),
+        gate=_dense_or_dequantized(w, f"{p}shared_expert_gate.weight").reshape(1, -1),
     )

@@ -36,6 +36,7 @@ _LLAMA3 = (
     r"|\s+(?!\S)|\s+"
 )
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN35 = _QWEN2.replace(r"?\p{L}+", r"?[\p{L}\p{M}]+").replace(r"[^\s\p{L}\p{N}]", r"[^\s\p{L}\p{M}\p{N}]")
 # Pre-tokenizers as the models' own tokenizer.json files spell them (what llama.cpp's table stands for).
 HF_PRE: dict[str, Any] = {
     "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
@@ -44,6 +45,7 @@ HF_PRE: dict[str, Any] = {
     ),
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3),
     "qwen2": lambda: _split_then_bytes(_QWEN2),
+    "qwen35": lambda: _split_then_bytes(_QWEN35),
 }
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -108,7 +110,8 @@ def test_bpe_equals_source_tokenizer(tmp_path: Path, pre: str) -> None:
     source.add_special_tokens(SPECIALS)
     tok = load_tokenizer(_gguf(tmp_path / "t.gguf", _bpe_metadata(source, pre)))
     assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)
-    for text in (TEXT, *CORPUS[:4], " leading space", "trailing  \n\n", ""):
+    marks = "nai\u0308ve cafe\u0301 \u0939\u093f\u0928\u094d\u0926\u0940 \u0301x"  # combining marks
+    for text in (TEXT, *CORPUS[:4], " leading space", "trailing  \n\n", "", marks):
         expected = source.encode(text, add_special_tokens=False).ids
         assert tok.encode(text) == expected, text
         assert tok.decode(expected) == text

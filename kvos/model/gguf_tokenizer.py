@@ -32,6 +32,10 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+_QWEN35 = (  # Qwen3.5's: letters with their combining marks
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 _STARCODER = (r"\p{N}", _GPT2)
 # tokenizer.ggml.pre -> the regular expressions llama.cpp splits text with, applied one after the other.
@@ -45,6 +49,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "llama-bpe": (_LLAMA3,),
     "falcon3": (_LLAMA3,),
     "qwen2": (_QWEN2,),
+    "qwen35": (_QWEN35,),
     "deepseek-r1-qwen": (_QWEN2,),
     "stablelm2": (_QWEN2,),
     "smollm": _STARCODER,

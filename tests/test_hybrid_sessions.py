@@ -168,6 +168,9 @@ def test_paging_under_a_budget_keeps_the_state_in_step_with_the_history(model_di
         s.sync(spans(*parts[:i]))
         assert s.pager.seq.recurrent is not None and s.pager.seq.recurrent.tokens == s.history.tokens
     assert s.memory.journal.count("evict") > 0 and s.pager.active_tokens <= 64
+    per_state = sum(d.nbytes for d in s.pager.seq.recurrent.layers.values())
+    kept = len({id(st.layers[0]) for _, st in s.checkpoints.entries} | {id(s.pager.seq.recurrent.layers[0])})
+    assert s.stats()["recurrent_bytes"] == kept * per_state > per_state  # the live state and its checkpoints
     lost = next(c for c in s.chunks.values() if c.state is not ChunkState.RESIDENT)
     before = dict(s.pager.seq.recurrent.layers)
     s.pager.discard(lost)

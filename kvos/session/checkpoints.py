@@ -22,18 +22,15 @@ class RecurrentCheckpoints:
         self.kept = kept
         self.entries: list[tuple[int, RecurrentState]] = []
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the states held here that the live state does not share (an upper bound: two
-        checkpoints between which no token came share theirs)."""
-        seen: set[int] = set()
-        total = 0
+    def held_bytes(self, live: RecurrentState | None) -> int:
+        """Bytes of the recurrent states a session holds: ``live`` and these checkpoints, each layer's state
+        counted once however many of them share it (two with no token between them share every one)."""
+        seen: dict[int, int] = {}
+        for state in [live] if live is not None else []:
+            seen.update((id(d), d.nbytes) for d in state.layers.values())
         for _, state in self.entries:
-            for layer in state.layers.values():
-                if id(layer) not in seen:
-                    seen.add(id(layer))
-                    total += layer.nbytes
-        return total
+            seen.update((id(d), d.nbytes) for d in state.layers.values())
+        return sum(seen.values())
 
     def take(self, length: int, state: RecurrentState) -> None:
         """Remember ``state`` as the state after ``length`` tokens of history (replacing any at or past

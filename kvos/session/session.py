@@ -608,6 +608,7 @@ class Session:
             "saved_ram_bytes": store.get("ram_bytes", 0),
             "saved_disk_bytes": store.get("disk_bytes", 0),
             "pool_bytes": self.engine.pool.nbytes,
+            "recurrent_bytes": self.checkpoints.held_bytes(self.pager.seq.recurrent),  # hybrid models
             **self.bytes_per_token(store),
             "kv_compression": compression_name(self.compressor.method),
             "compressed_chunks": sum(1 for c in chunks if c.compressed_tokens),

@@ -49,7 +49,7 @@ def text(reply: dict[str, Any]) -> str:
 
 
 def test_concurrent_conversations_with_an_edited_reply_answer_as_fresh_sessions(model_dir: Path) -> None:
-    with running_app(model_dir) as (url, app):
+    with running_app(model_dir) as (url, _):
         results: dict[int, list[tuple[list[dict[str, str]], str, int]]] = {}
 
         def converse(client: int) -> None:

@@ -178,3 +178,19 @@ def test_a_partial_rotation_is_a_whole_head_rotation_of_reordered_dims() -> None
     got = Rope.apply(x[..., order], *rope.cos_sin(positions, torch.float32, torch.device("cpu")))
     torch.testing.assert_close(got, expected[..., order], atol=1e-6, rtol=0)
     assert sorted(order.tolist()) == list(range(head_dim))
+
+
+def test_a_checkpoint_of_a_batched_step_keeps_only_its_own_state(tiny: Path) -> None:
+    """After decode steps taken together, each sequence's state is a view of the step's stacked tensors;
+    a copy (a checkpoint) holds tensors of its own, so it does not keep the other sequences' alive."""
+    engine = Engine(load_model(tiny, dtype="float32"))
+    seqs = [engine.new_sequence() for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        engine.extend(seq, IDS[i : i + 10].tolist())
+    engine.step([(seq, [5]) for seq in seqs])
+    live = seqs[1].recurrent
+    assert live is not None
+    ssm = live.layers[0].ssm
+    assert ssm.untyped_storage().nbytes() == 3 * ssm.nbytes  # the batch's tensor
+    kept = live.copy().layers[0]
+    assert kept.ssm.untyped_storage().nbytes() == kept.ssm.nbytes and torch.equal(kept.ssm, ssm)

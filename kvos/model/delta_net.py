@@ -38,6 +38,13 @@ class DeltaState:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
+    def compact(self) -> DeltaState:
+        """This state in tensors of its own where it is a view of a larger one (a batched step's), so that
+        keeping it (a checkpoint) does not keep the other sequences' states alive; itself otherwise."""
+        if all(t.untyped_storage().nbytes() == t.nbytes for t in (self.conv, self.ssm)):
+            return self
+        return DeltaState(self.conv.clone(), self.ssm.clone())
+
 
 @dataclass
 class DeltaNet:
@@ -106,6 +113,33 @@ class DeltaNet:
         normed = gated_rms_norm(out, z.view(n, hv, dv), self.norm, self.eps)
         return normed.reshape(n, hv * dv).to(proj.dtype), DeltaState(new_conv, ssm)
 
+    def run_decodes(
+        self, proj: torch.Tensor, states: list[DeltaState]
+    ) -> tuple[torch.Tensor, list[DeltaState]]:
+        """:meth:`run` for ``B`` sequences' decode steps at once: ``proj`` [B, ...] one row of each, their
+        states -> outputs [B, value_heads * value_dim] and each one's state after its token (views of the
+        step's stacked tensors; :meth:`DeltaState.compact` gives a checkpoint its own)."""
+        b, hv, dv, c = int(proj.shape[0]), self.value_heads, self.value_dim, self.conv_dim
+        mixed, z, beta_in, a = proj.split((c, hv * dv, hv, hv), dim=1)
+        window = torch.cat((torch.stack([st.conv for st in states]), mixed[:, None, :]), dim=1)  # [B, K, C]
+        conv = F.silu((window * self.conv.t()[None]).sum(1))  # [B, C]
+        q, k, v = conv.split((self.key_heads * self.key_dim, self.key_heads * self.key_dim, hv * dv), dim=1)
+        q = _l2norm(self._heads(q, b)) * self.key_dim**-0.5  # [B, H, Dk]
+        k = _l2norm(self._heads(k, b))
+        beta = torch.sigmoid(beta_in.float())  # [B, H]
+        decay = (self.neg_a * F.softplus(a.float() + self.dt_bias)).exp()
+        # the state is read and written as few times as the algebra allows: it is the step's largest tensor
+        ssm = torch.stack([st.ssm for st in states]).view(b * hv, self.key_dim, dv)  # a copy: ours to write
+        k_rows, decay = k.reshape(b * hv, 1, self.key_dim), decay.reshape(b * hv, 1, 1)
+        remembered = torch.bmm(k_rows, ssm).mul_(decay)  # k . (a S): [B * H, 1, Dv]
+        u = beta.reshape(b * hv, 1, 1) * (v.float().reshape(b * hv, 1, dv) - remembered)
+        ssm.mul_(decay).baddbmm_(k_rows.transpose(1, 2), u)  # a S + k u^T, in place
+        out = torch.bmm(q.reshape(b * hv, 1, self.key_dim), ssm).view(b, hv, dv)
+        ssm = ssm.view(b, hv, self.key_dim, dv)
+        normed = gated_rms_norm(out, z.view(b, hv, dv), self.norm, self.eps)
+        after = [DeltaState(window[i, 1:], ssm[i]) for i in range(b)]
+        return normed.reshape(b, hv * dv).to(proj.dtype), after
+
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """[n, key_heads * key_dim] -> float32 [n, value_heads, key_dim]: the key head of each value head
         (see :attr:`tiled`)."""
@@ -159,11 +193,10 @@ def _chunk(
     """One chunk of :func:`gated_delta_rule`, heads first: q, k [H, C, Dk], v [H, C, Dv], g, beta [H, C],
     s [H, Dk, Dv] -> out [H, C, Dv], state [H, Dk, Dv]."""
     size = int(q.shape[1])
-    if size == 1:  # a decode step: the same algebra without the C x C terms
+    if size == 1:  # a decode step: the same algebra without the C x C terms, the state read and written once
         decay = g.exp()[:, :, None]  # [H, 1, 1]
-        s = s * decay
-        u = beta[:, :, None] * (v - k @ s)  # [H, 1, Dv]
-        s = s + k.transpose(1, 2) @ u
+        u = beta[:, :, None] * (v - (k @ s).mul_(decay))  # [H, 1, Dv]
+        s = (s * decay).baddbmm_(k.transpose(1, 2), u)  # a new tensor: the state passed in is kept
         return q @ s, s
     cum = g.cumsum(-1)  # [H, C]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()

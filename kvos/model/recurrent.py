@@ -46,5 +46,6 @@ class RecurrentState:
 
     def copy(self) -> RecurrentState:
         """The committed states, as a new object (a checkpoint, or a branch's own). Nothing is copied: a
-        pass never writes into a :class:`DeltaState`'s tensors, it makes new ones."""
-        return RecurrentState(dict(self.layers), self.tokens)
+        pass never writes into a :class:`DeltaState`'s tensors, it makes new ones; a state that is a view of
+        a batched step's tensors gets its own (:meth:`DeltaState.compact`)."""
+        return RecurrentState({i: s.compact() for i, s in self.layers.items()}, self.tokens)

@@ -32,7 +32,7 @@ from kvos.model.attention import (
 )
 from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
-from kvos.model.delta_net import DeltaNet
+from kvos.model.delta_net import DeltaNet, DeltaState
 from kvos.model.experts import Experts, SharedExpert
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
@@ -238,14 +238,27 @@ class Transformer:
         if not isinstance(meta, Batch):
             raise UnsupportedModelError("per-head budgets do not run hybrid (linear-attention) models")
         proj = delta.project(h)
-        outs = []
-        for m, (lo, hi) in zip(meta.metas, pairwise(meta.bounds), strict=True):
+        states = []
+        for m in meta.metas:
             state = None if m.recurrent is None else m.recurrent.layers.get(index)
-            out, after = delta.run(proj[lo:hi], delta.empty_state() if state is None else state)
-            if m.recurrent is not None:
-                m.recurrent.stage(index, after, hi - lo)
-            outs.append(out)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            states.append(delta.empty_state() if state is None else state)
+        bounds = list(pairwise(meta.bounds))
+        outs: list[torch.Tensor | None] = [None] * len(bounds)
+        afters: list[DeltaState | None] = [None] * len(bounds)
+        steps = [i for i, (lo, hi) in enumerate(bounds) if hi - lo == 1]
+        if len(steps) > 1:  # the decode steps together: one pass over their stacked states
+            rows = torch.tensor([bounds[i][0] for i in steps], device=proj.device)
+            stepped, stepped_states = delta.run_decodes(proj[rows], [states[i] for i in steps])
+            for j, i in enumerate(steps):
+                outs[i], afters[i] = stepped[j : j + 1], stepped_states[j]
+        for i, (lo, hi) in enumerate(bounds):
+            if outs[i] is None:
+                outs[i], afters[i] = delta.run(proj[lo:hi], states[i])
+        for m, state_after, (lo, hi) in zip(meta.metas, afters, bounds, strict=True):
+            if m.recurrent is not None and state_after is not None:
+                m.recurrent.stage(index, state_after, hi - lo)
+        done = [o for o in outs if o is not None]
+        return done[0] if len(done) == 1 else torch.cat(done)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids int64 [n] -> the embedded rows [n, hidden], scaled where the model scales them."""

@@ -90,6 +90,17 @@ HYBRIDS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
     ),
+    # LFM2: gated short convolutions (3 taps) on layers 0, 1 and 3, attention on 2; its MLP width derived
+    "lfm2": dict(
+        arch="lfm2",
+        num_hidden_layers=4,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        intermediate_size=144,
+        block_multiple_of=32,
+        block_ffn_dim_multiplier=1.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -98,6 +109,8 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
     import transformers
 
     spec = {**BASE, **{**VARIANTS, **HYBRIDS}[kind], **overrides}
+    if spec["arch"] == "lfm2":  # LFM2 spells the norms' epsilon its own way
+        spec["norm_eps"] = spec.pop("rms_norm_eps")
     arch = spec.pop("arch")
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -108,6 +121,7 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**spec))

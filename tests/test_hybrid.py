@@ -35,6 +35,11 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return build(request.param, tmp_path_factory.mktemp(request.param), seed=3)
 
 
+@pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
+def qwen35(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(request.param, tmp_path_factory.mktemp(request.param), seed=3)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny: Path) -> torch.Tensor:
     """transformers' logits [150, vocab] over :data:`IDS`."""
@@ -47,6 +52,10 @@ IDS = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(7))
 
 def test_the_config_names_the_linear_layers_and_the_partial_rotation(tiny: Path) -> None:
     c = ModelConfig.from_file(tiny / "config.json")
+    if c.model_type == "lfm2":
+        assert c.conv_layers == (0, 1, 3) and c.kv_layers == (2,) and c.conv_kernel == 3 and c.qk_norm
+        assert c.intermediate_size == 96 and not c.linear_layers  # 2/3 of 144, a multiple of 32
+        return
     assert c.model_type == ("qwen3_5_moe" if c.num_experts else "qwen3_5")
     assert c.shared_expert_intermediate_size == (64 if c.num_experts else 0)
     assert c.linear_layers == (0, 1, 2) and c.kv_layers == (3,) and c.num_kv_layers == 1
@@ -56,8 +65,9 @@ def test_the_config_names_the_linear_layers_and_the_partial_rotation(tiny: Path)
 
 def test_the_pool_keeps_the_attention_layers_only(tiny: Path) -> None:
     engine = Engine(load_model(tiny, dtype="float32"))
+    c = engine.model.config
     assert engine.pool.layout.num_layers == 1
-    assert engine.pool.layout.bytes_per_token == 2 * 1 * 2 * 32 * 4
+    assert engine.pool.layout.bytes_per_token == 2 * 1 * c.num_kv_heads * c.head_dim * 4
 
 
 def test_prefill_logits_match_transformers_across_chunks(tiny: Path, reference: torch.Tensor) -> None:
@@ -75,7 +85,7 @@ def test_decode_steps_carry_the_state(tiny: Path, reference: torch.Tensor) -> No
         logits = engine.decode(seq, int(IDS[t]))
         torch.testing.assert_close(logits, reference[t], atol=TOL, rtol=0)
     assert seq.recurrent is not None and seq.recurrent.tokens == 60
-    assert sorted(seq.recurrent.layers) == [0, 1, 2]
+    assert sorted(seq.recurrent.layers) == list(engine.model.config.recurrent_layers)
 
 
 def test_slices_equal_one_pass(tiny: Path, reference: torch.Tensor) -> None:
@@ -107,7 +117,7 @@ def test_batched_steps_keep_each_sequence_its_own_state(tiny: Path, reference: t
 def test_a_failed_pass_leaves_the_state_as_it_was(tiny: Path, reference: torch.Tensor) -> None:
     model = load_model(tiny, dtype="float32")
     block = 16
-    per_block = 2 * 1 * 2 * 32 * 4 * block
+    per_block = 2 * model.config.num_kv_heads * model.config.head_dim * 4 * block
     growth = GrowthPolicy(initial_tokens=block, max_bytes=2 * per_block)
     engine = Engine(model, block_size=block, growth=growth)
     seq = engine.new_sequence()
@@ -133,30 +143,30 @@ def test_a_released_sequence_starts_from_zero(tiny: Path, reference: torch.Tenso
     torch.testing.assert_close(out, reference[:40], atol=TOL, rtol=0)
 
 
-def test_a_released_checkpoints_layout_loads_the_text_model(tiny: Path, tmp_path: Path) -> None:
+def test_a_released_checkpoints_layout_loads_the_text_model(qwen35: Path, tmp_path: Path) -> None:
     """Qwen3.5 as released: ``Qwen3_5ForConditionalGeneration``, the text config nested, the text weights
     under ``model.language_model.``, a vision tower beside them (ignored)."""
-    raw = json.loads((tiny / "config.json").read_text())
+    raw = json.loads((qwen35 / "config.json").read_text())
     arch = (
         "Qwen3_5MoeForConditionalGeneration" if raw.get("num_experts") else "Qwen3_5ForConditionalGeneration"
     )
     nested = {"architectures": [arch], "text_config": raw}
     (tmp_path / "config.json").write_text(json.dumps(nested))
-    weights = load_file(str(tiny / "model.safetensors"))
+    weights = load_file(str(qwen35 / "model.safetensors"))
     renamed = {
         ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
         for k, v in weights.items()
     }
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
     save_file(renamed, str(tmp_path / "model.safetensors"))
-    a = Engine(load_model(tiny, dtype="float32"))
+    a = Engine(load_model(qwen35, dtype="float32"))
     b = Engine(load_model(tmp_path, dtype="float32"))
     ids = IDS[:30].tolist()
     assert torch.equal(a.extend(a.new_sequence(), ids), b.extend(b.new_sequence(), ids))
 
 
-def test_layer_types_default_to_every_fourth_layer_attending(tiny: Path) -> None:
-    raw = json.loads((tiny / "config.json").read_text())
+def test_layer_types_default_to_every_fourth_layer_attending(qwen35: Path) -> None:
+    raw = json.loads((qwen35 / "config.json").read_text())
     del raw["layer_types"]
     raw["num_hidden_layers"] = 8
     assert ModelConfig.from_hf_dict(raw).kv_layers == (3, 7)
@@ -190,7 +200,8 @@ def test_a_checkpoint_of_a_batched_step_keeps_only_its_own_state(tiny: Path) -> 
     engine.step([(seq, [5]) for seq in seqs])
     live = seqs[1].recurrent
     assert live is not None
-    ssm = live.layers[0].ssm
-    assert ssm.untyped_storage().nbytes() == 3 * ssm.nbytes  # the batch's tensor
+    conv = live.layers[0].conv
+    assert conv.untyped_storage().nbytes() > conv.nbytes  # a view of the batch's tensor
     kept = live.copy().layers[0]
-    assert kept.ssm.untyped_storage().nbytes() == kept.ssm.nbytes and torch.equal(kept.ssm, ssm)
+    assert kept.conv.untyped_storage().nbytes() == kept.conv.nbytes and torch.equal(kept.conv, conv)
+    assert kept.ssm.untyped_storage().nbytes() == kept.ssm.nbytes

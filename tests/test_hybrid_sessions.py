@@ -33,10 +33,12 @@ TOL = 1e-5
 BUILTIN = Path(__file__).resolve().parents[1] / "kvos" / "builtin" / "model"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3.5 (three delta-net layers, one attention layer, twice) with the built-in tokenizer."""
-    path = build("qwen3.5", tmp_path_factory.mktemp("qwen35"), seed=5, vocab_size=2048, num_hidden_layers=8)
+@pytest.fixture(scope="module", params=["qwen3.5", "lfm2"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3.5 (three delta-net layers, one attention layer, twice) or LFM2 (short convolutions and
+    attention) with the built-in tokenizer."""
+    layers = {"num_hidden_layers": 8} if request.param == "qwen3.5" else {}
+    path = build(request.param, tmp_path_factory.mktemp(request.param), seed=5, vocab_size=2048, **layers)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUILTIN / name, path / name)
     return path

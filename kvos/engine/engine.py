@@ -56,7 +56,7 @@ class Engine:
         return current_runner() or self.direct
 
     def new_sequence(self) -> Sequence:
-        recurrent = bool(self.model.config.linear_layers)
+        recurrent = bool(self.model.config.recurrent_layers)
         return Sequence(lambda: PageTable(self.pool.layout.block_size, self.pool), recurrent)
 
     def extend(

@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # the released checkpoints: the text model is read
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Lfm2ForCausalLM": "lfm2",
 }
 HYBRID = ("qwen3_5", "qwen3_5_moe")  # linear-attention (gated delta-net) layers between the attention layers
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -76,6 +77,9 @@ class ModelConfig:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
     linear_heads_tiled: bool = False  # value head j reads key head j % key heads (GGUF), else j // group
+    conv_layers: tuple[int, ...] = ()  # gated short-convolution layers (LFM2); the rest attend
+    conv_kernel: int = 0
+    conv_bias: bool = False
     rotary_dim: int | None = None  # the leading dims of each head that rotate (None: all of them)
     attn_output_gate: bool = False  # the attention's output is gated by sigmoid(a second query projection)
 
@@ -109,6 +113,14 @@ class ModelConfig:
                 "a hybrid model needs positive linear-attention head counts and dims, value heads a multiple "
                 "of key heads, a convolution of at least 2 taps and at least one attention layer"
             )
+        if self.conv_layers and (
+            self.conv_kernel < 2
+            or len(self.conv_layers) >= self.num_layers
+            or set(self.conv_layers) & set(self.linear_layers)
+        ):
+            raise ConfigError(
+                "short-convolution layers need at least 2 taps and at least one attention layer"
+            )
         if self.rotary_dim is not None and not (
             0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         ):
@@ -125,16 +137,22 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that keep a state per sequence instead of K/V: a hybrid's linear-attention (gated
+        delta-net) and short-convolution layers."""
+        return tuple(sorted((*self.linear_layers, *self.conv_layers)))
+
+    @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that attend, hence keep K/V in the pool (every layer but a hybrid's linear ones);
+        """The layers that attend, hence keep K/V in the pool (every layer but a hybrid's recurrent ones);
         the pool's layer ``j`` is the model's layer ``kv_layers[j]``."""
-        linear = set(self.linear_layers)
-        return tuple(i for i in range(self.num_layers) if i not in linear)
+        recurrent = set(self.recurrent_layers)
+        return tuple(i for i in range(self.num_layers) if i not in recurrent)
 
     @property
     def num_kv_layers(self) -> int:
         """How many layers keep K/V (the pool's layers)."""
-        return self.num_layers - len(self.linear_layers)
+        return self.num_layers - len(self.recurrent_layers)
 
     def window(self, layer: int) -> int | None:
         """The sliding-window length of ``layer``, or None for full attention."""
@@ -183,25 +201,29 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             num_layers = int(raw["num_hidden_layers"])
+            lfm2 = _lfm2_fields(raw, num_layers) if model_type == "lfm2" else {}
+            inter = lfm2.pop("intermediate_size", None) or int(
+                raw.get("intermediate_size") or raw["moe_intermediate_size"]
+            )
             head_dim = int(raw.get("head_dim") or hidden // num_heads)
             gemma = model_type == "gemma3"
             theta, scaling, local_theta = _gemma3_rope(raw) if gemma else (*_rope_settings(raw), None)
             return cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw.get("intermediate_size") or raw["moe_intermediate_size"]),
+                intermediate_size=inter,
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
                 head_dim=head_dim,
                 model_type=model_type,
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6))),
                 rope_theta=theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe", *HYBRID),
+                qk_norm=model_type in ("qwen3", "gemma3", "qwen3_moe", "lfm2", *HYBRID),
                 sliding_windows=_sliding_windows(raw, model_type, num_layers),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_int_tuple(raw.get("eos_token_id")),
@@ -214,6 +236,7 @@ class ModelConfig:
                 final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
                 **_moe_fields(raw, model_type),
                 **(_hybrid_fields(raw, num_layers, head_dim) if model_type in HYBRID else {}),
+                **lfm2,
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks the required field {exc.args[0]!r}") from exc
@@ -299,6 +322,30 @@ def _hybrid_fields(raw: dict[str, Any], num_layers: int, head_dim: int) -> dict[
         "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
         "rotary_dim": None if rotary == head_dim else rotary,
         "attn_output_gate": bool(raw.get("attn_output_gate", True)),
+    }
+
+
+def _lfm2_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """An LFM2 config's short-convolution layers (``layer_types`` "conv", else every layer not in
+    ``full_attn_idxs``), their taps and bias, and the MLP's width as transformers derives it from
+    ``intermediate_size`` (two thirds of it, times ``block_ffn_dim_multiplier``, rounded up to
+    ``block_multiple_of``)."""
+    types = raw.get("layer_types")
+    if not types:
+        full = set(raw.get("full_attn_idxs") or range(num_layers))
+        types = ["full_attention" if i in full else "conv" for i in range(num_layers)]
+    inter = int(raw["intermediate_size"])
+    if raw.get("block_auto_adjust_ff_dim", True):
+        inter = int(2 * inter / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = int(raw.get("block_multiple_of", 256))
+            inter = multiple * ((int(multiplier * inter) + multiple - 1) // multiple)
+    return {
+        "conv_layers": tuple(i for i, t in enumerate(types) if t == "conv"),
+        "conv_kernel": int(raw.get("conv_L_cache", 3)),
+        "conv_bias": bool(raw.get("conv_bias", False)),
+        "intermediate_size": inter,
     }
 
 

@@ -80,7 +80,7 @@ class DecodePlan:
         """The plan of a float32 model without an output bias; None otherwise (the generic path then runs
         every step)."""
         if model.dtype != torch.float32 or any(
-            layer.o_bias is not None or layer.gate is not None or layer.delta is not None
+            layer.o_bias is not None or layer.gate is not None or layer.mixer is not None
             for layer in model.layers
         ):
             return None

@@ -67,6 +67,8 @@ def load_hf(
         shift_gemma_norms(weights)
     if config.model_type in HYBRID:
         weights = rearranged(config, weights)
+    if config.model_type == "lfm2":
+        weights = lfm2_weights(weights)
     return Transformer(config, weights)
 
 
@@ -92,6 +94,30 @@ def qwen3_5_text_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Te
     if "lm_head.weight" in weights:
         kept["lm_head.weight"] = weights["lm_head.weight"]
     return kept
+
+
+# LFM2's names -> the Llama-family names kvos reads (its final norm is called embedding_norm)
+_LFM2_NAMES = (
+    ("model.embedding_norm.", "model.norm."),
+    (".operator_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+)
+
+
+def lfm2_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An LFM2 checkpoint's tensors under the names kvos reads (the short convolutions keep theirs)."""
+    out = {}
+    for name, value in weights.items():
+        for old, new in _LFM2_NAMES:
+            name = name.replace(old, new)
+        out[name] = value
+    return out
 
 
 def load_model(

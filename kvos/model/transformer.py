@@ -37,6 +37,7 @@ from kvos.model.experts import Experts, SharedExpert
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
 from kvos.model.rope import LayerRopes, Rope
+from kvos.model.short_conv import ShortConv
 
 
 class KVStore(Protocol):
@@ -104,6 +105,13 @@ class LayerWeights:
     experts: Experts | None = None
     gate: Weight | None = None
     delta: DeltaNet | None = None
+    short_conv: ShortConv | None = None
+
+    @property
+    def mixer(self) -> DeltaNet | ShortConv | None:
+        """The layer's recurrent token mixer (a hybrid's gated delta-net or short convolution), None for
+        an attention layer."""
+        return self.delta if self.delta is not None else self.short_conv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -198,8 +206,9 @@ class Transformer:
                 return rms_norm(plan.run(x, per_layer, meta, kv), self.final_norm, eps)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, eps)
-            if layer.delta is not None:
-                x = addmm(x, self._linear(i, layer.delta, h, meta), layer.o)
+            mixer = layer.mixer
+            if mixer is not None:
+                x = addmm(x, self._linear(i, mixer, h, meta), layer.o)
                 x = self._mlp(layer, x, eps)
                 continue
             j = self.kv_index[i]
@@ -230,11 +239,11 @@ class Transformer:
         return x + (out if layer.post_mlp_norm is None else rms_norm(out, layer.post_mlp_norm, eps))
 
     def _linear(
-        self, index: int, delta: DeltaNet, h: torch.Tensor, meta: Batch | HeadAttentionMetadata
+        self, index: int, delta: DeltaNet | ShortConv, h: torch.Tensor, meta: Batch | HeadAttentionMetadata
     ) -> torch.Tensor:
-        """A linear-attention layer over h [n, hidden] (normed): each sequence's rows from its state
-        (``meta.recurrent``, zeros where it has none), the states after them staged there -> [n, value_heads
-        * value_dim], before the output projection."""
+        """A recurrent layer (gated delta-net, short convolution) over h [n, hidden] (normed): each
+        sequence's rows from its state (``meta.recurrent``, zeros where it has none), the states after them
+        staged there -> the layer's output before its output projection [n, ...]."""
         if not isinstance(meta, Batch):
             raise UnsupportedModelError("per-head budgets do not run hybrid (linear-attention) models")
         proj = delta.project(h)
@@ -290,7 +299,7 @@ class Transformer:
         """The first layer's queries of ``token_ids`` (int64 [n]) as at position 0, before any rotation:
         no attention runs before them, so they depend on the tokens alone -> float32 [n, heads, head_dim]."""
         c, layer = self.config, self.layers[0]
-        if layer.delta is not None or layer.gate is not None:
+        if layer.mixer is not None or layer.gate is not None:
             raise UnsupportedModelError("the first-layer query signal needs a plain attention first layer")
         h = rms_norm(self.embed_tokens(token_ids), layer.attn_norm, c.rms_norm_eps)
         qkv = matmul(h, layer.qkv) if layer.qkv_bias is None else addmm(layer.qkv_bias, h, layer.qkv)
@@ -504,6 +513,29 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         gate_up = fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")])
     down = None if experts else stored(_need(w, f"{p}mlp.down_proj.weight"))
     post_mlp_norm = _dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None
+    if i in config.conv_layers:
+        c = f"{p}conv."
+        conv = _dense(w, f"{c}conv.weight")
+        short = ShortConv(
+            in_proj=stored(_need(w, f"{c}in_proj.weight")),
+            conv=conv.reshape(conv.shape[0], -1),
+            bias=_dense(w, f"{c}conv.bias") if config.conv_bias else None,
+        )
+        return LayerWeights(
+            attn_norm=_dense(w, f"{p}input_layernorm.weight"),
+            qkv=short.in_proj,
+            qkv_bias=None,
+            o=stored(_need(w, f"{c}out_proj.weight")),
+            o_bias=None,
+            q_norm=None,
+            k_norm=None,
+            mlp_norm=mlp_norm,
+            gate_up=gate_up,
+            down=down,
+            post_mlp_norm=post_mlp_norm,
+            experts=experts,
+            short_conv=short,
+        )
     if i in config.linear_layers:
         delta = _delta_net(config, w, i)
         return LayerWeights(

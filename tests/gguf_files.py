@@ -408,3 +408,65 @@ def _qwen35_name(name: str) -> str:
         return f"blk.{layer}.ffn_gate_inp.weight"
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{_QWEN35[module]}.{kind}"
+
+
+# LFM2 (``lfm2``) as llama.cpp's converter writes it: its own tensor names, the output norm as
+# token_embd_norm, the KV heads per layer (0 on a short-convolution layer), the convolution squeezed.
+_LFM2 = {
+    "operator_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.out_proj": "attn_output",
+    "self_attn.q_layernorm": "attn_q_norm",
+    "self_attn.k_layernorm": "attn_k_norm",
+    "feed_forward.w1": "ffn_gate",
+    "feed_forward.w3": "ffn_up",
+    "feed_forward.w2": "ffn_down",
+    "conv.in_proj": "shortconv.in_proj",
+    "conv.out_proj": "shortconv.out_proj",
+    "conv.conv": "shortconv.conv",
+}
+
+
+def write_lfm2(hf_dir: Path, path: Path, qtype: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Convert a tiny LFM2 checkpoint as llama.cpp does, its matrices as ``qtype``; return the values the
+    file holds in Hugging Face names and layout (float32)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
+        values = weight.float().numpy()
+        if name == "model.embedding_norm.weight":
+            gguf = "token_embd_norm.weight"
+        elif name in _GLOBAL:
+            gguf = _GLOBAL[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf = f"blk.{layer}.{_LFM2[module]}.{kind}"
+        if "conv.conv.weight" in name:
+            values = values.reshape(values.shape[0], -1)
+        kind_ = qtype if values.ndim == 2 and "conv.conv" not in name else "F32"
+        raw, held = encode(values, kind_, rng)
+        tensors[gguf] = (raw, kind_)
+        reference[name] = torch.from_numpy(np.array(held, dtype=np.float32)).reshape(weight.shape)
+    types = config["layer_types"]
+    heads = config["num_attention_heads"]
+    keys: dict[str, Any] = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": int(state["model.layers.0.feed_forward.w1.weight"].shape[0]),
+        "attention.head_count": heads,
+        "attention.head_count_kv": [config["num_key_value_heads"] if t != "conv" else 0 for t in types],
+        "attention.layer_norm_rms_epsilon": float(config["norm_eps"]),
+        "rope.freq_base": float(config["rope_parameters"]["rope_theta"]),
+        "shortconv.l_cache": config["conv_L_cache"],
+        "vocab_size": config["vocab_size"],
+    }
+    write_file(path, "lfm2", {f"lfm2.{k}": v for k, v in keys.items()}, tensors)
+    return reference

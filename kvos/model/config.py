@@ -79,7 +79,6 @@ class ModelConfig:
     linear_heads_tiled: bool = False  # value head j reads key head j % key heads (GGUF), else j // group
     conv_layers: tuple[int, ...] = ()  # gated short-convolution layers (LFM2); the rest attend
     conv_kernel: int = 0
-    conv_bias: bool = False
     rotary_dim: int | None = None  # the leading dims of each head that rotate (None: all of them)
     attn_output_gate: bool = False  # the attention's output is gated by sigmoid(a second query projection)
 
@@ -327,9 +326,9 @@ def _hybrid_fields(raw: dict[str, Any], num_layers: int, head_dim: int) -> dict[
 
 def _lfm2_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """An LFM2 config's short-convolution layers (``layer_types`` "conv", else every layer not in
-    ``full_attn_idxs``), their taps and bias, and the MLP's width as transformers derives it from
-    ``intermediate_size`` (two thirds of it, times ``block_ffn_dim_multiplier``, rounded up to
-    ``block_multiple_of``)."""
+    ``full_attn_idxs``), their taps (a bias is read where the checkpoint has one), and the MLP's width as
+    transformers derives it from ``intermediate_size`` (two thirds of it, times ``block_ffn_dim_multiplier``,
+    rounded up to ``block_multiple_of``)."""
     types = raw.get("layer_types")
     if not types:
         full = set(raw.get("full_attn_idxs") or range(num_layers))
@@ -344,7 +343,6 @@ def _lfm2_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return {
         "conv_layers": tuple(i for i, t in enumerate(types) if t == "conv"),
         "conv_kernel": int(raw.get("conv_L_cache", 3)),
-        "conv_bias": bool(raw.get("conv_bias", False)),
         "intermediate_size": inter,
     }
 

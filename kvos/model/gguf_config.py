@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "qwen35": "qwen3_5",
     "qwen35moe": "qwen3_5_moe",
+    "lfm2": "lfm2",
 }
 QWEN35 = ("qwen35", "qwen35moe")
 # Architectures whose attn_q / attn_k rows llama.cpp's converter permutes for interleaved-pair RoPE.
@@ -77,6 +78,13 @@ _QWEN35_NAMES = {
 }
 # whole names: the delta-net's dt bias, and its decay rate -exp(A_log) as the file stores it (no suffix)
 _QWEN35_WHOLE = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.neg_a"}
+# LFM2 (``lfm2``): its short convolutions; its output norm is token_embd_norm
+_LFM2_WHOLE = {
+    "shortconv.conv.weight": "conv.conv.weight",
+    "shortconv.conv.bias": "conv.conv.bias",
+    "shortconv.in_proj.weight": "conv.in_proj.weight",
+    "shortconv.out_proj.weight": "conv.out_proj.weight",
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)")
 _WHOLE_TENSOR = re.compile(r"blk\.(\d+)\.([a-z0-9_.]+)")
 
@@ -90,7 +98,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if arch == "lfm2" and gguf_name == "token_embd_norm.weight":
+        return "model.norm.weight"
     whole = _WHOLE_TENSOR.fullmatch(gguf_name)
+    if arch == "lfm2" and whole and whole.group(2) in _LFM2_WHOLE:
+        return f"model.layers.{whole.group(1)}.{_LFM2_WHOLE[whole.group(2)]}"
     if arch in QWEN35 and whole and whole.group(2) in _QWEN35_WHOLE:
         return f"model.layers.{whole.group(1)}.{_QWEN35_WHOLE[whole.group(2)]}"
     names = _GEMMA3_NAMES if arch == "gemma3" else _QWEN35_NAMES if arch in QWEN35 else _LAYER_NAMES
@@ -214,6 +226,13 @@ def config_from_metadata(
     gemma = _gemma3_fields(metadata, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
     moe = _moe_fields(metadata, arch) if arch in ("qwen3moe", "qwen35moe") else {}
     hybrid = _qwen35_fields(metadata, arch, layers, head_dim) if arch in QWEN35 else {}
+    kv_heads = metadata.get(f"{arch}.attention.head_count_kv") or heads
+    if isinstance(kv_heads, (list, tuple)):  # per layer (LFM2): 0 marks a short-convolution layer
+        if len(kv_heads) != layers:
+            raise ModelLoadError(f"attention.head_count_kv has {len(kv_heads)} entries for {layers} layers")
+        hybrid["conv_layers"] = tuple(i for i, n in enumerate(kv_heads) if int(n) == 0)
+        hybrid["conv_kernel"] = int(_get(metadata, f"{arch}.shortconv.l_cache"))
+        kv_heads = max(int(n) for n in kv_heads)
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,
@@ -223,7 +242,7 @@ def config_from_metadata(
         ),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv") or heads),
+        num_kv_heads=int(kv_heads),
         head_dim=head_dim,
         model_type=ARCHITECTURES[arch],
         rms_norm_eps=float(_get(metadata, f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -232,7 +251,7 @@ def config_from_metadata(
         max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings=tied,
         attention_bias=False,
-        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", *QWEN35),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "lfm2", *QWEN35),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         **gemma,

@@ -519,7 +519,7 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         short = ShortConv(
             in_proj=stored(_need(w, f"{c}in_proj.weight")),
             conv=conv.reshape(conv.shape[0], -1),
-            bias=_dense(w, f"{c}conv.bias") if config.conv_bias else None,
+            bias=_dense_or_none(w, f"{c}conv.bias"),
         )
         return LayerWeights(
             attn_norm=_dense(w, f"{p}input_layernorm.weight"),

@@ -44,6 +44,7 @@ HF_PRE: dict[str, Any] = {
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     ),
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3),
+    "lfm2": lambda: _split_then_bytes(_LLAMA3),  # LFM2's: Llama 3's split, whole words looked up first
     "qwen2": lambda: _split_then_bytes(_QWEN2),
     "qwen35": lambda: _split_then_bytes(_QWEN35),
 }

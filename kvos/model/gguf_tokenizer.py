@@ -48,6 +48,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "llama-v3": (_LLAMA3,),
     "llama-bpe": (_LLAMA3,),
     "falcon3": (_LLAMA3,),
+    "lfm2": (_LLAMA3,),
     "qwen2": (_QWEN2,),
     "qwen35": (_QWEN35,),
     "deepseek-r1-qwen": (_QWEN2,),
@@ -59,7 +60,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "codeshell": _STARCODER,
 }
 # Pre-tokenizers for which llama.cpp looks a whole word up before merging (tokenizer.json's ignore_merges).
-_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
+_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2"})
 
 
 def _special_tokens(tokens: Sequence[str], types: Sequence[int], byte_level: bool) -> list[AddedToken]:

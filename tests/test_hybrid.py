@@ -205,3 +205,27 @@ def test_a_checkpoint_of_a_batched_step_keeps_only_its_own_state(tiny: Path) -> 
     kept = live.copy().layers[0]
     assert kept.conv.untyped_storage().nbytes() == kept.conv.nbytes and torch.equal(kept.conv, conv)
     assert kept.ssm.untyped_storage().nbytes() == kept.ssm.nbytes
+
+
+def test_a_chunk_spliced_at_a_new_position_equals_one_computed_there(tiny: Path) -> None:
+    """Restoring without recomputation on a hybrid: a chunk read after the same prefix at positions from 40
+    and spliced at positions from 700 holds the K/V the model computes for it at 700 (only a part of each
+    head rotates on Qwen3.5; the rest must come back untouched)."""
+    model = load_model(tiny, dtype="float32")
+    engine = Engine(model, block_size=4)
+    prefix, chunk = IDS[:30].tolist(), IDS[30:50].tolist()
+    early, late = engine.new_sequence(), engine.new_sequence()
+    engine.extend(early, prefix)
+    engine.extend(late, prefix)
+    early.open_segment()
+    engine.extend(early, chunk, positions=range(40, 60))
+    late.open_segment()
+    engine.extend(late, chunk, positions=range(700, 720))
+    k, v = engine.read_kv(early.segments[-1])
+    want_k, want_v = engine.read_kv(late.segments[-1])
+    assert not torch.allclose(k, want_k, atol=1e-3)  # the positions matter
+    spliced = engine.new_sequence()
+    seg = engine.splice(spliced, 0, chunk, k, v, torch.arange(40, 60), torch.arange(700, 720))
+    got_k, got_v = engine.read_kv(seg)
+    torch.testing.assert_close(got_k, want_k, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got_v, v)

@@ -194,3 +194,21 @@ def test_a_reply_and_a_new_turn_continue_as_a_fresh_session(model_dir: Path) -> 
     assert len(ids) == 30
     s.sync(spans(head, ids, turn))
     torch.testing.assert_close(s.last_logits, fresh_logits(model_dir, head, ids, turn), rtol=0, atol=TOL)
+
+
+def test_with_no_checkpoints_a_cut_reads_the_history_again(model_dir: Path) -> None:
+    engine = Engine(load_model(model_dir, dtype="float32"), block_size=8)
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=4096, policy="hard"),
+        chunk_tokens=24,
+        embedder="tokens",
+        recovery_signal="lexical",
+        recurrent_checkpoints=0,
+    )
+    s = MemoryManager(engine, load_tokenizer(model_dir), config).session("s")
+    head, other = tokens(50, 60), tokens(51, 10)
+    s.sync(spans(head))
+    assert not s.checkpoints.entries and s.stats()["recurrent_bytes"] > 0  # the live state only
+    result = s.sync(spans(head[:55], other))
+    assert result.reused == 0
+    torch.testing.assert_close(s.last_logits, fresh_logits(model_dir, head[:55], other), rtol=0, atol=TOL)

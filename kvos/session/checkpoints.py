@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvos.model.recurrent import RecurrentState
 
-KEPT = 8  # checkpoints a session keeps besides the empty one (each a full recurrent state)
+KEPT = 4  # checkpoints a session keeps besides the empty one (each a full recurrent state)
 
 
 class RecurrentCheckpoints:
@@ -36,8 +36,9 @@ class RecurrentCheckpoints:
         """Remember ``state`` as the state after ``length`` tokens of history (replacing any at or past
         ``length``: the history was cut and grew again)."""
         self.drop_after(length - 1)
-        self.entries.append((length, state.copy()))
-        del self.entries[: -self.kept]
+        if self.kept:
+            self.entries.append((length, state.copy()))
+            del self.entries[: -self.kept]
 
     def at_or_before(self, length: int) -> tuple[int, RecurrentState]:
         """The latest checkpoint at or before ``length`` tokens: (its length, a copy of its state)."""

@@ -54,6 +54,9 @@ class SessionConfig:
         25-50% budgets on the recall benchmark).
     kv_compression: the K/V compression applied to each chunk once sealed (:mod:`kvos.policy.compression`,
         :func:`~kvos.policy.compression.parse_compression`): None (the default) or a sparsifier.
+    recurrent_checkpoints: a hybrid model's recurrent state kept at this many of the latest chunk boundaries
+        (:mod:`kvos.session.checkpoints`; each a full state, 20.2 MB on Qwen3.5-0.8B's shape): a cut in the
+        history goes back to the latest one before it; with 0 every cut reads the history again.
     """
 
     budget: Budget = field(default_factory=Budget)
@@ -78,6 +81,7 @@ class SessionConfig:
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
     kv_compression: MagnitudeSparsifier | None = None
+    recurrent_checkpoints: int = 4
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
@@ -92,6 +96,8 @@ class SessionConfig:
         _ = self.signal_class  # validates the signal (and that it has the retriever it needs)
         if self.retrieval_heads is not None and not self.retrieval_heads:
             raise ConfigError("retrieval_heads must name at least one (layer, head), or be None")
+        if self.recurrent_checkpoints < 0:
+            raise ConfigError(f"recurrent_checkpoints must be >= 0, got {self.recurrent_checkpoints}")
         if self.query_window < 1:
             raise ConfigError(f"query_window must be >= 1, got {self.query_window}")
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode

@@ -119,7 +119,7 @@ class Session:
         self.writer = ReplyWriter(self)
         self.compressor = ChunkCompressor(config.kv_compression, engine)
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
-        self.checkpoints = RecurrentCheckpoints()  # a hybrid model's recurrent state at chunk boundaries
+        self.checkpoints = RecurrentCheckpoints(config.recurrent_checkpoints)  # a hybrid model's states
 
     @property
     def chunks(self) -> dict[int, Chunk]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import HYBRIDS, build, hf_model
 from safetensors.torch import load_file, save_file
 
 from kvos.engine.engine import Engine
@@ -23,7 +24,6 @@ from kvos.model.config import ModelConfig
 from kvos.model.delta_net import CHUNK
 from kvos.model.loader import load_model
 from kvos.model.rope import Rope, partial_rotary_order
-from tests.hf_models import HYBRIDS, build, hf_model
 
 pytest.importorskip("transformers")
 

@@ -13,9 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-
-from tests.hf_models import build
-from tests.server_harness import MODEL_NAME, running_app
+from hf_models import build
+from server_harness import MODEL_NAME, running_app
 
 pytest.importorskip("transformers")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import build
 
 from kvos.engine.engine import Engine
 from kvos.memory.store import ChunkStore
@@ -25,7 +26,6 @@ from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span
 from kvos.session.session import Session
-from tests.hf_models import build
 
 pytest.importorskip("transformers")
 

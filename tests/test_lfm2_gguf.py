@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_files import write_lfm2
+from hf_models import build, hf_model
 
 from kvos.engine.engine import Engine
 from kvos.model import activations
 from kvos.model.loader import load_model
-from tests.gguf_files import write_lfm2
-from tests.hf_models import build, hf_model
 
 pytest.importorskip("transformers")
 

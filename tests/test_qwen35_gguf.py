@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_files import in_memory_layout, write_qwen35
+from hf_models import build, hf_model
 
 from kvos.engine.engine import Engine
 from kvos.model import activations
 from kvos.model.gguf import read_gguf
 from kvos.model.loader import load_model
-from tests.gguf_files import in_memory_layout, write_qwen35
-from tests.hf_models import build, hf_model
 
 pytest.importorskip("transformers")
 

@@ -430,9 +430,12 @@ _LFM2 = {
 }
 
 
-def write_lfm2(hf_dir: Path, path: Path, qtype: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Convert a tiny LFM2 checkpoint as llama.cpp does, its matrices as ``qtype``; return the values the
-    file holds in Hugging Face names and layout (float32)."""
+def write_lfm2(
+    hf_dir: Path, path: Path, qtype: str, seed: int = 0, window: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Convert a tiny LFM2 checkpoint as llama.cpp does, its matrices as ``qtype`` (with ``window``, the key
+    of a sliding-window variant); return the values the file holds in Hugging Face names and layout
+    (float32)."""
     config = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
     rng = np.random.default_rng(seed)
@@ -468,5 +471,7 @@ def write_lfm2(hf_dir: Path, path: Path, qtype: str, seed: int = 0) -> dict[str,
         "shortconv.l_cache": config["conv_L_cache"],
         "vocab_size": config["vocab_size"],
     }
+    if window is not None:
+        keys["attention.sliding_window"] = window
     write_file(path, "lfm2", {f"lfm2.{k}": v for k, v in keys.items()}, tensors)
     return reference

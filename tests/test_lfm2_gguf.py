@@ -12,6 +12,7 @@ from hf_models import build, hf_model
 
 from kvos.engine.engine import Engine
 from kvos.model import activations
+from kvos.model.gguf import read_gguf
 from kvos.model.loader import load_model
 
 pytest.importorskip("transformers")
@@ -47,3 +48,10 @@ def test_logits_match_transformers(
     assert (got - expected[:40]).abs().max().item() <= TOL
     for t in range(40, 50):
         assert (engine.decode(seq, ids[t]) - expected[t]).abs().max().item() <= TOL
+
+
+def test_a_sliding_window_in_the_file_slides_the_attention_layers(hf_dir: Path, tmp_path: Path) -> None:
+    """An LFM2 file with ``attention.sliding_window`` (llama.cpp's reading: every attention layer slides)."""
+    write_lfm2(hf_dir, tmp_path / "m.gguf", "F32", window=7)
+    config, _, _ = read_gguf(tmp_path / "m.gguf")
+    assert config.sliding_windows == (None, None, 7, None)

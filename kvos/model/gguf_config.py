@@ -233,6 +233,10 @@ def config_from_metadata(
         hybrid["conv_layers"] = tuple(i for i, n in enumerate(kv_heads) if int(n) == 0)
         hybrid["conv_kernel"] = int(_get(metadata, f"{arch}.shortconv.l_cache"))
         kv_heads = max(int(n) for n in kv_heads)
+        window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
+        if window > 0:  # as llama.cpp reads an LFM2 file: then every attention layer slides
+            conv = set(hybrid["conv_layers"])
+            hybrid["sliding_windows"] = tuple(None if i in conv else window for i in range(layers))
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,

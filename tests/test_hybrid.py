@@ -70,6 +70,14 @@ def test_the_pool_keeps_the_attention_layers_only(tiny: Path) -> None:
     assert engine.pool.layout.bytes_per_token == 2 * 1 * c.num_kv_heads * c.head_dim * 4
 
 
+def test_a_sequences_recurrent_state_has_the_size_the_model_says(tiny: Path) -> None:
+    engine = Engine(load_model(tiny, dtype="float32"))
+    seq = engine.new_sequence()
+    engine.extend(seq, IDS[:70].tolist())
+    assert seq.recurrent is not None
+    assert seq.recurrent.nbytes == engine.model.recurrent_state_bytes() > 0
+
+
 def test_prefill_logits_match_transformers_across_chunks(tiny: Path, reference: torch.Tensor) -> None:
     assert IDS.shape[0] > 2 * CHUNK  # three chunks of the delta rule, the last partial
     engine = Engine(load_model(tiny, dtype="float32"))

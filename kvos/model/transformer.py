@@ -269,6 +269,11 @@ class Transformer:
         done = [o for o in outs if o is not None]
         return done[0] if len(done) == 1 else torch.cat(done)
 
+    def recurrent_state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state (a hybrid model's delta-nets and short convolutions; 0 for
+        a model without them), whatever the sequence's length."""
+        return sum(layer.mixer.empty_state().nbytes for layer in self.layers if layer.mixer is not None)
+
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids int64 [n] -> the embedded rows [n, hidden], scaled where the model scales them."""
         x = embedding(token_ids.to(self.device), self.embed)

@@ -323,6 +323,14 @@ def build_service(args: argparse.Namespace) -> ChatService:
         "(--kv-dtype)",
         file=sys.stderr,
     )
+    if model.config.recurrent_layers:
+        c = model.config
+        print(
+            f"[kvos] hybrid model: {c.num_kv_layers} of {c.num_layers} layers keep K/V; each session also "
+            f"holds a recurrent state of {model.recurrent_state_bytes()} bytes and up to "
+            f"{config.recurrent_checkpoints} checkpoints of it, outside --kv-memory",
+            file=sys.stderr,
+        )
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
     prepare_kernels()
     name = args.served_model_name or model_name(path)

@@ -90,6 +90,23 @@ HYBRIDS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
     ),
+    # Qwen3-Next: the same hybrid with its projections interleaved per key head, experts on layers 1 and 3
+    "qwen3-next": dict(
+        arch="qwen3_next",
+        num_hidden_layers=4,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=2,
+        norm_topk_prob=True,
+    ),
     # LFM2: gated short convolutions (3 taps) on layers 0, 1 and 3, attention on 2; its MLP width derived
     "lfm2": dict(
         arch="lfm2",
@@ -122,12 +139,12 @@ def build(kind: str, path: Path, seed: int = 0, shard_size: str | None = None, *
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
         "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**spec))
-    unit = (
-        0.0 if arch in ("gemma3", "qwen3_5", "qwen3_5_moe") else 1.0
-    )  # Gemma's and Qwen3.5's norms scale by 1 + w
+    zero_centred = ("gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next")  # their norms scale by 1 + w
+    unit = 0.0 if arch in zero_centred else 1.0
     with torch.no_grad():  # random norms and biases, so a wrong norm or bias cannot hide behind ones/zeros
         for name, param in model.named_parameters():
             if name.endswith("linear_attn.norm.weight"):  # Qwen3.5's gated norm scales by w

@@ -52,6 +52,15 @@ IDS = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(7))
 
 def test_the_config_names_the_linear_layers_and_the_partial_rotation(tiny: Path) -> None:
     c = ModelConfig.from_file(tiny / "config.json")
+    if c.model_type == "qwen3_next":  # experts on every second layer, a shared expert beside them
+        assert c.linear_layers == (0, 1, 2) and c.rotary_dim == 8 and c.attn_output_gate
+        assert [c.moe(i) for i in range(4)] == [
+            False,
+            True,
+            False,
+            True,
+        ] and c.shared_expert_intermediate_size
+        return
     if c.model_type == "lfm2":
         assert c.conv_layers == (0, 1, 3) and c.kv_layers == (2,) and c.conv_kernel == 3 and c.qk_norm
         assert c.intermediate_size == 96 and not c.linear_layers  # 2/3 of 144, a multiple of 32

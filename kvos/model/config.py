@@ -28,8 +28,13 @@ ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Lfm2ForCausalLM": "lfm2",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
-HYBRID = ("qwen3_5", "qwen3_5_moe")  # linear-attention (gated delta-net) layers between the attention layers
+HYBRID = (
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+)  # linear-attention (gated delta-net) layers between the attention layers
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GELU (tanh approximation) as Gemma
 
@@ -282,8 +287,8 @@ def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     if not experts:
         return {}
     shared = int(raw.get("shared_expert_intermediate_size") or 0)
-    if shared and model_type != "qwen3_5_moe":
-        raise UnsupportedModelError("shared experts (Qwen2-MoE, Qwen3-Next) are not supported yet")
+    if shared and model_type not in ("qwen3_5_moe", "qwen3_next"):
+        raise UnsupportedModelError("shared experts (Qwen2-MoE) are not supported yet")
     return {
         "num_experts": experts,
         "num_experts_per_tok": int(raw["num_experts_per_tok"]),

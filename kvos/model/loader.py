@@ -17,7 +17,7 @@ from kvos.model.config import HYBRID, ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf import load_gguf
 from kvos.model.llama2c import load_llama2c
-from kvos.model.qwen35_layout import rearranged
+from kvos.model.qwen35_layout import rearranged, split_qwen3_next
 from kvos.model.transformer import Transformer
 
 
@@ -67,6 +67,8 @@ def load_hf(
         shift_gemma_norms(weights)
     if config.model_type in HYBRID:
         weights = rearranged(config, weights)
+    if config.model_type == "qwen3_next":
+        weights = split_qwen3_next(config, weights)
     if config.model_type == "lfm2":
         weights = lfm2_weights(weights)
     return Transformer(config, weights)

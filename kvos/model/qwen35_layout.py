@@ -60,3 +60,27 @@ def rearranged(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[st
             if p + norm in weights:
                 out[p + norm] = weights[p + norm][rows.dims]
     return out
+
+
+def split_qwen3_next(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's delta-net projections under Qwen3.5's names: its ``in_proj_qkvz`` holds, key head by key
+    head, that head's q, k, its value heads' v and z rows, and ``in_proj_ba`` its value heads' b and a rows;
+    Qwen3.5 keeps all q rows, then all k, then all v (``in_proj_qkv``), and z, b, a apart."""
+    hk, hv = config.linear_key_heads, config.linear_value_heads
+    dk, dv, per = config.linear_key_dim, config.linear_value_dim, hv // hk
+    block = 2 * dk + 2 * per * dv  # one key head's rows of in_proj_qkvz
+    heads = torch.arange(hk)[:, None] * block
+    q = (heads + torch.arange(dk)).reshape(-1)
+    k = (heads + dk + torch.arange(dk)).reshape(-1)
+    v = (heads + 2 * dk + torch.arange(per * dv)).reshape(-1)
+    z = (heads + 2 * dk + per * dv + torch.arange(per * dv)).reshape(-1)
+    pairs = torch.arange(hk)[:, None] * 2 * per
+    b, a = (pairs + torch.arange(per)).reshape(-1), (pairs + per + torch.arange(per)).reshape(-1)
+    out = dict(weights)
+    for layer in config.linear_layers:
+        p = f"model.layers.{layer}.linear_attn."
+        qkvz, ba = out.pop(p + "in_proj_qkvz.weight"), out.pop(p + "in_proj_ba.weight")
+        out[p + "in_proj_qkv.weight"] = qkvz[torch.cat((q, k, v))]
+        out[p + "in_proj_z.weight"] = qkvz[z]
+        out[p + "in_proj_b.weight"], out[p + "in_proj_a.weight"] = ba[b], ba[a]
+    return out

@@ -475,3 +475,83 @@ def write_lfm2(
         keys["attention.sliding_window"] = window
     write_file(path, "lfm2", {f"lfm2.{k}": v for k, v in keys.items()}, tensors)
     return reference
+
+
+def write_qwen3_next(hf_dir: Path, path: Path, qtype: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Convert a tiny Qwen3-Next checkpoint as llama.cpp does: ``in_proj_qkvz`` (interleaved per key head)
+    regrouped into ``attn_qkv`` (every q, every k, every v) and ``attn_gate`` (z), ``in_proj_ba`` kept whole
+    as ``ssm_ba``, the value heads in Hugging Face's order; the rest as for Qwen3.5. Returns the values the
+    file holds in Hugging Face names and layout (float32)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    hk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    per = config["linear_num_value_heads"] // hk * config["linear_value_head_dim"]
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for stack, (names, stacked) in _expert_stacks(state).items():
+        raw, held = encode(stacked.reshape(-1, stacked.shape[-1]), qtype, rng)
+        tensors[stack] = (raw.reshape(*stacked.shape[:2], -1), qtype)
+        for e, name in enumerate(names):
+            reference[name] = torch.from_numpy(np.array(held, dtype=np.float32)).view(stacked.shape)[e]
+    for name, weight in state.items():
+        if ".mlp.experts." in name:
+            continue
+        values = weight.float().numpy()
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("in_proj_qkvz.weight"):  # the converter's transpose, view, split and regroup
+            hidden = values.shape[1]
+            q, k, v, z = np.split(values.T.reshape(hidden, hk, -1), np.cumsum([dk, dk, per])[:3], axis=-1)
+            qkv = np.concatenate([x.reshape(hidden, -1) for x in (q, k, v)], axis=-1).T
+            held_parts = []
+            for part, gguf_part in ((qkv, "attn_qkv"), (z.reshape(hidden, -1).T, "attn_gate")):
+                raw, held = encode(np.ascontiguousarray(part), qtype, rng)
+                tensors[f"blk.{layer}.{gguf_part}.weight"] = (raw, qtype)
+                held_parts.append(held.reshape(part.shape))
+            back = np.concatenate(held_parts).T.reshape(hidden, 2 * hk * dk + 2 * hk * per)  # [q k v z] cols
+            qs, ks, vs, zs = np.split(back, np.cumsum([hk * dk, hk * dk, hk * per])[:3], axis=-1)
+            per_head = [x.reshape(hidden, hk, -1) for x in (qs, ks, vs, zs)]
+            reference[name] = torch.from_numpy(np.concatenate(per_head, axis=-1).reshape(hidden, -1).T.copy())
+            continue
+        if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            tensors[_qwen35_name(name)] = (values.reshape(-1) if "shared" in name else values, "F32")
+            reference[name] = weight.float()
+            continue
+        if name.endswith("conv1d.weight"):
+            values = values.reshape(values.shape[0], -1)
+        stored = -np.exp(values) if name.endswith("A_log") else values
+        shift = name.endswith("norm.weight") and "linear_attn.norm" not in name
+        kind = qtype if stored.ndim == 2 and "conv1d" not in name else "F32"
+        raw, held = encode(stored + 1.0 if shift else stored, kind, rng)
+        gguf_name_ = (
+            f"blk.{layer}.ssm_ba.weight" if name.endswith("in_proj_ba.weight") else _qwen35_name(name)
+        )
+        tensors[gguf_name_] = (raw, kind)
+        exact = shift or name.endswith("A_log") or kind == "F32"
+        reference[name] = weight.float() if exact else torch.from_numpy(np.array(held, dtype=np.float32))
+    head_dim = config["head_dim"]
+    keys: dict[str, Any] = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "rope.freq_base": float(config["rope_parameters"]["rope_theta"]),
+        "rope.dimension_count": int(head_dim * config["rope_parameters"].get("partial_rotary_factor", 0.25)),
+        "ssm.conv_kernel": config["linear_conv_kernel_dim"],
+        "ssm.state_size": dk,
+        "ssm.group_count": hk,
+        "ssm.time_step_rank": config["linear_num_value_heads"],
+        "ssm.inner_size": config["linear_num_value_heads"] * config["linear_value_head_dim"],
+        "full_attention_interval": 4,
+        "expert_count": config["num_experts"],
+        "expert_used_count": config["num_experts_per_tok"],
+        "expert_feed_forward_length": config["moe_intermediate_size"],
+        "expert_shared_feed_forward_length": config["shared_expert_intermediate_size"],
+    }
+    write_file(path, "qwen3next", {f"qwen3next.{k}": v for k, v in keys.items()}, tensors)
+    return reference

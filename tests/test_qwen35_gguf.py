@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import in_memory_layout, write_qwen35
+from gguf_files import in_memory_layout, write_qwen3_next, write_qwen35
 from hf_models import build, hf_model
 
 from kvos.engine.engine import Engine
@@ -97,6 +97,33 @@ def test_the_mixture_of_experts_sibling_matches_transformers(
     model = load_model(tmp_path / "m.gguf", dtype=dtype)
     assert model.config.model_type == "qwen3_5_moe" and model.config.shared_expert_intermediate_size == 64
     ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    engine = Engine(model, block_size=4)
+    got = engine.extend(engine.new_sequence(), ids, logits="all")
+    assert (got - expected).abs().max().item() <= TOL
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build("qwen3-next", tmp_path_factory.mktemp("qwen3next"), seed=4)
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), [("F32", "float32"), ("Q8_0", None)])
+def test_qwen3_next_matches_transformers(
+    next_dir: Path, tmp_path: Path, qtype: str, dtype: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``qwen3next``: the delta-nets' projections regrouped by the converter, b and a in one tensor per layer,
+    the value heads untiled; experts on the layers whose file has a router, dense MLPs on the others."""
+    monkeypatch.setattr(activations, "MODE", "float32")
+    held = write_qwen3_next(next_dir, tmp_path / "m.gguf", qtype)
+    reference = hf_model(next_dir)
+    missing, unexpected = reference.load_state_dict(in_memory_layout(held), strict=False)
+    assert not missing and not unexpected
+    model = load_model(tmp_path / "m.gguf", dtype=dtype)
+    c = model.config
+    assert c.model_type == "qwen3_next" and not c.linear_heads_tiled and c.mlp_only_layers == (0, 2)
+    ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(6)).tolist()
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
     engine = Engine(model, block_size=4)

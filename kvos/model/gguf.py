@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -217,11 +217,31 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")
     tied = "lm_head.weight" not in tensors
     config = config_from_metadata(metadata, embed.shape[0], tied, rope_divisors=divisors)
+    if config.num_experts:  # the layers whose file holds no router keep a dense MLP
+        dense = tuple(
+            i for i in range(config.num_layers) if f"model.layers.{i}.mlp.gate.weight" not in tensors
+        )
+        config = replace(config, mlp_only_layers=dense)
     if arch in PERMUTED_ARCHITECTURES:
         _unpermute(tensors, config)
     if config.attn_output_gate or config.rotary_dim is not None:
         _rearrange(tensors, config)
+    if config.model_type == "qwen3_next":
+        _split_beta_alpha(tensors, config)
     return config, tensors, metadata
+
+
+def _split_beta_alpha(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
+    """Qwen3-Next's ``ssm_ba`` (per key head: its value heads' b rows, then their a rows) as the two
+    projections kvos reads, in place."""
+    per = config.linear_value_heads // config.linear_key_heads
+    pairs = np.arange(config.linear_key_heads)[:, None] * 2 * per
+    b, a = (pairs + np.arange(per)).reshape(-1), (pairs + per + np.arange(per)).reshape(-1)
+    for layer in config.linear_layers:
+        p = f"model.layers.{layer}.linear_attn."
+        ba = tensors.pop(p + "in_proj_ba.weight")
+        tensors[p + "in_proj_b.weight"] = ba.take_rows(b, p + "in_proj_b.weight")
+        tensors[p + "in_proj_a.weight"] = ba.take_rows(a, p + "in_proj_a.weight")
 
 
 def _rearrange(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:

@@ -29,8 +29,9 @@ ARCHITECTURES = {
     "qwen35": "qwen3_5",
     "qwen35moe": "qwen3_5_moe",
     "lfm2": "lfm2",
+    "qwen3next": "qwen3_next",
 }
-QWEN35 = ("qwen35", "qwen35moe")
+QWEN35 = ("qwen35", "qwen35moe", "qwen3next")  # gated delta-nets: Qwen3.5, its MoE sibling, Qwen3-Next
 # Architectures whose attn_q / attn_k rows llama.cpp's converter permutes for interleaved-pair RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama", "mistral"})
 
@@ -71,6 +72,7 @@ _QWEN35_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+    "ssm_ba": "linear_attn.in_proj_ba",  # Qwen3-Next: each key head's value heads' b rows, then their a rows
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen3.5-MoE's shared expert and its gate
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
@@ -224,7 +226,7 @@ def config_from_metadata(
             raise UnsupportedModelError("a GGUF file with both rope_freqs.weight and rope scaling keys")
         scaling = llama3_scaling(rope_divisors, head_dim, theta)
     gemma = _gemma3_fields(metadata, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
-    moe = _moe_fields(metadata, arch) if arch in ("qwen3moe", "qwen35moe") else {}
+    moe = _moe_fields(metadata, arch) if arch in ("qwen3moe", "qwen35moe", "qwen3next") else {}
     hybrid = _qwen35_fields(metadata, arch, layers, head_dim) if arch in QWEN35 else {}
     kv_heads = metadata.get(f"{arch}.attention.head_count_kv") or heads
     if isinstance(kv_heads, (list, tuple)):  # per layer (LFM2): 0 marks a short-convolution layer
@@ -303,7 +305,7 @@ def _qwen35_fields(metadata: Mapping[str, Any], arch: str, layers: int, head_dim
         "linear_key_dim": state,
         "linear_value_dim": state,
         "linear_conv_kernel": int(_get(metadata, f"{arch}.ssm.conv_kernel")),
-        "linear_heads_tiled": True,
+        "linear_heads_tiled": arch != "qwen3next",  # the converter tiles Qwen3.5's value heads only
         "rotary_dim": None if rotary == head_dim else rotary,
         "attn_output_gate": True,
     }

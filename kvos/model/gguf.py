@@ -179,10 +179,10 @@ def _named_tensors(file: GGUFFile, arch: str) -> tuple[dict[str, GGUFTensor], np
     heads (``nextn_predict_layers``, after the model's own) are left out: kvos decodes one token a step."""
     tensors: dict[str, GGUFTensor] = {}
     divisors = None
-    first_mtp = decoder_layers(file.metadata)
+    first_mtp = decoder_layers(file.metadata) if file.metadata.get(f"{arch}.nextn_predict_layers") else None
     for item in file.tensors:
         block = _BLOCK.match(item.name)
-        if block is not None and int(block.group(1)) >= first_mtp:
+        if block is not None and first_mtp is not None and int(block.group(1)) >= first_mtp:
             continue
         record = _record(item)
         if item.name == "rope_freqs.weight":

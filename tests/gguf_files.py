@@ -319,11 +319,7 @@ def write_qwen35(
     reference: dict[str, torch.Tensor] = {}
     key_rows = 2 * hk * dk
     moe = bool(config.get("num_experts"))
-    for stack, (names, stacked) in _expert_stacks(state).items():
-        raw, held = encode(stacked.reshape(-1, stacked.shape[-1]), qtype, rng)
-        tensors[stack] = (raw.reshape(*stacked.shape[:2], -1), qtype)
-        for e, name in enumerate(names):
-            reference[name] = torch.from_numpy(np.array(held, dtype=np.float32)).view(stacked.shape)[e]
+    _write_experts(state, qtype, rng, tensors, reference)
     for name, weight in state.items():
         if ".mlp.experts." in name:
             continue
@@ -363,27 +359,11 @@ def write_qwen35(
     layers = config["num_hidden_layers"]
     if mtp_block:  # what kvos must leave out: a block past the model's own
         tensors[f"blk.{layers}.nextn.eh_proj.weight"] = (np.zeros((4, 8), dtype=np.float32), "F32")
-    head_dim = config["head_dim"]
-    rope = config["rope_parameters"]
     keys: dict[str, Any] = {
+        **_delta_net_keys(config),
         "block_count": layers + int(mtp_block),
         "nextn_predict_layers": int(mtp_block),
-        "context_length": config["max_position_embeddings"],
-        "embedding_length": config["hidden_size"],
-        "attention.head_count": config["num_attention_heads"],
-        "attention.head_count_kv": config["num_key_value_heads"],
-        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
-        "attention.key_length": head_dim,
-        "attention.value_length": head_dim,
-        "rope.freq_base": float(rope["rope_theta"]),
-        "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 0.25)),
         "rope.dimension_sections": [11, 11, 10, 0],
-        "ssm.conv_kernel": config["linear_conv_kernel_dim"],
-        "ssm.state_size": dk,
-        "ssm.group_count": hk,
-        "ssm.time_step_rank": config["linear_num_value_heads"],
-        "ssm.inner_size": config["linear_num_value_heads"] * dv,
-        "full_attention_interval": 4,
     }
     if moe:
         keys["expert_count"], keys["expert_used_count"] = config["num_experts"], config["num_experts_per_tok"]
@@ -394,6 +374,45 @@ def write_qwen35(
     arch = "qwen35moe" if moe else "qwen35"
     write_file(path, arch, {f"{arch}.{k}": v for k, v in keys.items()}, tensors)
     return reference
+
+
+def _write_experts(
+    state: dict[str, torch.Tensor],
+    qtype: str,
+    rng: np.random.Generator,
+    tensors: dict[str, tuple[np.ndarray, str]],
+    reference: dict[str, torch.Tensor],
+) -> None:
+    """Each layer's experts stacked a projection as ``qtype`` into ``tensors``, the values held into
+    ``reference`` under the per-expert Hugging Face names."""
+    for stack, (names, stacked) in _expert_stacks(state).items():
+        raw, held = encode(stacked.reshape(-1, stacked.shape[-1]), qtype, rng)
+        tensors[stack] = (raw.reshape(*stacked.shape[:2], -1), qtype)
+        for e, name in enumerate(names):
+            reference[name] = torch.from_numpy(np.array(held, dtype=np.float32)).view(stacked.shape)[e]
+
+
+def _delta_net_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """The attention and ``ssm.*`` keys llama.cpp writes for a gated delta-net hybrid (Qwen3.5, Qwen3-Next)."""
+    head_dim, rope = config["head_dim"], config["rope_parameters"]
+    heads = config["linear_num_value_heads"]
+    return {
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "rope.freq_base": float(rope["rope_theta"]),
+        "rope.dimension_count": int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+        "ssm.conv_kernel": config["linear_conv_kernel_dim"],
+        "ssm.state_size": config["linear_key_head_dim"],
+        "ssm.group_count": config["linear_num_key_heads"],
+        "ssm.time_step_rank": heads,
+        "ssm.inner_size": heads * config["linear_value_head_dim"],
+        "full_attention_interval": 4,
+    }
 
 
 def _qwen35_name(name: str) -> str:
@@ -489,11 +508,7 @@ def write_qwen3_next(hf_dir: Path, path: Path, qtype: str, seed: int = 0) -> dic
     rng = np.random.default_rng(seed)
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     reference: dict[str, torch.Tensor] = {}
-    for stack, (names, stacked) in _expert_stacks(state).items():
-        raw, held = encode(stacked.reshape(-1, stacked.shape[-1]), qtype, rng)
-        tensors[stack] = (raw.reshape(*stacked.shape[:2], -1), qtype)
-        for e, name in enumerate(names):
-            reference[name] = torch.from_numpy(np.array(held, dtype=np.float32)).view(stacked.shape)[e]
+    _write_experts(state, qtype, rng, tensors, reference)
     for name, weight in state.items():
         if ".mlp.experts." in name:
             continue
@@ -529,25 +544,10 @@ def write_qwen3_next(hf_dir: Path, path: Path, qtype: str, seed: int = 0) -> dic
         tensors[gguf_name_] = (raw, kind)
         exact = shift or name.endswith("A_log") or kind == "F32"
         reference[name] = weight.float() if exact else torch.from_numpy(np.array(held, dtype=np.float32))
-    head_dim = config["head_dim"]
     keys: dict[str, Any] = {
+        **_delta_net_keys(config),
         "block_count": config["num_hidden_layers"],
-        "context_length": config["max_position_embeddings"],
-        "embedding_length": config["hidden_size"],
         "feed_forward_length": config["intermediate_size"],
-        "attention.head_count": config["num_attention_heads"],
-        "attention.head_count_kv": config["num_key_value_heads"],
-        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
-        "attention.key_length": head_dim,
-        "attention.value_length": head_dim,
-        "rope.freq_base": float(config["rope_parameters"]["rope_theta"]),
-        "rope.dimension_count": int(head_dim * config["rope_parameters"].get("partial_rotary_factor", 0.25)),
-        "ssm.conv_kernel": config["linear_conv_kernel_dim"],
-        "ssm.state_size": dk,
-        "ssm.group_count": hk,
-        "ssm.time_step_rank": config["linear_num_value_heads"],
-        "ssm.inner_size": config["linear_num_value_heads"] * config["linear_value_head_dim"],
-        "full_attention_interval": 4,
         "expert_count": config["num_experts"],
         "expert_used_count": config["num_experts_per_tok"],
         "expert_feed_forward_length": config["moe_intermediate_size"],

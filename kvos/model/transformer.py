@@ -518,19 +518,17 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         gate_up = fuse([_need(w, f"{p}mlp.gate_proj.weight"), _need(w, f"{p}mlp.up_proj.weight")])
     down = None if experts else stored(_need(w, f"{p}mlp.down_proj.weight"))
     post_mlp_norm = _dense(w, f"{p}post_feedforward_layernorm.weight") if sandwich else None
+    mixer: DeltaNet | ShortConv | None = None
     if i in config.conv_layers:
-        c = f"{p}conv."
-        conv = _dense(w, f"{c}conv.weight")
-        short = ShortConv(
-            in_proj=stored(_need(w, f"{c}in_proj.weight")),
-            conv=conv.reshape(conv.shape[0], -1),
-            bias=_dense_or_none(w, f"{c}conv.bias"),
-        )
+        mixer, out = _short_conv(w, f"{p}conv."), f"{p}conv.out_proj.weight"
+    elif i in config.linear_layers:
+        mixer, out = _delta_net(config, w, i), f"{p}linear_attn.out_proj.weight"
+    if mixer is not None:  # a recurrent layer: its mixer in place of attention
         return LayerWeights(
             attn_norm=_dense(w, f"{p}input_layernorm.weight"),
-            qkv=short.in_proj,
+            qkv=mixer.in_proj,
             qkv_bias=None,
-            o=stored(_need(w, f"{c}out_proj.weight")),
+            o=stored(_need(w, out)),
             o_bias=None,
             q_norm=None,
             k_norm=None,
@@ -539,24 +537,8 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
             down=down,
             post_mlp_norm=post_mlp_norm,
             experts=experts,
-            short_conv=short,
-        )
-    if i in config.linear_layers:
-        delta = _delta_net(config, w, i)
-        return LayerWeights(
-            attn_norm=_dense(w, f"{p}input_layernorm.weight"),
-            qkv=delta.in_proj,
-            qkv_bias=None,
-            o=stored(_need(w, f"{p}linear_attn.out_proj.weight")),
-            o_bias=None,
-            q_norm=None,
-            k_norm=None,
-            mlp_norm=mlp_norm,
-            gate_up=gate_up,
-            down=down,
-            post_mlp_norm=post_mlp_norm,
-            experts=experts,
-            delta=delta,
+            delta=mixer if isinstance(mixer, DeltaNet) else None,
+            short_conv=mixer if isinstance(mixer, ShortConv) else None,
         )
     q, k, v = (_need(w, f"{p}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj"))
     bias = None
@@ -581,6 +563,16 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
         post_mlp_norm=post_mlp_norm,
         experts=experts,
         gate=None if gate is None else stored(gate),
+    )
+
+
+def _short_conv(w: Mapping[str, Weight], p: str) -> ShortConv:
+    """A short-convolution layer's mixer (LFM2; names under ``p``: ``in_proj``, ``conv``)."""
+    conv = _dense(w, f"{p}conv.weight")
+    return ShortConv(
+        in_proj=stored(_need(w, f"{p}in_proj.weight")),
+        conv=conv.reshape(conv.shape[0], -1),
+        bias=_dense_or_none(w, f"{p}conv.bias"),
     )
 
 

@@ -393,7 +393,8 @@ def _write_experts(
 
 
 def _delta_net_keys(config: dict[str, Any]) -> dict[str, Any]:
-    """The attention and ``ssm.*`` keys llama.cpp writes for a gated delta-net hybrid (Qwen3.5, Qwen3-Next)."""
+    """The attention and ``ssm.*`` keys llama.cpp writes for a gated delta-net hybrid (Qwen3.5,
+    Qwen3-Next)."""
     head_dim, rope = config["head_dim"], config["rope_parameters"]
     heads = config["linear_num_value_heads"]
     return {

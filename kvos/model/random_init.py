@@ -71,6 +71,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    # sized like LFM2-350M: 16 layers, attention on 6 (16 / 8 heads of 64), gated short convolutions of 3
+    # taps on the others, MLP 4,608 (derived from 6,656 as transformers derives it), vocabulary 65,536
+    "lfm2-350m-shape": dict(
+        architectures=["Lfm2ForCausalLM"],
+        model_type="lfm2",
+        vocab_size=65536,
+        hidden_size=1024,
+        intermediate_size=6656,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0,
+        block_multiple_of=256,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        conv_L_cache=3,
+        conv_bias=False,
+        layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+        max_position_embeddings=128000,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
 }
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -89,6 +111,8 @@ def cache_dir() -> Path:
 
 def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Normal(0, 0.02) projections and embeddings, unit norms, small q/k/v biases for Qwen2 (float32)."""
+    if spec["model_type"] == "lfm2":
+        return _lfm2_weights(spec, seed)
     g = torch.Generator().manual_seed(seed)
     hidden, inter = spec["hidden_size"], spec["intermediate_size"]
     heads, kv_heads = spec["num_attention_heads"], spec["num_key_value_heads"]
@@ -129,6 +153,45 @@ def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         w[f"{p}self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
     if hybrid:
         w["model.norm.weight"] = torch.zeros(hidden)
+    return w
+
+
+def _lfm2_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """An LFM2 checkpoint under its own names: normal projections, unit norms, normal(0, 0.2) 3-tap
+    convolutions; the MLP as wide as transformers derives it from ``intermediate_size``."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, heads, kv_heads = spec["hidden_size"], spec["num_attention_heads"], spec["num_key_value_heads"]
+    head_dim = hidden // heads
+    multiple = spec["block_multiple_of"]
+    inter = multiple * -(
+        -int(spec["block_ffn_dim_multiplier"] * int(2 * spec["intermediate_size"] / 3)) // multiple
+    )
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02
+
+    w = {
+        "model.embed_tokens.weight": normal(spec["vocab_size"], hidden),
+        "model.embedding_norm.weight": torch.ones(hidden),
+    }
+    for i, kind in enumerate(spec["layer_types"]):
+        p = f"model.layers.{i}."
+        w[f"{p}operator_norm.weight"] = torch.ones(hidden)
+        w[f"{p}ffn_norm.weight"] = torch.ones(hidden)
+        w[f"{p}feed_forward.w1.weight"] = normal(inter, hidden)
+        w[f"{p}feed_forward.w3.weight"] = normal(inter, hidden)
+        w[f"{p}feed_forward.w2.weight"] = normal(hidden, inter)
+        if kind == "conv":
+            w[f"{p}conv.in_proj.weight"] = normal(3 * hidden, hidden)
+            w[f"{p}conv.conv.weight"] = torch.randn(hidden, 1, spec["conv_L_cache"], generator=g) * 0.2
+            w[f"{p}conv.out_proj.weight"] = normal(hidden, hidden)
+            continue
+        w[f"{p}self_attn.q_proj.weight"] = normal(heads * head_dim, hidden)
+        w[f"{p}self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        w[f"{p}self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        w[f"{p}self_attn.out_proj.weight"] = normal(hidden, heads * head_dim)
+        w[f"{p}self_attn.q_layernorm.weight"] = torch.ones(head_dim)
+        w[f"{p}self_attn.k_layernorm.weight"] = torch.ones(head_dim)
     return w
 
 

@@ -99,3 +99,13 @@ def test_a_cancelled_stream_leaves_the_session_answering_as_a_fresh_one(model_di
         follow = [*messages, {"role": "assistant", "content": "Once"}, {"role": "user", "content": "go on"}]
         got = chat(url, "s", follow)
         assert text(got) == text(chat(url, "fresh", follow))
+
+
+def test_the_checkpoints_a_session_keeps_follow_the_option(model_dir: Path) -> None:
+    with running_app(model_dir, "--recurrent-checkpoints", "1") as (url, app):
+        manager = app.state.service.manager
+        assert manager.config.recurrent_checkpoints == 1
+        chat(url, "s", [{"role": "user", "content": "count the lanterns in every crate " * 40}])
+        (session,) = manager.sessions.values()
+        assert session.history.tokens > 3 * 128  # several chunk boundaries passed, one checkpoint kept
+        assert len(session.checkpoints.entries) == 1

@@ -113,6 +113,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
     add_compression_argument(p)
     add_kv_dtype_argument(p, default="float16")
+    p.add_argument(
+        "--recurrent-checkpoints",
+        type=int,
+        default=4,
+        metavar="N",
+        help="hybrid models (Qwen3.5, LFM2): keep each session's recurrent state at its last N chunk "
+        "boundaries, so that a cut in its history prefills only what follows the checkpoint before it; each "
+        "is a full state, held outside --kv-memory (default 4; 0: a cut reads the history again)",
+    )
     add_embedder_argument(p)
     add_signal_argument(p)
     p.add_argument(
@@ -288,6 +297,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         store_ram_bytes=args.store_ram_bytes,
         store_disk_dir=args.store_disk_dir,
         kv_compression=parse_compression(args.kv_compression),
+        recurrent_checkpoints=args.recurrent_checkpoints,
     )
     if config.retriever is not None:
         c = model.config

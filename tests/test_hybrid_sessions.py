@@ -44,12 +44,15 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return path
 
 
-def manager(model_dir: Path, budget: int = 4096, store_dir: Path | None = None) -> MemoryManager:
+def manager(
+    model_dir: Path, budget: int = 4096, store_dir: Path | None = None, mode: str = "compact"
+) -> MemoryManager:
     config = SessionConfig(
         budget=Budget(max_active_tokens=budget, policy="hard"),
         chunk_tokens=24,
         embedder="tokens",
         recovery_signal="lexical",
+        position_mode=mode,  # type: ignore[arg-type]
     )
     factory = None if store_dir is None else (lambda sid: ChunkStore(1 << 30, store_dir, write_through=True))
     engine = Engine(load_model(model_dir, dtype="float32"), block_size=8)
@@ -161,10 +164,11 @@ def test_a_snapshot_without_the_state_is_refused_for_a_hybrid_model(model_dir: P
         snapshot.restore(snap, manager(model_dir, store_dir=tmp_path).session("s"), tmp_path)
 
 
-def test_paging_under_a_budget_keeps_the_state_in_step_with_the_history(model_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["compact", "sparse"])
+def test_paging_under_a_budget_keeps_the_state_in_step_with_the_history(model_dir: Path, mode: str) -> None:
     """Evicted chunks leave the recurrent state as it is (it holds them already), and a recomputed one is
-    read without being taken in again."""
-    s = manager(model_dir, budget=64).session("s")
+    read without being taken in again; in either position mode (compacted, or at their own positions)."""
+    s = manager(model_dir, budget=64, mode=mode).session("s")
     parts = [tokens(20 + i, 30) for i in range(6)]
     for i in range(1, 7):
         s.sync(spans(*parts[:i]))

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from kvos.engine.engine import Engine
 from kvos.errors import PoolOutOfMemoryError
 from kvos.memory.growth import GrowthPolicy
+from kvos.model import delta_kernel
 from kvos.model.config import ModelConfig
 from kvos.model.delta_net import CHUNK
 from kvos.model.loader import load_model
@@ -247,3 +248,27 @@ def test_a_chunk_spliced_at_a_new_position_equals_one_computed_there(tiny: Path)
     torch.testing.assert_close(got_k, want_k, atol=2e-5, rtol=1e-5)
     assert torch.equal(got_v, v)
     torch.testing.assert_close(got_v, want_v, atol=1e-6, rtol=0)  # values do not depend on the position
+
+
+def test_the_decode_step_kernel_equals_the_torch_path(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of several sequences through the delta-net kernel and through torch ops: the same
+    logits and states within float32 rounding (the kernel sums in another order)."""
+    if not delta_kernel.usable(torch.zeros(1)):
+        pytest.skip("the delta-net kernel is not built here (no compiler): the torch path is the one")
+    results = []
+    for use in (True, False):
+        if not use:
+            monkeypatch.setattr(delta_kernel, "usable", lambda x: False)
+        engine = Engine(load_model(tiny, dtype="float32"))
+        seqs = [engine.new_sequence() for _ in range(3)]
+        for i, seq in enumerate(seqs):
+            engine.extend(seq, IDS[i : i + 20].tolist())
+        logits = [engine.step([(seq, [int(IDS[40 + t])]) for seq in seqs]) for t in range(5)]
+        states = [seq.recurrent.layers for seq in seqs if seq.recurrent is not None]
+        results.append((logits, states))
+    (got, got_states), (want, want_states) = results
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.cat(a), torch.cat(b), atol=1e-5, rtol=0)
+    for a, b in zip(got_states, want_states, strict=True):
+        for layer in a:
+            torch.testing.assert_close(a[layer].ssm, b[layer].ssm, atol=1e-5, rtol=0)

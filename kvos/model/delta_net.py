@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvos.model import delta_kernel
 from kvos.model.linear import Weight, matmul
 
 CHUNK = 64  # tokens solved together in a prefill
@@ -128,6 +129,12 @@ class DeltaNet:
         k = _l2norm(self._heads(k, b))
         beta = torch.sigmoid(beta_in.float())  # [B, H]
         decay = (self.neg_a * F.softplus(a.float() + self.dt_bias)).exp()
+        if delta_kernel.usable(q):  # each state read twice and written once, no stacking
+            values = v.float().reshape(b, hv, dv)
+            out, ssms = delta_kernel.steps([st.ssm for st in states], q, k, values, decay, beta)
+            normed = gated_rms_norm(out, z.view(b, hv, dv), self.norm, self.eps)
+            after = [DeltaState(window[i, 1:], ssms[i]) for i in range(b)]
+            return normed.reshape(b, hv * dv).to(proj.dtype), after
         # the state is read and written as few times as the algebra allows: it is the step's largest tensor
         ssm = torch.stack([st.ssm for st in states]).view(b * hv, self.key_dim, dv)  # a copy: ours to write
         k_rows, decay = k.reshape(b * hv, 1, self.key_dim), decay.reshape(b * hv, 1, 1)

@@ -255,7 +255,7 @@ class Transformer:
         outs: list[torch.Tensor | None] = [None] * len(bounds)
         afters: list[DeltaState | None] = [None] * len(bounds)
         steps = [i for i, (lo, hi) in enumerate(bounds) if hi - lo == 1]
-        if len(steps) > 1:  # the decode steps together: one pass over their stacked states
+        if steps:  # the decode steps together (one, or several sequences')
             rows = torch.tensor([bounds[i][0] for i in steps], device=proj.device)
             stepped, stepped_states = delta.run_decodes(proj[rows], [states[i] for i in steps])
             for j, i in enumerate(steps):

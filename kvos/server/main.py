@@ -21,7 +21,15 @@ from kvos.engine.kv_dtype import add_kv_dtype_argument, kv_dtype_name, parse_kv_
 from kvos.engine.threads import on_passing_thread, single_threaded_default
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
-from kvos.model import activations, decode_kernel, dense_kernel, gguf_kernel, layer_kernel, quant_kernel
+from kvos.model import (
+    activations,
+    decode_kernel,
+    delta_kernel,
+    dense_kernel,
+    gguf_kernel,
+    layer_kernel,
+    quant_kernel,
+)
 from kvos.model.catalogue import add_model_argument, default_model, model_name
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, add_chat_template_argument, load_tokenizer, with_chat_template
@@ -342,7 +350,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
             file=sys.stderr,
         )
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
-    prepare_kernels()
+    prepare_kernels(hybrid=bool(model.config.linear_layers))
     name = args.served_model_name or model_name(path)
     return ChatService(
         manager,
@@ -412,19 +420,22 @@ def open_state(
     return state
 
 
-def prepare_kernels() -> None:
+def prepare_kernels(hybrid: bool = False) -> None:
     """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode
-    attention, the steps between a layer's products, the dense, quantized and GGUF block products; say so
-    when it takes a while (the first start compiles them, about 30 s each)."""
+    attention, the steps between a layer's products, the dense, quantized and GGUF block products, and for
+    a ``hybrid`` model the delta-nets' decode steps; say so when it takes a while (the first start compiles
+    them, about 30 s each)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
-    kernels = (
+    kernels = [
         ("restore", fused.kernel, "restores use the eager path"),
         ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),
         ("layer step", layer_kernel.kernel, "norms, RoPE and SwiGLU run as eager torch ops"),
         ("dense product", dense_kernel.kernel, "products use torch's matmul"),
         ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),
         ("GGUF block product", gguf_kernel.kernel, "GGUF block products dequantize with gguf.quants"),
-    )
+    ]
+    if hybrid:
+        kernels.append(("delta-net step", delta_kernel.kernel, "delta-net decode steps use torch ops"))
     for name, build, fallback in kernels:
         began = time.perf_counter()
         state = "ready" if build() is not None else f"unavailable: {fallback}"

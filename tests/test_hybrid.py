@@ -151,6 +151,25 @@ def test_a_failed_pass_leaves_the_state_as_it_was(tiny: Path, reference: torch.T
     torch.testing.assert_close(logits, reference[20:30], atol=TOL, rtol=0)
 
 
+def test_a_prefill_failing_in_a_later_slice_leaves_no_trace(tiny: Path, reference: torch.Tensor) -> None:
+    """Slices of one extend run as separate passes: when a later one fails, the earlier ones' tokens leave
+    neither the recurrent state nor the pool holding them."""
+    model = load_model(tiny, dtype="float32")
+    block = 16
+    per_block = 2 * model.config.num_kv_heads * model.config.head_dim * 4 * block
+    growth = GrowthPolicy(initial_tokens=block, max_bytes=2 * per_block)
+    engine = Engine(model, block_size=block, growth=growth, prefill_slice=8)
+    seq = engine.new_sequence()
+    engine.extend(seq, IDS[:20].tolist())
+    assert seq.recurrent is not None
+    before = dict(seq.recurrent.layers)
+    with pytest.raises(PoolOutOfMemoryError):
+        engine.extend(seq, IDS[20:40].tolist())  # slices of 8: 28 fits in 2 blocks, 36 does not
+    assert seq.num_tokens == 20 and seq.recurrent.tokens == 20 and seq.recurrent.layers == before
+    logits = engine.extend(seq, IDS[20:30].tolist(), logits="all")
+    torch.testing.assert_close(logits, reference[20:30], atol=TOL, rtol=0)
+
+
 def test_a_released_sequence_starts_from_zero(tiny: Path, reference: torch.Tensor) -> None:
     engine = Engine(load_model(tiny, dtype="float32"))
     seq = engine.new_sequence()

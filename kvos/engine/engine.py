@@ -93,14 +93,36 @@ class Engine:
         pos = list(positions)
         if len(pos) != len(ids):
             raise ConfigError(f"{len(ids)} tokens but {len(pos)} positions")
-        if not absorb and seq.recurrent is not None:
-            before = seq.recurrent.copy()
-            try:
-                return self.extend(
-                    seq, ids, pos, logits, capture_layers, captured, capture_window, query_layers, queries
-                )
-            finally:
-                seq.recurrent.layers, seq.recurrent.tokens = before.layers, before.tokens
+        before, held = (None if seq.recurrent is None else seq.recurrent.copy()), seq.num_tokens
+        try:
+            out = self._slices(
+                seq, ids, pos, logits, capture_layers, captured, capture_window, query_layers, queries
+            )
+        except BaseException:
+            if (
+                before is not None
+            ):  # a hybrid: the slices already run leave no trace, in the state or the pool
+                seq.recurrent = before
+                if seq.num_tokens > held:
+                    seq.drop_last(seq.num_tokens - held)
+            raise
+        if before is not None and not absorb:
+            seq.recurrent = before
+        return out
+
+    def _slices(
+        self,
+        seq: Sequence,
+        ids: list[int],
+        pos: list[int],
+        logits: Literal["last", "all", "none"],
+        capture_layers: frozenset[int],
+        captured: dict[int, torch.Tensor] | None,
+        capture_window: int,
+        query_layers: frozenset[int],
+        queries: dict[int, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """:meth:`extend`'s passes, a slice of :meth:`slice_tokens` tokens each."""
         outputs = []
         size = self.slice_tokens()
         for lo in range(0, len(ids), size):

@@ -109,3 +109,6 @@ def test_the_checkpoints_a_session_keeps_follow_the_option(model_dir: Path) -> N
         (session,) = manager.sessions.values()
         assert session.history.tokens > 3 * 128  # several chunk boundaries passed, one checkpoint kept
         assert len(session.checkpoints.entries) == 1
+        metrics = httpx.get(url.replace("/v1", "/metrics"), timeout=30).text
+        line = next(m for m in metrics.splitlines() if m.startswith("kvos_session_recurrent_bytes{"))
+        assert float(line.split()[-1]) == session.stats()["recurrent_bytes"] > 0

@@ -71,6 +71,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    # Qwen3-30B-A3B's layers (2 of its 48): 128 experts of 768 a layer, 8 a token, 32 / 4 heads of 128
+    "qwen3-30b-a3b-layers": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # sized like LFM2-350M: 16 layers, attention on 6 (16 / 8 heads of 64), gated short convolutions of 3
     # taps on the others, MLP 4,608 (derived from 6,656 as transformers derives it), vocabulary 65,536
     "lfm2-350m-shape": dict(
@@ -134,9 +154,12 @@ def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     interval = int(spec.get("full_attention_interval", 4))
     for i in range(spec["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[f"{p}mlp.gate_proj.weight"] = normal(inter, hidden)
-        w[f"{p}mlp.up_proj.weight"] = normal(inter, hidden)
-        w[f"{p}mlp.down_proj.weight"] = normal(hidden, inter)
+        if spec.get("num_experts"):  # every layer a mixture (Qwen3-MoE's names)
+            w.update(_expert_weights(spec, f"{p}mlp.", normal))
+        else:
+            w[f"{p}mlp.gate_proj.weight"] = normal(inter, hidden)
+            w[f"{p}mlp.up_proj.weight"] = normal(inter, hidden)
+            w[f"{p}mlp.down_proj.weight"] = normal(hidden, inter)
         norm = torch.zeros if hybrid else torch.ones  # Qwen3.5's norms scale by 1 + w
         w[f"{p}input_layernorm.weight"] = norm(hidden)
         w[f"{p}post_attention_layernorm.weight"] = norm(hidden)
@@ -146,6 +169,9 @@ def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         if hybrid:
             w[f"{p}self_attn.q_norm.weight"] = torch.zeros(head_dim)
             w[f"{p}self_attn.k_norm.weight"] = torch.zeros(head_dim)
+        elif spec["model_type"] in ("qwen3", "qwen3_moe"):
+            w[f"{p}self_attn.q_norm.weight"] = torch.ones(head_dim)
+            w[f"{p}self_attn.k_norm.weight"] = torch.ones(head_dim)
         for name, rows in shapes.items():
             w[f"{p}self_attn.{name}.weight"] = normal(rows, hidden)
             if spec["model_type"] == "qwen2":
@@ -153,6 +179,19 @@ def random_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         w[f"{p}self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
     if hybrid:
         w["model.norm.weight"] = torch.zeros(hidden)
+    return w
+
+
+def _expert_weights(
+    spec: dict[str, Any], p: str, normal: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts layer's router and experts under Qwen3-MoE's names (prefix ``p``, ``...mlp.``)."""
+    hidden, inter = spec["hidden_size"], spec["moe_intermediate_size"]
+    w = {f"{p}gate.weight": normal(spec["num_experts"], hidden) * 50}  # a router with clear preferences
+    for e in range(spec["num_experts"]):
+        w[f"{p}experts.{e}.gate_proj.weight"] = normal(inter, hidden)
+        w[f"{p}experts.{e}.up_proj.weight"] = normal(inter, hidden)
+        w[f"{p}experts.{e}.down_proj.weight"] = normal(hidden, inter)
     return w
 
 

@@ -556,3 +556,37 @@ def write_qwen3_next(hf_dir: Path, path: Path, qtype: str, seed: int = 0) -> dic
     }
     write_file(path, "qwen3next", {f"qwen3next.{k}": v for k, v in keys.items()}, tensors)
     return reference
+
+
+def logits_error(
+    hf_dir: Path, held: dict[str, torch.Tensor], path: Path, dtype: str | None, tokens: int, prefill: int
+) -> tuple[float, Any]:
+    """How far kvos reading the GGUF at ``path`` is from transformers given the values the file holds
+    (``held``, Hugging Face names; a tied head may be missing): the largest difference of logits over
+    ``tokens`` random tokens, the first ``prefill`` of them read at once and the rest decoded one at a time
+    (float32 activations, so that a product is exactly that of the weights' values). Returns it and kvos's
+    model."""
+    from hf_models import hf_model
+
+    from kvos.engine.engine import Engine
+    from kvos.model import activations
+    from kvos.model.loader import load_model
+
+    reference = hf_model(hf_dir)
+    missing, unexpected = reference.load_state_dict(in_memory_layout(held), strict=False)
+    assert not unexpected and all("lm_head" in name for name in missing), (missing, unexpected)
+    ids = torch.randint(0, 97, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    mode, activations.MODE = activations.MODE, "float32"
+    try:
+        model = load_model(path, dtype=dtype)
+        engine = Engine(model, block_size=4)
+        seq = engine.new_sequence()
+        errors = [(engine.extend(seq, ids[:prefill], logits="all") - expected[:prefill]).abs().max().item()]
+        errors += [
+            (engine.decode(seq, ids[t]) - expected[t]).abs().max().item() for t in range(prefill, tokens)
+        ]
+    finally:
+        activations.MODE = mode
+    return max(errors), model

@@ -62,50 +62,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 # Hybrid models run their own tests (tests/test_hybrid*.py): their recurrent state changes what eviction
-# means. Qwen3.5: three gated delta-net layers, then attention with a quarter of each head rotated and a
-# gated output; two key heads serving four value heads.
+# means. The Qwen3.5 family: three gated delta-net layers, then attention with a quarter of each head rotated
+# and a gated output; two key heads serving four value heads.
+_DELTA_NETS: dict[str, Any] = dict(
+    num_hidden_layers=4,
+    head_dim=32,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+# four experts, two a row, and a gated shared expert
+_SHARED_EXPERTS: dict[str, Any] = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64
+)
 HYBRIDS: dict[str, dict[str, Any]] = {
-    "qwen3.5": dict(
-        arch="qwen3_5",
-        num_hidden_layers=4,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-    ),
-    # the same hybrid with every MLP a mixture: four experts, two a row, and a gated shared expert
-    "qwen3.5-moe": dict(
-        arch="qwen3_5_moe",
-        num_hidden_layers=4,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-    ),
+    "qwen3.5": dict(arch="qwen3_5", **_DELTA_NETS),
+    # the same hybrid with every MLP a mixture
+    "qwen3.5-moe": dict(arch="qwen3_5_moe", **_DELTA_NETS, **_SHARED_EXPERTS),
     # Qwen3-Next: the same hybrid with its projections interleaved per key head, experts on layers 1 and 3
     "qwen3-next": dict(
-        arch="qwen3_next",
-        num_hidden_layers=4,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        decoder_sparse_step=2,
-        norm_topk_prob=True,
+        arch="qwen3_next", **_DELTA_NETS, **_SHARED_EXPERTS, decoder_sparse_step=2, norm_topk_prob=True
     ),
     # LFM2: gated short convolutions (3 taps) on layers 0, 1 and 3, attention on 2; its MLP width derived
     "lfm2": dict(

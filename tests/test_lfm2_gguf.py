@@ -6,14 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from gguf_files import write_lfm2
-from hf_models import build, hf_model
+from gguf_files import logits_error, write_lfm2
+from hf_models import build
 
-from kvos.engine.engine import Engine
-from kvos.model import activations
 from kvos.model.gguf import read_gguf
-from kvos.model.loader import load_model
 
 pytest.importorskip("transformers")
 
@@ -28,26 +24,12 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("qtype", "dtype"), [("F32", "float32"), ("F16", None), ("Q8_0", None), ("Q4_0", None)]
 )
-def test_logits_match_transformers(
-    hf_dir: Path, tmp_path: Path, qtype: str, dtype: str | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(activations, "MODE", "float32")
+def test_logits_match_transformers(hf_dir: Path, tmp_path: Path, qtype: str, dtype: str | None) -> None:
     held = write_lfm2(hf_dir, tmp_path / "m.gguf", qtype)
-    reference = hf_model(hf_dir)
-    missing, unexpected = reference.load_state_dict(held, strict=False)
-    assert not unexpected and all("lm_head" in name for name in missing)  # the head is tied
-    ids = torch.randint(0, 97, (50,), generator=torch.Generator().manual_seed(5)).tolist()
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    model = load_model(tmp_path / "m.gguf", dtype=dtype)
+    error, model = logits_error(hf_dir, held, tmp_path / "m.gguf", dtype, tokens=50, prefill=40)
     assert model.config.model_type == "lfm2" and model.config.conv_layers == (0, 1, 3)
     assert model.config.num_kv_heads == 2 and model.config.intermediate_size == 96
-    engine = Engine(model, block_size=4)
-    seq = engine.new_sequence()
-    got = engine.extend(seq, ids[:40], logits="all")
-    assert (got - expected[:40]).abs().max().item() <= TOL
-    for t in range(40, 50):
-        assert (engine.decode(seq, ids[t]) - expected[t]).abs().max().item() <= TOL
+    assert error <= TOL
 
 
 def test_a_sliding_window_in_the_file_slides_the_attention_layers(hf_dir: Path, tmp_path: Path) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from gguf_files import in_memory_layout, write_qwen3_next, write_qwen35
-from hf_models import build, hf_model
+from gguf_files import logits_error, write_qwen3_next, write_qwen35
+from hf_models import build
 
 from kvos.engine.engine import Engine
-from kvos.model import activations
+from kvos.model.delta_net import DeltaNet
 from kvos.model.gguf import read_gguf
 from kvos.model.loader import load_model
 
@@ -37,23 +36,11 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("qtype", "dtype"), [("F32", "float32"), ("F16", None), ("Q8_0", None), ("Q4_0", None)]
 )
-def test_logits_match_transformers(
-    hf_dir: Path, tmp_path: Path, qtype: str, dtype: str | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(activations, "MODE", "float32")
+def test_logits_match_transformers(hf_dir: Path, tmp_path: Path, qtype: str, dtype: str | None) -> None:
+    """Over two chunks of the delta rule, then decode steps from the carried state."""
     held = write_qwen35(hf_dir, tmp_path / "m.gguf", qtype)
-    reference = hf_model(hf_dir)
-    missing, unexpected = reference.load_state_dict(held, strict=False)
-    assert not missing and not unexpected
-    ids = torch.randint(0, 97, (80,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    engine = Engine(load_model(tmp_path / "m.gguf", dtype=dtype), block_size=4)
-    seq = engine.new_sequence()
-    got = engine.extend(seq, ids[:60], logits="all")
-    assert (got - expected[:60]).abs().max().item() <= TOL
-    for t in range(60, 80):  # decode steps from the carried state
-        assert (engine.decode(seq, ids[t]) - expected[t]).abs().max().item() <= TOL
+    error, _ = logits_error(hf_dir, held, tmp_path / "m.gguf", dtype, tokens=80, prefill=60)
+    assert error <= TOL
 
 
 def test_the_config_reads_the_hybrid_layout_and_leaves_the_prediction_block_out(
@@ -78,30 +65,21 @@ def test_value_heads_in_the_wrong_order_give_other_logits(hf_dir: Path, tmp_path
     engine = Engine(model)
     right = engine.extend(engine.new_sequence(), ids)
     for layer in model.layers:
-        if layer.delta is not None:
-            layer.delta.tiled = False
+        if isinstance(layer.mixer, DeltaNet):
+            layer.mixer.tiled = False
     wrong = engine.extend(engine.new_sequence(), ids)
     assert (right - wrong).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize(("qtype", "dtype"), [("F32", "float32"), ("Q8_0", None)])
 def test_the_mixture_of_experts_sibling_matches_transformers(
-    moe_dir: Path, tmp_path: Path, qtype: str, dtype: str | None, monkeypatch: pytest.MonkeyPatch
+    moe_dir: Path, tmp_path: Path, qtype: str, dtype: str | None
 ) -> None:
     """``qwen35moe``: the experts stacked a projection, the router, the shared expert and its gate."""
-    monkeypatch.setattr(activations, "MODE", "float32")
     held = write_qwen35(moe_dir, tmp_path / "m.gguf", qtype)
-    reference = hf_model(moe_dir)
-    missing, unexpected = reference.load_state_dict(in_memory_layout(held), strict=False)
-    assert not missing and not unexpected
-    model = load_model(tmp_path / "m.gguf", dtype=dtype)
+    error, model = logits_error(moe_dir, held, tmp_path / "m.gguf", dtype, tokens=70, prefill=60)
     assert model.config.model_type == "qwen3_5_moe" and model.config.shared_expert_intermediate_size == 64
-    ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    engine = Engine(model, block_size=4)
-    got = engine.extend(engine.new_sequence(), ids, logits="all")
-    assert (got - expected).abs().max().item() <= TOL
+    assert error <= TOL
 
 
 @pytest.fixture(scope="module")
@@ -111,21 +89,12 @@ def next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(("qtype", "dtype"), [("F32", "float32"), ("Q8_0", None)])
 def test_qwen3_next_matches_transformers(
-    next_dir: Path, tmp_path: Path, qtype: str, dtype: str | None, monkeypatch: pytest.MonkeyPatch
+    next_dir: Path, tmp_path: Path, qtype: str, dtype: str | None
 ) -> None:
     """``qwen3next``: the delta-nets' projections regrouped by the converter, b and a in one tensor per layer,
     the value heads untiled; experts on the layers whose file has a router, dense MLPs on the others."""
-    monkeypatch.setattr(activations, "MODE", "float32")
     held = write_qwen3_next(next_dir, tmp_path / "m.gguf", qtype)
-    reference = hf_model(next_dir)
-    missing, unexpected = reference.load_state_dict(in_memory_layout(held), strict=False)
-    assert not missing and not unexpected
-    model = load_model(tmp_path / "m.gguf", dtype=dtype)
+    error, model = logits_error(next_dir, held, tmp_path / "m.gguf", dtype, tokens=70, prefill=60)
     c = model.config
     assert c.model_type == "qwen3_next" and not c.linear_heads_tiled and c.mlp_only_layers == (0, 2)
-    ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0]
-    engine = Engine(model, block_size=4)
-    got = engine.extend(engine.new_sequence(), ids, logits="all")
-    assert (got - expected).abs().max().item() <= TOL
+    assert error <= TOL

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
-from kvos.model.recurrent import RecurrentState
+if TYPE_CHECKING:
+    from kvos.model.recurrent import RecurrentState
 
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa arrived in 2.5
 

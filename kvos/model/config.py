@@ -30,11 +30,8 @@ ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",
     "Qwen3NextForCausalLM": "qwen3_next",
 }
-HYBRID = (
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_next",
-)  # linear-attention (gated delta-net) layers between the attention layers
+# linear-attention (gated delta-net) layers between the attention layers
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GELU (tanh approximation) as Gemma
 
@@ -205,9 +202,11 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             num_layers = int(raw["num_hidden_layers"])
-            lfm2 = _lfm2_fields(raw, num_layers) if model_type == "lfm2" else {}
-            inter = lfm2.pop("intermediate_size", None) or int(
-                raw.get("intermediate_size") or raw["moe_intermediate_size"]
+            lfm2 = model_type == "lfm2"
+            inter = (
+                lfm2_mlp_width(raw)
+                if lfm2
+                else int(raw.get("intermediate_size") or raw["moe_intermediate_size"])
             )
             head_dim = int(raw.get("head_dim") or hidden // num_heads)
             gemma = model_type == "gemma3"
@@ -240,7 +239,7 @@ class ModelConfig:
                 final_logit_softcapping=raw.get("final_logit_softcapping") if gemma else None,
                 **_moe_fields(raw, model_type),
                 **(_hybrid_fields(raw, num_layers, head_dim) if model_type in HYBRID else {}),
-                **lfm2,
+                **(_lfm2_fields(raw, num_layers) if lfm2 else {}),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks the required field {exc.args[0]!r}") from exc
@@ -331,13 +330,20 @@ def _hybrid_fields(raw: dict[str, Any], num_layers: int, head_dim: int) -> dict[
 
 def _lfm2_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """An LFM2 config's short-convolution layers (``layer_types`` "conv", else every layer not in
-    ``full_attn_idxs``), their taps (a bias is read where the checkpoint has one), and the MLP's width as
-    transformers derives it from ``intermediate_size`` (two thirds of it, times ``block_ffn_dim_multiplier``,
-    rounded up to ``block_multiple_of``)."""
+    ``full_attn_idxs``) and their taps (a bias is read where the checkpoint has one)."""
     types = raw.get("layer_types")
     if not types:
         full = set(raw.get("full_attn_idxs") or range(num_layers))
         types = ["full_attention" if i in full else "conv" for i in range(num_layers)]
+    return {
+        "conv_layers": tuple(i for i, t in enumerate(types) if t == "conv"),
+        "conv_kernel": int(raw.get("conv_L_cache", 3)),
+    }
+
+
+def lfm2_mlp_width(raw: dict[str, Any]) -> int:
+    """An LFM2 config's MLP width as transformers derives it from ``intermediate_size``: two thirds of it,
+    times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``."""
     inter = int(raw["intermediate_size"])
     if raw.get("block_auto_adjust_ff_dim", True):
         inter = int(2 * inter / 3)
@@ -345,11 +351,7 @@ def _lfm2_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
         if multiplier is not None:
             multiple = int(raw.get("block_multiple_of", 256))
             inter = multiple * ((int(multiplier * inter) + multiple - 1) // multiple)
-    return {
-        "conv_layers": tuple(i for i, t in enumerate(types) if t == "conv"),
-        "conv_kernel": int(raw.get("conv_L_cache", 3)),
-        "intermediate_size": inter,
-    }
+    return inter
 
 
 def _check_gemma3(raw: dict[str, Any]) -> None:

@@ -21,30 +21,10 @@ import torch.nn.functional as F
 
 from kvos.model import delta_kernel
 from kvos.model.linear import Weight, matmul
+from kvos.model.recurrent import MixerState
 
 CHUNK = 64  # tokens solved together in a prefill
 L2_EPS = 1e-6  # the queries' and keys' L2 normalisation, as the reference kernels use
-
-
-@dataclass(frozen=True)
-class DeltaState:
-    """One sequence's state in one delta-net layer: ``conv`` [kernel - 1, conv_dim] (the last inputs of
-    the convolution, oldest first) and ``ssm`` float32 [value_heads, key_dim, value_dim]. Never written
-    in place (a pass makes a new one), so that checkpoints may share it."""
-
-    conv: torch.Tensor
-    ssm: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.ssm.nbytes
-
-    def compact(self) -> DeltaState:
-        """This state in tensors of its own where it is a view of a larger one (a batched step's), so that
-        keeping it (a checkpoint) does not keep the other sequences' states alive; itself otherwise."""
-        if all(t.untyped_storage().nbytes() == t.nbytes for t in (self.conv, self.ssm)):
-            return self
-        return DeltaState(self.conv.clone(), self.ssm.clone())
 
 
 @dataclass
@@ -78,10 +58,10 @@ class DeltaNet:
     def conv_dim(self) -> int:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
-    def empty_state(self) -> DeltaState:
+    def empty_state(self) -> MixerState:
         """The state before the first token: zeros."""
         kernel = int(self.conv.shape[1])
-        return DeltaState(
+        return MixerState(
             torch.zeros(kernel - 1, self.conv_dim, dtype=self.conv.dtype, device=self.conv.device),
             torch.zeros(
                 self.value_heads, self.key_dim, self.value_dim, dtype=torch.float32, device=self.conv.device
@@ -92,7 +72,7 @@ class DeltaNet:
         """h [n, hidden] (normed) -> the fused projections [n, conv_dim + value_dim + 2 * value_heads]."""
         return matmul(h, self.in_proj)
 
-    def run(self, proj: torch.Tensor, state: DeltaState) -> tuple[torch.Tensor, DeltaState]:
+    def run(self, proj: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
         """One sequence's ``n`` new rows of :meth:`project` and its state before them -> the layer's output
         before its output projection [n, value_heads * value_dim], and the state after them (new tensors:
         ``state`` is left as it was, so that a failed pass changes nothing)."""
@@ -112,14 +92,14 @@ class DeltaNet:
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         out, ssm = gated_delta_rule(q, k, v.float().view(n, hv, dv), g, beta, state.ssm)
         normed = gated_rms_norm(out, z.view(n, hv, dv), self.norm, self.eps)
-        return normed.reshape(n, hv * dv).to(proj.dtype), DeltaState(new_conv, ssm)
+        return normed.reshape(n, hv * dv).to(proj.dtype), MixerState(new_conv, ssm)
 
     def run_decodes(
-        self, proj: torch.Tensor, states: list[DeltaState]
-    ) -> tuple[torch.Tensor, list[DeltaState]]:
+        self, proj: torch.Tensor, states: list[MixerState]
+    ) -> tuple[torch.Tensor, list[MixerState]]:
         """:meth:`run` for ``B`` sequences' decode steps at once: ``proj`` [B, ...] one row of each, their
         states -> outputs [B, value_heads * value_dim] and each one's state after its token (views of the
-        step's stacked tensors; :meth:`DeltaState.compact` gives a checkpoint its own)."""
+        step's stacked tensors; :meth:`MixerState.compact` gives a checkpoint its own)."""
         b, hv, dv, c = int(proj.shape[0]), self.value_heads, self.value_dim, self.conv_dim
         mixed, z, beta_in, a = proj.split((c, hv * dv, hv, hv), dim=1)
         window = torch.cat((torch.stack([st.conv for st in states]), mixed[:, None, :]), dim=1)  # [B, K, C]
@@ -133,7 +113,7 @@ class DeltaNet:
             values = v.float().reshape(b, hv, dv)
             out, ssms = delta_kernel.steps([st.ssm for st in states], q, k, values, decay, beta)
             normed = gated_rms_norm(out, z.view(b, hv, dv), self.norm, self.eps)
-            after = [DeltaState(window[i, 1:], ssms[i]) for i in range(b)]
+            after = [MixerState(window[i, 1:], ssms[i]) for i in range(b)]
             return normed.reshape(b, hv * dv).to(proj.dtype), after
         # the state is read and written as few times as the algebra allows: it is the step's largest tensor
         ssm = torch.stack([st.ssm for st in states]).view(b * hv, self.key_dim, dv)  # a copy: ours to write
@@ -144,7 +124,7 @@ class DeltaNet:
         out = torch.bmm(q.reshape(b * hv, 1, self.key_dim), ssm).view(b, hv, dv)
         ssm = ssm.view(b, hv, self.key_dim, dv)
         normed = gated_rms_norm(out, z.view(b, hv, dv), self.norm, self.eps)
-        after = [DeltaState(window[i, 1:], ssm[i]) for i in range(b)]
+        after = [MixerState(window[i, 1:], ssm[i]) for i in range(b)]
         return normed.reshape(b, hv * dv).to(proj.dtype), after
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 
 from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.memory.heap import release_free_heap
+from kvos.model import qwen35_layout
 from kvos.model.config import ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf_config import (
@@ -38,7 +39,6 @@ from kvos.model.gguf_reader import GGUFFile, TensorInfo, read_gguf_file
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import Weight
 from kvos.model.quant import KEPT_TYPES, QuantizedWeight
-from kvos.model.qwen35_layout import attention_rows
 from kvos.model.transformer import Transformer
 
 QType = gguf.GGMLQuantizationType
@@ -89,20 +89,16 @@ class GGUFTensor:
             )
         return torch.from_numpy(values).reshape(self.shape).to(dtype)
 
-    def permute_rows(self, order: np.ndarray) -> GGUFTensor:
-        """A copy whose row ``i`` is this tensor's row ``order[i]`` (a vector's elements, for a bias)."""
+    def rows(self, order: np.ndarray | torch.Tensor) -> GGUFTensor:
+        """A copy holding this tensor's rows ``order`` (any of them, in that order; a float vector's
+        elements): quantized rows move whole, as the file stores them."""
+        order = np.asarray(order)
         if len(self.shape) == 2:
-            return GGUFTensor(self.name, self.qtype, self.shape, self.raw[order])
+            return GGUFTensor(self.name, self.qtype, (len(order), self.shape[1]), self.raw[order])
         if self.qtype not in ("F32", "F16", "BF16"):
-            raise UnsupportedModelError(f"{self.name}: cannot permute a {self.qtype} vector")
+            raise UnsupportedModelError(f"{self.name}: cannot take elements of a {self.qtype} vector")
         elements = self.raw.reshape(self.shape[0], -1)[order]
-        return GGUFTensor(self.name, self.qtype, self.shape, elements.reshape(1, -1))
-
-    def take_rows(self, order: np.ndarray, name: str) -> GGUFTensor:
-        """The matrix of this one's rows ``order`` (any subset, in that order), named ``name``."""
-        if len(self.shape) != 2:
-            raise UnsupportedModelError(f"{self.name}: rows are taken from matrices only")
-        return GGUFTensor(name, self.qtype, (len(order), self.shape[1]), self.raw[order])
+        return GGUFTensor(self.name, self.qtype, (len(order),), elements.reshape(1, -1))
 
 
 def interleaved_to_halves_order(rows: int, heads: int) -> np.ndarray:
@@ -170,7 +166,7 @@ def _unpermute(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
         for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
             if f".self_attn.{proj}." in name:
                 order = interleaved_to_halves_order(tensor.shape[0], heads)
-                tensors[name] = tensor.permute_rows(order)
+                tensors[name] = tensor.rows(order)
 
 
 def _named_tensors(file: GGUFFile, arch: str) -> tuple[dict[str, GGUFTensor], np.ndarray | None]:
@@ -224,41 +220,9 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
         config = replace(config, mlp_only_layers=dense)
     if arch in PERMUTED_ARCHITECTURES:
         _unpermute(tensors, config)
-    if config.attn_output_gate or config.rotary_dim is not None:
-        _rearrange(tensors, config)
-    if config.model_type == "qwen3_next":
-        _split_beta_alpha(tensors, config)
+    if qwen35_layout.applies(config):
+        tensors = qwen35_layout.rearranged(config, tensors, GGUFTensor.rows)
     return config, tensors, metadata
-
-
-def _split_beta_alpha(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
-    """Qwen3-Next's ``ssm_ba`` (per key head: its value heads' b rows, then their a rows) as the two
-    projections kvos reads, in place."""
-    per = config.linear_value_heads // config.linear_key_heads
-    pairs = np.arange(config.linear_key_heads)[:, None] * 2 * per
-    b, a = (pairs + np.arange(per)).reshape(-1), (pairs + per + np.arange(per)).reshape(-1)
-    for layer in config.linear_layers:
-        p = f"model.layers.{layer}.linear_attn."
-        ba = tensors.pop(p + "in_proj_ba.weight")
-        tensors[p + "in_proj_b.weight"] = ba.take_rows(b, p + "in_proj_b.weight")
-        tensors[p + "in_proj_a.weight"] = ba.take_rows(a, p + "in_proj_a.weight")
-
-
-def _rearrange(tensors: dict[str, GGUFTensor], config: ModelConfig) -> None:
-    """Qwen3.5's attention rows in kvos's layout (:mod:`kvos.model.qwen35_layout`), in place: quantized
-    rows move whole."""
-    rows = attention_rows(config)
-    for layer in config.kv_layers:
-        p = f"model.layers.{layer}.self_attn."
-        q = tensors[p + "q_proj.weight"]
-        tensors[p + "q_proj.weight"] = q.take_rows(rows.query.numpy(), p + "q_proj.weight")
-        if config.attn_output_gate:
-            tensors[p + "gate_proj.weight"] = q.take_rows(rows.gate.numpy(), p + "gate_proj.weight")
-        k = tensors[p + "k_proj.weight"]
-        tensors[p + "k_proj.weight"] = k.take_rows(rows.key.numpy(), p + "k_proj.weight")
-        for norm in ("q_norm.weight", "k_norm.weight"):
-            if p + norm in tensors:
-                tensors[p + norm] = tensors[p + norm].permute_rows(rows.dims.numpy())
 
 
 WeightMaker = Callable[[GGUFTensor], Weight]

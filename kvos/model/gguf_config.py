@@ -228,17 +228,10 @@ def config_from_metadata(
     gemma = _gemma3_fields(metadata, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
     moe = _moe_fields(metadata, arch) if arch in ("qwen3moe", "qwen35moe", "qwen3next") else {}
     hybrid = _qwen35_fields(metadata, arch, layers, head_dim) if arch in QWEN35 else {}
+    conv = _lfm2_fields(metadata, arch, layers) if arch == "lfm2" else {}
     kv_heads = metadata.get(f"{arch}.attention.head_count_kv") or heads
-    if isinstance(kv_heads, (list, tuple)):  # per layer (LFM2): 0 marks a short-convolution layer
-        if len(kv_heads) != layers:
-            raise ModelLoadError(f"attention.head_count_kv has {len(kv_heads)} entries for {layers} layers")
-        hybrid["conv_layers"] = tuple(i for i, n in enumerate(kv_heads) if int(n) == 0)
-        hybrid["conv_kernel"] = int(_get(metadata, f"{arch}.shortconv.l_cache"))
+    if isinstance(kv_heads, (list, tuple)):  # per layer (LFM2's: 0 on a short-convolution layer)
         kv_heads = max(int(n) for n in kv_heads)
-        window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
-        if window > 0:  # as llama.cpp reads an LFM2 file: then every attention layer slides
-            conv = set(hybrid["conv_layers"])
-            hybrid["sliding_windows"] = tuple(None if i in conv else window for i in range(layers))
     return ModelConfig(
         vocab_size=vocab_rows,
         hidden_size=hidden,
@@ -263,6 +256,7 @@ def config_from_metadata(
         **gemma,
         **moe,
         **hybrid,
+        **conv,
     )
 
 
@@ -309,6 +303,24 @@ def _qwen35_fields(metadata: Mapping[str, Any], arch: str, layers: int, head_dim
         "rotary_dim": None if rotary == head_dim else rotary,
         "attn_output_gate": True,
     }
+
+
+def _lfm2_fields(metadata: Mapping[str, Any], arch: str, layers: int) -> dict[str, Any]:
+    """An ``lfm2`` file's short-convolution layers (those with 0 KV heads in the per-layer
+    ``attention.head_count_kv``) and taps; with ``attention.sliding_window``, every attention layer slides
+    (as llama.cpp reads such a file)."""
+    kv_heads = _get(metadata, f"{arch}.attention.head_count_kv")
+    if not isinstance(kv_heads, (list, tuple)) or len(kv_heads) != layers:
+        raise ModelLoadError(f"an LFM2 file gives attention.head_count_kv for each of its {layers} layers")
+    conv = tuple(i for i, n in enumerate(kv_heads) if int(n) == 0)
+    fields: dict[str, Any] = {
+        "conv_layers": conv,
+        "conv_kernel": int(_get(metadata, f"{arch}.shortconv.l_cache")),
+    }
+    window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
+    if window > 0:
+        fields["sliding_windows"] = tuple(None if i in conv else window for i in range(layers))
+    return fields
 
 
 def _gemma3_fields(

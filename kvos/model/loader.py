@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 
 from kvos.errors import ModelLoadError
+from kvos.model import qwen35_layout
 from kvos.model.config import HYBRID, ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf import load_gguf
 from kvos.model.llama2c import load_llama2c
-from kvos.model.qwen35_layout import rearranged, split_qwen3_next
 from kvos.model.transformer import Transformer
 
 
@@ -61,17 +61,22 @@ def load_hf(
     config = ModelConfig.from_file(root / "config.json")
     torch_dtype = resolve_dtype(dtype, config)
     weights = read_safetensors(safetensors_files(root), torch_dtype, torch.device(device))
+    return Transformer(config, kvos_layout(config, weights))
+
+
+def kvos_layout(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's tensors under the names and in the layout :class:`Transformer` reads:
+    Qwen3.5's text model out of its multimodal checkpoint, LFM2's names, Gemma's and Qwen3.5's ``1 + w``
+    norms summed, Qwen3.5's attention rows (:mod:`kvos.model.qwen35_layout`)."""
     if config.model_type in HYBRID:
         weights = qwen3_5_text_weights(weights)
-    if config.model_type == "gemma3" or config.model_type in HYBRID:
-        shift_gemma_norms(weights)
-    if config.model_type in HYBRID:
-        weights = rearranged(config, weights)
-    if config.model_type == "qwen3_next":
-        weights = split_qwen3_next(config, weights)
     if config.model_type == "lfm2":
         weights = lfm2_weights(weights)
-    return Transformer(config, weights)
+    if config.model_type == "gemma3" or config.model_type in HYBRID:
+        shift_gemma_norms(weights)
+    if qwen35_layout.applies(config):
+        weights = qwen35_layout.rearranged(config, weights, lambda t, rows: t[rows])
+    return weights
 
 
 def shift_gemma_norms(weights: dict[str, torch.Tensor]) -> None:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvos.errors import ConfigError
+from kvos.model.config import lfm2_mlp_width
 from kvos.model.home import kvos_home
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -201,10 +202,7 @@ def _lfm2_weights(spec: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     hidden, heads, kv_heads = spec["hidden_size"], spec["num_attention_heads"], spec["num_key_value_heads"]
     head_dim = hidden // heads
-    multiple = spec["block_multiple_of"]
-    inter = multiple * -(
-        -int(spec["block_ffn_dim_multiplier"] * int(2 * spec["intermediate_size"] / 3)) // multiple
-    )
+    inter = lfm2_mlp_width(spec)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02

@@ -3,7 +3,7 @@
 Such a layer projects each token to three rows ``B``, ``C``, ``x`` [hidden] each, convolves ``B * x`` over the
 last ``kernel`` tokens (depthwise, causal) and gates the result by ``C``. Its state per sequence is the last
 ``kernel - 1`` inputs of the convolution: a few rows, whatever the sequence's length, carried as a
-:class:`~kvos.model.delta_net.DeltaState` with an empty ``ssm``.
+:class:`~kvos.model.recurrent.MixerState` with an empty ``ssm``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvos.model.delta_net import DeltaState
 from kvos.model.linear import Weight, matmul
+from kvos.model.recurrent import MixerState
 
 
 @dataclass
@@ -30,29 +30,29 @@ class ShortConv:
     def hidden(self) -> int:
         return int(self.conv.shape[0])
 
-    def empty_state(self) -> DeltaState:
+    def empty_state(self) -> MixerState:
         """The state before the first token: zeros."""
         kernel = int(self.conv.shape[1])
         zeros = torch.zeros(kernel - 1, self.hidden, dtype=self.conv.dtype, device=self.conv.device)
-        return DeltaState(zeros, zeros.new_empty(0))
+        return MixerState(zeros, zeros.new_empty(0))
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """h [n, hidden] (normed) -> B, C, x side by side [n, 3 * hidden]."""
         return matmul(h, self.in_proj)
 
-    def run(self, proj: torch.Tensor, state: DeltaState) -> tuple[torch.Tensor, DeltaState]:
+    def run(self, proj: torch.Tensor, state: MixerState) -> tuple[torch.Tensor, MixerState]:
         """One sequence's ``n`` rows of :meth:`project` and its state -> the output before the output
         projection [n, hidden], and the state after them (new tensors)."""
         b, c, x = proj.chunk(3, dim=1)
         window = torch.cat((state.conv, b * x))  # [kernel - 1 + n, hidden]
         conv = F.conv1d(window.t()[None], self.conv[:, None, :], self.bias, groups=self.hidden)[0].t()
         kernel = int(self.conv.shape[1])
-        after = DeltaState(window[window.shape[0] - (kernel - 1) :].clone(), state.ssm)
+        after = MixerState(window[window.shape[0] - (kernel - 1) :].clone(), state.ssm)
         return c * conv, after
 
     def run_decodes(
-        self, proj: torch.Tensor, states: list[DeltaState]
-    ) -> tuple[torch.Tensor, list[DeltaState]]:
+        self, proj: torch.Tensor, states: list[MixerState]
+    ) -> tuple[torch.Tensor, list[MixerState]]:
         """:meth:`run` for ``B`` sequences' decode steps: ``proj`` [B, 3 * hidden] -> [B, hidden] and each
         one's state after its token."""
         b, c, x = proj.chunk(3, dim=1)
@@ -60,4 +60,4 @@ class ShortConv:
         conv = (window * self.conv.t()[None]).sum(1)
         if self.bias is not None:
             conv = conv + self.bias
-        return c * conv, [DeltaState(window[i, 1:], st.ssm) for i, st in enumerate(states)]
+        return c * conv, [MixerState(window[i, 1:], st.ssm) for i, st in enumerate(states)]

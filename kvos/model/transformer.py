@@ -32,10 +32,11 @@ from kvos.model.attention import (
 )
 from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
-from kvos.model.delta_net import DeltaNet, DeltaState
+from kvos.model.delta_net import DeltaNet
 from kvos.model.experts import Experts, SharedExpert
 from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
+from kvos.model.recurrent import MixerState
 from kvos.model.rope import LayerRopes, Rope
 from kvos.model.short_conv import ShortConv
 
@@ -86,8 +87,9 @@ class LayerWeights:
     gate_up [2 * inter, hidden], down [hidden, inter]; norms [hidden] (q/k norms [D]). ``post_attn_norm``
     and ``post_mlp_norm`` (Gemma's sandwich) norm the attention's and the MLP's outputs before the residual
     adds them. A mixture-of-experts layer has ``experts`` in place of ``gate_up`` and ``down``. ``gate``
-    [H * D, hidden] gates the attention's output by its sigmoid (Qwen3.5). A hybrid model's linear-attention
-    layer has ``delta`` (:class:`~kvos.model.delta_net.DeltaNet`): its ``qkv`` is the delta-net's fused input
+    [H * D, hidden] gates the attention's output by its sigmoid (Qwen3.5). A hybrid model's recurrent layer
+    has ``mixer`` (a gated delta-net, :class:`~kvos.model.delta_net.DeltaNet`, or a short convolution,
+    :class:`~kvos.model.short_conv.ShortConv`) in place of attention: its ``qkv`` is the mixer's fused input
     projection and ``o`` its output projection; it has no q/k norms."""
 
     attn_norm: torch.Tensor
@@ -104,14 +106,7 @@ class LayerWeights:
     post_mlp_norm: torch.Tensor | None = None
     experts: Experts | None = None
     gate: Weight | None = None
-    delta: DeltaNet | None = None
-    short_conv: ShortConv | None = None
-
-    @property
-    def mixer(self) -> DeltaNet | ShortConv | None:
-        """The layer's recurrent token mixer (a hybrid's gated delta-net or short convolution), None for
-        an attention layer."""
-        return self.delta if self.delta is not None else self.short_conv
+    mixer: DeltaNet | ShortConv | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -208,7 +203,7 @@ class Transformer:
             h = rms_norm(x, layer.attn_norm, eps)
             mixer = layer.mixer
             if mixer is not None:
-                x = addmm(x, self._linear(i, mixer, h, meta), layer.o)
+                x = addmm(x, self._recurrent(i, mixer, h, meta), layer.o)
                 x = self._mlp(layer, x, eps)
                 continue
             j = self.kv_index[i]
@@ -238,31 +233,31 @@ class Transformer:
             out = matmul(gated, layer.down)
         return x + (out if layer.post_mlp_norm is None else rms_norm(out, layer.post_mlp_norm, eps))
 
-    def _linear(
-        self, index: int, delta: DeltaNet | ShortConv, h: torch.Tensor, meta: Batch | HeadAttentionMetadata
+    def _recurrent(
+        self, index: int, mixer: DeltaNet | ShortConv, h: torch.Tensor, meta: Batch | HeadAttentionMetadata
     ) -> torch.Tensor:
         """A recurrent layer (gated delta-net, short convolution) over h [n, hidden] (normed): each
         sequence's rows from its state (``meta.recurrent``, zeros where it has none), the states after them
         staged there -> the layer's output before its output projection [n, ...]."""
         if not isinstance(meta, Batch):
             raise UnsupportedModelError("per-head budgets do not run hybrid (linear-attention) models")
-        proj = delta.project(h)
+        proj = mixer.project(h)
         states = []
         for m in meta.metas:
             state = None if m.recurrent is None else m.recurrent.layers.get(index)
-            states.append(delta.empty_state() if state is None else state)
+            states.append(mixer.empty_state() if state is None else state)
         bounds = list(pairwise(meta.bounds))
         outs: list[torch.Tensor | None] = [None] * len(bounds)
-        afters: list[DeltaState | None] = [None] * len(bounds)
+        afters: list[MixerState | None] = [None] * len(bounds)
         steps = [i for i, (lo, hi) in enumerate(bounds) if hi - lo == 1]
         if steps:  # the decode steps together (one, or several sequences')
             rows = torch.tensor([bounds[i][0] for i in steps], device=proj.device)
-            stepped, stepped_states = delta.run_decodes(proj[rows], [states[i] for i in steps])
+            stepped, stepped_states = mixer.run_decodes(proj[rows], [states[i] for i in steps])
             for j, i in enumerate(steps):
                 outs[i], afters[i] = stepped[j : j + 1], stepped_states[j]
         for i, (lo, hi) in enumerate(bounds):
             if outs[i] is None:
-                outs[i], afters[i] = delta.run(proj[lo:hi], states[i])
+                outs[i], afters[i] = mixer.run(proj[lo:hi], states[i])
         for m, state_after, (lo, hi) in zip(meta.metas, afters, bounds, strict=True):
             if m.recurrent is not None and state_after is not None:
                 m.recurrent.stage(index, state_after, hi - lo)
@@ -537,8 +532,7 @@ def _layer(config: ModelConfig, w: Mapping[str, Weight], i: int) -> LayerWeights
             down=down,
             post_mlp_norm=post_mlp_norm,
             experts=experts,
-            delta=mixer if isinstance(mixer, DeltaNet) else None,
-            short_conv=mixer if isinstance(mixer, ShortConv) else None,
+            mixer=mixer,
         )
     q, k, v = (_need(w, f"{p}self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj"))
     bias = None

@@ -350,7 +350,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
             file=sys.stderr,
         )
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
-    prepare_kernels(hybrid=bool(model.config.linear_layers))
+    prepare_kernels(delta_nets=bool(model.config.linear_layers))
     name = args.served_model_name or model_name(path)
     return ChatService(
         manager,
@@ -420,11 +420,11 @@ def open_state(
     return state
 
 
-def prepare_kernels(hybrid: bool = False) -> None:
+def prepare_kernels(delta_nets: bool = False) -> None:
     """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode
     attention, the steps between a layer's products, the dense, quantized and GGUF block products, and for
-    a ``hybrid`` model the delta-nets' decode steps; say so when it takes a while (the first start compiles
-    them, about 30 s each)."""
+    a model with ``delta_nets`` (Qwen3.5) their decode steps; say so when it takes a while (the first start
+    compiles them, about 30 s each)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
     kernels = [
         ("restore", fused.kernel, "restores use the eager path"),
@@ -434,7 +434,7 @@ def prepare_kernels(hybrid: bool = False) -> None:
         ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),
         ("GGUF block product", gguf_kernel.kernel, "GGUF block products dequantize with gguf.quants"),
     ]
-    if hybrid:
+    if delta_nets:
         kernels.append(("delta-net step", delta_kernel.kernel, "delta-net decode steps use torch ops"))
     for name, build, fallback in kernels:
         began = time.perf_counter()

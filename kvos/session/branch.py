@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from kvos.model.recurrent import RecurrentState
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState
 from kvos.session.prompt import Span, common_prefix, flatten
 from kvos.session.session import Session
@@ -54,13 +53,11 @@ def fork(parent: Session, child: Session, length: int) -> int:
     inside a chunk that is not resident)."""
     if child.chunks:
         raise ValueError("fork needs a fresh session")
+    live = parent.pager.seq.recurrent
     state = None
-    if parent.pager.seq.recurrent is not None:  # a hybrid model: fork where the parent's state is known
-        length, state = recurrent_at(parent, length)
+    if live is not None:  # a hybrid model: fork where the parent's state is known
+        length, state = parent.checkpoints.settle(length, lambda n: shared_chunks(parent, n)[1], live)
     chunks, kept = shared_chunks(parent, length)
-    while state is not None and kept != length:
-        length, state = recurrent_at(parent, kept)
-        chunks, kept = shared_chunks(parent, length)
     if state is not None:
         child.pager.seq.recurrent = state
         child.checkpoints = parent.checkpoints.copy_until(kept)
@@ -82,15 +79,6 @@ def fork(parent: Session, child: Session, length: int) -> int:
     child.memory.journal.log(history.turn, "fork", parent=parent.session_id, tokens=kept)
     child.memory.journal.seen(child.pager.active_tokens)
     return kept
-
-
-def recurrent_at(parent: Session, length: int) -> tuple[int, RecurrentState]:
-    """Where a branch of a hybrid model's session may start at or before ``length`` tokens, and the
-    recurrent state there: the parent's own when the branch takes its whole history, else a checkpoint's."""
-    live = parent.pager.seq.recurrent
-    if live is not None and length >= parent.history.tokens:
-        return parent.history.tokens, live.copy()
-    return parent.checkpoints.at_or_before(length)
 
 
 def shareable_length(donor: Session, spans: list[Span], priority: float, pinned: bool) -> int:

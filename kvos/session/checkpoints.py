@@ -10,6 +10,8 @@ there, so a cut older than every checkpoint re-reads the history from its start.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvos.model.recurrent import RecurrentState
 
 KEPT = 4  # checkpoints a session keeps besides the empty one (each a full recurrent state)
@@ -40,12 +42,27 @@ class RecurrentCheckpoints:
             self.entries.append((length, state.copy()))
             del self.entries[: -self.kept]
 
-    def at_or_before(self, length: int) -> tuple[int, RecurrentState]:
-        """The latest checkpoint at or before ``length`` tokens: (its length, a copy of its state)."""
+    def at_or_before(self, length: int, live: RecurrentState | None = None) -> tuple[int, RecurrentState]:
+        """The latest state at or before ``length`` tokens: ``live`` (the session's own, after its
+        ``tokens``) where it is not past ``length``, else a checkpoint's, else the empty state at 0; as (its
+        length, a copy of it)."""
+        if live is not None and live.tokens <= length:
+            return live.tokens, live.copy()
         for at, state in reversed(self.entries):
             if at <= length:
                 return at, state.copy()
         return 0, RecurrentState()
+
+    def settle(
+        self, length: int, cut: Callable[[int], int], live: RecurrentState | None = None
+    ) -> tuple[int, RecurrentState]:
+        """Where a cut of the history at or before ``length`` tokens can stand with a known state: the
+        latest state (:meth:`at_or_before`) at which ``cut`` (the length a cut there really keeps: a chunk
+        that is not resident goes whole) keeps exactly that many tokens. Length 0 always can."""
+        at, state = self.at_or_before(length, live)
+        while (kept := cut(at)) != at:
+            at, state = self.at_or_before(kept, live)
+        return at, state
 
     def drop_after(self, length: int) -> None:
         """Forget the checkpoints past ``length`` tokens (the history no longer reaches them)."""

@@ -110,7 +110,7 @@ class Session:
         if signal.needs_retriever:
             assert config.retriever is not None
             c = engine.model.config
-            config.retriever.check_model(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim)
+            config.retriever.check_model(c.num_kv_layers, c.num_heads, c.num_kv_heads, c.head_dim)
             self.pager.retriever = config.retriever
         self.capture = config.layers_to_capture(engine.model.config.num_kv_layers)
         self.last_logits: torch.Tensor | None = None
@@ -388,13 +388,10 @@ class Session:
         """Cut the logical history to ``length`` tokens as :func:`~kvos.policy.planner.plan_truncate`
         plans it; returns the length kept (shorter when the cut falls inside a chunk that is not resident:
         that chunk goes whole; for a hybrid model, at the latest checkpoint of its recurrent state)."""
-        state = None
+        chunks, state = list(self.chunks.values()), None
         if self.pager.seq.recurrent is not None:
-            length, state = self.checkpoints.at_or_before(length)
-        cut = plan_truncate(list(self.chunks.values()), length)
-        while state is not None and cut.length != length:  # the cut went further back than the checkpoint
-            length, state = self.checkpoints.at_or_before(cut.length)
-            cut = plan_truncate(list(self.chunks.values()), length)
+            length, state = self.checkpoints.settle(length, lambda n: plan_truncate(chunks, n).length)
+        cut = plan_truncate(chunks, length)
         if cut.trim is not None:
             chunk_id, keep = cut.trim
             chunk = self.chunks[chunk_id]

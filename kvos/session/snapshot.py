@@ -33,8 +33,7 @@ import torch
 from kvos.errors import ChunkDataError, SnapshotError
 from kvos.memory import container
 from kvos.memory.store import FILE_SUFFIX, ChunkStore, write_chunk_file
-from kvos.model.delta_net import DeltaState
-from kvos.model.recurrent import RecurrentState
+from kvos.model.recurrent import MixerState, RecurrentState
 from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.compression import compression_name
 from kvos.policy.focus import TaskFocus
@@ -315,7 +314,7 @@ def _load_recurrent(session: Session, raw: dict[str, Any] | None, table: TensorT
 
     def decode(enc: dict[str, Any]) -> RecurrentState:
         layers = {
-            int(i): DeltaState(table.get(d["conv"]).to(device), table.get(d["ssm"]).to(device))
+            int(i): MixerState(table.get(d["conv"]).to(device), table.get(d["ssm"]).to(device))
             for i, d in enc["layers"].items()
         }
         return RecurrentState(layers, int(enc["tokens"]))

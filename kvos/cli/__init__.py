@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kvos.engine.kv_dtype import add_kv_dtype_argument
+from kvos.engine.window_option import add_window_margin_argument
 from kvos.errors import KvosError
 from kvos.model import activations
 from kvos.model.catalogue import add_model_argument
@@ -55,6 +56,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     add_compression_argument(p)
     add_kv_dtype_argument(p)
+    add_window_margin_argument(p)
     activations.add_argument(p)
 
 

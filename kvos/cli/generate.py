@@ -10,6 +10,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.generate import stream
 from kvos.engine.kv_dtype import parse_kv_dtype
 from kvos.engine.sampling import SamplingParams
+from kvos.engine.window_option import DEFAULT_WINDOW_MARGIN, parse_window_margin
 from kvos.errors import TokenizerError
 from kvos.model import activations
 from kvos.model.catalogue import default_model
@@ -50,7 +51,8 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    engine = Engine(model, kv_dtype=parse_kv_dtype(getattr(args, "kv_dtype", "auto")))
+    margin = parse_window_margin(getattr(args, "window_margin", str(DEFAULT_WINDOW_MARGIN)))
+    engine = Engine(model, kv_dtype=parse_kv_dtype(getattr(args, "kv_dtype", "auto")), window_margin=margin)
     seq = engine.new_sequence()
     method = parse_compression(getattr(args, "kv_compression", "none"))
     sealer = WindowSealer(method) if method is not None else None

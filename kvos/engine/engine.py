@@ -12,6 +12,7 @@ import torch
 from kvos.engine import fused
 from kvos.engine.passes import DirectRunner, PassRunner, current_runner
 from kvos.engine.sequence import Segment, Sequence
+from kvos.engine.window_option import DEFAULT_WINDOW_MARGIN
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.mapped import mapped_empty
@@ -36,15 +37,38 @@ class Engine:
         growth: GrowthPolicy | None = None,
         prefill_slice: int = DEFAULT_PREFILL_SLICE,
         kv_dtype: torch.dtype | None = None,
+        window_margin: int | None = DEFAULT_WINDOW_MARGIN,
     ) -> None:
         """``kv_dtype``: what the pool holds K and V in (default: the model's dtype). float16 on a float32
         model halves the pool's bytes and what a decode step reads of it; attention still computes in
-        float32 (:func:`kvos.model.transformer.as_stored`)."""
+        float32 (:func:`kvos.model.transformer.as_stored`).
+
+        ``window_margin``: on a model with sliding-window layers beside global ones (Gemma 3), those layers
+        keep a sequence's K/V only for its last ``window + window_margin`` tokens (their blocks' window rows
+        go back to the pool as the window slides: :mod:`kvos.memory.window_rows`); the margin lets a
+        rollback of that many tokens go on from the pool. None keeps every layer's K/V (llama.cpp's
+        ``--swa-full``)."""
         if prefill_slice <= 0:
             raise ConfigError(f"prefill_slice must be positive, got {prefill_slice}")
+        if window_margin is not None and window_margin < 0:
+            raise ConfigError(f"window_margin must be >= 0 or None, got {window_margin}")
         c = model.config
         dtype = model.dtype if kv_dtype is None else kv_dtype
-        layout = KVLayout(c.num_kv_layers, c.num_kv_heads, c.head_dim, block_size, dtype, model.device)
+        windows = [j for j, w in enumerate(model.windows) if w is not None]
+        sliding = window_margin is not None and 0 < len(windows) < c.num_kv_layers
+        layout = KVLayout(
+            c.num_kv_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            block_size,
+            dtype,
+            model.device,
+            tuple(windows) if sliding else (),
+        )
+        # the longest window of a layer that slides, and how many of a sequence's last tokens the window
+        # layers keep (0 and 0: every layer keeps everything)
+        self.window_span = max(w or 0 for w in model.windows) if sliding else 0
+        self.window_keep = self.window_span + (window_margin or 0) if sliding else 0
         self.model = model
         self.pool = KVPool(layout, growth)
         self.prefill_slice = prefill_slice
@@ -57,7 +81,9 @@ class Engine:
 
     def new_sequence(self) -> Sequence:
         recurrent = bool(self.model.config.recurrent_layers)
-        return Sequence(lambda: PageTable(self.pool.layout.block_size, self.pool), recurrent)
+        return Sequence(
+            lambda: PageTable(self.pool.layout.block_size, self.pool), recurrent, self.pool.slides
+        )
 
     def extend(
         self,
@@ -186,7 +212,20 @@ class Engine:
             raise
         if seq.recurrent is not None:
             seq.recurrent.commit()
+        if self.pool.slides:
+            self._spread_captured(seq, item.meta.captured)
+            seq.slide(self.window_keep)
         return out
+
+    def _spread_captured(self, seq: Sequence, captured: dict[int, torch.Tensor]) -> None:
+        """A window layer's captured probabilities cover the keys it holds: spread them over the whole
+        cache order (0 for the keys it no longer holds, which it could not see either)."""
+        held = seq.held
+        for layer, probs in captured.items():
+            if self.model.windows[layer] is not None and probs.shape[-1] != seq.num_tokens:
+                full = probs.new_zeros(*probs.shape[:-1], seq.num_tokens)
+                full[..., held] = probs
+                captured[layer] = full
 
     def step(
         self, work: Seq[tuple[Sequence, Seq[int]]], logits: Literal["last", "all", "none"] = "last"
@@ -210,6 +249,7 @@ class Engine:
         for seq, _ in work:
             if seq.recurrent is not None:
                 seq.recurrent.commit()
+            seq.slide(self.window_keep)
         return outputs
 
     def _item(
@@ -220,14 +260,23 @@ class Engine:
             raise InvalidPositionError("a forward pass needs at least one token")
         fresh = seq.num_tokens == 0 and all(b > a for a, b in pairwise(positions))
         write_slots = seq.extend(ids, positions)
+        device = self.model.device
         meta = AttentionMetadata(
             positions=seq.positions[-len(ids) :],
-            write_slots=write_slots.to(self.model.device),
-            read_slots=seq.slots.to(self.model.device),
+            write_slots=write_slots.to(device),
+            read_slots=seq.slots.to(device),
             key_positions=seq.positions,
             fresh=fresh,
             recurrent=seq.recurrent,
         )
+        if self.pool.slides:  # the window layers: the keys they hold, at their window slots
+            meta.window = AttentionMetadata(
+                positions=meta.positions,
+                write_slots=self.pool.window_slots(write_slots).to(device),
+                read_slots=self.pool.window_slots(seq.window_slots).to(device),
+                key_positions=seq.window_positions,
+                fresh=fresh,
+            )
         return BatchItem(torch.tensor(ids, dtype=torch.int64), meta, logits)
 
     def release(self, seq: Sequence) -> None:
@@ -243,8 +292,16 @@ class Engine:
         shape = (layout.num_layers, seg.num_tokens, layout.num_kv_heads, layout.head_dim)
         k, v = (mapped_empty(shape, layout.dtype, layout.device) for _ in range(2))
         slots = seg.slots.to(self.model.device)
+        held = seg.held_from
         for layer in range(layout.num_layers):
-            self.pool.gather(layer, slots, out=(k[layer], v[layer]))
+            if layer in layout.window_layers:  # what the window layers no longer hold reads as zeros
+                k[layer, :held].zero_()
+                v[layer, :held].zero_()
+                if held < seg.num_tokens:
+                    window = self.pool.window_slots(slots[held:])
+                    self.pool.gather(layer, window, out=(k[layer, held:], v[layer, held:]))
+            else:
+                self.pool.gather(layer, slots, out=(k[layer], v[layer]))
         return k, v
 
     def read_keys(self, slots: torch.Tensor, layers: Iterable[int]) -> torch.Tensor:
@@ -252,8 +309,19 @@ class Engine:
         for scoring, not for saving: [len(layers), n, num_kv_heads, head_dim] in the model's dtype, on the
         pool's device."""
         slots = slots.to(self.model.device)
-        keys = torch.stack([self.pool.gather(layer, slots)[0] for layer in layers])
+        keys = torch.stack([self._keys(layer, slots) for layer in layers])
         return keys.to(self.model.dtype)  # as the model computes, whatever the pool holds them in
+
+    def _keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The keys of ``layer`` at block ``slots`` (int64 [n]): [n, Hkv, D], zeros where a window layer no
+        longer holds the token."""
+        if layer not in self.pool.layout.window_layers:
+            return self.pool.gather(layer, slots)[0]
+        assert self.pool.rows is not None
+        bs = self.pool.layout.block_size
+        rows = self.pool.rows.table.to(slots.device)[slots // bs]
+        keys = self.pool.gather(layer, rows.clamp(min=0) * bs + slots % bs)[0]
+        return keys * (rows >= 0).to(keys.dtype)[:, None, None]
 
     # ------------------------------------------------- blocks shared between sequences
     def share(self, seg: Segment, into: Sequence, num_tokens: int) -> Segment:
@@ -322,9 +390,17 @@ class Engine:
             return
         self._own(seq, seg)
         slots = seg.slots.to(self.model.device)
+        held, window_layers = seg.held_from, self.pool.layout.window_layers
+        window = self.pool.window_slots(slots[held:]) if window_layers else slots
         for rope, layers in self.model.ropes.groups():
             rotation = rope.rotation(old, positions, self.model.device)
             for layer in layers:
+                if layer in window_layers:  # only the tokens it still holds
+                    if held < seg.num_tokens:
+                        k, v = self.pool.gather(layer, window)
+                        part = (rotation[0][held:], rotation[1][held:])
+                        self.pool.write(layer, window, Rope.rotate(k, part), v)
+                    continue
                 k, v = self.pool.gather(layer, slots)
                 self.pool.write(layer, slots, Rope.rotate(k, rotation), v)
         seg.set_positions(positions)
@@ -339,32 +415,59 @@ class Engine:
         v: torch.Tensor,
         saved_positions: torch.Tensor,
         positions: torch.Tensor,
+        held_from: int = 0,
     ) -> Segment:
         """Insert saved K/V as a new segment at ``index`` in cache order, with no model forward pass.
 
         k, v: [num_layers, n, num_kv_heads, head_dim] as read by :meth:`read_kv` when the tokens sat at
-        ``saved_positions`` (int64 [n]); the keys are re-anchored to ``positions`` (int64 [n]). All or
-        nothing: if the pool cannot hold the segment, nothing changes.
+        ``saved_positions`` (int64 [n]); the keys are re-anchored to ``positions`` (int64 [n]).
+        ``held_from``: the segment's :attr:`Segment.held_from` when it was read (the window layers' K/V of
+        the tokens before it are not in ``k``/``v``, and stay gone). All or nothing: if the pool cannot hold
+        the segment, nothing changes.
         """
         seg = seq.new_segment()
         slots = seg.extend(list(token_ids), positions).to(self.model.device)
+        window_layers = self.pool.layout.window_layers
+        if window_layers:
+            seg.page_table.slide(held_from)
         keys, values = k.to(self.model.device), v.to(self.model.device)
-        moved = not torch.equal(saved_positions, positions)
-        device, groups = self.model.device, self.model.ropes.groups()
+        groups = self.model.ropes.groups()
         for rope, layers in groups:  # each rope's layers (every layer, but for Gemma 3's two ropes)
-            if len(groups) > 1:
-                k_part, v_part = keys[layers], values[layers]
-            else:
-                k_part, v_part = keys, values
-            if fused.usable(self.pool.k, k_part, v_part):  # one pass: read, rotate in registers, write
-                half = fused.half_rotation(rope, saved_positions, positions) if moved else None
-                pool_k, pool_v = [self.pool.k[i] for i in layers], [self.pool.v[i] for i in layers]
-                fused.rotate_write(k_part, v_part, slots, pool_k, pool_v, half)
-            else:
-                rotation = rope.rotation(saved_positions, positions, device) if moved else None
-                self._write_eager(slots, k_part, v_part, rotation, layers)
+            whole = [i for i in layers if i not in window_layers]
+            inner = [i for i in layers if i in window_layers]
+            if whole:
+                parts = (keys, values) if len(whole) == keys.shape[0] else (keys[whole], values[whole])
+                self._put(rope, whole, slots, *parts, saved_positions, positions)
+            held = seg.held_from
+            if inner and held < seg.num_tokens:
+                window = self.pool.window_slots(slots[held:])
+                k_part, v_part = keys[inner, held:], values[inner, held:]
+                self._put(rope, inner, window, k_part, v_part, saved_positions[held:], positions[held:])
         seq.insert(index, seg)
         return seg
+
+    def _put(
+        self,
+        rope: Rope,
+        layers: list[int],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        saved_positions: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Write K/V [len(layers), n, Hkv, D] of one rope's ``layers`` at ``slots`` (int64 [n]: block slots,
+        or window slots for window layers), keys re-anchored from ``saved_positions`` to ``positions``."""
+        moved = not torch.equal(saved_positions, positions)
+        if fused.usable(self.pool.k, keys, values):  # one pass: read, rotate in registers, write
+            half = fused.half_rotation(rope, saved_positions, positions) if moved else None
+            pool_k, pool_v = self.pool.k, self.pool.v
+            fused.rotate_write(
+                keys, values, slots, [pool_k[i] for i in layers], [pool_v[i] for i in layers], half
+            )
+        else:
+            rotation = rope.rotation(saved_positions, positions, self.model.device) if moved else None
+            self._write_eager(slots, keys, values, rotation, layers)
 
     def _write_eager(
         self,

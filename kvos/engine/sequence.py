@@ -4,6 +4,10 @@ A :class:`Segment` is a run of tokens with pool blocks of its own, so it can be 
 moved to other positions (its keys re-rotated) or spliced back in as a whole, without touching its
 neighbours' blocks. A :class:`Sequence` is an ordered list of segments (cache order); attention reads the
 concatenation of their slots. Decoding appends to the last segment.
+
+Where the pool keeps sliding-window layers apart (:mod:`kvos.memory.window_rows`), a sequence also keeps
+the slots and positions of the tokens those layers still hold (:attr:`Sequence.window_slots`), and
+:meth:`Sequence.slide` lets them go once they are further back than any window it will read.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class Segment:
     def positions(self) -> torch.Tensor:
         """int64 [num_tokens] rotary position of every token."""
         return self._positions[: self.num_tokens]
+
+    @property
+    def held_from(self) -> int:
+        """The first token whose K/V the window layers still hold (:meth:`PageTable.slide`)."""
+        return self.page_table.held_from
 
     def extend(self, token_ids: Seq[int], positions: torch.Tensor) -> torch.Tensor:
         """Reserve pool slots for new tokens (all or nothing); returns their slots, int64 [n]."""
@@ -94,14 +103,20 @@ class Sequence:
     model also the linear-attention layers' :attr:`recurrent` state, which has absorbed every token the
     sequence was extended by (evicted ones too: it cannot be cut into segments)."""
 
-    def __init__(self, new_table: Callable[[], PageTable], recurrent: bool = False) -> None:
+    def __init__(
+        self, new_table: Callable[[], PageTable], recurrent: bool = False, slides: bool = False
+    ) -> None:
         self.recurrent = RecurrentState() if recurrent else None
+        self.slides = slides
         self._new_table = new_table
         self._next_id = 0
         self.segments: list[Segment] = []
         self._flat_slots = torch.empty(0, dtype=torch.int64)
         self._flat_positions = torch.empty(0, dtype=torch.int64)
         self._num_tokens = 0
+        self._held = torch.empty(0, dtype=torch.int64)  # cache-order indices of the window layers' tokens
+        self._num_held = 0
+        self._slide_mark = 0
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +142,54 @@ class Sequence:
         """int64 [num_tokens] rotary position of every resident token, in cache order."""
         return self._flat_positions[: self._num_tokens]
 
+    @property
+    def held(self) -> torch.Tensor:
+        """int64 [h] cache-order indices of the tokens the window layers still hold (every token when the
+        pool has no window layers)."""
+        if not self.slides:
+            return torch.arange(self._num_tokens)
+        return self._held[: self._num_held]
+
+    @property
+    def window_slots(self) -> torch.Tensor:
+        """int64 [h] block slots (not yet window slots) of the tokens in :attr:`held`."""
+        return self.slots if not self.slides else self.slots[self.held]
+
+    @property
+    def window_positions(self) -> torch.Tensor:
+        """int64 [h] rotary positions of the tokens in :attr:`held`."""
+        return self.positions if not self.slides else self.positions[self.held]
+
+    def slide(self, keep: int) -> bool:
+        """Let the window layers drop every token more than ``keep`` tokens before the end, in cache order
+        (``keep`` >= the longest window: no later query of this sequence can see them). True when something
+        was dropped. Runs its loop at most once a block's worth of tokens."""
+        first = self._num_tokens - keep
+        block = self.segments[0].page_table.block_size if self.segments else 1
+        if not self.slides or first - self._slide_mark < block:
+            return False
+        self._slide_mark, offset, changed = first, 0, False
+        for seg in self.segments:
+            if offset >= first:
+                break
+            before = seg.held_from
+            seg.page_table.slide(first - offset)
+            changed |= seg.held_from != before
+            offset += seg.num_tokens
+        if changed:
+            self._rebuild_held()
+        return changed
+
+    def window_intact(self, span: int, end: int | None = None) -> bool:
+        """Whether the window layers still hold every one of the ``span`` tokens before cache index ``end``
+        (default: the end), so that a token appended there attends as if nothing had slid."""
+        end = self._num_tokens if end is None else end
+        lo = max(end - span, 0)
+        if not self.slides or lo >= end:
+            return True
+        held = self.held
+        return int(((held >= lo) & (held < end)).sum()) == end - lo
+
     def next_position(self) -> int:
         """One past the last token's position (0 when empty): where an appended token goes by default."""
         return int(self._flat_positions[self._num_tokens - 1].item()) + 1 if self._num_tokens else 0
@@ -150,6 +213,10 @@ class Sequence:
         slots = self.segments[-1].extend(token_ids, pos)
         self._flat_slots = put(self._flat_slots, self._num_tokens, slots)
         self._flat_positions = put(self._flat_positions, self._num_tokens, pos)
+        if self.slides:  # new tokens are inside the window
+            fresh = torch.arange(self._num_tokens, self._num_tokens + len(token_ids))
+            self._held = put(self._held, self._num_held, fresh)
+            self._num_held += len(token_ids)
         self._num_tokens += len(token_ids)
         return slots
 
@@ -178,6 +245,17 @@ class Sequence:
         self._flat_slots = torch.cat([s.slots for s in live]) if live else empty
         self._flat_positions = torch.cat([s.positions for s in live]) if live else empty.clone()
         self._num_tokens = int(self._flat_slots.shape[0])
+        self._slide_mark = 0
+        if self.slides:
+            self._rebuild_held()
+
+    def _rebuild_held(self) -> None:
+        parts, offset = [], 0
+        for seg in self.segments:
+            parts.append(torch.arange(offset + seg.held_from, offset + seg.num_tokens))
+            offset += seg.num_tokens
+        self._held = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        self._num_held = int(self._held.shape[0])
 
     def boundaries(self) -> list[int]:
         """Cumulative token offsets [0, n0, n0 + n1, ..., num_tokens] of the segments in cache order."""

@@ -7,7 +7,7 @@ its tensors on demand).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvos.errors import ConfigError, InvalidPositionError
 
@@ -28,6 +28,22 @@ class BlockSource(Protocol):
         ...
 
 
+@runtime_checkable
+class WindowSource(Protocol):
+    """A block source whose sliding-window layers hold a block only while a table claims it
+    (:class:`~kvos.memory.pool.KVPool` with window layers: :mod:`kvos.memory.window_rows`). A block comes
+    from ``alloc_n`` claimed once."""
+
+    @property
+    def slides(self) -> bool: ...
+
+    def claim(self, block_id: int) -> None: ...
+
+    def reclaim(self, block_id: int) -> None: ...
+
+    def unclaim(self, block_id: int) -> None: ...
+
+
 class PageTable:
     """A sequence's token indices -> (block, offset).
 
@@ -39,6 +55,10 @@ class PageTable:
     There is one shared row of block ids for now. The table is shaped so that a (layer, kv_head) can
     later get its own row (per-head paging, where heads keep different tokens and free memory for
     real): readers should ask for :meth:`row` with their (layer, kv_head) rather than :attr:`blocks`.
+
+    Over a source with sliding-window layers (:class:`WindowSource`), the table also knows from which
+    token on those layers still hold its tokens (:attr:`held_from`); :meth:`slide` moves that point on and
+    gives back the blocks it leaves (their global layers stay).
     """
 
     def __init__(self, block_size: int, source: BlockSource) -> None:
@@ -48,6 +68,9 @@ class PageTable:
         self.source = source
         self._blocks: list[int] = []
         self._num_tokens = 0
+        self._held_from = 0
+        slides = isinstance(source, WindowSource) and source.slides
+        self._window: WindowSource | None = source if slides else None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -78,6 +101,35 @@ class PageTable:
     def _blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # ------------------------------------------------------------ window layers
+    @property
+    def held_from(self) -> int:
+        """The first token the window layers still hold (0 without window layers; tokens before it have
+        slid out of every window this table will read)."""
+        return self._held_from
+
+    def _claimed_from(self, held_from: int, num_tokens: int) -> int:
+        """The first logical block this table claims for its window layers, given ``held_from``."""
+        return (
+            self._blocks_for_tokens(num_tokens) if held_from >= num_tokens else held_from // self.block_size
+        )
+
+    def slide(self, held_from: int) -> None:
+        """The window layers no longer need tokens before ``held_from`` (clamped to ``[held_from,
+        num_tokens]``: it never moves back): the blocks wholly before it are unclaimed."""
+        new = min(max(held_from, self._held_from), self._num_tokens)
+        if self._window is None or new == self._held_from:
+            return
+        old_first = self._claimed_from(self._held_from, self._num_tokens)
+        new_first = self._claimed_from(new, self._num_tokens)
+        self._held_from = new
+        for block_id in self._blocks[old_first:new_first]:
+            self._window.unclaim(block_id)
+
+    def drop_window(self) -> None:
+        """The window layers hold none of this table's tokens (a restored chunk saved without them)."""
+        self.slide(self._num_tokens)
+
     def blocks_needed(self, n: int) -> int:
         """How many new blocks appending ``n`` tokens would allocate."""
         if n < 0:
@@ -91,7 +143,17 @@ class PageTable:
         A block is allocated only when a token crosses a block boundary. Allocation is all or nothing
         (``source.alloc_n``): on ``OutOfBlocksError`` / ``PoolOutOfMemoryError`` the table is unchanged.
         """
+        partial = self._num_tokens % self.block_size
+        regain = self._window is not None and n > 0 and partial and self._held_from >= self._num_tokens
         new_ids = self.source.alloc_n(self.blocks_needed(n))
+        if regain:  # the last block slid out of the window; its new tokens are inside it
+            assert self._window is not None
+            try:
+                self._window.reclaim(self._blocks[-1])
+            except BaseException:
+                for block_id in new_ids:
+                    self.source.free(block_id)
+                raise
         self._blocks.extend(new_ids)
         self._num_tokens += n
         return new_ids
@@ -104,6 +166,14 @@ class PageTable:
                 f"pass a count in [0, {self._num_tokens}]"
             )
         keep = self._blocks_for_tokens(num_tokens)
+        if self._window is not None:
+            old_first = self._claimed_from(self._held_from, self._num_tokens)
+            held = min(self._held_from, num_tokens)
+            new_first = self._claimed_from(held, num_tokens)
+            for index in range(old_first, len(self._blocks)):
+                if not new_first <= index < keep:
+                    self._window.unclaim(self._blocks[index])
+            self._held_from = held
         tail = self._blocks[keep:]
         del self._blocks[keep:]
         self._num_tokens = num_tokens
@@ -124,15 +194,23 @@ class PageTable:
         table._num_tokens = num_tokens
         for block_id in table._blocks:
             self.source.incref(block_id)
+        if self._window is not None:
+            table._held_from = min(self._held_from, num_tokens)
+            for block_id in table._blocks[table._claimed_from(table._held_from, num_tokens) :]:
+                self._window.claim(block_id)
         return table
 
     def replace(self, index: int, block_id: int) -> int:
-        """Put ``block_id`` (already allocated by the caller) at logical block ``index``; returns the id
-        it replaces, whose reference the caller still holds and must free (copy-on-write: copy, replace,
-        free)."""
+        """Put ``block_id`` (already allocated by the caller, so claimed once) at logical block ``index``;
+        returns the id it replaces, whose reference the caller still holds and must free (copy-on-write:
+        copy, replace, free). The table's window claim moves to the new block, or is dropped where the
+        table no longer holds that block for its window."""
         if not 0 <= index < len(self._blocks):
             raise InvalidPositionError(f"logical block {index} is outside [0, {len(self._blocks)})")
         old, self._blocks[index] = self._blocks[index], block_id
+        if self._window is not None:
+            claimed = index >= self._claimed_from(self._held_from, self._num_tokens)
+            self._window.unclaim(old if claimed else block_id)
         return old
 
     def free_all(self) -> None:

@@ -16,13 +16,18 @@ import torch
 from kvos.errors import ConfigError, InvalidBlockError, PoolOutOfMemoryError
 from kvos.memory.allocator import BlockAllocator
 from kvos.memory.growth import GrowthPolicy
+from kvos.memory.window_rows import NO_ROW, WindowRows
 
 _CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape, dtype and device of a KV pool. ``device`` may be given as a string (``"cpu"``)."""
+    """Shape, dtype and device of a KV pool. ``device`` may be given as a string (``"cpu"``).
+
+    ``window_layers``: the layers (ascending) whose K/V are held only inside a sequence's sliding window
+    (:mod:`kvos.memory.window_rows`); the others are global, held as long as their block.
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -30,6 +35,7 @@ class KVLayout:
     block_size: int = 16
     dtype: torch.dtype = torch.float32
     device: torch.device = _CPU
+    window_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -42,10 +48,33 @@ class KVLayout:
             )
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
+        w = self.window_layers
+        if list(w) != sorted(set(w)) or any(not 0 <= i < self.num_layers for i in w):
+            raise ConfigError(f"window_layers must be distinct layers in [0, {self.num_layers}), ascending")
+        if len(w) == self.num_layers:
+            raise ConfigError("at least one layer must be global: a pool of window layers alone is not kept")
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers that are not :attr:`window_layers`."""
+        return tuple(i for i in range(self.num_layers) if i not in self.window_layers)
+
+    def _layer_bytes_per_block(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize * self.block_size
+
+    @property
+    def global_bytes_per_block(self) -> int:
+        """Bytes of K and V for one block over the global layers (what a block costs outside any window)."""
+        return len(self.global_layers) * self._layer_bytes_per_block()
+
+    @property
+    def window_bytes_per_block(self) -> int:
+        """Bytes of K and V for one block over the window layers (0 without any)."""
+        return len(self.window_layers) * self._layer_bytes_per_block()
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers and KV heads."""
+        """Bytes of K and V for one token over all layers and KV heads (inside every window)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
@@ -71,16 +100,92 @@ class KVPool:
     def __init__(self, layout: KVLayout, growth: GrowthPolicy | None = None) -> None:
         self.layout = layout
         self.growth = growth if growth is not None else GrowthPolicy()
-        num_blocks = self.growth.initial_blocks(layout.block_size, layout.bytes_per_block)
+        num_blocks = self.growth.initial_blocks(layout.block_size, layout.global_bytes_per_block)
         self.allocator = BlockAllocator(num_blocks)
         shape = layout.block_shape(num_blocks)
-        self.k: list[torch.Tensor] = [self._zeros(shape) for _ in range(layout.num_layers)]
-        self.v: list[torch.Tensor] = [self._zeros(shape) for _ in range(layout.num_layers)]
+        globals_ = layout.global_layers
+        self._k: list[torch.Tensor] = [self._zeros(shape) for _ in globals_]  # the global layers' slabs
+        self._v: list[torch.Tensor] = [self._zeros(shape) for _ in globals_]
+        self._local = [
+            (False, globals_.index(i)) if i in globals_ else (True, layout.window_layers.index(i))
+            for i in range(layout.num_layers)
+        ]  # layer -> (a window layer?, its local index)
+        self.rows: WindowRows | None = None
+        if layout.window_layers:
+            inner = KVLayout(
+                len(layout.window_layers),
+                layout.num_kv_heads,
+                layout.head_dim,
+                layout.block_size,
+                layout.dtype,
+                layout.device,
+            )
+            unbounded = GrowthPolicy(
+                self.growth.initial_tokens, self.growth.double_below_tokens, self.growth.step_bytes
+            )
+            self.rows = WindowRows(KVPool(inner, unbounded), num_blocks)
         self.resizes = 0
         self.copy_seconds = 0.0
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.layout.dtype, device=self.layout.device)
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Every layer's K slab (a window layer's is indexed by window slots: :meth:`window_slots`)."""
+        return [self._slab(i)[0] for i in range(self.layout.num_layers)]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        """Every layer's V slab, as :attr:`k`."""
+        return [self._slab(i)[1] for i in range(self.layout.num_layers)]
+
+    def _slab(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V slabs ``[blocks or rows, block_size, H, D]`` of ``layer``."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is out of range: the pool has {self.layout.num_layers} layers")
+        window, local = self._local[layer]
+        if window:
+            assert self.rows is not None
+            return self.rows.pool._k[local], self.rows.pool._v[local]
+        return self._k[local], self._v[local]
+
+    def _capacity(self, layer: int) -> int:
+        """Blocks (or rows, for a window layer) the slabs of ``layer`` hold."""
+        window, _ = self._local[layer]
+        return self.rows.pool.num_blocks if window and self.rows is not None else self.num_blocks
+
+    # ------------------------------------------------------------------ window rows
+    @property
+    def slides(self) -> bool:
+        """Whether some layers hold their K/V only inside a window (:mod:`kvos.memory.window_rows`)."""
+        return self.rows is not None
+
+    def window_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Block slots (int64 ``[n]``) -> the window layers' slots of the same tokens."""
+        assert self.rows is not None
+        return self.rows.slots(slots, self.layout.block_size)
+
+    def claim(self, block_id: int) -> None:
+        """One more page table holds ``block_id`` inside its window (no-op without window layers)."""
+        if self.rows is not None:
+            self.rows.claim(block_id)
+
+    def reclaim(self, block_id: int) -> None:
+        """Claim ``block_id``, giving it a window row again where it has none."""
+        if self.rows is not None:
+            self._reserve_rows(1)
+            self.rows.reclaim(block_id)
+
+    def unclaim(self, block_id: int) -> None:
+        """A page table no longer holds ``block_id`` inside its window: its window row goes back when no
+        table does."""
+        if self.rows is not None:
+            self.rows.unclaim(block_id)
+
+    def has_row(self, block_id: int) -> bool:
+        """Whether the window layers still hold ``block_id`` (always, without window layers)."""
+        return self.rows is None or self.rows.row(block_id) != NO_ROW
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -95,26 +200,36 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all K and V tensors."""
-        return self.num_blocks * self.layout.bytes_per_block
+        """Bytes held by all K and V tensors (the window layers' rows included)."""
+        rows = 0 if self.rows is None else self.rows.pool.nbytes
+        return self.num_blocks * self.layout.global_bytes_per_block + rows
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of the blocks in use."""
-        return self.allocator.num_used * self.layout.bytes_per_block
+        """Bytes of the blocks in use, and of the window rows in use."""
+        rows = 0 if self.rows is None else self.rows.pool.live_bytes
+        return self.allocator.num_used * self.layout.global_bytes_per_block + rows
 
     # ------------------------------------------------------------- allocation
     def can_allocate(self, n: int) -> bool:
         """Whether ``alloc_n(n)`` would succeed, growing within the cap if needed."""
-        cap = self.growth.max_blocks(self.layout.bytes_per_block)
-        return n <= self.allocator.num_free or cap is None or self.allocator.num_used + n <= cap
+        lay, cap = self.layout, self.growth.max_bytes
+        if cap is None:
+            return True
+        rows = 0 if self.rows is None else self.rows.num_used + n
+        blocks = self.allocator.num_used + n
+        if n <= self.allocator.num_free and (self.rows is None or n <= self.rows.pool.allocator.num_free):
+            return True
+        return blocks * lay.global_bytes_per_block + rows * lay.window_bytes_per_block <= cap
 
     def out_of_memory(self, n: int) -> PoolOutOfMemoryError:
         """What :meth:`alloc_n` raises when ``n`` more blocks do not fit under the cap: for a caller that
         asked :meth:`can_allocate` first and could not make room."""
-        per_block = self.layout.bytes_per_block
+        lay = self.layout
+        rows = 0 if self.rows is None else self.rows.num_used + n
         return PoolOutOfMemoryError(
-            needed_bytes=(self.allocator.num_used + n) * per_block,
+            needed_bytes=(self.allocator.num_used + n) * lay.global_bytes_per_block
+            + rows * lay.window_bytes_per_block,
             max_bytes=self.growth.max_bytes or 0,
             pool_bytes=self.nbytes,
         )
@@ -127,19 +242,53 @@ class KVPool:
         missing = n - self.allocator.num_free
         if missing > 0:
             self.reserve(self.num_blocks + missing)
-        return self.allocator.alloc_n(n)
+        if self.rows is None:
+            return self.allocator.alloc_n(n)
+        self._reserve_rows(n)
+        ids = self.allocator.alloc_n(n)
+        self.rows.attach(ids)
+        return ids
+
+    def _reserve_rows(self, n: int) -> None:
+        """Make room for ``n`` more window rows within the pool's cap (global slabs and rows together)."""
+        assert self.rows is not None
+        inner, lay = self.rows.pool, self.layout
+        missing = n - inner.allocator.num_free
+        if missing <= 0:
+            return
+        need = inner.num_blocks + missing
+        target = inner.growth.blocks_for(inner.num_blocks, need, lay.block_size, lay.window_bytes_per_block)
+        if self.growth.max_bytes is not None:
+            room = self.growth.max_bytes - self.num_blocks * lay.global_bytes_per_block
+            target = min(target, room // lay.window_bytes_per_block)
+            if target < need:
+                raise PoolOutOfMemoryError(
+                    needed_bytes=self.num_blocks * lay.global_bytes_per_block
+                    + need * lay.window_bytes_per_block,
+                    max_bytes=self.growth.max_bytes,
+                    pool_bytes=self.nbytes,
+                )
+        inner._resize(target)
 
     def alloc(self) -> int:
         """Allocate one block (growing if needed)."""
         return self.alloc_n(1)[0]
 
     def free(self, block_id: int) -> bool:
-        """Drop one reference to ``block_id``; ``True`` when it became free."""
-        return self.allocator.free(block_id)
+        """Drop one reference to ``block_id``; ``True`` when it became free (its window row goes too)."""
+        freed = self.allocator.free(block_id)
+        if freed and self.rows is not None:
+            self.rows.drop(block_id)
+        return freed
 
     def free_n(self, ids: Iterable[int]) -> None:
         """Drop one reference per id; all checked first."""
+        ids = list(ids)
         self.allocator.free_n(ids)
+        if self.rows is not None:
+            for block_id in ids:
+                if self.allocator.refcount(block_id) == 0:
+                    self.rows.drop(block_id)
 
     def incref(self, block_id: int) -> None:
         """Share an allocated block."""
@@ -149,7 +298,17 @@ class KVPool:
     def reserve(self, num_blocks: int) -> None:
         """Grow capacity to at least ``num_blocks`` (to the growth policy's target, within the cap)."""
         lay = self.layout
-        target = self.growth.blocks_for(self.num_blocks, num_blocks, lay.block_size, lay.bytes_per_block)
+        per_block = lay.global_bytes_per_block
+        target = self.growth.blocks_for(self.num_blocks, num_blocks, lay.block_size, per_block)
+        if self.rows is not None and self.growth.max_bytes is not None:  # the rows share the cap
+            room = (self.growth.max_bytes - self.rows.pool.nbytes) // per_block
+            if room < num_blocks:
+                raise PoolOutOfMemoryError(
+                    needed_bytes=num_blocks * per_block + self.rows.pool.nbytes,
+                    max_bytes=self.growth.max_bytes,
+                    pool_bytes=self.nbytes,
+                )
+            target = min(target, room)
         if target > self.num_blocks:
             self._resize(target)
 
@@ -157,14 +316,16 @@ class KVPool:
         """Give the memory of an empty pool back: when no block is in use and the pool has grown past its
         initial size, replace every layer tensor by one of the initial size (the next allocations grow it
         again). True when it shrank. Nothing may hold slots of this pool (none are live by then)."""
-        initial = self.growth.initial_blocks(self.layout.block_size, self.layout.bytes_per_block)
+        initial = self.growth.initial_blocks(self.layout.block_size, self.layout.global_bytes_per_block)
         if self.allocator.num_used or self.num_blocks <= initial:
             return False
         shape = self.layout.block_shape(initial)
-        for slabs in (self.k, self.v):
+        for slabs in (self._k, self._v):
             for layer in range(len(slabs)):
                 slabs[layer] = self._zeros(shape)
         self.allocator = BlockAllocator(initial)
+        if self.rows is not None:
+            self.rows.reset(initial)
         return True
 
     def _resize(self, new_num_blocks: int) -> None:
@@ -172,7 +333,7 @@ class KVPool:
         old = self.num_blocks
         shape = self.layout.block_shape(new_num_blocks)
         start = time.perf_counter()
-        for slabs in (self.k, self.v):
+        for slabs in (self._k, self._v):
             for layer in range(len(slabs)):
                 grown = self._zeros(shape)
                 grown[:old].copy_(slabs[layer])
@@ -181,6 +342,8 @@ class KVPool:
         self.copy_seconds += time.perf_counter() - start
         self.resizes += 1
         self.allocator.grow(new_num_blocks)
+        if self.rows is not None:
+            self.rows.grow(new_num_blocks)
 
     def _synchronize(self) -> None:
         """Wait for queued copies on an accelerator so that ``copy_seconds`` is honest."""
@@ -199,8 +362,9 @@ class KVPool:
         expected = (slots.shape[0], self.layout.num_kv_heads, self.layout.head_dim)
         _check_shape("k", k, expected)
         _check_shape("v", v, expected)
-        self._flat(self.k[layer]).index_copy_(0, slots, self._cast(k))
-        self._flat(self.v[layer]).index_copy_(0, slots, self._cast(v))
+        k_slab, v_slab = self._slab(layer)
+        self._flat(k_slab).index_copy_(0, slots, self._cast(k))
+        self._flat(v_slab).index_copy_(0, slots, self._cast(v))
 
     def gather(
         self, layer: int, slots: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -208,7 +372,7 @@ class KVPool:
         """K and V of ``layer`` at flat slot ids: int64 ``[T]`` -> two ``[T, num_kv_heads, head_dim]``,
         written into ``out`` (two contiguous tensors of that shape and the pool's dtype) when given."""
         slots = self._slot_index(layer, slots)
-        k, v = self._flat(self.k[layer]), self._flat(self.v[layer])
+        k, v = (self._flat(x) for x in self._slab(layer))
         if out is None:
             return k.index_select(0, slots), v.index_select(0, slots)
         torch.index_select(k, 0, slots, out=out[0])
@@ -219,42 +383,53 @@ class KVPool:
         """K and V of ``layer`` seen as ``[num_slots * num_kv_heads, head_dim]``, at ``rows`` (int64 [R],
         ``slot * num_kv_heads + head``): two ``[R, head_dim]``. Several sequences' keys come out head by
         head in one gather (:class:`~kvos.model.attention.DecodeGroup`)."""
-        if not 0 <= layer < self.layout.num_layers:
-            raise ValueError(f"layer {layer} is out of range: the pool has {self.layout.num_layers} layers")
         d = self.layout.head_dim
-        k, v = self._flat(self.k[layer]).view(-1, d), self._flat(self.v[layer]).view(-1, d)
+        k, v = (self._flat(x).view(-1, d) for x in self._slab(layer))
         rows = rows.to(k.device)
         return k.index_select(0, rows), v.index_select(0, rows)
 
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``layer`` as ``[num_slots, num_kv_heads, head_dim]`` views of the pool's own storage
-        (a reader follows slot ids into them; valid until the pool next grows)."""
-        if not 0 <= layer < self.layout.num_layers:
-            raise ValueError(f"layer {layer} is out of range: the pool has {self.layout.num_layers} layers")
-        return self._flat(self.k[layer]), self._flat(self.v[layer])
+        (a reader follows slot ids into them; valid until the pool next grows). A window layer's are indexed
+        by window slots (:meth:`window_slots`)."""
+        k, v = self._slab(layer)
+        return self._flat(k), self._flat(v)
 
     def run_views(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Writable views of K and V of ``layer`` at the contiguous flat slots ``start .. start + n - 1``:
         two ``[n, num_kv_heads, head_dim]`` views into the pool (valid until the pool next grows)."""
-        if not 0 <= layer < self.layout.num_layers:
-            raise ValueError(f"layer {layer} is out of range: the pool has {self.layout.num_layers} layers")
+        k, v = self._slab(layer)
         end = start + n
-        if start < 0 or n < 0 or end > self.num_blocks * self.layout.block_size:
+        if start < 0 or n < 0 or end > self._capacity(layer) * self.layout.block_size:
             raise ValueError(
-                f"slots {start}..{end - 1} are out of range for a pool of {self.num_blocks} blocks"
+                f"slots {start}..{end - 1} are out of range for a pool of {self._capacity(layer)} blocks"
             )
-        return self._flat(self.k[layer])[start:end], self._flat(self.v[layer])[start:end]
+        return self._flat(k)[start:end], self._flat(v)[start:end]
 
     # ----------------------------------------------------------- block access
     def read_blocks(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of whole blocks.
 
-        Returns K and V, each ``[num_layers, len(ids), block_size, num_kv_heads, head_dim]``.
+        Returns K and V, each ``[num_layers, len(ids), block_size, num_kv_heads, head_dim]``; a window
+        layer's blocks whose window rows are gone read as zeros.
         """
         index = self._block_index(block_ids)
-        k = torch.stack([layer_k.index_select(0, index) for layer_k in self.k])
-        v = torch.stack([layer_v.index_select(0, index) for layer_v in self.v])
-        return k, v
+        rows, held = self._row_index(block_ids)
+        k: list[torch.Tensor] = []
+        v: list[torch.Tensor] = []
+        for layer in range(self.layout.num_layers):
+            window = self._local[layer][0]
+            for out, slab in zip((k, v), self._slab(layer), strict=True):
+                part = slab.index_select(0, rows if window else index)
+                out.append(part * held[:, None, None, None] if window else part)
+        return torch.stack(k), torch.stack(v)
+
+    def _row_index(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window rows of ``block_ids`` (0 where gone, to read something) and which are held."""
+        rows = [0] * len(block_ids) if self.rows is None else self.rows.rows(list(block_ids))
+        held = torch.tensor([r != NO_ROW for r in rows], dtype=self.layout.dtype, device=self.layout.device)
+        index = torch.tensor([max(r, 0) for r in rows], dtype=torch.long, device=self.layout.device)
+        return index, held
 
     def write_blocks(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Inverse of :meth:`read_blocks`: ``k``, ``v`` each
@@ -265,9 +440,18 @@ class KVPool:
         _check_shape("k", k, expected)
         _check_shape("v", v, expected)
         k, v = self._cast(k), self._cast(v)
+        rows = [] if self.rows is None else self.rows.rows(list(block_ids))
+        kept = [i for i, r in enumerate(rows) if r != NO_ROW]  # a window layer writes where it has rows
+        row_index = torch.tensor([rows[i] for i in kept], dtype=torch.long, device=lay.device)
+        pick = torch.tensor(kept, dtype=torch.long, device=lay.device)
         for layer in range(lay.num_layers):
-            self.k[layer].index_copy_(0, index, k[layer])
-            self.v[layer].index_copy_(0, index, v[layer])
+            k_slab, v_slab = self._slab(layer)
+            if self._local[layer][0]:
+                k_slab.index_copy_(0, row_index, k[layer].index_select(0, pick))
+                v_slab.index_copy_(0, row_index, v[layer].index_select(0, pick))
+            else:
+                k_slab.index_copy_(0, index, k[layer])
+                v_slab.index_copy_(0, index, v[layer])
 
     # ---------------------------------------------------------------- helpers
     def _flat(self, slab: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,9 @@ class AttentionMetadata:
         [n, num_heads, head_dim] per layer (the query-aware recovery signal reads them).
     recurrent: the sequence's linear-attention state (hybrid models), which the pass reads and stages its
         successor in; None for a model without such layers or a pass that keeps nothing.
+    window: what the sliding-window layers read and write instead, where the pool keeps them apart
+        (:mod:`kvos.memory.window_rows`): the same new tokens, their window slots, and only the keys those
+        layers still hold (their probabilities are captured over those keys alone).
     """
 
     positions: torch.Tensor
@@ -52,6 +55,7 @@ class AttentionMetadata:
     query_layers: frozenset[int] = frozenset()
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     recurrent: RecurrentState | None = None
+    window: AttentionMetadata | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,9 +102,31 @@ class Batch:
     positions: torch.Tensor  # int64 [sum n]
     write_slots: torch.Tensor  # int64 [sum n]
     decodes: DecodeGroup | None = None
+    window: Batch | None = (
+        None  # the same pass as the sliding-window layers see it (AttentionMetadata.window)
+    )
 
     @classmethod
     def of(cls, items: list[BatchItem]) -> Batch:
+        batch = cls._of(items)
+        windows = [item.meta.window for item in items]
+        if windows and all(w is not None for w in windows):
+            parts = []
+            for item, w in zip(items, windows, strict=True):
+                assert w is not None
+                m = item.meta  # what a pass records, recorded in the same places
+                w.capture_layers, w.captured, w.capture_window = (
+                    m.capture_layers,
+                    m.captured,
+                    m.capture_window,
+                )
+                w.query_layers, w.queries = m.query_layers, m.queries
+                parts.append(BatchItem(item.token_ids, w, item.logits))
+            batch.window = cls._of(parts)
+        return batch
+
+    @classmethod
+    def _of(cls, items: list[BatchItem]) -> Batch:
         metas = [item.meta for item in items]
         bounds = [0]
         for item in items:

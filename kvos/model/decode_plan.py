@@ -114,16 +114,21 @@ class DecodePlan:
         norm, step, silu = kernels.rms_norm, kernels.qkv_step, kernels.silu_mul
         attend = decode_kernel.module().attend
         int8, eps, h, hkv, d = activations.int8(), self.eps, self.heads, self.kv_heads, self.head_dim
-        slots, lengths, key_positions, positions = group.kernel_inputs()
-        write_slots, n = meta.write_slots, int(x.shape[0])
-        captured = [(row, m) for row, m in enumerate(group.metas) if m.capture_layers]
+        full = (group, group.kernel_inputs(), meta.write_slots)
+        sliding = full
+        if meta.window is not None:  # the window layers read what they still hold, at their window slots
+            assert meta.window.decodes is not None
+            sliding = (meta.window.decodes, meta.window.decodes.kernel_inputs(), meta.window.write_slots)
+        n = int(x.shape[0])
+        captured = [row for row, m in enumerate(group.metas) if m.capture_layers]
         x = x.contiguous()
         for index, layer in enumerate(self.layers):
+            group, (slots, lengths, key_positions, positions), write_slots = sliding if layer.window else full
             k_slab, v_slab = kv.slabs(index)
             qkv = layer.qkv(norm(x, layer.attn_norm, eps), EMPTY, int8)
             norms, (cos, sin) = (layer.q_norm, layer.k_norm), tables[index]
             step(qkv, layer.bias, *norms, eps, cos, sin, k_slab, v_slab, write_slots, h, hkv)
-            wanted = [(row, m) for row, m in captured if index in m.capture_layers]
+            wanted = [(row, group.metas[row]) for row in captured if index in group.metas[row].capture_layers]
             probs = torch.zeros(n, h, slots.shape[1]) if wanted else EMPTY
             q = qkv.view(n, h + 2 * hkv, d)[:, :h]
             out = attend(q, k_slab, v_slab, slots, lengths, key_positions, positions, layer.window, probs)

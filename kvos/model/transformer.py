@@ -208,7 +208,8 @@ class Transformer:
                 continue
             j = self.kv_index[i]
             cos, sin = tables[id(self.ropes[j])]
-            out = self._attention(j, layer, h, cos, sin, meta, kv)
+            seen = meta.window if isinstance(meta, Batch) and meta.window and self.windows[j] else meta
+            out = self._attention(j, layer, h, cos, sin, seen, kv)
             if layer.gate is not None:
                 out = out * torch.sigmoid(matmul(h, layer.gate))
             if layer.o_bias is not None:

@@ -180,6 +180,8 @@ class MagnitudeSparsifier:
             per_layer = chosen.numel() * pool.layout.num_kv_heads * pool.layout.head_dim
             total = per_layer * pool.layout.num_layers
             return SparsifyReport(k_total=total, v_total=total)
+        if pool.slides:
+            return self._apply_by_layer(pool, chosen)
         layers = range(pool.layout.num_layers)
         pairs = [pool.gather(layer, chosen) for layer in layers]
         k = torch.stack([kv[0] for kv in pairs])  # [L, T, H, D]: every layer thresholded at once
@@ -189,6 +191,24 @@ class MagnitudeSparsifier:
         for layer in layers:
             pool.write(layer, chosen, k[layer], v[layer])
         return SparsifyReport(k_zeroed, k.numel(), v_zeroed, v.numel())
+
+    def _apply_by_layer(self, pool: KVPool, chosen: torch.Tensor) -> SparsifyReport:
+        """:meth:`apply` on a pool whose window layers hold only some tokens: layer by layer (the thresholds
+        are per layer and head either way), a window layer over the chosen tokens whose blocks it still
+        holds."""
+        counts = [0, 0, 0, 0]
+        for layer in range(pool.layout.num_layers):
+            slots = chosen
+            if layer in pool.layout.window_layers:
+                assert pool.rows is not None
+                held = pool.rows.table.to(chosen.device)[chosen // pool.layout.block_size] >= 0
+                slots = pool.window_slots(chosen[held])
+            k, v = pool.gather(layer, slots)
+            counts[0] += self._sparsify_keys(k) if self.k_scale > 0 else 0
+            counts[2] += sparsify_(v, thresholds(v, self.v_scale)) if self.v_scale > 0 else 0
+            counts[1], counts[3] = counts[1] + k.numel(), counts[3] + v.numel()
+            pool.write(layer, slots, k, v)
+        return SparsifyReport(*counts)
 
     def _sparsify_keys(self, k: torch.Tensor) -> int:
         """Threshold keys ``[(L,) T, num_kv_heads, head_dim]`` in place by :attr:`key_unit`."""

@@ -139,14 +139,15 @@ def create_app(
     def pool_state() -> dict[str, Any]:
         """The KV pool all sessions share: its bytes now, those in use, its cap (None: uncapped)."""
         pool = service.manager.engine.pool
-        per_block = pool.layout.bytes_per_block
+        block = pool.layout.block_size
         return {
             "bytes": pool.nbytes,
             "live_bytes": pool.live_bytes,
             "max_bytes": pool.growth.max_bytes,
-            "block_tokens": pool.layout.block_size,
-            "tokens": pool.nbytes // per_block * pool.layout.block_size,
-            "live_tokens": pool.live_bytes // per_block * pool.layout.block_size,
+            "block_tokens": block,
+            "tokens": pool.num_blocks * block,
+            "live_tokens": pool.allocator.num_used * block,
+            "window_live_bytes": pool.rows.pool.live_bytes if pool.rows is not None else None,
             "resizes": pool.resizes,
         }
 

@@ -19,6 +19,7 @@ from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.engine.kv_dtype import add_kv_dtype_argument, kv_dtype_name, parse_kv_dtype
 from kvos.engine.threads import on_passing_thread, single_threaded_default
+from kvos.engine.window_option import add_window_margin_argument, parse_window_margin
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
 from kvos.model import (
@@ -121,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--position-mode", choices=["compact", "sparse"], default="compact")
     add_compression_argument(p)
     add_kv_dtype_argument(p, default="float16")
+    add_window_margin_argument(p)
     p.add_argument(
         "--recurrent-checkpoints",
         type=int,
@@ -332,7 +334,10 @@ def build_service(args: argparse.Namespace) -> ChatService:
     state = open_state(args, model, tokenizer, config)
     factory = state.store_factory if state is not None else None
     engine = Engine(
-        model, growth=GrowthPolicy(max_bytes=args.kv_memory), kv_dtype=parse_kv_dtype(args.kv_dtype)
+        model,
+        growth=GrowthPolicy(max_bytes=args.kv_memory),
+        kv_dtype=parse_kv_dtype(args.kv_dtype),
+        window_margin=parse_window_margin(args.window_margin),
     )
     check_kv_memory(engine, config, args.kv_memory)
     layout = engine.pool.layout
@@ -341,6 +346,12 @@ def build_service(args: argparse.Namespace) -> ChatService:
         "(--kv-dtype)",
         file=sys.stderr,
     )
+    if layout.window_layers:
+        print(
+            f"[kvos] {len(layout.window_layers)} of {layout.num_layers} layers slide: they keep a session's "
+            f"last {engine.window_keep} tokens only (--window-margin)",
+            file=sys.stderr,
+        )
     if model.config.recurrent_layers:
         c = model.config
         print(
@@ -380,7 +391,11 @@ def check_kv_memory(engine: Engine, config: SessionConfig, cap: int | None) -> N
     if cap is None:
         return
     layout = engine.pool.layout
-    need = config.peak_blocks(layout.block_size) * layout.bytes_per_block
+    blocks = config.peak_blocks(layout.block_size)
+    need = blocks * layout.bytes_per_block
+    if layout.window_layers:  # the window layers hold at most their window and margin, and a prefill slice
+        held = -(-(engine.window_keep + engine.prefill_slice) // layout.block_size) + 1
+        need = blocks * layout.global_bytes_per_block + min(blocks, held) * layout.window_bytes_per_block
     if cap < need:
         raise SystemExit(
             f"kvos serve: --kv-memory {cap} bytes cannot hold one request at this budget "

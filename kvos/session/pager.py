@@ -166,7 +166,8 @@ class Pager:
                 if self.retriever is not None and chunk.key_code is None:
                     chunk.key_code = self._code(k, seg.positions)
                 self.saved.add(chunk.chunk_id)  # before put: a store over its caps may drop it at once
-                self.store.put(chunk.chunk_id, k, v, {"positions": seg.positions.tolist()}, copy=False)
+                meta = {"positions": seg.positions.tolist(), "held_from": seg.held_from}
+                self.store.put(chunk.chunk_id, k, v, meta, copy=False)
                 self._reap()  # a store over its caps may have dropped this chunk or older ones
             else:
                 if self.digest_layers and self.backend == "breadcrumb":
@@ -268,7 +269,9 @@ class Pager:
         old = saved.meta_int64("positions")
         index, start = self._landing(chunk, at) if before is None else self._in_front(chunk, before)
         new = torch.arange(start, start + chunk.num_tokens)
-        seg = self.engine.splice(self.seq, index, chunk.token_ids, saved.k, saved.v, old, new)
+        seg = self.engine.splice(
+            self.seq, index, chunk.token_ids, saved.k, saved.v, old, new, held_from(saved)
+        )
         self.store.delete(chunk.chunk_id)
         self.saved.discard(chunk.chunk_id)
         self.segments[chunk.chunk_id] = seg
@@ -368,7 +371,14 @@ class Pager:
                 recomputed.append(cid)
                 continue
             seg = self.engine.splice(
-                self.seq, len(self.seq.segments), chunk.token_ids, saved.k, saved.v, pos, pos
+                self.seq,
+                len(self.seq.segments),
+                chunk.token_ids,
+                saved.k,
+                saved.v,
+                pos,
+                pos,
+                held_from(saved),
             )
             self.segments[cid] = seg
         return recomputed
@@ -416,3 +426,9 @@ class Pager:
         if self.mode == "sparse":
             return index, chunk.original_start
         return index, sum(self.segments[cid].num_tokens for cid in before)
+
+
+def held_from(saved: StoredChunk) -> int:
+    """The first token of a saved chunk whose sliding-window layers' K/V it holds (0: every token's, as
+    for a model without such layers; :attr:`Segment.held_from` when it was saved)."""
+    return int(saved.meta.get("held_from", 0))

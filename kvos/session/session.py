@@ -230,6 +230,11 @@ class Session:
             if at != message[0].original_start:
                 return
             self.pager.seq.recurrent = state
+        seq = self.pager.seq
+        if not seq.window_intact(
+            self.engine.window_span, seq.num_tokens - sum(c.num_tokens for c in message)
+        ):
+            return  # the window layers no longer hold what the message read before it
         for chunk in message:
             self.pager.discard(chunk)
         for chunk, start in zip(message, starts, strict=True):
@@ -406,6 +411,10 @@ class Session:
             self.memory.tracker.forget(chunk_id)
         if self.config.position_mode == "compact":
             self.pager.compact()
+        if cut.length and not self.pager.seq.window_intact(self.engine.window_span):
+            # the window layers let go of K/V the new tail would read: the history is read again
+            self.memory.journal.log(self.history.turn, "window_gap", tokens=cut.length)
+            return self.truncate(0)
         self.history.tokens = cut.length
         if state is not None:
             self.pager.seq.recurrent = state
@@ -619,14 +628,22 @@ class Session:
 
     def bytes_per_token(self, store: dict[str, int] | None = None) -> dict[str, float]:
         """K/V bytes a token takes where it rests: resident (the pool is dense: the layout's bytes whatever
-        compression zeroed) and saved (the store's encoded bytes over its dense bytes, times that; 0 when
-        nothing is saved). ``store``: the store's stats when the caller has read them."""
+        compression zeroed; where sliding-window layers let go of the tokens behind their window, their
+        bytes count for the tokens they still hold only) and saved (the store's encoded bytes over its
+        dense bytes, times the layout's; 0 when nothing is saved). ``store``: the store's stats when the
+        caller has read them."""
         if store is None:
             store = self.pager.store.stats() if self.pager.store is not None else {}
-        dense = self.engine.pool.layout.bytes_per_token
+        lay, seq = self.engine.pool.layout, self.pager.seq
+        dense = lay.bytes_per_token
+        resident: float = dense
+        if lay.window_layers and seq.num_tokens:
+            layer = dense / lay.num_layers
+            held = len(seq.held) * len(lay.window_layers)
+            resident = round(layer * (seq.num_tokens * len(lay.global_layers) + held) / seq.num_tokens, 1)
         raw = store.get("raw_bytes", 0)
         saved = dense * store.get("stored_bytes", 0) / raw if raw else 0.0
-        return {"resident_bytes_per_token": dense, "saved_bytes_per_token": round(saved, 1)}
+        return {"resident_bytes_per_token": resident, "saved_bytes_per_token": round(saved, 1)}
 
     def close(self) -> None:
         """Free the session's pool blocks and saved chunks."""

@@ -39,6 +39,7 @@ from kvos.policy.compression import compression_name
 from kvos.policy.focus import TaskFocus
 from kvos.session import fields
 from kvos.session.fields import TensorTable
+from kvos.session.pager import held_from
 from kvos.session.session import Session
 
 MAGIC = b"KVOSSNP\x00"
@@ -82,7 +83,7 @@ def save(session: Session, directory: Path, name: str) -> SessionSnapshot:
         seg = session.pager.segments[cid]
         k, v = session.engine.read_kv(seg)
         positions = seg.positions.tolist()
-        files[str(cid)] = _write_kv(directory, f"r{cid}", k, v, positions)
+        files[str(cid)] = _write_kv(directory, f"r{cid}", k, v, positions, seg.held_from)
         cache.append([cid, positions])
     store = session.pager.store
     for chunk in session.chunks.values():
@@ -187,14 +188,19 @@ def _adopt_files(session: Session, files: dict[int, str], directory: Path) -> li
     return bad
 
 
-def _write_kv(directory: Path, prefix: str, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> str:
-    """Write a chunk file named by a digest of its K/V and positions unless it exists; its name."""
-    h = hashlib.blake2b(str(positions).encode(), digest_size=12)
+def _write_kv(
+    directory: Path, prefix: str, k: torch.Tensor, v: torch.Tensor, positions: list[int], held: int = 0
+) -> str:
+    """Write a chunk file named by a digest of its K/V and positions unless it exists; its name. ``held``:
+    the first token whose sliding-window layers' K/V the file holds (:attr:`Segment.held_from`)."""
+    h = hashlib.blake2b(f"{positions}{held or ''}".encode(), digest_size=12)
     for t in (k, v):
         h.update(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data)
     name = f"{prefix}-{h.hexdigest()}{FILE_SUFFIX}"
     if not (directory / name).exists():
-        write_chunk_file(directory / name, k, v, {"positions": positions})
+        write_chunk_file(
+            directory / name, k, v, {"positions": positions, **({"held_from": held} if held else {})}
+        )
     return name
 
 
@@ -204,7 +210,8 @@ def _saved_file(store: ChunkStore, chunk_id: int, directory: Path) -> str:
     if path is not None and path.parent.resolve() == directory.resolve():
         return path.name
     saved = store.get(chunk_id)
-    return _write_kv(directory, f"s{chunk_id}", saved.k, saved.v, [int(p) for p in saved.meta["positions"]])
+    positions = [int(p) for p in saved.meta["positions"]]
+    return _write_kv(directory, f"s{chunk_id}", saved.k, saved.v, positions, held_from(saved))
 
 
 def _memory_state(session: Session, table: TensorTable) -> dict[str, Any]:

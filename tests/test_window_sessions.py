@@ -38,7 +38,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma 3 (layers 0 and 2 slide over 16 positions, layer 1 is global) with the built-in
     tokenizer."""
     path = build(
-        "gemma3", tmp_path_factory.mktemp("gemma3"), seed=5, vocab_size=2048, sliding_window=WINDOW,
+        "gemma3",
+        tmp_path_factory.mktemp("gemma3"),
+        seed=5,
+        vocab_size=2048,
+        sliding_window=WINDOW,
         max_position_embeddings=1024,
     )
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -106,7 +110,9 @@ def test_a_rollback_within_the_margin_goes_on_from_the_pool(model_dir: Path) -> 
     s.sync(spans(head, tail))
     result = s.sync(spans(head, tail[:15], other))  # 5 tokens back: inside the margin
     assert result.reused == 75 and s.memory.journal.count("window_gap") == 0
-    torch.testing.assert_close(s.last_logits, full_logits(model_dir, head, tail[:15], other), rtol=0, atol=TOL)
+    torch.testing.assert_close(
+        s.last_logits, full_logits(model_dir, head, tail[:15], other), rtol=0, atol=TOL
+    )
 
 
 def test_a_rollback_past_the_margin_reads_the_history_again(model_dir: Path) -> None:

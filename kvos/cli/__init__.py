@@ -18,6 +18,7 @@ BENCHMARKS = {
     "decode": ("kvos.bench.decode", "decode tokens/s of kvos vs transformers' generate"),
     "kernels": ("kvos.bench.kernels", "quantized-weight matmul kernels vs float32 on SmolLM2's shapes"),
     "growth": ("kvos.bench.growth", "pool bytes vs live bytes as one sequence grows"),
+    "window": ("kvos.bench.window", "sliding-window layers freeing K/V: pool bytes, decode time, logits"),
     "restore": ("kvos.bench.restore", "restoring a saved chunk's K/V vs re-prefilling it vs a plain copy"),
     "session": ("kvos.bench.session", "a chat session growing to 100x its KV budget: tokens, events, RSS"),
     "recall": ("kvos.bench.recall", "planted-fact probe pass rate per memory strategy and budget"),

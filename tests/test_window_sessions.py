@@ -204,3 +204,22 @@ def test_paging_under_a_budget(model_dir: Path, mode: str) -> None:
         table = seg.page_table
         first = len(table.blocks) if seg.held_from >= seg.num_tokens else seg.held_from // table.block_size
         assert all(sliding.engine.pool.has_row(b) for b in table.blocks[first:])
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_branch_past_the_margin_reads_its_history_again(model_dir: Path, swapped: bool) -> None:
+    """A branch cut where the parent's window layers have let go (its chunks resident, or saved by a swap)
+    starts empty and reads its history again, as the full cache would have it."""
+    head, tail, other = tokens(25, 48), tokens(26, 60), tokens(27, 10)
+    mm = manager(model_dir)
+    parent = mm.session("main")
+    parent.sync(spans(head, tail))
+    if swapped:
+        parent.swap_out()
+    child = mm.fork("main", "branch", 48)
+    assert child.history.tokens == 0 and child.memory.journal.count("window_gap") == 1
+    child.sync(spans(head, other))
+    torch.testing.assert_close(child.last_logits, full_logits(model_dir, head, other), rtol=0, atol=TOL)
+    if not swapped:  # (saved, the chunk holding token 100 cannot be cut: the cut would go back to 96)
+        near = mm.fork("main", "near", 100)  # 8 tokens before the parent's end: inside the margin
+        assert near.history.tokens == 100 and near.memory.journal.count("window_gap") == 0

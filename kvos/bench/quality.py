@@ -162,7 +162,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "windows": len(texts.windows),
                 "tokens": tokens,
             }
-            rows += bench_model(model_name(path), Engine(model), texts, policies, budgets, args)
+            # every layer's K/V kept: the policies read and rewrite the pool's slots directly
+            engine = Engine(model, window_margin=None)
+            rows += bench_model(model_name(path), engine, texts, policies, budgets, args)
     finally:
         torch.set_num_threads(threads)
     result = {

@@ -40,6 +40,7 @@ from kvos.memory.store import ChunkStore
 from kvos.model.catalogue import add_model_argument
 from kvos.model.loader import load_model
 from kvos.model.random_init import ensure_random_model
+from kvos.session.pager import held_from
 
 DEFAULT_MODEL = "qwen2.5-0.5b-shape"
 DEFAULT_SIZES = "20,40,160,640,1280"
@@ -136,7 +137,8 @@ class _Round:
 
     def save(self) -> None:
         k, v = self.engine.read_kv(self.seg)
-        self.store.put("chunk", k, v, {"positions": self.seg.positions.tolist()}, copy=False)
+        meta = {"positions": self.seg.positions.tolist(), "held_from": self.seg.held_from}
+        self.store.put("chunk", k, v, meta, copy=False)
 
     def evict(self) -> None:
         self.engine.evict(self.seq, self.seg)
@@ -144,7 +146,9 @@ class _Round:
     def load(self, positions: torch.Tensor) -> None:
         saved = self.store.get("chunk")
         old = saved.meta_int64("positions")
-        self.seg = self.engine.splice(self.seq, self.index, self.chunk, saved.k, saved.v, old, positions)
+        self.seg = self.engine.splice(
+            self.seq, self.index, self.chunk, saved.k, saved.v, old, positions, held_from(saved)
+        )
 
     def reprefill(self) -> None:
         self.seg = self.seq.open_segment()  # the chunk is the last segment: its index stays the same

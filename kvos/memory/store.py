@@ -297,6 +297,11 @@ class ChunkStore:
         self._notify(self._keep_within_caps())
         return StoredChunk(kv[0].decode(), kv[1].decode(), json.loads(entry.meta_json))
 
+    def meta(self, key: Hashable) -> dict[str, Any]:
+        """The metadata saved with ``key`` (held in memory in either tier: no read of its K/V)."""
+        meta: dict[str, Any] = json.loads(self._lookup(key).meta_json)
+        return meta
+
     def pop(self, key: Hashable) -> StoredChunk:
         """:meth:`get` then :meth:`delete`, without moving a disk entry through RAM."""
         entry = self._lookup(key)

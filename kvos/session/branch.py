@@ -5,7 +5,9 @@ or summary request with its own system prompt, an edit of an early message). Tru
 would throw the main conversation's cache away; a branch keeps both. :func:`fork` fills a fresh session
 with the first ``length`` tokens of a parent's history: resident chunks become segments over the same pool
 blocks (one more reference each; only a partly filled last pool block is copied), saved chunks are copied
-from the parent's store, discarded ones keep their breadcrumbs. Nothing is re-prefilled. Both sessions go on
+from the parent's store, discarded ones keep their breadcrumbs. Nothing is re-prefilled, unless the parent's
+sliding-window layers let go of keys the branch's next token would read (:mod:`kvos.memory.window_rows`):
+then the branch starts empty and reads its history again. Both sessions go on
 independently: a chunk that one of them re-rotates or writes into is copied first (copy-on-write, in
 :class:`~kvos.engine.engine.Engine`).
 """
@@ -58,6 +60,9 @@ def fork(parent: Session, child: Session, length: int) -> int:
     if live is not None:  # a hybrid model: fork where the parent's state is known
         length, state = parent.checkpoints.settle(length, lambda n: shared_chunks(parent, n)[1], live)
     chunks, kept = shared_chunks(parent, length)
+    if parent.window_gap(kept):  # the branch would read window K/V the parent let go: it starts afresh
+        child.memory.journal.log(parent.history.turn, "window_gap", parent=parent.session_id, tokens=kept)
+        return 0
     if state is not None:
         child.pager.seq.recurrent = state
         child.checkpoints = parent.checkpoints.copy_until(kept)

@@ -105,6 +105,9 @@ class Session:
         self.memory = SessionMemory(session_id, config, self.history, self.pager, arbiter, self.embed)
         self.signal = signal(self.memory, answer)  # similarity recovery's scorer, chosen once
         tapped = config.digest_layers(engine.model.config.num_kv_layers) if config.uses_digests else ()
+        unchosen = config.key_digest_layers is None and config.retrieval_heads is None
+        if tapped and unchosen and engine.pool.slides:  # a chunk behind the window has no window-layer keys
+            tapped = engine.pool.layout.global_layers
         self.pager.digest_layers = tapped
         self.queries = QueryTap(tapped if signal.taps_message else (), engine.model.ropes)
         if signal.needs_retriever:
@@ -411,16 +414,37 @@ class Session:
             self.memory.tracker.forget(chunk_id)
         if self.config.position_mode == "compact":
             self.pager.compact()
-        if cut.length and not self.pager.seq.window_intact(self.engine.window_span):
-            # the window layers let go of K/V the new tail would read: the history is read again
+        if self.window_gap(cut.length):  # the next token would read window K/V that are gone
             self.memory.journal.log(self.history.turn, "window_gap", tokens=cut.length)
-            return self.truncate(0)
+            return self.truncate(0)  # the history is read again
         self.history.tokens = cut.length
         if state is not None:
             self.pager.seq.recurrent = state
             self.checkpoints.drop_after(cut.length)
         self.memory.journal.log(self.history.turn, "truncate", tokens=cut.length)
         return cut.length
+
+    def window_gap(self, length: int) -> bool:
+        """Whether the sliding-window layers (:mod:`kvos.memory.window_rows`) let go of the K/V of some of the
+        history's last ``window`` tokens before ``length``, resident or saved, which a token appended at
+        ``length`` would read: then the session cannot go on from there exactly."""
+        span, store = self.engine.window_span, self.pager.store
+        if not span:
+            return False
+        for chunk in self.chunks.values():
+            first = max(length - span - chunk.original_start, 0)  # the first token of the chunk read
+            if chunk.original_start >= length or first >= chunk.num_tokens:
+                continue
+            seg = self.pager.segments.get(chunk.chunk_id)
+            if seg is not None:
+                held = seg.held_from
+            elif store is not None and chunk.chunk_id in self.pager.saved and chunk.chunk_id in store:
+                held = int(store.meta(chunk.chunk_id).get("held_from", 0))
+            else:
+                continue  # discarded: its K/V are gone for every layer alike
+            if held > first:
+                return True
+        return False
 
     def swap_out(self) -> None:
         """Page the whole session out to its store (kv_restore), freeing all its pool blocks."""

@@ -292,3 +292,16 @@ def test_the_window_benchmark(model_dir: Path, tmp_path: Path, capsys: pytest.Ca
 
     assert main(["bench", "window", "--model", str(build("qwen2", tmp_path / "q"))]) != 0
     assert "no sliding-window layers" in capsys.readouterr().err
+
+
+def test_peak_bytes_count_each_kind_of_layer(model_dir: Path) -> None:
+    """What admission reserves for a sequence of n blocks: every layer's bytes, or with sliding layers the
+    global layers' for every block and the window layers' for the blocks of keep + a prefill slice."""
+    model = load_model(model_dir)
+    sliding = Engine(model, block_size=BLOCK, window_margin=MARGIN, prefill_slice=16)
+    full = Engine(model, block_size=BLOCK, window_margin=None, prefill_slice=16)
+    lay = sliding.pool.layout
+    held = 2 * -(-(WINDOW + MARGIN + 16 + BLOCK) // BLOCK)  # keep, a slice, a block of lag: 7 blocks, twice
+    assert full.peak_bytes(100) == 100 * lay.bytes_per_block
+    assert sliding.peak_bytes(100) == 100 * lay.global_bytes_per_block + held * lay.window_bytes_per_block
+    assert sliding.peak_bytes(3) == 3 * lay.bytes_per_block  # a short sequence: every block inside

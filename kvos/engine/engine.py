@@ -74,6 +74,17 @@ class Engine:
         self.prefill_slice = prefill_slice
         self.direct = DirectRunner(model, self.pool)  # where passes run outside a scheduler's work
 
+    def peak_bytes(self, blocks: int) -> int:
+        """The most pool bytes a sequence holding ``blocks`` blocks takes: every layer's, or with sliding
+        window layers the global layers' of every block and the window layers' of those inside the last
+        ``window_keep`` tokens, a prefill slice and the block the slide lags by, twice (every chunk starts a
+        block of its own, as :meth:`SessionConfig.peak_blocks` counts) (:mod:`kvos.memory.window_rows`)."""
+        lay = self.pool.layout
+        if not lay.window_layers:
+            return blocks * lay.bytes_per_block
+        held = 2 * -(-(self.window_keep + self.prefill_slice + lay.block_size) // lay.block_size)
+        return blocks * lay.global_bytes_per_block + min(blocks, held) * lay.window_bytes_per_block
+
     def runner(self) -> PassRunner:
         """Who runs this context's forward passes: the scheduler on one of its workers (batched with the
         other sessions' passes), else :attr:`direct` (:mod:`kvos.engine.passes`)."""

@@ -390,12 +390,7 @@ def check_kv_memory(engine: Engine, config: SessionConfig, cap: int | None) -> N
     budget (every request would fail)."""
     if cap is None:
         return
-    layout = engine.pool.layout
-    blocks = config.peak_blocks(layout.block_size)
-    need = blocks * layout.bytes_per_block
-    if layout.window_layers:  # the window layers hold at most their window and margin, and a prefill slice
-        held = -(-(engine.window_keep + engine.prefill_slice) // layout.block_size) + 1
-        need = blocks * layout.global_bytes_per_block + min(blocks, held) * layout.window_bytes_per_block
+    need = engine.peak_bytes(config.peak_blocks(engine.pool.layout.block_size))
     if cap < need:
         raise SystemExit(
             f"kvos serve: --kv-memory {cap} bytes cannot hold one request at this budget "

@@ -55,8 +55,12 @@ class ChatService:
         self.totals = {"reused_tokens": 0, "decoded_tokens": 0, "requests": 0}
 
     def request_blocks(self) -> int:
-        """The pool blocks the scheduler reserves for one request (:meth:`SessionConfig.peak_blocks`)."""
-        return self.manager.config.peak_blocks(self.manager.engine.pool.layout.block_size)
+        """The pool blocks the scheduler reserves for one request (:meth:`SessionConfig.peak_blocks`), in
+        blocks of every layer's bytes (the scheduler's unit): where window layers slide, their bytes count
+        for the tokens they keep only (:meth:`Engine.peak_bytes`)."""
+        engine = self.manager.engine
+        peak = engine.peak_bytes(self.manager.config.peak_blocks(engine.pool.layout.block_size))
+        return -(-peak // engine.pool.layout.bytes_per_block)
 
     def autosave(self, engine: Executor) -> Autosave | None:
         """The periodic and shutdown snapshots of a server with a state dir (None without one)."""

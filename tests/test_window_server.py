@@ -86,4 +86,7 @@ def test_long_conversations_and_an_early_edit_answer_as_fresh_sessions(model_dir
         detail = httpx.get(f"{url}/sessions/c0", params={"events": 1000}, timeout=30).json()
         assert any(e["event"] == "window_gap" for e in detail["events"]), detail["events"]
         sessions = httpx.get(f"{url}/sessions", timeout=30).json()
-        assert sessions["pool"]["window_live_bytes"] < sessions["pool"]["live_bytes"]
+        assert 0 < sessions["pool"]["window_live_bytes"] < sessions["pool"]["live_bytes"]
+        metrics = httpx.get(url.replace("/v1", "/metrics"), timeout=30).text
+        line = next(x for x in metrics.splitlines() if x.startswith("kvos_pool_window_live_bytes "))
+        assert float(line.split()[1]) == pool.rows.pool.live_bytes

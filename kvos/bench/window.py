@@ -5,9 +5,9 @@ one whose window layers let a sequence's K/V go ``window + margin`` tokens behin
 (:mod:`kvos.memory.window_rows`), one that keeps every layer's (``--window-margin full``). Both read the
 same seeded tokens, ``slice`` at a time, to ``max_tokens``; at each checkpoint both decode ``decode_steps``
 tokens (the sliding engine's greedy choice fed to both) and a row records each pool's live bytes, their
-ratio, the decode step's median time for each (alternating, so drift hits both alike), and the largest
-difference of their logits (the same model must give the same logits: the window layers lose only what
-no later query reads).
+ratio, the decode step's median time for each (alternating, so drift hits both alike), the largest
+difference of their logits and how often their top choices agree (the same model must give the same
+logits: the window layers lose only what no later query reads; what differs is summation order).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ COLUMNS = (
     "sliding_decode_ms",
     "decode_speedup",
     "max_logit_diff",
+    "same_top1",
 )
 
 
@@ -101,6 +102,7 @@ def _checkpoint(
 ) -> dict[str, Any]:
     """Both pools' live bytes, then ``steps`` decode steps on each, alternating: one row."""
     diff = float((logits["sliding"] - logits["full"]).abs().max())
+    same = int(logits["sliding"].argmax() == logits["full"].argmax())
     times: dict[str, list[float]] = {name: [] for name in engines}
     token = int(logits["sliding"].argmax())
     for _ in range(steps):
@@ -110,6 +112,7 @@ def _checkpoint(
             out[name] = engine.decode(seqs[name], token)
             times[name].append(time.perf_counter() - start)
         diff = max(diff, float((out["sliding"] - out["full"]).abs().max()))
+        same += int(out["sliding"].argmax() == out["full"].argmax())
         token = int(out["sliding"].argmax())
     full_ms, sliding_ms = median(times["full"]) * 1000, median(times["sliding"]) * 1000
     full_bytes, sliding_bytes = engines["full"].pool.live_bytes, engines["sliding"].pool.live_bytes
@@ -122,4 +125,5 @@ def _checkpoint(
         "sliding_decode_ms": sliding_ms,
         "decode_speedup": full_ms / sliding_ms,
         "max_logit_diff": diff,
+        "same_top1": same / (steps + 1),  # of the prefill's last logits and each decode step's
     }

@@ -14,6 +14,7 @@ import pytest
 
 from kvos.bench import serve
 from kvos.bench.serve_client import decode_rate
+from kvos.errors import ConfigError
 
 ROW_FIELDS = (
     "model",
@@ -167,3 +168,11 @@ def test_a_request_on_a_connection_the_server_dropped_goes_once_more(reset: bool
     with pytest.raises(RequestFailed, match="stale_connection"):
         client.stream(client.body())
     assert server.accepted == 2
+
+
+def test_message_words_bound_the_user_messages() -> None:
+    assert serve.message_words("200,240") == (200, 240)
+    for bad in ("0,5", "9,3", "12", "a,b"):
+        with pytest.raises(ConfigError, match="--message-words"):
+            serve.message_words(bad)
+    assert serve_args().message_words == "8,24"  # the short notes the figures so far were measured with

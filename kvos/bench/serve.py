@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", default="1,2,4,8,16", help="comma-separated concurrent client counts")
     parser.add_argument("--turns", type=int, default=4, help="turns per client")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
+    parser.add_argument(
+        "--message-words",
+        default="8,24",
+        help="LO,HI: the words of each user message, drawn between the two (long ones make long sessions)",
+    )
     parser.add_argument("--budget", type=int, help="kvos serve --budget (default: the server's own)")
     parser.add_argument("--serve-arg", action="append", default=[], help="one more kvos serve argument")
     parser.add_argument("--label", default="", help="stored in every row, to compare runs")
@@ -167,10 +172,22 @@ def resolve_models(text: str) -> list[tuple[str, Path | None]]:
     return models
 
 
+def message_words(text: str) -> tuple[int, int]:
+    """``--message-words LO,HI`` -> (LO, HI), 1 <= LO <= HI."""
+    try:
+        lo, hi = (int(part) for part in text.split(","))
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--message-words takes LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = client_counts(args.clients)
     if args.turns < 1 or args.max_tokens < 1:
         raise ConfigError("need --turns and --max-tokens >= 1")
+    args.words = message_words(args.message_words)
     models = resolve_models(args.models)
     deadline = time.monotonic() + args.max_seconds
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvos-bench-serve-"))
@@ -189,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         label=args.label,
         turns=args.turns,
         max_tokens=args.max_tokens,
+        message_words=list(args.words),
         serve_args=args.serve_arg,
         threads=threads,
         server_logs=str(log_dir),
@@ -253,7 +271,7 @@ def bench_model(
                 if time.monotonic() >= deadline:
                     print(f"[serve] {name}: --max-seconds reached, {n} clients and more not run")
                     break
-                plan = Plan(served, args.turns, args.max_tokens, eos, deadline)
+                plan = Plan(served, args.turns, args.max_tokens, eos, deadline, words=args.words)
                 timings, wall_s, seen = run_clients(
                     server, n, plan, args.seed, calls, f"c{n}", kvos=peer is None
                 )

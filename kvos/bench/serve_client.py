@@ -35,6 +35,7 @@ class Plan:
     never_end: dict[str, int]  # logit_bias banning the model's EOS tokens
     deadline: float  # time.monotonic() after which no client starts another turn
     timeout_s: float = 600.0
+    words: tuple[int, int] = (8, 24)  # the range of words in a user message
 
 
 @dataclass
@@ -138,7 +139,7 @@ class TimedClient:
 
     def turn(self) -> None:
         """A new user message, the whole conversation sent, the reply streamed, timed and kept."""
-        words = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(8, 24)))
+        words = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(*self.plan.words)))
         self.messages.append({"role": "user", "content": f"Note {len(self.messages) // 2}: {words}"})
         reply = self.stream(self.body())
         self.timings.add(reply)

@@ -223,3 +223,25 @@ def test_a_branch_past_the_margin_reads_its_history_again(model_dir: Path, swapp
     if not swapped:  # (saved, the chunk holding token 100 cannot be cut: the cut would go back to 96)
         near = mm.fork("main", "near", 100)  # 8 tokens before the parent's end: inside the margin
         assert near.history.tokens == 100 and near.memory.journal.count("window_gap") == 0
+
+
+def test_a_restart_that_keeps_every_layer_recomputes_what_the_window_let_go(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A state saved by a pool whose window layers slid, restored by one started with ``--window-margin
+    full``: the chunks saved without their window layers' K/V are read again (zeros in their place would be
+    keys every query saw), the others spliced back; the session equals the full cache."""
+    head, more = tokens(28, 70), tokens(29, 20)
+    original = manager(model_dir, store_dir=tmp_path / "a").session("s")
+    original.sync(spans(head))
+    slid = [cid for cid, seg in original.pager.segments.items() if seg.held_from]
+    assert slid
+    snapshot.save(original, tmp_path / "a", "s.snap")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copy = manager(model_dir, margin=None, store_dir=tmp_path / "b").session("s")
+    snapshot.restore(snapshot.load(tmp_path / "b" / "s.snap"), copy, tmp_path / "b")
+    copy.swap_in()
+    recomputed = [e["chunk"] for e in copy.memory.journal.events if e["event"] == "recompute"]
+    assert sorted(recomputed) == sorted(slid)
+    copy.sync(spans(head, more))
+    torch.testing.assert_close(copy.last_logits, full_logits(model_dir, head, more), rtol=0, atol=TOL)

@@ -266,6 +266,11 @@ class Pager:
             self.recompute(chunk)
             return
         self._reap()  # moving it from disk into RAM may have spilled and dropped others
+        if not self._fits(saved):
+            self.store.delete(chunk.chunk_id)
+            self.saved.discard(chunk.chunk_id)
+            self.recompute(chunk)
+            return
         old = saved.meta_int64("positions")
         index, start = self._landing(chunk, at) if before is None else self._in_front(chunk, before)
         new = torch.arange(start, start + chunk.num_tokens)
@@ -391,11 +396,23 @@ class Pager:
             return None
         self.saved.discard(chunk.chunk_id)
         try:
-            return self.store.pop(chunk.chunk_id)
+            saved = self.store.pop(chunk.chunk_id)
         except CorruptChunkError as e:
             _log.warning("%s: recomputing it from its tokens", e)
             self._reap()
             return None
+        return saved if self._fits(saved) else None
+
+    def _fits(self, saved: StoredChunk) -> bool:
+        """Whether this pool can take a saved chunk back as it is: one saved after sliding-window layers let
+        go of some of its K/V (:func:`held_from`) cannot go into a pool that keeps every layer's (a server
+        restarted with ``--window-margin full``, a replica configured so): its tokens are recomputed."""
+        if held_from(saved) and not self.engine.pool.slides:
+            _log.warning(
+                "a chunk saved without its window layers' K/V, in a pool that keeps them: recomputing it"
+            )
+            return False
+        return True
 
     def release(self) -> None:
         """Free every resident chunk and forget the saved ones."""

@@ -67,8 +67,8 @@ def test_only_a_gemma_style_mix_slides(model_dir: Path) -> None:
     assert full.pool.layout.window_layers == () and not full.pool.slides
     qwen = Engine(load_model(build("qwen2", model_dir.parent / "qwen2")), block_size=BLOCK)
     assert not qwen.pool.slides  # no window layers: nothing changes
-    with pytest.raises(ConfigError, match="global"):
-        KVLayout(2, 1, 8, 4, window_layers=(0, 1))
+    with pytest.raises(ConfigError, match="window_layers"):
+        KVLayout(2, 1, 8, 4, window_layers=(1, 0))
     with pytest.raises(ConfigError, match="window_margin"):
         Engine(load_model(model_dir), window_margin=-1)
     assert parse_window_margin("full") is None and parse_window_margin("64") == 64
@@ -305,3 +305,22 @@ def test_peak_bytes_count_each_kind_of_layer(model_dir: Path) -> None:
     assert full.peak_bytes(100) == 100 * lay.bytes_per_block
     assert sliding.peak_bytes(100) == 100 * lay.global_bytes_per_block + held * lay.window_bytes_per_block
     assert sliding.peak_bytes(3) == 3 * lay.bytes_per_block  # a short sequence: every block inside
+
+
+def test_a_model_whose_every_layer_slides_keeps_only_the_window(tmp_path: Path) -> None:
+    """A Mistral with a window on every layer: a block id is bookkeeping (no global layer), its bytes all in
+    window rows, and the rows behind the window go back; the logits are the full pool's."""
+    model = load_model(build("mistral-window", tmp_path))  # a window of 7 positions on every layer
+    sliding = Engine(model, block_size=BLOCK, window_margin=1)
+    full = Engine(model, block_size=BLOCK, window_margin=None)
+    lay = sliding.pool.layout
+    assert lay.window_layers == tuple(range(lay.num_layers)) and lay.global_bytes_per_block == 0
+    for a, b in zip(run(sliding, ids(30, 9), 10), run(full, ids(30, 9), 10), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+    used = sliding.pool.rows.num_used if sliding.pool.rows is not None else 0
+    seq = sliding.new_sequence()
+    sliding.extend(seq, ids(40, 9))  # keep 8: held from 32, rows for its last two blocks only
+    blocks = seq.segments[0].page_table.blocks
+    assert blocks == list(range(10, 20))  # the first run's sequence holds blocks 0..9
+    assert rows_held(sliding, blocks) == [18, 19]
+    assert sliding.pool.live_bytes == (used + 2) * lay.window_bytes_per_block

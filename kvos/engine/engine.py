@@ -43,11 +43,11 @@ class Engine:
         model halves the pool's bytes and what a decode step reads of it; attention still computes in
         float32 (:func:`kvos.model.transformer.as_stored`).
 
-        ``window_margin``: on a model with sliding-window layers beside global ones (Gemma 3), those layers
-        keep a sequence's K/V only for its last ``window + window_margin`` tokens (their blocks' window rows
-        go back to the pool as the window slides: :mod:`kvos.memory.window_rows`); the margin lets a
-        rollback of that many tokens go on from the pool. None keeps every layer's K/V (llama.cpp's
-        ``--swa-full``)."""
+        ``window_margin``: on a model with sliding-window layers (Gemma 3's five of six, every layer of a
+        Mistral with a window), those layers keep a sequence's K/V only for its last ``window +
+        window_margin`` tokens (their blocks' window rows go back to the pool as the window slides:
+        :mod:`kvos.memory.window_rows`); the margin lets a rollback of that many tokens go on from the pool.
+        None keeps every layer's K/V (llama.cpp's ``--swa-full``)."""
         if prefill_slice <= 0:
             raise ConfigError(f"prefill_slice must be positive, got {prefill_slice}")
         if window_margin is not None and window_margin < 0:
@@ -55,7 +55,7 @@ class Engine:
         c = model.config
         dtype = model.dtype if kv_dtype is None else kv_dtype
         windows = [j for j, w in enumerate(model.windows) if w is not None]
-        sliding = window_margin is not None and 0 < len(windows) < c.num_kv_layers
+        sliding = window_margin is not None and bool(windows)
         layout = KVLayout(
             c.num_kv_layers,
             c.num_kv_heads,

@@ -51,8 +51,6 @@ class KVLayout:
         w = self.window_layers
         if list(w) != sorted(set(w)) or any(not 0 <= i < self.num_layers for i in w):
             raise ConfigError(f"window_layers must be distinct layers in [0, {self.num_layers}), ascending")
-        if len(w) == self.num_layers:
-            raise ConfigError("at least one layer must be global: a pool of window layers alone is not kept")
 
     @property
     def global_layers(self) -> tuple[int, ...]:
@@ -64,8 +62,14 @@ class KVLayout:
 
     @property
     def global_bytes_per_block(self) -> int:
-        """Bytes of K and V for one block over the global layers (what a block costs outside any window)."""
+        """Bytes of K and V for one block over the global layers (what a block costs outside any window;
+        0 when every layer slides: a block id is then bookkeeping, its bytes all in window rows)."""
         return len(self.global_layers) * self._layer_bytes_per_block()
+
+    @property
+    def growth_bytes_per_block(self) -> int:
+        """What the growth policy sizes block ids by: the global layers' bytes (1 when there are none)."""
+        return max(self.global_bytes_per_block, 1)
 
     @property
     def window_bytes_per_block(self) -> int:
@@ -100,7 +104,7 @@ class KVPool:
     def __init__(self, layout: KVLayout, growth: GrowthPolicy | None = None) -> None:
         self.layout = layout
         self.growth = growth if growth is not None else GrowthPolicy()
-        num_blocks = self.growth.initial_blocks(layout.block_size, layout.global_bytes_per_block)
+        num_blocks = self.growth.initial_blocks(layout.block_size, layout.growth_bytes_per_block)
         self.allocator = BlockAllocator(num_blocks)
         shape = layout.block_shape(num_blocks)
         globals_ = layout.global_layers
@@ -298,7 +302,7 @@ class KVPool:
     def reserve(self, num_blocks: int) -> None:
         """Grow capacity to at least ``num_blocks`` (to the growth policy's target, within the cap)."""
         lay = self.layout
-        per_block = lay.global_bytes_per_block
+        per_block = lay.growth_bytes_per_block
         target = self.growth.blocks_for(self.num_blocks, num_blocks, lay.block_size, per_block)
         if self.rows is not None and self.growth.max_bytes is not None:  # the rows share the cap
             room = (self.growth.max_bytes - self.rows.pool.nbytes) // per_block
@@ -316,7 +320,7 @@ class KVPool:
         """Give the memory of an empty pool back: when no block is in use and the pool has grown past its
         initial size, replace every layer tensor by one of the initial size (the next allocations grow it
         again). True when it shrank. Nothing may hold slots of this pool (none are live by then)."""
-        initial = self.growth.initial_blocks(self.layout.block_size, self.layout.global_bytes_per_block)
+        initial = self.growth.initial_blocks(self.layout.block_size, self.layout.growth_bytes_per_block)
         if self.allocator.num_used or self.num_blocks <= initial:
             return False
         shape = self.layout.block_shape(initial)

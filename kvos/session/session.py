@@ -107,7 +107,7 @@ class Session:
         tapped = config.digest_layers(engine.model.config.num_kv_layers) if config.uses_digests else ()
         unchosen = config.key_digest_layers is None and config.retrieval_heads is None
         if tapped and unchosen and engine.pool.slides:  # a chunk behind the window has no window-layer keys
-            tapped = engine.pool.layout.global_layers
+            tapped = engine.pool.layout.global_layers or tapped
         self.pager.digest_layers = tapped
         self.queries = QueryTap(tapped if signal.taps_message else (), engine.model.ropes)
         if signal.needs_retriever:

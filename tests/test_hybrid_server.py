@@ -6,19 +6,16 @@ gets, whatever the first session's recurrent state went through (reuse, checkpoi
 
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from hf_models import build
 from server_harness import MODEL_NAME, running_app
+from session_parts import chat, text, with_builtin_tokenizer
 
 pytest.importorskip("transformers")
-
-BUILTIN = Path(__file__).resolve().parents[1] / "kvos" / "builtin" / "model"
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_hidden_layers=8,
         max_position_embeddings=1024,
     )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BUILTIN / name, path / name)
-    return path
-
-
-def chat(url: str, session: str, messages: list[dict[str, str]], max_tokens: int = 10) -> dict[str, Any]:
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(f"{url}/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
-
-
-def text(reply: dict[str, Any]) -> str:
-    return str(reply["choices"][0]["message"]["content"])
+    return with_builtin_tokenizer(path)
 
 
 def test_concurrent_conversations_with_an_edited_reply_answer_as_fresh_sessions(model_dir: Path) -> None:

@@ -14,23 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import build
+from session_parts import spans, tokens, with_builtin_tokenizer
 
 from kvos.engine.engine import Engine
 from kvos.memory.store import ChunkStore
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.policy.chunks import ChunkKind, ChunkState
+from kvos.policy.chunks import ChunkState
 from kvos.session import snapshot
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
-from kvos.session.prompt import Span
 from kvos.session.session import Session
 
 pytest.importorskip("transformers")
 
 TOL = 1e-5
-BUILTIN = Path(__file__).resolve().parents[1] / "kvos" / "builtin" / "model"
 
 
 @pytest.fixture(scope="module", params=["qwen3.5", "lfm2"])
@@ -39,9 +38,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     attention) with the built-in tokenizer."""
     layers = {"num_hidden_layers": 8} if request.param == "qwen3.5" else {}
     path = build(request.param, tmp_path_factory.mktemp(request.param), seed=5, vocab_size=2048, **layers)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BUILTIN / name, path / name)
-    return path
+    return with_builtin_tokenizer(path)
 
 
 def manager(
@@ -57,14 +54,6 @@ def manager(
     factory = None if store_dir is None else (lambda sid: ChunkStore(1 << 30, store_dir, write_through=True))
     engine = Engine(load_model(model_dir, dtype="float32"), block_size=8)
     return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=factory)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def spans(*parts: list[int]) -> list[Span]:
-    return [Span(list(p), ChunkKind.DOCUMENT, message_index=i) for i, p in enumerate(parts)]
 
 
 def fresh_logits(model_dir: Path, *parts: list[int]) -> torch.Tensor:

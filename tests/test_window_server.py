@@ -6,19 +6,16 @@ margin). Every greedy reply must equal the reply a session given the same messag
 
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from hf_models import build
-from server_harness import MODEL_NAME, running_app
+from server_harness import running_app
+from session_parts import chat, text, with_builtin_tokenizer
 
 pytest.importorskip("transformers")
-
-BUILTIN = Path(__file__).resolve().parents[1] / "kvos" / "builtin" / "model"
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +29,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         sliding_window=16,
         max_position_embeddings=4096,
     )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BUILTIN / name, path / name)
-    return path
-
-
-def chat(url: str, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
-    r = httpx.post(f"{url}/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()  # type: ignore[no-any-return]
-
-
-def text(reply: dict[str, Any]) -> str:
-    return str(reply["choices"][0]["message"]["content"])
+    return with_builtin_tokenizer(path)
 
 
 def message(client: int, turn: int) -> str:
@@ -62,7 +46,7 @@ def test_long_conversations_and_an_early_edit_answer_as_fresh_sessions(model_dir
             turns = []
             for turn in range(4):
                 messages.append({"role": "user", "content": message(client, turn)})
-                reply = chat(url, f"c{client}", messages)
+                reply = chat(url, f"c{client}", messages, max_tokens=8)
                 turns.append((list(messages), text(reply)))
                 messages.append({"role": "assistant", "content": text(reply)})
             results[client] = turns
@@ -76,13 +60,16 @@ def test_long_conversations_and_an_early_edit_answer_as_fresh_sessions(model_dir
         assert pool.slides and pool.rows.num_used < pool.allocator.num_used  # the window layers let go
         for client, turns in results.items():
             for turn, (messages, got) in enumerate(turns):
-                assert text(chat(url, f"fresh-{client}-{turn}", messages)) == got, (client, turn)
+                assert text(chat(url, f"fresh-{client}-{turn}", messages, max_tokens=8)) == got, (
+                    client,
+                    turn,
+                )
 
         # client 0 rewrites its first reply: the cut is ~1,200 tokens back, past the margin
         messages, _ = results[0][-1]
         edited = [messages[0], {"role": "assistant", "content": "a rewritten answer"}, *messages[2:]]
-        got = text(chat(url, "c0", edited))
-        assert got == text(chat(url, "fresh-edit", edited))
+        got = text(chat(url, "c0", edited, max_tokens=8))
+        assert got == text(chat(url, "fresh-edit", edited, max_tokens=8))
         detail = httpx.get(f"{url}/sessions/c0", params={"events": 1000}, timeout=30).json()
         assert any(e["event"] == "window_gap" for e in detail["events"]), detail["events"]
         sessions = httpx.get(f"{url}/sessions", timeout=30).json()

@@ -11,7 +11,14 @@ import httpx
 import torch
 from server_harness import MODEL_NAME
 
+from kvos.engine.engine import Engine
+from kvos.memory.store import ChunkStore
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.budget import Budget
 from kvos.policy.chunks import ChunkKind
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span
 
 BUILTIN = Path(__file__).resolve().parents[1] / "kvos" / "builtin" / "model"
@@ -22,6 +29,28 @@ def with_builtin_tokenizer(path: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUILTIN / name, path / name)
     return path
+
+
+def small_chunks_manager(
+    model_dir: Path,
+    budget: int = 4096,
+    store_dir: Path | None = None,
+    mode: str = "compact",
+    **engine: Any,
+) -> MemoryManager:
+    """Sessions of a float32 model in chunks of 24 tokens on blocks of 8, held to ``budget`` exactly,
+    recovering by words; with ``store_dir``, a store that writes every saved chunk through to it (a
+    restart's files). ``engine``: more :class:`Engine` arguments (``window_margin``)."""
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=budget, policy="hard"),
+        chunk_tokens=24,
+        embedder="tokens",
+        recovery_signal="lexical",
+        position_mode=mode,  # type: ignore[arg-type]
+    )
+    factory = None if store_dir is None else (lambda sid: ChunkStore(1 << 30, store_dir, write_through=True))
+    runtime = Engine(load_model(model_dir, dtype="float32"), block_size=8, **engine)
+    return MemoryManager(runtime, load_tokenizer(model_dir), config, store_factory=factory)
 
 
 def tokens(seed: int, n: int, high: int = 2000) -> list[int]:

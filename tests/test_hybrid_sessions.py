@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import build
-from session_parts import spans, tokens, with_builtin_tokenizer
+from session_parts import small_chunks_manager, spans, tokens, with_builtin_tokenizer
 
 from kvos.engine.engine import Engine
-from kvos.memory.store import ChunkStore
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
@@ -44,16 +43,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def manager(
     model_dir: Path, budget: int = 4096, store_dir: Path | None = None, mode: str = "compact"
 ) -> MemoryManager:
-    config = SessionConfig(
-        budget=Budget(max_active_tokens=budget, policy="hard"),
-        chunk_tokens=24,
-        embedder="tokens",
-        recovery_signal="lexical",
-        position_mode=mode,  # type: ignore[arg-type]
-    )
-    factory = None if store_dir is None else (lambda sid: ChunkStore(1 << 30, store_dir, write_through=True))
-    engine = Engine(load_model(model_dir, dtype="float32"), block_size=8)
-    return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=factory)
+    return small_chunks_manager(model_dir, budget, store_dir, mode)
 
 
 def fresh_logits(model_dir: Path, *parts: list[int]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from hf_models import build
 from session_parts import small_chunks_manager, spans, tokens, with_builtin_tokenizer
 
 from kvos.engine.engine import Engine
+from kvos.memory.growth import GrowthPolicy
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
@@ -195,3 +196,30 @@ def test_with_no_checkpoints_a_cut_reads_the_history_again(model_dir: Path) -> N
     result = s.sync(spans(head[:55], other))
     assert result.reused == 0
     torch.testing.assert_close(s.last_logits, fresh_logits(model_dir, head[:55], other), rtol=0, atol=TOL)
+
+
+def test_the_recurrent_states_count_against_the_pools_cap(model_dir: Path) -> None:
+    """A session's live state and checkpoints are in the pool's accounting: a cap that holds the history's
+    K/V but not those states too makes the session page chunks out to stay within it; closing the session
+    takes them out again."""
+    history = [tokens(40 + i, 24) for i in range(5)]
+    probe = manager(model_dir).session("probe")
+    probe.sync(spans(*history))
+    states = probe.stats()["recurrent_bytes"]
+    pool = probe.engine.pool
+    assert pool.side_bytes == states > 0
+    per_block = pool.layout.bytes_per_block
+    cap = states + 12 * per_block  # 12 blocks of 8 tokens: the 120 tokens' 15 blocks do not fit beside them
+    engine = Engine(
+        load_model(model_dir, dtype="float32"),
+        block_size=8,
+        growth=GrowthPolicy(initial_tokens=8, max_bytes=cap),
+    )
+    capped = MemoryManager(engine, probe.tokenizer, probe.config)
+    s = capped.session("s")
+    s.sync(spans(*history))
+    assert s.memory.journal.count("pool_full") > 0  # it paged out to make room beside its states
+    assert engine.pool.side_bytes == s.stats()["recurrent_bytes"]
+    assert engine.pool.live_bytes + engine.pool.side_bytes <= cap
+    capped.close("s")
+    assert engine.pool.side_bytes == 0 and not engine.pool.side

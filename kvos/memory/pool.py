@@ -8,7 +8,7 @@ All sequences share one pool; each maps its tokens to blocks with its own
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +114,9 @@ class KVPool:
             (False, globals_.index(i)) if i in globals_ else (True, layout.window_layers.index(i))
             for i in range(layout.num_layers)
         ]  # layer -> (a window layer?, its local index)
+        # bytes held beside the slabs that count against the cap (a hybrid model's recurrent states, one
+        # callable per session): the slabs grow only into what they leave
+        self.side: dict[Hashable, Callable[[], int]] = {}
         self.rows: WindowRows | None = None
         if layout.window_layers:
             inner = KVLayout(
@@ -214,17 +217,31 @@ class KVPool:
         rows = 0 if self.rows is None else self.rows.pool.live_bytes
         return self.allocator.num_used * self.layout.global_bytes_per_block + rows
 
+    @property
+    def side_bytes(self) -> int:
+        """Bytes held beside the slabs that count against the cap (:attr:`side`)."""
+        return sum(held() for held in self.side.values())
+
+    def _beside(self) -> int:
+        """What the cap must leave for besides the global slabs: the window rows' slabs and :attr:`side`."""
+        return (0 if self.rows is None else self.rows.pool.nbytes) + (self.side_bytes if self.side else 0)
+
     # ------------------------------------------------------------- allocation
     def can_allocate(self, n: int) -> bool:
-        """Whether ``alloc_n(n)`` would succeed, growing within the cap if needed."""
+        """Whether ``alloc_n(n)`` would succeed, growing within the cap if needed; with :attr:`side` bytes,
+        whether the blocks in use, ``n`` more and those bytes stay within the cap."""
         lay, cap = self.layout, self.growth.max_bytes
         if cap is None:
             return True
         rows = 0 if self.rows is None else self.rows.num_used + n
         blocks = self.allocator.num_used + n
-        if n <= self.allocator.num_free and (self.rows is None or n <= self.rows.pool.allocator.num_free):
+        free = n <= self.allocator.num_free and (self.rows is None or n <= self.rows.pool.allocator.num_free)
+        if free and not self.side:
             return True
-        return blocks * lay.global_bytes_per_block + rows * lay.window_bytes_per_block <= cap
+        # the side bytes change outside the slabs' growth: with them, what is in use counts, not what was
+        # grown (the slabs never grow past what the cap leaves them; their free blocks may be more)
+        side = self.side_bytes if self.side else 0
+        return blocks * lay.global_bytes_per_block + rows * lay.window_bytes_per_block + side <= cap
 
     def out_of_memory(self, n: int) -> PoolOutOfMemoryError:
         """What :meth:`alloc_n` raises when ``n`` more blocks do not fit under the cap: for a caller that
@@ -233,7 +250,8 @@ class KVPool:
         rows = 0 if self.rows is None else self.rows.num_used + n
         return PoolOutOfMemoryError(
             needed_bytes=(self.allocator.num_used + n) * lay.global_bytes_per_block
-            + rows * lay.window_bytes_per_block,
+            + rows * lay.window_bytes_per_block
+            + (self.side_bytes if self.side else 0),
             max_bytes=self.growth.max_bytes or 0,
             pool_bytes=self.nbytes,
         )
@@ -264,6 +282,7 @@ class KVPool:
         target = inner.growth.blocks_for(inner.num_blocks, need, lay.block_size, lay.window_bytes_per_block)
         if self.growth.max_bytes is not None:
             room = self.growth.max_bytes - self.num_blocks * lay.global_bytes_per_block
+            room -= self.side_bytes if self.side else 0
             target = min(target, room // lay.window_bytes_per_block)
             if target < need:
                 raise PoolOutOfMemoryError(
@@ -304,11 +323,12 @@ class KVPool:
         lay = self.layout
         per_block = lay.growth_bytes_per_block
         target = self.growth.blocks_for(self.num_blocks, num_blocks, lay.block_size, per_block)
-        if self.rows is not None and self.growth.max_bytes is not None:  # the rows share the cap
-            room = (self.growth.max_bytes - self.rows.pool.nbytes) // per_block
+        beside = self._beside()
+        if beside and self.growth.max_bytes is not None:  # the rows and the side bytes share the cap
+            room = (self.growth.max_bytes - beside) // per_block
             if room < num_blocks:
                 raise PoolOutOfMemoryError(
-                    needed_bytes=num_blocks * per_block + self.rows.pool.nbytes,
+                    needed_bytes=num_blocks * per_block + beside,
                     max_bytes=self.growth.max_bytes,
                     pool_bytes=self.nbytes,
                 )

@@ -130,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="hybrid models (Qwen3.5, LFM2): keep each session's recurrent state at its last N chunk "
         "boundaries, so that a cut in its history prefills only what follows the checkpoint before it; each "
-        "is a full state, held outside --kv-memory (default 4; 0: a cut reads the history again)",
+        "is a full state, counted in --kv-memory (default 4; 0: a cut reads the history again)",
     )
     add_embedder_argument(p)
     add_signal_argument(p)
@@ -357,7 +357,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         print(
             f"[kvos] hybrid model: {c.num_kv_layers} of {c.num_layers} layers keep K/V; each session also "
             f"holds a recurrent state of {model.recurrent_state_bytes()} bytes and up to "
-            f"{config.recurrent_checkpoints} checkpoints of it, outside --kv-memory",
+            f"{config.recurrent_checkpoints} checkpoints of it, counted in --kv-memory",
             file=sys.stderr,
         )
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
@@ -390,7 +390,7 @@ def check_kv_memory(engine: Engine, config: SessionConfig, cap: int | None) -> N
     budget (every request would fail)."""
     if cap is None:
         return
-    need = engine.peak_bytes(config.peak_blocks(engine.pool.layout.block_size))
+    need = config.peak_bytes(engine)
     if cap < need:
         raise SystemExit(
             f"kvos serve: --kv-memory {cap} bytes cannot hold one request at this budget "

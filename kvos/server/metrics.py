@@ -22,7 +22,7 @@ SESSION_GAUGES = {
     "saved_disk_bytes": "bytes of saved chunks on disk",
     "resident_bytes_per_token": "K/V bytes a resident token takes in the pool (dense)",
     "saved_bytes_per_token": "K/V bytes a saved token takes in the chunk store, as encoded (0: none saved)",
-    "recurrent_bytes": "a hybrid model's recurrent state and checkpoints, held outside the pool (0: none)",
+    "recurrent_bytes": "a hybrid model's recurrent state and checkpoints, in the pool's cap (0: none)",
 }
 SESSION_COUNTERS = {
     "evictions": "chunks paged out",

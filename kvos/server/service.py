@@ -57,9 +57,10 @@ class ChatService:
     def request_blocks(self) -> int:
         """The pool blocks the scheduler reserves for one request (:meth:`SessionConfig.peak_blocks`), in
         blocks of every layer's bytes (the scheduler's unit): where window layers slide, their bytes count
-        for the tokens they keep only (:meth:`Engine.peak_bytes`)."""
+        for the tokens they keep only; a hybrid model's recurrent states count too
+        (:meth:`SessionConfig.peak_bytes`)."""
         engine = self.manager.engine
-        peak = engine.peak_bytes(self.manager.config.peak_blocks(engine.pool.layout.block_size))
+        peak = self.manager.config.peak_bytes(engine)
         return -(-peak // engine.pool.layout.bytes_per_block)
 
     def autosave(self, engine: Executor) -> Autosave | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
@@ -15,6 +15,9 @@ from kvos.policy.sparsify import MagnitudeSparsifier
 from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.pager import Backend, PositionMode
 from kvos.session.recovery import RecoverySignal, signal_class
+
+if TYPE_CHECKING:
+    from kvos.engine.engine import Engine
 
 SignalName = Literal["auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid"]
 
@@ -120,6 +123,15 @@ class SessionConfig:
         if self.recovery_min_similarity is not None:
             return self.recovery_min_similarity
         return self.signal_class.default_bar(self.retriever)
+
+    def peak_bytes(self, engine: Engine) -> int:
+        """The most pool bytes one request of a session of this config holds at once (what admission
+        reserves and ``--kv-memory`` must hold): the K/V of :meth:`peak_blocks` blocks
+        (:meth:`Engine.peak_bytes`) and a hybrid model's recurrent state with its checkpoints, which count
+        against the same cap."""
+        blocks = self.peak_blocks(engine.pool.layout.block_size)
+        states = (self.recurrent_checkpoints + 1) * engine.model.recurrent_state_bytes()
+        return engine.peak_bytes(blocks) + states
 
     def peak_blocks(self, block_size: int) -> int:
         """An estimate of the most pool blocks (of ``block_size`` tokens) one request on a session of this

@@ -123,6 +123,8 @@ class Session:
         self.compressor = ChunkCompressor(config.kv_compression, engine)
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
         self.checkpoints = RecurrentCheckpoints(config.recurrent_checkpoints)  # a hybrid model's states
+        if self.pager.seq.recurrent is not None:  # they count against the pool's cap
+            engine.pool.side[self] = lambda: self.checkpoints.held_bytes(self.pager.seq.recurrent)
 
     @property
     def chunks(self) -> dict[int, Chunk]:
@@ -670,5 +672,6 @@ class Session:
         return {"resident_bytes_per_token": resident, "saved_bytes_per_token": round(saved, 1)}
 
     def close(self) -> None:
-        """Free the session's pool blocks and saved chunks."""
+        """Free the session's pool blocks, recurrent states and saved chunks."""
+        self.engine.pool.side.pop(self, None)
         self.pager.release()

@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = client_counts(args.clients)
     if args.turns < 1 or args.max_tokens < 1:
         raise ConfigError("need --turns and --max-tokens >= 1")
-    args.words = message_words(args.message_words)
+    words = message_words(args.message_words)  # a bad range fails before any server starts
     models = resolve_models(args.models)
     deadline = time.monotonic() + args.max_seconds
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvos-bench-serve-"))
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         label=args.label,
         turns=args.turns,
         max_tokens=args.max_tokens,
-        message_words=list(args.words),
+        message_words=list(words),
         serve_args=args.serve_arg,
         threads=threads,
         server_logs=str(log_dir),
@@ -271,7 +271,8 @@ def bench_model(
                 if time.monotonic() >= deadline:
                     print(f"[serve] {name}: --max-seconds reached, {n} clients and more not run")
                     break
-                plan = Plan(served, args.turns, args.max_tokens, eos, deadline, words=args.words)
+                words = message_words(args.message_words)
+                plan = Plan(served, args.turns, args.max_tokens, eos, deadline, words=words)
                 timings, wall_s, seen = run_clients(
                     server, n, plan, args.seed, calls, f"c{n}", kvos=peer is None
                 )

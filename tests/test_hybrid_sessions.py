@@ -221,5 +221,9 @@ def test_the_recurrent_states_count_against_the_pools_cap(model_dir: Path) -> No
     assert s.memory.journal.count("pool_full") > 0  # it paged out to make room beside its states
     assert engine.pool.side_bytes == s.stats()["recurrent_bytes"]
     assert engine.pool.live_bytes + engine.pool.side_bytes <= cap
+    s.swap_out()  # swapped out, its states wait beside its saved chunks, outside the pool
+    assert engine.pool.side_bytes == 0 and s.stats()["recurrent_bytes"] > 0
+    s.swap_in()
+    assert engine.pool.side_bytes == s.stats()["recurrent_bytes"]
     capped.close("s")
     assert engine.pool.side_bytes == 0 and not engine.pool.side

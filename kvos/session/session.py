@@ -123,8 +123,13 @@ class Session:
         self.compressor = ChunkCompressor(config.kv_compression, engine)
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
         self.checkpoints = RecurrentCheckpoints(config.recurrent_checkpoints)  # a hybrid model's states
-        if self.pager.seq.recurrent is not None:  # they count against the pool's cap
-            engine.pool.side[self] = lambda: self.checkpoints.held_bytes(self.pager.seq.recurrent)
+        if self.pager.seq.recurrent is not None:  # they count against the pool's cap while it is resident
+            engine.pool.side[self] = self._resident_state_bytes
+
+    def _resident_state_bytes(self) -> int:
+        """A hybrid model's recurrent states as the pool counts them: while the session is swapped out they
+        wait in RAM beside its saved chunks, outside the pool, as the chunk store's RAM tier does."""
+        return 0 if self._swapped else self.checkpoints.held_bytes(self.pager.seq.recurrent)
 
     @property
     def chunks(self) -> dict[int, Chunk]:

@@ -328,11 +328,9 @@ class Engine:
         longer holds the token."""
         if layer not in self.pool.layout.window_layers:
             return self.pool.gather(layer, slots)[0]
-        assert self.pool.rows is not None
-        bs = self.pool.layout.block_size
-        rows = self.pool.rows.table.to(slots.device)[slots // bs]
-        keys = self.pool.gather(layer, rows.clamp(min=0) * bs + slots % bs)[0]
-        return keys * (rows >= 0).to(keys.dtype)[:, None, None]
+        window, held = self.pool.window_locate(slots)
+        keys = self.pool.gather(layer, window)[0]
+        return keys * held.to(keys.dtype)[:, None, None]
 
     # ------------------------------------------------- blocks shared between sequences
     def share(self, seg: Segment, into: Sequence, num_tokens: int) -> Segment:
@@ -438,9 +436,8 @@ class Engine:
         """
         seg = seq.new_segment()
         slots = seg.extend(list(token_ids), positions).to(self.model.device)
+        seg.page_table.slide(held_from)  # (a no-op without window layers)
         window_layers = self.pool.layout.window_layers
-        if window_layers:
-            seg.page_table.slide(held_from)
         keys, values = k.to(self.model.device), v.to(self.model.device)
         groups = self.model.ropes.groups()
         for rope, layers in groups:  # each rope's layers (every layer, but for Gemma 3's two ropes)

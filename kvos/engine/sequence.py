@@ -180,16 +180,6 @@ class Sequence:
             self._rebuild_held()
         return changed
 
-    def window_intact(self, span: int, end: int | None = None) -> bool:
-        """Whether the window layers still hold every one of the ``span`` tokens before cache index ``end``
-        (default: the end), so that a token appended there attends as if nothing had slid."""
-        end = self._num_tokens if end is None else end
-        lo = max(end - span, 0)
-        if not self.slides or lo >= end:
-            return True
-        held = self.held
-        return int(((held >= lo) & (held < end)).sum()) == end - lo
-
     def next_position(self) -> int:
         """One past the last token's position (0 when empty): where an appended token goes by default."""
         return int(self._flat_positions[self._num_tokens - 1].item()) + 1 if self._num_tokens else 0

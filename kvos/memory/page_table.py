@@ -126,10 +126,6 @@ class PageTable:
         for block_id in self._blocks[old_first:new_first]:
             self._window.unclaim(block_id)
 
-    def drop_window(self) -> None:
-        """The window layers hold none of this table's tokens (a restored chunk saved without them)."""
-        self.slide(self._num_tokens)
-
     def blocks_needed(self, n: int) -> int:
         """How many new blocks appending ``n`` tokens would allocate."""
         if n < 0:

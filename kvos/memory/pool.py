@@ -173,6 +173,12 @@ class KVPool:
         assert self.rows is not None
         return self.rows.slots(slots, self.layout.block_size)
 
+    def window_locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block slots (int64 ``[n]``) -> window slots and which tokens the window layers still hold (bool
+        ``[n]``; :meth:`WindowRows.locate`)."""
+        assert self.rows is not None
+        return self.rows.locate(slots, self.layout.block_size)
+
     def claim(self, block_id: int) -> None:
         """One more page table holds ``block_id`` inside its window (no-op without window layers)."""
         if self.rows is not None:
@@ -214,8 +220,12 @@ class KVPool:
     @property
     def live_bytes(self) -> int:
         """Bytes of the blocks in use, and of the window rows in use."""
-        rows = 0 if self.rows is None else self.rows.pool.live_bytes
-        return self.allocator.num_used * self.layout.global_bytes_per_block + rows
+        return self.allocator.num_used * self.layout.global_bytes_per_block + self.window_live_bytes
+
+    @property
+    def window_live_bytes(self) -> int:
+        """Of :attr:`live_bytes`, the window rows' (0 without window layers)."""
+        return 0 if self.rows is None else self.rows.pool.live_bytes
 
     @property
     def side_bytes(self) -> int:
@@ -224,34 +234,35 @@ class KVPool:
 
     def _beside(self) -> int:
         """What the cap must leave for besides the global slabs: the window rows' slabs and :attr:`side`."""
-        return (0 if self.rows is None else self.rows.pool.nbytes) + (self.side_bytes if self.side else 0)
+        return (0 if self.rows is None else self.rows.pool.nbytes) + self.side_bytes
+
+    def _in_use(self, n: int = 0) -> int:
+        """The bytes counted against the cap with ``n`` more blocks: the global layers' blocks, the window
+        rows in use (a new block takes one) and :attr:`side`."""
+        lay = self.layout
+        rows = 0 if self.rows is None else self.rows.num_used + n
+        blocks = self.allocator.num_used + n
+        return blocks * lay.global_bytes_per_block + rows * lay.window_bytes_per_block + self.side_bytes
 
     # ------------------------------------------------------------- allocation
     def can_allocate(self, n: int) -> bool:
         """Whether ``alloc_n(n)`` would succeed, growing within the cap if needed; with :attr:`side` bytes,
         whether the blocks in use, ``n`` more and those bytes stay within the cap."""
-        lay, cap = self.layout, self.growth.max_bytes
+        cap = self.growth.max_bytes
         if cap is None:
             return True
-        rows = 0 if self.rows is None else self.rows.num_used + n
-        blocks = self.allocator.num_used + n
         free = n <= self.allocator.num_free and (self.rows is None or n <= self.rows.pool.allocator.num_free)
         if free and not self.side:
             return True
         # the side bytes change outside the slabs' growth: with them, what is in use counts, not what was
         # grown (the slabs never grow past what the cap leaves them; their free blocks may be more)
-        side = self.side_bytes if self.side else 0
-        return blocks * lay.global_bytes_per_block + rows * lay.window_bytes_per_block + side <= cap
+        return self._in_use(n) <= cap
 
     def out_of_memory(self, n: int) -> PoolOutOfMemoryError:
         """What :meth:`alloc_n` raises when ``n`` more blocks do not fit under the cap: for a caller that
         asked :meth:`can_allocate` first and could not make room."""
-        lay = self.layout
-        rows = 0 if self.rows is None else self.rows.num_used + n
         return PoolOutOfMemoryError(
-            needed_bytes=(self.allocator.num_used + n) * lay.global_bytes_per_block
-            + rows * lay.window_bytes_per_block
-            + (self.side_bytes if self.side else 0),
+            needed_bytes=self._in_use(n),
             max_bytes=self.growth.max_bytes or 0,
             pool_bytes=self.nbytes,
         )
@@ -281,13 +292,13 @@ class KVPool:
         need = inner.num_blocks + missing
         target = inner.growth.blocks_for(inner.num_blocks, need, lay.block_size, lay.window_bytes_per_block)
         if self.growth.max_bytes is not None:
-            room = self.growth.max_bytes - self.num_blocks * lay.global_bytes_per_block
-            room -= self.side_bytes if self.side else 0
+            room = self.growth.max_bytes - self.num_blocks * lay.global_bytes_per_block - self.side_bytes
             target = min(target, room // lay.window_bytes_per_block)
             if target < need:
                 raise PoolOutOfMemoryError(
                     needed_bytes=self.num_blocks * lay.global_bytes_per_block
-                    + need * lay.window_bytes_per_block,
+                    + need * lay.window_bytes_per_block
+                    + self.side_bytes,
                     max_bytes=self.growth.max_bytes,
                     pool_bytes=self.nbytes,
                 )

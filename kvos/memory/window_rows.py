@@ -106,6 +106,12 @@ class WindowRows:
         rows = self.table.to(slots.device)[slots // block_size]
         return rows * block_size + slots % block_size
 
+    def locate(self, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block slots (int64 ``[n]``, their blocks with rows or not) -> their window slots and which of them
+        are held (bool ``[n]``); a token whose block has no row gets a slot of row 0, to read and ignore."""
+        rows = self.table.to(slots.device)[slots // block_size]
+        return rows.clamp(min=0) * block_size + slots % block_size, rows >= 0
+
     def rows(self, blocks: list[int]) -> list[int]:
         """Rows of ``blocks`` (:data:`NO_ROW` where gone)."""
         return [self._row[b] for b in blocks]

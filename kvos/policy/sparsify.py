@@ -200,9 +200,8 @@ class MagnitudeSparsifier:
         for layer in range(pool.layout.num_layers):
             slots = chosen
             if layer in pool.layout.window_layers:
-                assert pool.rows is not None
-                held = pool.rows.table.to(chosen.device)[chosen // pool.layout.block_size] >= 0
-                slots = pool.window_slots(chosen[held])
+                window, held = pool.window_locate(chosen)
+                slots = window[held]
             k, v = pool.gather(layer, slots)
             counts[0] += self._sparsify_keys(k) if self.k_scale > 0 else 0
             counts[2] += sparsify_(v, thresholds(v, self.v_scale)) if self.v_scale > 0 else 0

@@ -147,7 +147,7 @@ def create_app(
             "block_tokens": block,
             "tokens": pool.num_blocks * block,
             "live_tokens": pool.allocator.num_used * block,
-            "window_live_bytes": pool.rows.pool.live_bytes if pool.rows is not None else None,
+            "window_live_bytes": pool.window_live_bytes if pool.slides else None,
             "resizes": pool.resizes,
         }
 

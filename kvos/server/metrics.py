@@ -64,11 +64,11 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily(
             "kvos_pool_live_bytes", "bytes of allocated pool blocks", value=pool.live_bytes
         )
-        if pool.rows is not None:
+        if pool.slides:
             yield GaugeMetricFamily(
                 "kvos_pool_window_live_bytes",
                 "of the live bytes, the sliding-window layers' (held for the tokens inside their window)",
-                value=pool.rows.pool.live_bytes,
+                value=pool.window_live_bytes,
             )
         yield CounterMetricFamily("kvos_pool_resizes", "times the pool grew", value=pool.resizes)
         yield GaugeMetricFamily("kvos_sessions", "sessions known to the server", value=len(entries))

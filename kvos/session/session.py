@@ -240,10 +240,7 @@ class Session:
             if at != message[0].original_start:
                 return
             self.pager.seq.recurrent = state
-        seq = self.pager.seq
-        if not seq.window_intact(
-            self.engine.window_span, seq.num_tokens - sum(c.num_tokens for c in message)
-        ):
+        if self.window_gap(message[0].original_start):
             return  # the window layers no longer hold what the message read before it
         for chunk in message:
             self.pager.discard(chunk)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvos.engine.head_cache import HeadState
+from kvos.engine.head_sequence import HeadState
 from kvos.errors import ConfigError
 from kvos.policy.entropy import head_budgets
 from kvos.policy.token_select import POLICIES, make_policy, pool_scores

@@ -1,7 +1,7 @@
 """Per-head page table: each (layer, KV head) of a sequence maps its own tokens to its own head-blocks.
 
 Plain Python bookkeeping, no torch. A head-block holds K and V of one KV head of one layer for
-``block_size`` tokens (see :class:`~kvos.memory.head_pool.HeadPool`); the blocks come from one
+``block_size`` tokens (see :mod:`kvos.memory.head_store`, a KV pool's part for them); the blocks come from one
 :class:`~kvos.memory.page_table.BlockSource` shared by every layer and head, so a block one head frees can
 be reused by any other.
 

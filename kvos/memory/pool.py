@@ -16,6 +16,7 @@ import torch
 from kvos.errors import ConfigError, InvalidBlockError, PoolOutOfMemoryError
 from kvos.memory.allocator import BlockAllocator
 from kvos.memory.growth import GrowthPolicy
+from kvos.memory.head_store import HeadStore
 from kvos.memory.window_rows import NO_ROW, WindowRows
 
 _CPU = torch.device("cpu")
@@ -127,15 +128,40 @@ class KVPool:
                 layout.dtype,
                 layout.device,
             )
-            unbounded = GrowthPolicy(
-                self.growth.initial_tokens, self.growth.double_below_tokens, self.growth.step_bytes
-            )
-            self.rows = WindowRows(KVPool(inner, unbounded), num_blocks)
+            self.rows = WindowRows(KVPool(inner, self._unbounded()), num_blocks)
+        self.heads: HeadStore | None = None  # created by the first per-head sequence (head_store)
         self.resizes = 0
         self.copy_seconds = 0.0
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.layout.dtype, device=self.layout.device)
+
+    def _unbounded(self) -> GrowthPolicy:
+        """This pool's growth without its cap: for an inner pool, which grows within what the cap leaves."""
+        g = self.growth
+        return GrowthPolicy(g.initial_tokens, g.double_below_tokens, g.step_bytes)
+
+    def head_store(self) -> HeadStore:
+        """Where per-head sequences keep their K/V (:mod:`kvos.memory.head_store`): head-blocks of one KV head
+        of one layer, counted against this pool's cap with its blocks; created on first use."""
+        if self.heads is None:
+            lay = self.layout
+            inner = KVPool(
+                KVLayout(1, 1, lay.head_dim, lay.block_size, lay.dtype, lay.device), self._unbounded()
+            )
+            self.heads = HeadStore(inner, lay.num_layers, lambda n: self._reserve_inner(inner, n))
+        return self.heads
+
+    def _inner_pools(self) -> list[KVPool]:
+        """The pools beside the global slabs: the window rows' and the head store's, where they exist."""
+        return [
+            p
+            for p in (
+                None if self.rows is None else self.rows.pool,
+                None if self.heads is None else self.heads.pool,
+            )
+            if p is not None
+        ]
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -187,7 +213,7 @@ class KVPool:
     def reclaim(self, block_id: int) -> None:
         """Claim ``block_id``, giving it a window row again where it has none."""
         if self.rows is not None:
-            self._reserve_rows(1)
+            self._reserve_inner(self.rows.pool, 1)
             self.rows.reclaim(block_id)
 
     def unclaim(self, block_id: int) -> None:
@@ -214,13 +240,19 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes held by all K and V tensors (the window layers' rows included)."""
-        rows = 0 if self.rows is None else self.rows.pool.nbytes
-        return self.num_blocks * self.layout.global_bytes_per_block + rows
+        inner = sum(p.nbytes for p in self._inner_pools())
+        return self.num_blocks * self.layout.global_bytes_per_block + inner
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of the blocks in use, and of the window rows in use."""
-        return self.allocator.num_used * self.layout.global_bytes_per_block + self.window_live_bytes
+        """Bytes of the blocks in use, of the window rows in use and of the head-blocks in use."""
+        used = self.allocator.num_used * self.layout.global_bytes_per_block
+        return used + self.window_live_bytes + self.head_live_bytes
+
+    @property
+    def head_live_bytes(self) -> int:
+        """Of :attr:`live_bytes`, the head store's (per-head sequences; 0 without any)."""
+        return 0 if self.heads is None else self.heads.live_bytes
 
     @property
     def window_live_bytes(self) -> int:
@@ -233,8 +265,9 @@ class KVPool:
         return sum(held() for held in self.side.values())
 
     def _beside(self) -> int:
-        """What the cap must leave for besides the global slabs: the window rows' slabs and :attr:`side`."""
-        return (0 if self.rows is None else self.rows.pool.nbytes) + self.side_bytes
+        """What the cap must leave for besides the global slabs: the window rows' and the head store's slabs,
+        and :attr:`side`."""
+        return sum(p.nbytes for p in self._inner_pools()) + self.side_bytes
 
     def _in_use(self, n: int = 0) -> int:
         """The bytes counted against the cap with ``n`` more blocks: the global layers' blocks, the window
@@ -242,7 +275,8 @@ class KVPool:
         lay = self.layout
         rows = 0 if self.rows is None else self.rows.num_used + n
         blocks = self.allocator.num_used + n
-        return blocks * lay.global_bytes_per_block + rows * lay.window_bytes_per_block + self.side_bytes
+        held = blocks * lay.global_bytes_per_block + rows * lay.window_bytes_per_block
+        return held + self.head_live_bytes + self.side_bytes
 
     # ------------------------------------------------------------- allocation
     def can_allocate(self, n: int) -> bool:
@@ -277,28 +311,25 @@ class KVPool:
             self.reserve(self.num_blocks + missing)
         if self.rows is None:
             return self.allocator.alloc_n(n)
-        self._reserve_rows(n)
+        self._reserve_inner(self.rows.pool, n)
         ids = self.allocator.alloc_n(n)
         self.rows.attach(ids)
         return ids
 
-    def _reserve_rows(self, n: int) -> None:
-        """Make room for ``n`` more window rows within the pool's cap (global slabs and rows together)."""
-        assert self.rows is not None
-        inner, lay = self.rows.pool, self.layout
+    def _reserve_inner(self, inner: KVPool, n: int) -> None:
+        """Make room for ``n`` more blocks of ``inner`` (the window rows' or the head store's pool) within
+        this pool's cap: every slab and :attr:`side` together."""
         missing = n - inner.allocator.num_free
         if missing <= 0:
             return
-        need = inner.num_blocks + missing
-        target = inner.growth.blocks_for(inner.num_blocks, need, lay.block_size, lay.window_bytes_per_block)
+        need, per_block, bs = inner.num_blocks + missing, inner.layout.bytes_per_block, self.layout.block_size
+        target = inner.growth.blocks_for(inner.num_blocks, need, bs, per_block)
         if self.growth.max_bytes is not None:
-            room = self.growth.max_bytes - self.num_blocks * lay.global_bytes_per_block - self.side_bytes
-            target = min(target, room // lay.window_bytes_per_block)
+            others = self.nbytes - inner.nbytes + self.side_bytes
+            target = min(target, (self.growth.max_bytes - others) // per_block)
             if target < need:
                 raise PoolOutOfMemoryError(
-                    needed_bytes=self.num_blocks * lay.global_bytes_per_block
-                    + need * lay.window_bytes_per_block
-                    + self.side_bytes,
+                    needed_bytes=others + need * per_block,
                     max_bytes=self.growth.max_bytes,
                     pool_bytes=self.nbytes,
                 )
@@ -335,7 +366,9 @@ class KVPool:
         per_block = lay.growth_bytes_per_block
         target = self.growth.blocks_for(self.num_blocks, num_blocks, lay.block_size, per_block)
         beside = self._beside()
-        if beside and self.growth.max_bytes is not None:  # the rows and the side bytes share the cap
+        if beside and self.growth.max_bytes is not None:  # the inner pools and the side bytes share the cap
+            if any(p.shrink() for p in self._inner_pools()):  # an empty one gives its slabs back first
+                beside = self._beside()
             room = (self.growth.max_bytes - beside) // per_block
             if room < num_blocks:
                 raise PoolOutOfMemoryError(
@@ -351,6 +384,8 @@ class KVPool:
         """Give the memory of an empty pool back: when no block is in use and the pool has grown past its
         initial size, replace every layer tensor by one of the initial size (the next allocations grow it
         again). True when it shrank. Nothing may hold slots of this pool (none are live by then)."""
+        if self.heads is not None:
+            self.heads.pool.shrink()
         initial = self.growth.initial_blocks(self.layout.block_size, self.layout.growth_bytes_per_block)
         if self.allocator.num_used or self.num_blocks <= initial:
             return False

@@ -27,14 +27,15 @@ from kvos.model.attention import (
     Batch,
     BatchItem,
     DecodeGroup,
+    HeadAttentionMetadata,
     grouped_decode_attention,
+    head_attention,
     paged_attention,
 )
 from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
 from kvos.model.delta_net import DeltaNet
 from kvos.model.experts import Experts, SharedExpert
-from kvos.model.head_attention import HeadAttentionMetadata, head_attention
 from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
 from kvos.model.recurrent import MixerState
 from kvos.model.rope import LayerRopes, Rope
@@ -160,7 +161,7 @@ class Transformer:
     ) -> torch.Tensor:
         """token_ids: int64 [n] -> logits float32 [1, vocab] ("last"), [n, vocab] ("all"),
         or the final hidden states [n, hidden] ("none"). With :class:`HeadAttentionMetadata` every KV head
-        reads its own keys from a head pool (``kv`` is then a ``kvos.memory.head_pool.HeadPool``)."""
+        reads its own keys from a head store (``kv`` is then a ``kvos.memory.head_store.HeadStore``)."""
         if isinstance(meta, HeadAttentionMetadata):
             x = self._layers(token_ids, meta.positions, meta, kv)
             return x if logits == "none" else self.head(x[-1:] if logits == "last" else x)

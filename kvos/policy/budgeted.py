@@ -1,4 +1,4 @@
-"""Streaming a text under a per-head token budget: the per-head cache driven by a token policy.
+"""Streaming a text under a per-head token budget: a per-head sequence driven by a token policy.
 
 Teacher-forced, so the logits of every position can be compared with a full cache's; used by
 ``kvos bench quality`` for the budget policies (uniform, entropy and the baselines).
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvos.engine.head_cache import HeadCache
+from kvos.engine.engine import Engine
+from kvos.engine.head_sequence import HeadSequence
 from kvos.errors import ConfigError
 from kvos.model.transformer import Transformer
 from kvos.policy.token_select import make_policy
@@ -23,8 +24,8 @@ class BudgetedRun:
     """Result of :func:`run_budgeted`.
 
     logits: float32 [n_tokens - 1, vocab]: row i predicts token i + 1 from tokens[: i + 1].
-    resident_bytes: mean over steps of the K/V bytes allocated in the head pool (head-blocks in use x bytes
-        per head-block), measured after each step's eviction.
+    resident_bytes: mean over steps of the K/V bytes the sequence holds in the pool's head store (its
+        head-blocks x bytes per head-block), measured after each step's eviction.
     uniform_bytes: the same mean for a uniform split of the same total tokens over every (layer, KV head).
     seconds: wall time of the run.
     """
@@ -64,14 +65,14 @@ def run_budgeted(
         policy, sink_count=sink_count, calibration=calibration, seed=seed, block_size=block_size
     )
     start = time.perf_counter()
-    cache = HeadCache(model, block_size)
+    cache = HeadSequence(Engine(model, block_size))
     ids = token_ids[:-1]  # the last token is only ever predicted
     first = min(max(prefill, 1), len(ids))
     outputs, resident, uniform = [], [], []
     for step in [ids[:first]] + [[t] for t in ids[first:]]:
         outputs.append(cache.extend(step))
         cache.enforce(chooser, chooser.budgets(cache.next_position, budget_tokens, cache.rows))
-        resident.append(cache.pool.resident_bytes)
+        resident.append(cache.resident_bytes)
         uniform.append(cache.uniform_bytes())
     return BudgetedRun(
         logits=torch.cat(outputs).float(),

@@ -1,7 +1,7 @@
 """Token-level selection policies for per-head KV budgets, one interface for kvos and the baselines.
 
-Each policy sees one (layer, KV head) at a time (:class:`~kvos.engine.head_cache.HeadState`) and returns the
-row indices to keep. The base class does the common part: the first ``sink_count`` positions (attention
+Each policy sees one (layer, KV head) at a time (:class:`~kvos.engine.head_sequence.HeadState`) and returns
+the row indices to keep. The base class does the common part: the first ``sink_count`` positions (attention
 sinks) are always kept, a policy may protect more (a recent window, an earlier choice), and the rest of the
 budget goes to the highest :meth:`TokenPolicy.score`. Names (:data:`POLICIES`):
 
@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvos.engine.head_cache import HeadState, Row
+from kvos.engine.head_sequence import HeadState, Row
 from kvos.errors import ConfigError
 from kvos.policy.entropy import head_budgets
 

@@ -1,10 +1,12 @@
-"""Per-head KV cache runner: one sequence whose (layer, KV head)s each keep their own tokens.
+"""Per-head sequence: one sequence of an :class:`~kvos.engine.engine.Engine` whose (layer, KV head)s each keep
+their own tokens.
 
-:class:`HeadCache` extends a sequence through a :class:`~kvos.model.transformer.Transformer` with
-:class:`~kvos.model.head_attention.HeadAttentionMetadata`, so each (layer, KV head) reads its own keys from a
-:class:`~kvos.memory.head_pool.HeadPool`. It records what token policies need (cumulative attention per
-query head, the last queries' rows for SnapKV) and applies a policy's per-head keep decision, which frees
-head-blocks in the pool for real. :func:`run_budgeted` streams a text through it under a token budget.
+:class:`HeadSequence` extends through the engine's model with
+:class:`~kvos.model.attention.HeadAttentionMetadata`, so each (layer, KV head) reads its own keys from the
+engine's pool (its head store, :mod:`kvos.memory.head_store`: the same pool, cap and accounting as every
+other sequence). It records what token policies need (cumulative attention per query head, the last
+queries' rows for SnapKV) and applies a policy's per-head keep decision, which gives head-blocks back to the
+pool for real. :func:`kvos.policy.budgeted.run_budgeted` streams a text through it under a token budget.
 
 A KV head's importance is the MAXIMUM over the query heads that read it: a token one query head relies on
 is needed even when the other heads of its group ignore it (a sum or mean would let their diffuse
@@ -24,11 +26,10 @@ from typing import Protocol
 
 import torch
 
-from kvos.errors import InvalidPositionError
-from kvos.memory.growth import GrowthPolicy
-from kvos.memory.head_pool import HeadLayout, HeadPool, drop_tokens
-from kvos.model.head_attention import HeadAttentionMetadata, HeadCapture
-from kvos.model.transformer import Transformer
+from kvos.engine.engine import Engine
+from kvos.errors import ConfigError, InvalidPositionError
+from kvos.memory.head_table import HeadPageTable
+from kvos.model.attention import HeadAttentionMetadata, HeadCapture
 
 Row = tuple[int, int]  # (layer, kv_head)
 OBSERVATION_WINDOW = 32
@@ -73,21 +74,24 @@ class TokenPolicy(Protocol):
         ...
 
 
-class HeadCache:
-    """One sequence over a head pool: extend it, read per-head state, drop tokens per head."""
+class HeadSequence:
+    """One sequence whose heads hold their own tokens: extend it, read per-head state, drop tokens per head.
 
-    def __init__(
-        self,
-        model: Transformer,
-        block_size: int = 16,
-        growth: GrowthPolicy | None = None,
-        window: int = OBSERVATION_WINDOW,
-    ) -> None:
+    Its K/V live in ``engine.pool``'s head store, in head-blocks of ``engine``'s block size. Models with
+    linear-attention layers or with layers that reuse another layer's K/V are refused (ConfigError).
+    """
+
+    def __init__(self, engine: Engine, window: int = OBSERVATION_WINDOW) -> None:
+        model = engine.model
         c = model.config
-        layout = HeadLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype, model.device)
+        if c.recurrent_layers or c.num_kv_layers != c.num_layers:
+            raise ConfigError(
+                "per-head budgets need every layer to keep K/V of its own: this model has linear-attention "
+                "layers or layers that share another layer's K/V"
+            )
         self.model = model
-        self.pool = HeadPool(layout, growth)
-        self.table = self.pool.new_table()
+        self.store = engine.pool.head_store()
+        self.table = HeadPageTable(c.num_layers, c.num_kv_heads, engine.pool.layout.block_size, self.store)
         self.group = c.group_size
         self.window = window
         self.next_position = 0
@@ -118,7 +122,12 @@ class HeadCache:
         rows = len(self.rows)
         per_row = -(-self.table.total_tokens // rows)
         blocks = rows * -(-per_row // self.table.block_size)
-        return blocks * self.pool.layout.bytes_per_head_block
+        return blocks * self.store.bytes_per_block
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the head-blocks this sequence holds: ``table.num_blocks * bytes per head-block``."""
+        return self.table.num_blocks * self.store.bytes_per_block
 
     # ---------------------------------------------------------------- forward
     def extend(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -137,7 +146,7 @@ class HeadCache:
         self._counts += n
         meta = self._metadata(positions, write_slots)
         try:
-            logits = self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.pool, "all")
+            logits = self.model.forward(torch.tensor(ids, dtype=torch.int64), meta, self.store, "all")
         except BaseException:
             self._undo(n)
             raise
@@ -224,7 +233,9 @@ class HeadCache:
         """Keep only row indices ``keep`` (strictly increasing) of one (layer, KV head); the survivors move
         down (order and positions kept) and emptied head-blocks are freed. Returns the number freed."""
         keep = list(keep)
-        freed = drop_tokens(self.pool, self.table, layer, kv_head, keep)
+        moves, emptied = self.table.drop(layer, kv_head, keep)
+        self.store.move(moves)
+        freed = len(emptied)
         k, idx = len(keep), torch.tensor(keep, dtype=torch.int64)
         heads = slice(kv_head * self.group, (kv_head + 1) * self.group)
         self._pos[layer, kv_head, :k] = self._pos[layer, kv_head, idx]

@@ -1,0 +1,125 @@
+"""Head store: the part of a KV pool whose unit is a head-block, so each (layer, KV head) holds its tokens.
+
+A head-block holds K and V of ONE KV head of ONE layer for ``block_size`` tokens. Every layer and head of
+every per-head sequence shares one slab pair and one allocator (an inner
+:class:`~kvos.memory.pool.KVPool` of one layer and one KV head, whose block ids are head-blocks), so a
+head-block one head gives back can be reused by any (layer, head) of any sequence. The owning pool creates
+the store on first use and counts its bytes against its cap with its own blocks
+(:meth:`KVPool.head_store`). Flat slot ``block * block_size + offset`` indexes ``[head-blocks * block_size,
+head_dim]``.
+
+Which tokens a head holds is the business of a :class:`~kvos.memory.head_table.HeadPageTable`, which takes
+its head-blocks from this store (it is a :class:`~kvos.memory.page_table.BlockSource`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvos.memory.pool import KVPool
+
+
+class HeadStore:
+    """K/V of per-head sequences: head-blocks in one slab pair, allocated within the owning pool's cap.
+
+    ``pool``: the inner pool (one layer, one KV head); ``reserve(n)``: the owner's check that ``n`` more
+    head-blocks fit, growing ``pool`` within its cap (raises :class:`PoolOutOfMemoryError` otherwise).
+    """
+
+    def __init__(self, pool: KVPool, num_layers: int, reserve: Callable[[int], None]) -> None:
+        self.pool = pool
+        self.num_layers = num_layers
+        self._reserve = reserve
+
+    # ------------------------------------------------------------ block source
+    def alloc_n(self, n: int) -> list[int]:
+        """``n`` head-blocks, all or nothing (the pool grows within its cap when too few are free)."""
+        self._reserve(n)
+        return self.pool.allocator.alloc_n(n)
+
+    def free(self, block_id: int) -> bool:
+        """Drop one reference to a head-block; ``True`` when it became free."""
+        return self.pool.allocator.free(block_id)
+
+    def incref(self, block_id: int) -> None:
+        """Share an allocated head-block."""
+        self.pool.allocator.incref(block_id)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def block_size(self) -> int:
+        return self.pool.layout.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V of one head-block: ``2 * block_size * head_dim * itemsize``."""
+        return self.pool.layout.bytes_per_block
+
+    @property
+    def num_used(self) -> int:
+        """Head-blocks in use."""
+        return self.pool.allocator.num_used
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the head-blocks in use."""
+        return self.pool.live_bytes
+
+    # ----------------------------------------------------------- token access
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is out of range: the pool has {self.num_layers} layers")
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V of ``n`` new tokens of ``layer``, each KV head at its own slots.
+
+        ``slots``: int64 ``[num_kv_heads, n]``; ``k``, ``v``: ``[n, num_kv_heads, head_dim]`` (cast to the
+        pool's dtype and device).
+        """
+        self._check_layer(layer)
+        for name, x in (("k", k), ("v", v)):
+            if x.dim() != 3 or x.shape[1] != slots.shape[0] or x.shape[0] != slots.shape[1]:
+                raise ValueError(f"{name} {tuple(x.shape)} does not match slots {tuple(slots.shape)}")
+        d = k.shape[2]
+        self.pool.write(0, slots.reshape(-1), *(x.transpose(0, 1).reshape(-1, 1, d) for x in (k, v)))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at per-head slots: int64 ``[num_kv_heads, T]`` -> two ``[num_kv_heads, T, head_dim]``."""
+        self._check_layer(layer)
+        k, v = self.pool.gather(0, slots.reshape(-1))
+        shape = (*slots.shape, k.shape[2])
+        return k.view(shape), v.view(shape)
+
+    def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V at flat slots: two ``[len(slots), head_dim]``."""
+        return self.gather_rows(0, torch.tensor(list(slots), dtype=torch.long))
+
+    def move(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy K/V from each ``(source, destination)`` slot; every source is read before any write."""
+        if not moves:
+            return
+        src = torch.tensor([s for s, _ in moves], dtype=torch.long)
+        dst = torch.tensor([d for _, d in moves], dtype=torch.long)
+        k, v = self.pool.gather(0, src)
+        self.pool.write(0, dst, k, v)
+
+    def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at flat slots ``rows`` (int64 [R]): two ``[R, head_dim]`` (a slot holds one KV head, so a
+        row is a slot; the model's ``KVStore`` protocol)."""
+        self._check_layer(layer)
+        k, v = self.pool.gather(0, rows)
+        return k[:, 0], v[:, 0]
+
+    def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[num_slots, 1, head_dim]`` views (the model's ``KVStore`` protocol)."""
+        self._check_layer(layer)
+        return self.pool.slabs(0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What K and V are kept in (the owning pool's dtype)."""
+        return self.pool.dtype

@@ -18,7 +18,7 @@ from kvos.memory.growth import GrowthPolicy
 from kvos.memory.mapped import mapped_empty
 from kvos.memory.page_table import PageTable
 from kvos.memory.pool import KVLayout, KVPool
-from kvos.model.attention import AttentionMetadata, BatchItem
+from kvos.model.attention import AttentionMetadata, BatchItem, HeadKeys
 from kvos.model.rope import Rope
 from kvos.model.transformer import Transformer
 
@@ -280,6 +280,9 @@ class Engine:
             fresh=fresh,
             recurrent=seq.recurrent,
         )
+        heads = seq.head_keys()  # some segments keep their tokens per KV head (kvos.engine.head_segments)
+        if heads is not None:
+            meta.heads = HeadKeys(heads.in_heads.to(device), heads.slots.to(device), heads.held.to(device))
         if self.pool.slides:  # the window layers: the keys they hold, at their window slots
             meta.window = AttentionMetadata(
                 positions=meta.positions,
@@ -299,6 +302,7 @@ class Engine:
         """Copies of a segment's K and V for every layer: each [num_layers, n, num_kv_heads, head_dim]. On
         the CPU each copy has a mapping of its own when large (they are saved for as long as their session
         lives: :mod:`kvos.memory.mapped`)."""
+        seg.whole("read the K/V of")
         layout = self.pool.layout
         shape = (layout.num_layers, seg.num_tokens, layout.num_kv_heads, layout.head_dim)
         k, v = (mapped_empty(shape, layout.dtype, layout.device) for _ in range(2))
@@ -338,6 +342,7 @@ class Engine:
         sequence) at the same positions, by reference: the same pool blocks, one more reference each, no
         forward pass. A partly filled last block is copied, so that neither side ever writes into a block
         the other reads."""
+        seg.whole("share")
         new = into.new_segment()
         new.adopt(seg.page_table.share(num_tokens), seg.token_ids[:num_tokens], seg.positions[:num_tokens])
         if num_tokens % self.pool.layout.block_size:
@@ -353,6 +358,7 @@ class Engine:
     def truncate(self, seq: Sequence, seg: Segment, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens of a resident segment; a partly filled last block that
         another sequence shares is copied first (the segment may be written again)."""
+        seg.whole("truncate")
         seg.truncate(num_tokens)
         table = seg.page_table
         if num_tokens % self.pool.layout.block_size and self._shared(table.blocks[-1]):
@@ -388,6 +394,7 @@ class Engine:
         """Let ``edit`` rewrite, in place, the K/V of a resident segment's tokens from ``lo`` on: it gets the
         pool and their slots (int64 ``[n - lo]``, on the model's device) and returns what it likes. Blocks
         that another sequence shares are copied first (:meth:`_own`), so a branch never sees the edit."""
+        seg.whole("edit the K/V of")
         self._own(seq, seg, lo // self.pool.layout.block_size)
         return edit(self.pool, seg.slots[lo:].to(self.model.device))
 
@@ -397,6 +404,7 @@ class Engine:
         old = seg.positions
         if torch.equal(old, positions):
             return
+        seg.whole("move")
         self._own(seq, seg)
         slots = seg.slots.to(self.model.device)
         held, window_layers = seg.held_from, self.pool.layout.window_layers

@@ -5,6 +5,10 @@ moved to other positions (its keys re-rotated) or spliced back in as a whole, wi
 neighbours' blocks. A :class:`Sequence` is an ordered list of segments (cache order); attention reads the
 concatenation of their slots. Decoding appends to the last segment.
 
+A segment may keep its tokens per KV head (:class:`HeadPart`, made by
+:func:`kvos.engine.head_segments.compress_heads`): each (layer, KV head) then holds its own of them in the
+pool's head store, and its blocks are gone; attention reads them through :meth:`Sequence.head_keys`.
+
 Where the pool keeps sliding-window layers apart (:mod:`kvos.memory.window_rows`), a sequence also keeps
 the slots and positions of the tokens those layers still hold (:attr:`Sequence.window_slots`), and
 :meth:`Sequence.slide` lets them go once they are further back than any window it will read.
@@ -14,13 +18,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from kvos.errors import ConfigError
+from kvos.memory.head_table import HeadPageTable
 from kvos.memory.int64 import as_int64
 from kvos.memory.page_table import PageTable
+from kvos.model.attention import HeadKeys
 from kvos.model.recurrent import RecurrentState
+
+
+@dataclass
+class HeadPart:
+    """Where a segment's tokens are when its (layer, KV head)s keep their own of them: ``table``, the
+    per-head page table in the pool's head store; ``kept``, one int64 tensor per row (layer-major: ``layer
+    * num_kv_heads + kv_head``) of the segment-relative indices of the tokens that row holds, increasing
+    (the row's ``j``-th held token is ``kept[row][j]``)."""
+
+    table: HeadPageTable
+    kept: list[torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        """Head-blocks held over every row."""
+        return self.table.num_blocks
 
 
 class Segment:
@@ -29,6 +52,7 @@ class Segment:
     def __init__(self, seg_id: int, page_table: PageTable) -> None:
         self.seg_id = seg_id
         self.page_table = page_table
+        self.heads: HeadPart | None = None  # set when its KV heads keep their own tokens
         self.token_ids: list[int] = []
         self._slots = torch.empty(0, dtype=torch.int64)
         self._positions = torch.empty(0, dtype=torch.int64)
@@ -39,8 +63,21 @@ class Segment:
 
     @property
     def slots(self) -> torch.Tensor:
-        """int64 [num_tokens] pool slot of every token."""
+        """int64 [num_tokens] pool slot of every token (0 for all of them when its heads keep their own:
+        :attr:`heads`)."""
         return self._slots[: self.num_tokens]
+
+    def keep_per_head(self, part: HeadPart) -> None:
+        """From now on each (layer, KV head) holds its own of the tokens, as ``part`` says (their K/V must be
+        in its table already): the segment's blocks go back to the pool."""
+        self.page_table.free_all()
+        self.heads = part
+        self._slots = torch.zeros(self.num_tokens, dtype=torch.int64)
+
+    def whole(self, what: str) -> None:
+        """ConfigError when the segment keeps its tokens per KV head (``what`` it cannot do then)."""
+        if self.heads is not None:
+            raise ConfigError(f"cannot {what} a segment whose KV heads keep their own tokens")
 
     @property
     def positions(self) -> torch.Tensor:
@@ -54,6 +91,7 @@ class Segment:
 
     def extend(self, token_ids: Seq[int], positions: torch.Tensor) -> torch.Tensor:
         """Reserve pool slots for new tokens (all or nothing); returns their slots, int64 [n]."""
+        self.whole("extend")
         start, n = self.num_tokens, len(token_ids)
         self.page_table.append(n)
         new_slots = as_int64(self.page_table.slots(start, start + n))
@@ -89,12 +127,16 @@ class Segment:
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens, freeing blocks no longer needed."""
+        self.whole("truncate")
         self.page_table.truncate(num_tokens)
         del self.token_ids[num_tokens:]
 
     def release(self) -> None:
-        """Free every block; the segment becomes empty."""
+        """Free every block (or head-block); the segment becomes empty and whole again."""
         self.page_table.free_all()
+        if self.heads is not None:
+            self.heads.table.free_all()
+            self.heads = None
         self.token_ids.clear()
 
 
@@ -117,6 +159,7 @@ class Sequence:
         self._held = torch.empty(0, dtype=torch.int64)  # cache-order indices of the window layers' tokens
         self._num_held = 0
         self._slide_mark = 0
+        self._head_keys: HeadKeys | None = None  # cached: head_keys()
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +169,11 @@ class Sequence:
     def num_blocks(self) -> int:
         """Pool blocks held by the segments' page tables (a block shared with another sequence counts)."""
         return sum(seg.page_table.num_blocks for seg in self.segments)
+
+    @property
+    def num_head_blocks(self) -> int:
+        """Head-blocks held by the segments whose KV heads keep their own tokens."""
+        return sum(seg.heads.num_blocks for seg in self.segments if seg.heads is not None)
 
     @property
     def token_ids(self) -> list[int]:
@@ -196,8 +244,9 @@ class Sequence:
         return seg
 
     def extend(self, token_ids: Seq[int], positions: Seq[int]) -> torch.Tensor:
-        """Append tokens to the last segment (opening one if there is none); returns their slots [n]."""
-        if not self.segments:
+        """Append tokens to the last segment (opening one if there is none, or if its heads keep their own
+        tokens); returns their slots [n]."""
+        if not self.segments or self.segments[-1].heads is not None:
             self.open_segment()
         pos = torch.tensor(list(positions), dtype=torch.int64)
         slots = self.segments[-1].extend(token_ids, pos)
@@ -236,8 +285,50 @@ class Sequence:
         self._flat_positions = torch.cat([s.positions for s in live]) if live else empty.clone()
         self._num_tokens = int(self._flat_slots.shape[0])
         self._slide_mark = 0
+        self._head_keys = None
         if self.slides:
             self._rebuild_held()
+
+    def head_keys(self) -> HeadKeys | None:
+        """Where each KV head finds every key when some segments keep their tokens per head (None when none
+        does): the attention metadata's :class:`~kvos.model.attention.HeadKeys`, on the CPU. Built after a
+        structural change, then extended by the whole tokens appended since."""
+        parts = [seg.heads for seg in self.segments if seg.heads is not None]
+        if not parts:
+            return None
+        cached, n = self._head_keys, self._num_tokens
+        if cached is None or cached.in_heads.shape[0] > n:
+            cached = self._build_head_keys(parts[0].table.num_layers, parts[0].table.num_kv_heads)
+        elif cached.in_heads.shape[0] < n:  # whole tokens appended: every head holds them, at their slots
+            extra = n - cached.in_heads.shape[0]
+            layers, heads = cached.slots.shape[:2]
+            cached = HeadKeys(
+                torch.cat((cached.in_heads, torch.zeros(extra, dtype=torch.bool))),
+                torch.cat((cached.slots, torch.zeros(layers, heads, extra, dtype=torch.int64)), dim=2),
+                torch.cat((cached.held, torch.ones(layers, heads, extra, dtype=torch.bool)), dim=2),
+            )
+        self._head_keys = cached
+        return cached
+
+    def _build_head_keys(self, num_layers: int, num_kv_heads: int) -> HeadKeys:
+        n = self._num_tokens
+        in_heads = torch.zeros(n, dtype=torch.bool)
+        slots = torch.zeros(num_layers, num_kv_heads, n, dtype=torch.int64)
+        held = torch.ones(num_layers, num_kv_heads, n, dtype=torch.bool)
+        offset = 0
+        for seg in self.segments:
+            part = seg.heads
+            if part is not None:
+                end = offset + seg.num_tokens
+                in_heads[offset:end] = True
+                held[:, :, offset:end] = False
+                for row, kept in enumerate(part.kept):
+                    layer, head = divmod(row, num_kv_heads)
+                    at = offset + kept
+                    slots[layer, head, at] = as_int64(part.table.slots(layer, head, 0, int(kept.shape[0])))
+                    held[layer, head, at] = True
+            offset += seg.num_tokens
+        return HeadKeys(in_heads, slots, held)
 
     def _rebuild_held(self) -> None:
         parts, offset = [], 0

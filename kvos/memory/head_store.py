@@ -119,6 +119,10 @@ class HeadStore:
         self._check_layer(layer)
         return self.pool.slabs(0)
 
+    def head_store(self) -> HeadStore:
+        """Itself (the model's ``KVStore`` protocol: a per-head sequence's forward pass reads it alone)."""
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         """What K and V are kept in (the owning pool's dtype)."""

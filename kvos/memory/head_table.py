@@ -73,12 +73,24 @@ class HeadPageTable:
         """Reserve ``n`` more token slots in every row, all or nothing (one ``alloc_n`` for all rows)."""
         if n < 0:
             raise InvalidPositionError(f"cannot append a negative number of tokens ({n})")
-        needs = [self._blocks_for(c + n) - len(r) for c, r in zip(self._counts, self._rows, strict=True)]
+        self.append_rows([n] * len(self._rows))
+
+    def append_rows(self, counts: Sequence[int]) -> None:
+        """Reserve ``counts[i]`` more token slots in row ``i`` (layer-major: ``layer * num_kv_heads +
+        kv_head``), all or nothing (one ``alloc_n`` for all rows)."""
+        if len(counts) != len(self._rows) or any(n < 0 for n in counts):
+            raise InvalidPositionError(
+                f"append_rows takes {len(self._rows)} counts >= 0, one per (layer, KV head), "
+                f"got {list(counts)}"
+            )
+        needs = [
+            self._blocks_for(c + n) - len(r) for c, n, r in zip(self._counts, counts, self._rows, strict=True)
+        ]
         ids = self.source.alloc_n(sum(needs))
         start = 0
         for i, need in enumerate(needs):
             self._rows[i].extend(ids[start : start + need])
-            self._counts[i] += n
+            self._counts[i] += counts[i]
             start += need
 
     def truncate(self, layer: int, kv_head: int, num_tokens: int) -> list[int]:

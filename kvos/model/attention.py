@@ -26,6 +26,23 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 
 
 @dataclass
+class HeadKeys:
+    """Where each KV head finds a sequence's keys when some of its segments keep their tokens per head
+    (:meth:`kvos.engine.engine.Engine.compress_heads`): those tokens' K/V are in the pool's head store, each
+    (layer, KV head) holding its own of them; every other token's are at its ``read_slots`` for every head.
+
+    in_heads: bool [T], the key's token is in such a segment.
+    slots: int64 [num_layers, num_kv_heads, T], its head-store slot there (0 for the other tokens).
+    held: bool [num_layers, num_kv_heads, T], whether that (layer, KV head) still holds the key (True for
+        every token outside such segments).
+    """
+
+    in_heads: torch.Tensor
+    slots: torch.Tensor
+    held: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """What one forward pass over ``n`` new tokens of one sequence needs to know.
 
@@ -46,6 +63,8 @@ class AttentionMetadata:
     window: what the sliding-window layers read and write instead, where the pool keeps them apart
         (:mod:`kvos.memory.window_rows`): the same new tokens, their window slots, and only the keys those
         layers still hold (their probabilities are captured over those keys alone).
+    heads: where each KV head's keys are when some of the sequence's segments keep their tokens per head
+        (:class:`HeadKeys`); None when every head reads every key at ``read_slots``.
     """
 
     positions: torch.Tensor
@@ -60,6 +79,7 @@ class AttentionMetadata:
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     recurrent: RecurrentState | None = None
     window: AttentionMetadata | None = None
+    heads: HeadKeys | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property
@@ -135,7 +155,7 @@ class Batch:
         bounds = [0]
         for item in items:
             bounds.append(bounds[-1] + int(item.token_ids.shape[0]))
-        decodes = [i for i, m in enumerate(metas) if m.num_new == 1 and not m.fresh]
+        decodes = [i for i, m in enumerate(metas) if m.num_new == 1 and not m.fresh and m.heads is None]
         group = DecodeGroup.of(decodes, [bounds[i] for i in decodes], metas) if decodes else None
         if len(items) == 1:
             m = metas[0]
@@ -405,3 +425,42 @@ def _capture(probs: torch.Tensor, window: int) -> HeadCapture:
     flat = probs.reshape(num_kv * group, n, t)
     w = min(window, n)
     return HeadCapture(attn_sum=flat.sum(dim=1), window=flat[:, n - w :].transpose(0, 1).clone())
+
+
+def mixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    store: HeadKVStore,
+    window: int | None,
+    layer: int,
+) -> torch.Tensor:
+    """One sequence's attention when some of its segments keep their tokens per head (``meta.heads``).
+
+    q: [n, H, D]; k, v: [T, Hkv, D], the keys at ``meta.read_slots`` (what a token kept per head has there
+    is ignored): each head's keys are those, with the per-head tokens' read from ``store``, and the keys
+    that head no longer holds masked out. Explicit softmax in float32; captured probabilities are float32
+    [H, T] in cache order (0 where the head holds no key), as :func:`paged_attention` captures them.
+    Returns [n, H * D] in q's dtype.
+    """
+    heads = meta.heads
+    assert heads is not None
+    n, num_heads, head_dim = q.shape
+    num_kv, t = k.shape[1], k.shape[0]
+    group = num_heads // num_kv
+    hk, hv = store.gather(layer, heads.slots[layer])  # [Hkv, T, D]
+    inside = heads.in_heads[None, :, None]
+    keys = torch.where(inside, hk.to(k.dtype), k.transpose(0, 1)).float()
+    values = torch.where(inside, hv.to(v.dtype), v.transpose(0, 1)).float()
+    qg = q.float().permute(1, 0, 2).reshape(num_kv, group * n, head_dim) * (1.0 / math.sqrt(head_dim))
+    scores = torch.bmm(qg, keys.transpose(1, 2)).view(num_kv, group, n, t)
+    allowed = visible(meta.positions[:, None], meta.key_positions[None, :], window)[None]  # [1, n, T]
+    allowed = allowed & heads.held[layer][:, None, :]  # [Hkv, n, T]
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+    if layer in meta.capture_layers and (n == 1 or meta.capture_window > 0):
+        w = min(meta.capture_window, n) if n > 1 else 1
+        meta.captured[layer] = probs[:, :, n - w :].mean(dim=2).reshape(num_heads, t)
+    out = torch.bmm(probs.view(num_kv, group * n, t), values)  # [Hkv, G * n, D]
+    out = out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(n, num_heads * head_dim).to(q.dtype)

@@ -28,8 +28,10 @@ from kvos.model.attention import (
     BatchItem,
     DecodeGroup,
     HeadAttentionMetadata,
+    HeadKVStore,
     grouped_decode_attention,
     head_attention,
+    mixed_attention,
     paged_attention,
 )
 from kvos.model.config import ModelConfig
@@ -53,6 +55,10 @@ class KVStore(Protocol):
 
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def head_store(self) -> HeadKVStore:
+        """Where the K/V of tokens kept per KV head are (``kvos.memory.head_store.HeadStore``)."""
+        ...
+
     @property
     def dtype(self) -> torch.dtype:
         """What K and V are kept in (a float32 model may keep them in float16)."""
@@ -72,6 +78,9 @@ class _NoStore:
         raise AssertionError("a standalone forward pass never reads cached K/V")
 
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a standalone forward pass never reads cached K/V")
+
+    def head_store(self) -> HeadKVStore:
         raise AssertionError("a standalone forward pass never reads cached K/V")
 
     @property
@@ -449,6 +458,8 @@ class Transformer:
         else:
             keys, values = kv.gather(index, meta.read_slots)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if meta.heads is not None:
+            return mixed_attention(q, keys, values, meta, kv.head_store(), self.windows[index], index)
         return paged_attention(q, keys, values, meta, self.windows[index], index)
 
 

@@ -1,0 +1,181 @@
+"""Per-head segments in the engine's ordinary sequences: a segment whose KV heads keep their own tokens gives
+its blocks back, and the sequence then computes what a full cache computes with each head's dropped keys
+masked out, alone or batched with other sequences."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from head_reference import masked_reference
+from hf_models import build
+
+from kvos.engine.engine import Engine
+from kvos.engine.head_segments import compress_heads
+from kvos.engine.sequence import Sequence
+from kvos.errors import ConfigError, InvalidPositionError, PoolOutOfMemoryError
+from kvos.memory.growth import GrowthPolicy
+from kvos.model.loader import load_model
+from kvos.model.transformer import Transformer
+
+N, FIRST, SECOND = 44, 20, 10  # tokens in all; the segment compressed; the whole one after it
+BS = 4
+# what each (layer, KV head) of the first segment keeps (rows layer-major: 2 layers x 2 KV heads)
+KEEP = [[0, 1, 2, 3, 12, 19], list(range(20)), [0, 5, 6, 7, 8, 9, 10, 11, 18], [19]]
+LATER = [[0, 1, 19], list(range(0, 20, 2)), [0, 5, 6, 7, 8, 9, 10, 11, 18], []]
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> Transformer:
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokens() -> list[int]:
+    return torch.randint(0, 300, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def two_segments(engine: Engine, tokens: list[int]) -> tuple[Sequence, torch.Tensor]:
+    """A sequence of a FIRST-token segment and a SECOND-token one; returns it and the logits of its tokens."""
+    seq = engine.new_sequence()
+    first = engine.extend(seq, tokens[:FIRST], logits="all")
+    seq.open_segment()
+    return seq, torch.cat((first, engine.extend(seq, tokens[FIRST : FIRST + SECOND], logits="all")))
+
+
+def mask_for(model: Transformer, drops: list[tuple[int, list[list[int]]]]) -> torch.Tensor:
+    """bool [L, Hkv, N, N]: from query ``start`` on, each row of the first segment sees only its keep list."""
+    c = model.config
+    mask = torch.ones(c.num_layers, c.num_kv_heads, N, N, dtype=torch.bool)
+    for start, keep in drops:
+        for row, kept in enumerate(keep):
+            layer, head = divmod(row, c.num_kv_heads)
+            gone = [t for t in range(FIRST) if t not in kept]
+            mask[layer, head, start:, gone] = False
+    return mask
+
+
+def test_a_compressed_segment_attends_as_a_masked_full_cache(model: Transformer, tokens: list[int]) -> None:
+    engine = Engine(model, block_size=BS)
+    seq, out = two_segments(engine, tokens)
+    freed = compress_heads(engine, seq, seq.segments[0], KEEP)
+    outs = [out] + [engine.decode(seq, t)[None] for t in tokens[FIRST + SECOND : 36]]
+    compress_heads(engine, seq, seq.segments[0], LATER)  # drop more, in place
+    outs += [engine.decode(seq, t)[None] for t in tokens[36:]]
+    reference = masked_reference(model, tokens, mask_for(model, [(FIRST + SECOND, KEEP), (36, LATER)]))
+    assert (torch.cat(outs) - reference).abs().max() <= 1e-4
+    assert seq.token_ids == tokens and torch.equal(seq.positions, torch.arange(N))
+    lay = engine.pool.layout
+    head_block = 2 * BS * lay.head_dim * lay.dtype.itemsize
+    kept_blocks = sum(math.ceil(len(k) / BS) for k in KEEP)  # 2 + 5 + 3 + 1
+    assert freed == (FIRST // BS) * lay.bytes_per_block - kept_blocks * head_block
+    assert seq.segments[0].page_table.num_blocks == 0
+    assert seq.num_head_blocks == sum(math.ceil(len(k) / BS) for k in LATER) == 1 + 3 + 3 + 0
+    assert engine.pool.head_live_bytes == seq.num_head_blocks * head_block
+
+
+def test_freed_blocks_are_reused_and_head_blocks_go_back(model: Transformer, tokens: list[int]) -> None:
+    engine = Engine(model, block_size=BS, growth=GrowthPolicy(initial_tokens=64))
+    seq, _ = two_segments(engine, tokens)
+    blocks = list(seq.segments[0].page_table.blocks)
+    compress_heads(engine, seq, seq.segments[0], KEEP)
+    assert all(engine.pool.allocator.refcount(b) == 0 for b in blocks)
+    other = engine.new_sequence()
+    engine.extend(other, tokens[:FIRST])
+    assert set(other.segments[0].page_table.blocks) <= set(blocks) | set(range(engine.pool.num_blocks))
+    assert engine.pool.resizes == 0  # the freed blocks made the room
+    seq.release()
+    assert engine.pool.head_live_bytes == 0 and seq.num_tokens == 0
+
+
+def test_a_compressed_sequence_batches_with_others(model: Transformer, tokens: list[int]) -> None:
+    """One forward pass over a per-head sequence's decode step and two ordinary ones (which decode together)
+    gives each what it gets alone."""
+    engine = Engine(model, block_size=BS)
+    seq, _ = two_segments(engine, tokens)
+    compress_heads(engine, seq, seq.segments[0], KEEP)
+    a, b = engine.new_sequence(), engine.new_sequence()
+    engine.extend(a, tokens[:12])
+    engine.extend(b, tokens[5:30])
+    batched = engine.step([(seq, [tokens[30]]), (a, [tokens[12]]), (b, [tokens[30]])])
+    alone = Engine(model, block_size=BS)
+    seq2, _ = two_segments(alone, tokens)
+    compress_heads(alone, seq2, seq2.segments[0], KEEP)
+    a2, b2 = alone.new_sequence(), alone.new_sequence()
+    alone.extend(a2, tokens[:12])
+    alone.extend(b2, tokens[5:30])
+    singles = [alone.decode(seq2, tokens[30]), alone.decode(a2, tokens[12]), alone.decode(b2, tokens[30])]
+    for x, y in zip(batched, singles, strict=True):
+        assert (x[0] - y).abs().max() <= 1e-5
+
+
+def test_captured_attention_is_in_cache_order_with_dropped_keys_at_zero(
+    model: Transformer, tokens: list[int]
+) -> None:
+    engine = Engine(model, block_size=BS)
+    seq, _ = two_segments(engine, tokens)
+    compress_heads(engine, seq, seq.segments[0], KEEP)
+    captured: dict[int, torch.Tensor] = {}
+    engine.decode(seq, tokens[30], capture_layers=frozenset({0, 1}), captured=captured)
+    c = model.config
+    group = c.num_heads // c.num_kv_heads
+    for layer in (0, 1):
+        probs = captured[layer]
+        assert probs.shape == (c.num_heads, FIRST + SECOND + 1)
+        assert torch.allclose(probs.sum(dim=1), torch.ones(c.num_heads), atol=1e-5)
+        for head in range(c.num_heads):
+            kept = KEEP[layer * c.num_kv_heads + head // group]
+            gone = [t for t in range(FIRST) if t not in kept]
+            assert bool((probs[head, gone] == 0).all()) and bool((probs[head, kept] > 0).all())
+
+
+def test_what_a_compressed_segment_refuses(model: Transformer, tokens: list[int]) -> None:
+    engine = Engine(model, block_size=BS)
+    seq, _ = two_segments(engine, tokens)
+    seg = seq.segments[0]
+    with pytest.raises(ConfigError, match="4 keep lists"):
+        compress_heads(engine, seq, seg, KEEP[:3])
+    with pytest.raises(InvalidPositionError, match="increasing"):
+        compress_heads(engine, seq, seg, [[1, 0], *KEEP[1:]])
+    with pytest.raises(InvalidPositionError, match="increasing"):
+        compress_heads(engine, seq, seg, [[0, FIRST], *KEEP[1:]])
+    assert seg.heads is None and seg.page_table.num_blocks == FIRST // BS  # nothing changed
+    compress_heads(engine, seq, seg, KEEP)
+    with pytest.raises(InvalidPositionError, match="still holds"):
+        compress_heads(engine, seq, seg, [[0, 4], *KEEP[1:]])  # token 4 of row 0 is gone
+    for refused in (
+        lambda: engine.read_kv(seg),
+        lambda: engine.reposition(seq, seg, torch.arange(100, 100 + FIRST)),
+        lambda: engine.share(seg, engine.new_sequence(), 4),
+        lambda: engine.truncate(seq, seg, 4),
+    ):
+        with pytest.raises(ConfigError, match="keep their own tokens"):
+            refused()
+
+
+def test_a_compression_that_does_not_fit_changes_nothing(model: Transformer, tokens: list[int]) -> None:
+    """Under a pool cap the head-blocks are taken before the blocks go back: when they do not fit, the
+    segment stays whole and reads as before."""
+    lay_probe = Engine(model, block_size=BS).pool.layout
+    cap = 8 * lay_probe.bytes_per_block + 16 * 2 * BS * lay_probe.head_dim * lay_probe.dtype.itemsize
+    engine = Engine(model, block_size=BS, growth=GrowthPolicy(initial_tokens=8 * BS, max_bytes=cap))
+    seq, _ = two_segments(engine, tokens[: FIRST + 12])  # 5 + 3 blocks: every block the cap allows
+    engine.pool.head_store()  # its initial slabs: 8 head-blocks of the 16 the cap leaves
+    everything = [list(range(FIRST))] * 4  # 20 head-blocks
+    with pytest.raises(PoolOutOfMemoryError):
+        compress_heads(engine, seq, seq.segments[0], everything)
+    assert seq.segments[0].heads is None and seq.head_keys() is None
+    assert engine.pool.head_live_bytes == 0 and seq.num_blocks == 8
+
+
+def test_sliding_window_pools_refuse_per_head_segments(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    model = load_model(build("gemma3", tmp_path, max_position_embeddings=512))  # layers 0 and 2 slide
+    engine = Engine(model, block_size=BS, window_margin=0)
+    seq = engine.new_sequence()
+    engine.extend(seq, list(range(1, 9)))
+    rows = [[0]] * (engine.pool.layout.num_layers * engine.pool.layout.num_kv_heads)
+    with pytest.raises(ConfigError, match="sliding-window"):
+        compress_heads(engine, seq, seq.segments[0], rows)

@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvos.engine.engine import Engine
-from kvos.engine.sequence import HeadPart, Segment, Sequence
+from kvos.engine.sequence import HeadPart, Segment, Sequence, row_slots
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.head_table import HeadPageTable
 
@@ -71,10 +71,7 @@ def _move_into_heads(engine: Engine, seg: Segment, kept: list[torch.Tensor]) -> 
         k, v = pool.gather(layer, slots)  # [n, Hkv, D]
         rows = kept[layer * heads : (layer + 1) * heads]
         src = torch.cat([r * heads + h for h, r in enumerate(rows)]).to(lay.device)  # (token, head) rows
-        dst = torch.tensor(
-            [s for h, r in enumerate(rows) for s in table.slots(layer, h, 0, int(r.shape[0]))],
-            dtype=torch.int64,
-        )
+        dst = torch.cat([row_slots(table, layer, h) for h in range(heads)])
         flat = (-1, 1, lay.head_dim)
         store.pool.write(0, dst, k.reshape(flat)[src], v.reshape(flat)[src])
     seg.keep_per_head(HeadPart(table, kept))

@@ -325,7 +325,7 @@ class Sequence:
                 for row, kept in enumerate(part.kept):
                     layer, head = divmod(row, num_kv_heads)
                     at = offset + kept
-                    slots[layer, head, at] = as_int64(part.table.slots(layer, head, 0, int(kept.shape[0])))
+                    slots[layer, head, at] = row_slots(part.table, layer, head)
                     held[layer, head, at] = True
             offset += seg.num_tokens
         return HeadKeys(in_heads, slots, held)
@@ -353,6 +353,13 @@ class Sequence:
         self.rebuild()
         if self.recurrent is not None:
             self.recurrent = RecurrentState()
+
+
+def row_slots(table: HeadPageTable, layer: int, kv_head: int) -> torch.Tensor:
+    """int64 [n] head-store slots of every token one row of a per-head table holds, in row order."""
+    bs = table.block_size
+    blocks = torch.tensor(table.row(layer, kv_head), dtype=torch.int64)
+    return (blocks[:, None] * bs + torch.arange(bs)).flatten()[: table.num_tokens(layer, kv_head)]
 
 
 def put(buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:

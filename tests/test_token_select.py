@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvos.engine.head_sequence import HeadState
 from kvos.errors import ConfigError
 from kvos.policy.entropy import head_budgets
-from kvos.policy.token_select import POLICIES, make_policy, pool_scores
+from kvos.policy.token_select import POLICIES, HeadState, make_policy, pool_scores
 
 
 def state(

@@ -16,9 +16,9 @@ every policy is acting), top-1 agreement and KL(full || policy) per position, me
   ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes of the final cached K/V, cut into pool
   blocks, each encoded as the chunk store encodes what it saves.
 - ``uniform``, ``entropy``, ``entropy_matched``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the
-  ``random`` control) keep ``budget_tokens`` per KV head in a per-head sequence of the engine
-  (:mod:`kvos.engine.head_sequence`, driven by :mod:`kvos.policy.budgeted`); their ``stored_bytes_ratio``
-  is the mean resident K/V bytes over the same cache holding every token.
+  ``random`` control) keep ``budget_tokens`` per KV head in an engine sequence whose heads keep their own
+  tokens (:mod:`kvos.engine.head_segments`, driven by :mod:`kvos.policy.budgeted`); their
+  ``stored_bytes_ratio`` is the mean resident K/V bytes over the same cache holding every token.
   ``entropy`` is calibrated on text other than the evaluation windows; ``entropy_matched`` splits the
   same calibration at the uniform budget's resident blocks (:class:`kvos.policy.token_select.EntropyMatched`).
 

@@ -51,6 +51,31 @@ def compress_heads(engine: Engine, seq: Sequence, seg: Segment, keep: Seq[Seq[in
     return before - pool.live_bytes
 
 
+def fold_tail(engine: Engine, seq: Sequence, keep: Seq[Seq[int]]) -> None:
+    """Move the sequence's last segment, which is whole, into the per-head segment just before it: each row
+    appends ``keep[row]`` of its tokens (indices into that last segment, increasing), and the last segment's
+    blocks go back. Per-head budgets that decide token by token keep one per-head segment this way, instead
+    of one per step (each would hold a head-block per row). All or nothing, as :func:`compress_heads`."""
+    if len(seq.segments) < 2 or seq.segments[-1].heads is not None or seq.segments[-2].heads is None:
+        raise ConfigError("fold_tail takes a sequence whose last segment is whole and follows a per-head one")
+    tail, part = seq.segments[-1], seq.segments[-2].heads
+    assert part is not None
+    lay = engine.pool.layout
+    rows = lay.num_layers * lay.num_kv_heads
+    if len(keep) != rows:
+        raise ConfigError(f"fold_tail takes {rows} keep lists, one per (layer, KV head); got {len(keep)}")
+    kept = [_checked(row, tail.num_tokens) for row in keep]
+    _copy_rows(engine, tail, part.table, kept)
+    head = seq.segments[-2]
+    offset = head.num_tokens
+    part.kept = [torch.cat((old, new + offset)) for old, new in zip(part.kept, kept, strict=True)]
+    head.token_ids.extend(tail.token_ids)
+    head.absorb_positions(tail.positions)
+    seq.segments.pop()
+    tail.release()
+    seq.rebuild()
+
+
 def _checked(row: Seq[int], n: int) -> torch.Tensor:
     t = torch.tensor(list(row), dtype=torch.int64)
     if t.numel() and (bool((t[1:] <= t[:-1]).any()) or int(t[0]) < 0 or int(t[-1]) >= n):
@@ -61,20 +86,28 @@ def _checked(row: Seq[int], n: int) -> torch.Tensor:
 def _move_into_heads(engine: Engine, seg: Segment, kept: list[torch.Tensor]) -> None:
     """Copy each row's kept tokens' K/V from the segment's blocks into a new per-head table, then let the
     blocks go."""
+    lay = engine.pool.layout
+    table = HeadPageTable(lay.num_layers, lay.num_kv_heads, lay.block_size, engine.pool.head_store())
+    _copy_rows(engine, seg, table, kept)
+    seg.keep_per_head(HeadPart(table, kept))
+
+
+def _copy_rows(engine: Engine, seg: Segment, table: HeadPageTable, kept: list[torch.Tensor]) -> None:
+    """Append to each row of ``table`` the K/V of its ``kept`` tokens of the whole segment ``seg``."""
     pool, lay = engine.pool, engine.pool.layout
-    store = pool.head_store()
-    table = HeadPageTable(lay.num_layers, lay.num_kv_heads, lay.block_size, store)
+    heads = lay.num_kv_heads
+    before = [table.num_tokens(*divmod(row, heads)) for row in range(len(kept))]
     table.append_rows([int(k.shape[0]) for k in kept])  # the only step that can fail: nothing moved yet
     slots = seg.slots.to(lay.device)
-    heads = lay.num_kv_heads
     for layer in range(lay.num_layers):
         k, v = pool.gather(layer, slots)  # [n, Hkv, D]
         rows = kept[layer * heads : (layer + 1) * heads]
         src = torch.cat([r * heads + h for h, r in enumerate(rows)]).to(lay.device)  # (token, head) rows
-        dst = torch.cat([row_slots(table, layer, h) for h in range(heads)])
+        dst = torch.cat([row_slots(table, layer, h)[before[layer * heads + h] :] for h in range(heads)]).to(
+            lay.device
+        )
         flat = (-1, 1, lay.head_dim)
-        store.pool.write(0, dst, k.reshape(flat)[src], v.reshape(flat)[src])
-    seg.keep_per_head(HeadPart(table, kept))
+        engine.pool.head_store().pool.write(0, dst, k.reshape(flat)[src], v.reshape(flat)[src])
 
 
 def _drop_more(engine: Engine, part: HeadPart, kept: list[torch.Tensor]) -> None:

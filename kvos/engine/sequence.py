@@ -119,6 +119,13 @@ class Segment:
         """Re-read every token's slot from the page table (after one of its blocks was replaced)."""
         self._slots = as_int64(self.page_table.slots(0, self.num_tokens))
 
+    def absorb_positions(self, positions: torch.Tensor) -> None:
+        """Append the positions (int64 [n]) of ``n`` tokens just added to :attr:`token_ids` of a segment whose
+        heads keep their own tokens (:func:`kvos.engine.head_segments.fold_tail`)."""
+        start = self.num_tokens - int(positions.shape[0])
+        self._positions = put(self._positions, start, positions)
+        self._slots = torch.zeros(self.num_tokens, dtype=torch.int64)
+
     def set_positions(self, positions: torch.Tensor) -> None:
         """Replace every token's rotary position (after its keys were re-anchored): int64 [num_tokens]."""
         if positions.shape != (self.num_tokens,):

@@ -108,22 +108,7 @@ class HeadStore:
         self.pool.write(0, dst, k, v)
 
     def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at flat slots ``rows`` (int64 [R]): two ``[R, head_dim]`` (a slot holds one KV head, so a
-        row is a slot; the model's ``KVStore`` protocol)."""
+        """K and V at flat slots ``rows`` (int64 [R]): two ``[R, head_dim]``."""
         self._check_layer(layer)
         k, v = self.pool.gather(0, rows)
         return k[:, 0], v[:, 0]
-
-    def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as ``[num_slots, 1, head_dim]`` views (the model's ``KVStore`` protocol)."""
-        self._check_layer(layer)
-        return self.pool.slabs(0)
-
-    def head_store(self) -> HeadStore:
-        """Itself (the model's ``KVStore`` protocol: a per-head sequence's forward pass reads it alone)."""
-        return self
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """What K and V are kept in (the owning pool's dtype)."""
-        return self.pool.dtype

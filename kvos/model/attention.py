@@ -5,9 +5,9 @@ The model never sees blocks or page tables. The engine turns a sequence's page t
 Masks are derived from positions, not from slot order, so sparse positions (gaps after eviction)
 and re-anchored segments need no special casing.
 
-A sequence whose KV heads hold different tokens (per-head budgets: :mod:`kvos.engine.head_sequence`) passes a
-:class:`HeadAttentionMetadata` instead: per layer, a padded slot index ``[num_kv_heads, T]`` into the pool's
-head store, the keys' rotary positions and a validity mask (:func:`head_attention`).
+A sequence some of whose segments keep their tokens per KV head (per-head budgets:
+:mod:`kvos.engine.head_segments`) adds :class:`HeadKeys` to its metadata: where each (layer, KV head) finds
+those tokens' keys in the pool's head store, and which of them it still holds (:func:`mixed_attention`).
 """
 
 from __future__ import annotations
@@ -337,94 +337,10 @@ def _decode_attention(
 
 
 class HeadKVStore(Protocol):
-    """What per-head attention needs from a head store (``kvos.memory.head_store.HeadStore``): ``write`` takes
-    slots int64 [num_kv_heads, n], ``gather`` slots int64 [num_kv_heads, T] -> two [num_kv_heads, T, D]."""
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    """What per-head attention reads from a head store (``kvos.memory.head_store.HeadStore``): slots int64
+    [num_kv_heads, T] -> K and V, two [num_kv_heads, T, D]."""
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass
-class HeadCapture:
-    """Attention probabilities of one layer, over that layer's padded per-head key lists.
-
-    attn_sum: float32 [num_heads, T], each key's probability summed over every new query (0 where padded).
-    window: float32 [w, num_heads, T], the probabilities of the last ``w`` new queries (w <= window).
-    Query head ``h`` reads the keys of KV head ``h // group``.
-    """
-
-    attn_sum: torch.Tensor
-    window: torch.Tensor
-
-
-@dataclass
-class HeadAttentionMetadata:
-    """One forward pass over ``n`` new tokens of one sequence whose heads hold different keys.
-
-    positions: int64 [n] rotary positions of the new tokens.
-    write_slots: int64 [num_layers, num_kv_heads, n] head-pool slots where each head stores them.
-    read_slots: int64 [num_layers, num_kv_heads, T] slots of every key each head reads (new ones included;
-        padding entries must still be valid slots).
-    key_positions: int64 [num_layers, num_kv_heads, T] rotary positions of those keys.
-    valid: bool [num_layers, num_kv_heads, T]: False marks padding.
-    capture: record a :class:`HeadCapture` per layer into ``captured``.
-    window: how many of the last queries' rows a capture keeps.
-    """
-
-    positions: torch.Tensor
-    write_slots: torch.Tensor
-    read_slots: torch.Tensor
-    key_positions: torch.Tensor
-    valid: torch.Tensor
-    capture: bool = False
-    window: int = 32
-    captured: dict[int, HeadCapture] = field(default_factory=dict)
-
-    @property
-    def num_new(self) -> int:
-        return int(self.positions.shape[0])
-
-
-def head_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    meta: HeadAttentionMetadata,
-    store: HeadKVStore,
-    window: int | None,
-    layer: int,
-) -> torch.Tensor:
-    """Store the new K/V of ``layer`` per head, then attend over each head's own keys.
-
-    q: [n, num_heads, head_dim]; k, v: [n, num_kv_heads, head_dim] (post-RoPE keys).
-    ``window``: the layer's sliding window in positions, or None. Returns [n, num_heads * head_dim]
-    in q's dtype.
-    """
-    n, num_heads, head_dim = q.shape
-    num_kv = k.shape[1]
-    group = num_heads // num_kv
-    store.write(layer, meta.write_slots[layer], k, v)
-    keys, values = store.gather(layer, meta.read_slots[layer])  # [Hkv, T, D] each
-    t = keys.shape[1]
-    qg = q.float().permute(1, 0, 2).reshape(num_kv, group * n, head_dim) * (1.0 / math.sqrt(head_dim))
-    scores = torch.bmm(qg, keys.float().transpose(1, 2)).view(num_kv, group, n, t)
-    allowed = visible(meta.positions[None, :, None], meta.key_positions[layer][:, None, :], window)
-    allowed &= meta.valid[layer][:, None, :]  # [Hkv, n, T]
-    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
-    if meta.capture:
-        meta.captured[layer] = _capture(probs, meta.window)
-    out = torch.bmm(probs.view(num_kv, group * n, t), values.float())  # [Hkv, G * n, D]
-    out = out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(n, num_heads * head_dim).to(q.dtype)
-
-
-def _capture(probs: torch.Tensor, window: int) -> HeadCapture:
-    """probs [Hkv, G, n, T] -> column sums [H, T] and the last ``window`` rows [w, H, T]."""
-    num_kv, group, n, t = probs.shape
-    flat = probs.reshape(num_kv * group, n, t)
-    w = min(window, n)
-    return HeadCapture(attn_sum=flat.sum(dim=1), window=flat[:, n - w :].transpose(0, 1).clone())
 
 
 def mixed_attention(

@@ -27,10 +27,8 @@ from kvos.model.attention import (
     Batch,
     BatchItem,
     DecodeGroup,
-    HeadAttentionMetadata,
     HeadKVStore,
     grouped_decode_attention,
-    head_attention,
     mixed_attention,
     paged_attention,
 )
@@ -164,16 +162,12 @@ class Transformer:
     def forward(
         self,
         token_ids: torch.Tensor,
-        meta: AttentionMetadata | HeadAttentionMetadata,
+        meta: AttentionMetadata,
         kv: KVStore,
         logits: Literal["last", "all", "none"] = "last",
     ) -> torch.Tensor:
         """token_ids: int64 [n] -> logits float32 [1, vocab] ("last"), [n, vocab] ("all"),
-        or the final hidden states [n, hidden] ("none"). With :class:`HeadAttentionMetadata` every KV head
-        reads its own keys from a head store (``kv`` is then a ``kvos.memory.head_store.HeadStore``)."""
-        if isinstance(meta, HeadAttentionMetadata):
-            x = self._layers(token_ids, meta.positions, meta, kv)
-            return x if logits == "none" else self.head(x[-1:] if logits == "last" else x)
+        or the final hidden states [n, hidden] ("none")."""
         return self.forward_batch([BatchItem(token_ids, meta, logits)], kv)[0]
 
     @torch.inference_mode()
@@ -197,14 +191,14 @@ class Transformer:
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: Batch | HeadAttentionMetadata,
+        meta: Batch,
         kv: KVStore,
     ) -> torch.Tensor:
         """token_ids int64 [n], positions int64 [n] -> final hidden states [n, hidden] (normed)."""
         x = self.embed_tokens(token_ids)
         tables = {id(r): r.cos_sin(positions, self.dtype, self.device) for r, _ in self.ropes.groups()}
         eps = self.config.rms_norm_eps
-        if isinstance(meta, Batch) and kv is not NO_STORE:
+        if kv is not NO_STORE:
             plan = self.decode_plan
             if plan is not None and plan.takes(x, meta, kv):
                 per_layer = [tables[id(rope)] for rope in self.ropes.per_layer]
@@ -218,7 +212,7 @@ class Transformer:
                 continue
             j = self.kv_index[i]
             cos, sin = tables[id(self.ropes[j])]
-            seen = meta.window if isinstance(meta, Batch) and meta.window and self.windows[j] else meta
+            seen = meta.window if meta.window and self.windows[j] else meta
             out = self._attention(j, layer, h, cos, sin, seen, kv)
             if layer.gate is not None:
                 out = out * torch.sigmoid(matmul(h, layer.gate))
@@ -245,13 +239,11 @@ class Transformer:
         return x + (out if layer.post_mlp_norm is None else rms_norm(out, layer.post_mlp_norm, eps))
 
     def _recurrent(
-        self, index: int, mixer: DeltaNet | ShortConv, h: torch.Tensor, meta: Batch | HeadAttentionMetadata
+        self, index: int, mixer: DeltaNet | ShortConv, h: torch.Tensor, meta: Batch
     ) -> torch.Tensor:
         """A recurrent layer (gated delta-net, short convolution) over h [n, hidden] (normed): each
         sequence's rows from its state (``meta.recurrent``, zeros where it has none), the states after them
         staged there -> the layer's output before its output projection [n, ...]."""
-        if not isinstance(meta, Batch):
-            raise UnsupportedModelError("per-head budgets do not run hybrid (linear-attention) models")
         proj = mixer.project(h)
         states = []
         for m in meta.metas:
@@ -326,18 +318,16 @@ class Transformer:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: Batch | HeadAttentionMetadata,
+        meta: Batch,
         kv: KVStore,
     ) -> torch.Tensor:
         """h: [n, hidden] -> attention output [n, H * D], before the output projection. ``index`` is the
         pool's layer (:attr:`kv_index` of the model's)."""
         slabs = None
-        if isinstance(meta, Batch) and layer_kernel.usable(h):
+        if layer_kernel.usable(h):
             q, k, v, slabs = self._qkv_fused(index, layer, h, cos, sin, meta, kv)
         else:
             q, k, v = self._qkv(layer, h, cos, sin)
-            if isinstance(meta, HeadAttentionMetadata):
-                return head_attention(q, k, v, meta, kv, self.windows[index], index)
             kv.write(index, meta.write_slots, k, v)
         group, together = meta.decodes, {}
         decoded = None if group is None else self._attend_decodes(index, q, group, kv, slabs)

@@ -1,9 +1,10 @@
 """Token-level selection policies for per-head KV budgets, one interface for kvos and the baselines.
 
-Each policy sees one (layer, KV head) at a time (:class:`~kvos.engine.head_sequence.HeadState`) and returns
-the row indices to keep. The base class does the common part: the first ``sink_count`` positions (attention
-sinks) are always kept, a policy may protect more (a recent window, an earlier choice), and the rest of the
-budget goes to the highest :meth:`TokenPolicy.score`. Names (:data:`POLICIES`):
+Each policy sees one (layer, KV head) at a time (:class:`HeadState`) and returns the row indices to keep.
+The base class does the common part: the first ``sink_count`` positions (attention sinks) are always kept,
+a policy may protect more (a recent window, an earlier choice), and the rest of the budget goes to the
+highest :meth:`TokenPolicy.score`. :mod:`kvos.policy.budgeted` runs them on the engine's own sequences.
+Names (:data:`POLICIES`):
 
 - ``uniform``: every KV head the same budget; importance = mean attention a token received per query that
   could see it (max over the KV head's query heads), so neither old nor new tokens are favoured by age.
@@ -27,11 +28,38 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvos.engine.head_sequence import HeadState, Row
 from kvos.errors import ConfigError
 from kvos.policy.entropy import head_budgets
 
 DEFAULT_SINKS = 4
+Row = tuple[int, int]  # (layer, kv_head)
+
+
+@dataclass
+class HeadState:
+    """What a token policy sees of one (layer, KV head) when it must choose which tokens to keep.
+
+    positions: int64 [T] original positions of the held tokens (increasing, row order).
+    cumulative: float32 [T] attention each token received, summed over every query so far (H2O), max over
+        the KV head's query heads.
+    mean_attention: float32 [T] the same per query head divided by how many queries could see the token
+        (``next_position - position``), then the max over query heads: attention without the age bias.
+    window: float32 [T] mean attention of the last <= 32 queries (SnapKV's observation window), max over
+        query heads; None when not recorded (after the first eviction, or window 0).
+    next_position: position of the next token (= tokens seen so far).
+    """
+
+    layer: int
+    kv_head: int
+    positions: torch.Tensor
+    cumulative: torch.Tensor
+    mean_attention: torch.Tensor
+    window: torch.Tensor | None
+    next_position: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
 
 
 @dataclass

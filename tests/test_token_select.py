@@ -52,12 +52,13 @@ def test_h2o_keeps_half_recent_half_heavy_hitters() -> None:
     assert kept("h2o", s, 5, sink_count=0) == {17, 18, 19, 9, 12}
 
 
-def test_uniform_ranks_by_mean_attention_not_cumulative() -> None:
+def test_uniform_keeps_half_recent_and_ranks_the_rest_by_mean_attention() -> None:
     positions = torch.tensor([0, 1, 2, 3, 7, 8, 11, 12, 13, 14])  # a row with gaps (earlier evictions)
     cumulative = torch.tensor([9.0, 9, 9, 9, 8, 7, 6, 5, 4, 3])
     mean = torch.tensor([0.0, 0, 0, 0, 0.1, 0.2, 0.5, 0.05, 0.4, 0.3])
     s = state(positions, cumulative=cumulative, mean=mean)
-    assert kept("uniform", s, 7) == {0, 1, 2, 3, 11, 13, 14}
+    assert kept("uniform", s, 7) == {0, 1, 2, 3, 11, 13, 14}  # recent 2, then the best mean (not 7: 8.0)
+    assert kept("uniform", s, 6) == {0, 1, 2, 3, 14, 11}  # recent 1 (14), then 11 over 13 (0.5 vs 0.4)
     assert kept("h2o", s, 8) == {0, 1, 2, 3, 13, 14, 7, 8}  # recent 2, heaviest 2
 
 

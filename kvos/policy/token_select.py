@@ -6,8 +6,9 @@ a policy may protect more (a recent window, an earlier choice), and the rest of 
 highest :meth:`TokenPolicy.score`. :mod:`kvos.policy.budgeted` runs them on the engine's own sequences.
 Names (:data:`POLICIES`):
 
-- ``uniform``: every KV head the same budget; importance = mean attention a token received per query that
-  could see it (max over the KV head's query heads), so neither old nor new tokens are favoured by age.
+- ``uniform``: every KV head the same budget; half of the non-sink budget to the most recent tokens (one
+  just written has had few queries to attend to it), half by importance = mean attention a token received
+  per query that could see it (max over the KV head's query heads), so old tokens are not favoured by age.
 - ``entropy``: the same importance, per-head budgets ``head_budgets(calibration, n, budget / n)``.
 - ``streaming_llm`` (Xiao et al. 2023): sinks + the most recent tokens.
 - ``h2o`` (Zhang et al. 2023): half of the non-sink budget to the most recent tokens, half to the heavy
@@ -112,9 +113,13 @@ def recent(state: HeadState, count: int) -> torch.Tensor:
 
 @dataclass
 class Uniform(TokenPolicy):
-    """Same budget for every KV head; keeps the tokens with the highest mean attention received."""
+    """Same budget for every KV head; half of the non-sink budget to the most recent tokens, the other half to
+    the highest mean attention received (H2O's split, with mean attention for its cumulative sums)."""
 
     name: ClassVar[str] = "uniform"
+
+    def protected(self, state: HeadState, budget: int) -> torch.Tensor:
+        return recent(state, budget - budget // 2)  # as H2O: a token just written has had few queries
 
     def score(self, state: HeadState) -> torch.Tensor:
         return state.mean_attention

@@ -13,7 +13,7 @@ from head_reference import masked_reference
 from hf_models import build
 
 from kvos.engine.engine import Engine
-from kvos.engine.head_segments import compress_heads
+from kvos.engine.head_segments import compress_heads, keep_lists, read_heads, splice_heads
 from kvos.engine.sequence import Sequence
 from kvos.errors import ConfigError, InvalidPositionError, PoolOutOfMemoryError
 from kvos.memory.growth import GrowthPolicy
@@ -147,7 +147,6 @@ def test_what_a_compressed_segment_refuses(model: Transformer, tokens: list[int]
         compress_heads(engine, seq, seg, [[0, 4], *KEEP[1:]])  # token 4 of row 0 is gone
     for refused in (
         lambda: engine.read_kv(seg),
-        lambda: engine.reposition(seq, seg, torch.arange(100, 100 + FIRST)),
         lambda: engine.share(seg, engine.new_sequence(), 4),
         lambda: engine.truncate(seq, seg, 4),
     ):
@@ -179,3 +178,67 @@ def test_sliding_window_pools_refuse_per_head_segments(tmp_path: Path) -> None:
     rows = [[0]] * (engine.pool.layout.num_layers * engine.pool.layout.num_kv_heads)
     with pytest.raises(ConfigError, match="sliding-window"):
         compress_heads(engine, seq, seq.segments[0], rows)
+
+
+def decode_rest(engine: Engine, seq: Sequence, tokens: list[int]) -> torch.Tensor:
+    return torch.stack([engine.decode(seq, t) for t in tokens[FIRST + SECOND :]])
+
+
+def test_paged_out_and_back_in_it_computes_what_it_did(model: Transformer, tokens: list[int]) -> None:
+    """read_heads, release, splice_heads at the same place: the decode logits of a sequence whose first
+    segment never left, bit for bit, and only the kept tokens take head-blocks again."""
+    kept_engine = Engine(model, block_size=BS)
+    kept_seq, _ = two_segments(kept_engine, tokens)
+    compress_heads(kept_engine, kept_seq, kept_seq.segments[0], KEEP)
+    engine = Engine(model, block_size=BS)
+    seq, _ = two_segments(engine, tokens)
+    seg = seq.segments[0]
+    compress_heads(engine, seq, seg, KEEP)
+    k, v, mask = read_heads(engine, seg)
+    assert mask.shape == (2, 2, FIRST) and keep_lists(mask) == KEEP
+    assert bool((k[0, 4:12, 0] == 0).all()) and bool((k[0, 4:12, 1] != 0).any())  # row (0, 0) dropped 4..11
+    token_ids, positions = list(seg.token_ids), seg.positions.clone()
+    index = engine.evict(seq, seg)
+    assert engine.pool.head_live_bytes == 0
+    back = splice_heads(engine, seq, index, token_ids, k, v, mask, positions, positions)
+    assert (
+        seq.num_head_blocks == sum(math.ceil(len(r) / BS) for r in KEEP) and back.page_table.num_blocks == 0
+    )
+    assert torch.equal(decode_rest(engine, seq, tokens), decode_rest(kept_engine, kept_seq, tokens))
+
+
+def test_moving_a_per_head_segment_rotates_each_heads_keys(model: Transformer, tokens: list[int]) -> None:
+    """Re-anchored to other positions, per head or whole and then per head, and spliced back at other
+    positions: the same logits either way."""
+    shifted = torch.arange(FIRST) + 7
+
+    def whole_first(engine: Engine) -> torch.Tensor:
+        seq, _ = two_segments(engine, tokens)
+        engine.reposition(seq, seq.segments[0], shifted)
+        compress_heads(engine, seq, seq.segments[0], KEEP)
+        return decode_rest(engine, seq, tokens)
+
+    def heads_first(engine: Engine) -> torch.Tensor:
+        seq, _ = two_segments(engine, tokens)
+        compress_heads(engine, seq, seq.segments[0], KEEP)
+        engine.reposition(seq, seq.segments[0], shifted)
+        assert torch.equal(seq.positions[:FIRST], shifted)
+        return decode_rest(engine, seq, tokens)
+
+    def spliced(engine: Engine) -> torch.Tensor:
+        seq, _ = two_segments(engine, tokens)
+        seg = seq.segments[0]
+        compress_heads(engine, seq, seg, KEEP)
+        k, v, mask = read_heads(engine, seg)
+        saved, ids = seg.positions.clone(), list(seg.token_ids)
+        index = engine.evict(seq, seg)
+        splice_heads(engine, seq, index, ids, k, v, mask, saved, shifted)
+        return decode_rest(engine, seq, tokens)
+
+    reference = whole_first(Engine(model, block_size=BS))
+    assert (heads_first(Engine(model, block_size=BS)) - reference).abs().max() <= 1e-5
+    assert (spliced(Engine(model, block_size=BS)) - reference).abs().max() <= 1e-5
+    unmoved = Engine(model, block_size=BS)
+    seq, _ = two_segments(unmoved, tokens)
+    compress_heads(unmoved, seq, seq.segments[0], KEEP)
+    assert (decode_rest(unmoved, seq, tokens) - reference).abs().max() > 1e-4  # the move mattered

@@ -9,7 +9,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from kvos.engine import fused
+from kvos.engine import fused, head_segments
 from kvos.engine.passes import DirectRunner, PassRunner, current_runner
 from kvos.engine.sequence import Segment, Sequence
 from kvos.engine.window_option import DEFAULT_WINDOW_MARGIN
@@ -302,7 +302,7 @@ class Engine:
         """Copies of a segment's K and V for every layer: each [num_layers, n, num_kv_heads, head_dim]. On
         the CPU each copy has a mapping of its own when large (they are saved for as long as their session
         lives: :mod:`kvos.memory.mapped`)."""
-        seg.whole("read the K/V of")
+        seg.whole("read the K/V of (head_segments.read_heads reads them)")
         layout = self.pool.layout
         shape = (layout.num_layers, seg.num_tokens, layout.num_kv_heads, layout.head_dim)
         k, v = (mapped_empty(shape, layout.dtype, layout.device) for _ in range(2))
@@ -404,7 +404,11 @@ class Engine:
         old = seg.positions
         if torch.equal(old, positions):
             return
-        seg.whole("move")
+        if seg.heads is not None:  # each head's keys where it keeps them
+            head_segments.move_heads(self, seg, positions)
+            seg.set_positions(positions)
+            seq.rebuild()
+            return
         self._own(seq, seg)
         slots = seg.slots.to(self.model.device)
         held, window_layers = seg.held_from, self.pool.layout.window_layers

@@ -9,20 +9,27 @@ attention reads every head's keys where that head keeps them
 (:class:`~kvos.model.attention.HeadKeys`), exactly as a full cache with the dropped keys masked out for that
 head. Tokens appended later go to a whole segment of their own.
 
-Per-head segments are not yet for pools with sliding-window layers, nor for moving, sharing, truncating or
-reading back a segment's K/V (each refuses them with a ConfigError).
+A per-head segment can be read back (:func:`read_heads`: dense K/V with zeros where a head dropped the token,
+and which tokens each head holds), moved to other positions (:meth:`Engine.reposition` re-rotates each
+head's keys) and put back from what was read (:func:`splice_heads`), so it can be paged out and in without
+recomputation like any segment. It cannot be shared, truncated or edited in place, and pools with
+sliding-window layers do not take per-head segments yet (each refused with a ConfigError).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvos.engine.engine import Engine
 from kvos.engine.sequence import HeadPart, Segment, Sequence, row_slots
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.head_table import HeadPageTable
+from kvos.model.rope import Rope
+
+if TYPE_CHECKING:
+    from kvos.engine.engine import Engine
 
 
 def compress_heads(engine: Engine, seq: Sequence, seg: Segment, keep: Seq[Seq[int]]) -> int:
@@ -127,3 +134,90 @@ def _drop_more(engine: Engine, part: HeadPart, kept: list[torch.Tensor]) -> None
         moves, _ = part.table.drop(*divmod(row, heads), positions)
         store.move(moves)
     part.kept = kept
+
+
+def keep_lists(mask: torch.Tensor) -> list[list[int]]:
+    """bool [num_layers, num_kv_heads, n] (which tokens each head holds) -> the keep lists of
+    :func:`compress_heads`, one per row, layer-major."""
+    return [row.nonzero().flatten().tolist() for row in mask.flatten(0, 1)]
+
+
+def head_mask(part: HeadPart, num_kv_heads: int, n: int) -> torch.Tensor:
+    """bool [num_layers, num_kv_heads, n]: which of a per-head segment's ``n`` tokens each row holds."""
+    mask = torch.zeros(len(part.kept), n, dtype=torch.bool)
+    for row, kept in enumerate(part.kept):
+        mask[row, kept] = True
+    return mask.view(-1, num_kv_heads, n)
+
+
+def read_heads(engine: Engine, seg: Segment) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copies of a per-head segment's K and V, each [num_layers, n, num_kv_heads, head_dim] with zeros where a
+    head no longer holds the token, and :func:`head_mask` (what :func:`splice_heads` takes back)."""
+    part = seg.heads
+    if part is None:
+        raise ConfigError("read_heads takes a segment whose KV heads keep their own tokens")
+    lay, n = engine.pool.layout, seg.num_tokens
+    store = engine.pool.head_store()
+    shape = (lay.num_layers, n, lay.num_kv_heads, lay.head_dim)
+    k = torch.zeros(shape, dtype=lay.dtype, device=lay.device)
+    v = torch.zeros(shape, dtype=lay.dtype, device=lay.device)
+    for row, kept in enumerate(part.kept):
+        layer, head = divmod(row, lay.num_kv_heads)
+        rk, rv = store.gather_rows(layer, row_slots(part.table, layer, head))
+        k[layer, kept, head], v[layer, kept, head] = rk, rv
+    return k, v, head_mask(part, lay.num_kv_heads, n)
+
+
+def move_heads(engine: Engine, seg: Segment, positions: torch.Tensor) -> None:
+    """Re-rotate a per-head segment's keys in the head store from its positions to ``positions`` (int64 [n]),
+    each row's kept tokens by their own deltas; the caller records the new positions."""
+    part = seg.heads
+    assert part is not None
+    heads = engine.pool.layout.num_kv_heads
+    store = engine.pool.head_store()
+    for rope, layers in engine.model.ropes.groups():
+        cos, signed_sin = rope.rotation(seg.positions, positions, engine.model.device)  # [n, 1, D]
+        for layer in layers:
+            for head in range(heads):
+                kept = part.kept[layer * heads + head]
+                slots = row_slots(part.table, layer, head)
+                k, v = store.gather_rows(layer, slots)
+                rotated = Rope.rotate(k[:, None], (cos[kept], signed_sin[kept]))[:, 0]
+                store.pool.write(0, slots, rotated[:, None], v[:, None])
+
+
+def splice_heads(
+    engine: Engine,
+    seq: Sequence,
+    index: int,
+    token_ids: Seq[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    saved_positions: torch.Tensor,
+    positions: torch.Tensor,
+) -> Segment:
+    """Insert at ``index`` in cache order a per-head segment from what :func:`read_heads` returned (``k``,
+    ``v`` [num_layers, n, num_kv_heads, head_dim], ``mask`` [num_layers, num_kv_heads, n]) when its tokens
+    sat at ``saved_positions``, the keys re-anchored to ``positions`` (int64 [n] each). Only the kept tokens
+    take head-blocks; no forward pass. All or nothing."""
+    lay = engine.pool.layout
+    if engine.pool.slides:
+        raise ConfigError("per-head segments are not yet supported on a pool with sliding-window layers")
+    kept = [torch.tensor(row, dtype=torch.int64) for row in keep_lists(mask)]
+    table = HeadPageTable(lay.num_layers, lay.num_kv_heads, lay.block_size, engine.pool.head_store())
+    table.append_rows([int(r.shape[0]) for r in kept])
+    store, heads = engine.pool.head_store(), lay.num_kv_heads
+    moved = not torch.equal(saved_positions, positions)
+    for rope, layers in engine.model.ropes.groups():
+        rotation = rope.rotation(saved_positions, positions, engine.model.device) if moved else None
+        for layer in layers:
+            keys = k[layer] if rotation is None else Rope.rotate(k[layer].to(lay.device), rotation)
+            for head in range(heads):
+                rows = kept[layer * heads + head]
+                slots = row_slots(table, layer, head)
+                store.pool.write(0, slots, keys[rows, head][:, None], v[layer][rows, head][:, None])
+    seg = seq.new_segment()
+    seg.hold_per_head(list(token_ids), positions, HeadPart(table, kept))
+    seq.insert(index, seg)
+    return seg

@@ -67,6 +67,13 @@ class Segment:
         :attr:`heads`)."""
         return self._slots[: self.num_tokens]
 
+    def hold_per_head(self, token_ids: Seq[int], positions: torch.Tensor, part: HeadPart) -> None:
+        """Become a segment of ``token_ids`` at ``positions`` (int64 [n]) whose heads keep their own of them,
+        as ``part`` says (an empty segment, whose blocks it never had)."""
+        self.token_ids = list(token_ids)
+        self._positions = positions.clone()
+        self.keep_per_head(part)
+
     def keep_per_head(self, part: HeadPart) -> None:
         """From now on each (layer, KV head) holds its own of the tokens, as ``part`` says (their K/V must be
         in its table already): the segment's blocks go back to the pool."""

@@ -28,8 +28,8 @@ def filled(n: int, initial_tokens: int = 64) -> tuple[HeadStore, HeadPageTable, 
     for layer in range(L):
         k = torch.stack([torch.arange(HKV) * 10.0 + 100.0 * layer + t for t in range(n)])[..., None]
         k = k.expand(n, HKV, D).contiguous()
-        slots = torch.tensor([table.slots(layer, h, 0, n) for h in range(HKV)])
-        pool.write(layer, slots, k, -k)
+        for h in range(HKV):
+            pool.put(torch.tensor(table.slots(layer, h, 0, n)), k[:, h], -k[:, h])
         for h in range(HKV):
             values[layer, h] = k[:, h, 0].clone()
     return pool, table, values

@@ -113,8 +113,8 @@ def _copy_rows(engine: Engine, seg: Segment, table: HeadPageTable, kept: list[to
         dst = torch.cat([row_slots(table, layer, h)[before[layer * heads + h] :] for h in range(heads)]).to(
             lay.device
         )
-        flat = (-1, 1, lay.head_dim)
-        engine.pool.head_store().pool.write(0, dst, k.reshape(flat)[src], v.reshape(flat)[src])
+        flat = (-1, lay.head_dim)
+        engine.pool.head_store().put(dst, k.reshape(flat)[src], v.reshape(flat)[src])
 
 
 def _drop_more(engine: Engine, part: HeadPart, kept: list[torch.Tensor]) -> None:
@@ -183,7 +183,7 @@ def move_heads(engine: Engine, seg: Segment, positions: torch.Tensor) -> None:
                 slots = row_slots(part.table, layer, head)
                 k, v = store.gather_rows(layer, slots)
                 rotated = Rope.rotate(k[:, None], (cos[kept], signed_sin[kept]))[:, 0]
-                store.pool.write(0, slots, rotated[:, None], v[:, None])
+                store.put(slots, rotated, v)
 
 
 def splice_heads(
@@ -216,7 +216,7 @@ def splice_heads(
             for head in range(heads):
                 rows = kept[layer * heads + head]
                 slots = row_slots(table, layer, head)
-                store.pool.write(0, slots, keys[rows, head][:, None], v[layer][rows, head][:, None])
+                store.put(slots, keys[rows, head], v[layer][rows, head])
     seg = seq.new_segment()
     seg.hold_per_head(list(token_ids), positions, HeadPart(table, kept))
     seq.insert(index, seg)

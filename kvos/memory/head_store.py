@@ -74,18 +74,11 @@ class HeadStore:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} is out of range: the pool has {self.num_layers} layers")
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K and V of ``n`` new tokens of ``layer``, each KV head at its own slots.
-
-        ``slots``: int64 ``[num_kv_heads, n]``; ``k``, ``v``: ``[n, num_kv_heads, head_dim]`` (cast to the
-        pool's dtype and device).
-        """
-        self._check_layer(layer)
-        for name, x in (("k", k), ("v", v)):
-            if x.dim() != 3 or x.shape[1] != slots.shape[0] or x.shape[0] != slots.shape[1]:
-                raise ValueError(f"{name} {tuple(x.shape)} does not match slots {tuple(slots.shape)}")
-        d = k.shape[2]
-        self.pool.write(0, slots.reshape(-1), *(x.transpose(0, 1).reshape(-1, 1, d) for x in (k, v)))
+    def put(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V at flat slots: ``slots`` int64 ``[R]``; ``k``, ``v`` ``[R, head_dim]`` (cast to the
+        pool's dtype and device)."""
+        d = self.pool.layout.head_dim
+        self.pool.write(0, slots, k.reshape(-1, 1, d), v.reshape(-1, 1, d))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at per-head slots: int64 ``[num_kv_heads, T]`` -> two ``[num_kv_heads, T, head_dim]``."""
@@ -104,8 +97,7 @@ class HeadStore:
             return
         src = torch.tensor([s for s, _ in moves], dtype=torch.long)
         dst = torch.tensor([d for _, d in moves], dtype=torch.long)
-        k, v = self.pool.gather(0, src)
-        self.pool.write(0, dst, k, v)
+        self.pool.write(0, dst, *self.pool.gather(0, src))
 
     def gather_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at flat slots ``rows`` (int64 [R]): two ``[R, head_dim]``."""

@@ -15,6 +15,8 @@ from kvos.engine.engine import Engine
 from kvos.model import decode_kernel
 from kvos.model.loader import load_model
 
+WHOLE = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.int64))  # no tokens kept per KV head
+
 pytestmark = pytest.mark.skipif(decode_kernel.kernel() is None, reason="no C++ compiler for the kernel")
 
 
@@ -66,7 +68,7 @@ def test_kernel_equals_float64_attention(heads: int, kv_heads: int, dim: int, wi
     probs = torch.full((len(lengths), heads, longest), -1.0)
     module = decode_kernel.kernel()
     assert module is not None
-    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, window, probs)
+    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, window, probs, *WHOLE)
     for b, n in enumerate(lengths):
         expected, expected_probs = reference(
             q[b], k, v, slots[b, :n].tolist(), kpos[b, :n].tolist(), int(positions[b]), window
@@ -77,7 +79,9 @@ def test_kernel_equals_float64_attention(heads: int, kv_heads: int, dim: int, wi
     # the queries as the fused projection's output holds them, rows apart (keys and values between): the same
     apart = torch.cat((q, torch.randn(len(lengths), 2 * kv_heads, dim, generator=g)), dim=1)[:, :heads]
     assert not apart.is_contiguous()
-    again = module.attend(apart, k, v, slots, torch.tensor(lengths), kpos, positions, window, torch.empty(0))
+    again = module.attend(
+        apart, k, v, slots, torch.tensor(lengths), kpos, positions, window, torch.empty(0), *WHOLE
+    )
     assert torch.equal(again, out)
 
 
@@ -97,6 +101,7 @@ def test_kernel_refuses_slots_outside_the_pool() -> None:
             torch.tensor([1]),
             0,
             torch.empty(0),
+            *WHOLE,
         )
 
 
@@ -135,3 +140,38 @@ def test_model_decodes_through_the_kernel_as_through_the_gather(
     # the gather path): 1e-6 absolute, and on Gemma 3's sandwich-normed layers up to 3e-6 relative by layer 2.
     for a, b in zip(fast_probs, slow_probs, strict=True):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(decode_kernel.kernel() is None, reason="the decode kernel could not be built here")
+def test_kernel_reads_each_heads_keys_where_its_code_says() -> None:
+    """Head codes (tokens kept per KV head): >= 0 reads the head store, -1 the pool at the key's slot, -2
+    skips the key for that head only; checked against softmax attention written out head by head."""
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, num_slots, stored, n = 6, 2, 16, 40, 30, 12
+    q = torch.randn(2, heads, dim, generator=g)
+    k, v = (
+        torch.randn(num_slots, kv_heads, dim, generator=g),
+        torch.randn(num_slots, kv_heads, dim, generator=g),
+    )
+    hk, hv = torch.randn(stored, dim, generator=g), torch.randn(stored, dim, generator=g)
+    slots = torch.stack([torch.randperm(num_slots, generator=g)[:n] for _ in range(2)])
+    kpos = torch.arange(n).repeat(2, 1)
+    positions = torch.tensor([n - 1, n - 1])
+    codes = torch.randint(-2, stored, (2, kv_heads, n), generator=g)
+    codes[:, :, -1] = -1  # every head sees the newest key, in the pool
+    probs = torch.zeros(2, heads, n)
+    out = decode_kernel.module().attend(
+        q, k, v, slots, torch.tensor([n, n]), kpos, positions, 0, probs, hk, hv, codes
+    )
+    group = heads // kv_heads
+    for b in range(2):
+        for h in range(heads):
+            kh, c = h // group, codes[b, h // group]
+            seen = [t for t in range(n) if c[t] != -2]
+            keys = torch.stack([hk[c[t]] if c[t] >= 0 else k[slots[b, t], kh] for t in seen])
+            values = torch.stack([hv[c[t]] if c[t] >= 0 else v[slots[b, t], kh] for t in seen])
+            p = torch.softmax(keys.double() @ q[b, h].double() / math.sqrt(dim), dim=0)
+            assert (out[b, h * dim : (h + 1) * dim].double() - p @ values.double()).abs().max() < 1e-5
+            expected = torch.zeros(n, dtype=torch.float64)
+            expected[seen] = p
+            assert (probs[b, h].double() - expected).abs().max() < 1e-6

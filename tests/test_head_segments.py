@@ -17,6 +17,8 @@ from kvos.engine.head_segments import compress_heads, keep_lists, read_heads, sp
 from kvos.engine.sequence import Sequence
 from kvos.errors import ConfigError, InvalidPositionError, PoolOutOfMemoryError
 from kvos.memory.growth import GrowthPolicy
+from kvos.model import decode_kernel
+from kvos.model.attention import Batch
 from kvos.model.loader import load_model
 from kvos.model.transformer import Transformer
 
@@ -242,3 +244,61 @@ def test_moving_a_per_head_segment_rotates_each_heads_keys(model: Transformer, t
     seq, _ = two_segments(unmoved, tokens)
     compress_heads(unmoved, seq, seq.segments[0], KEEP)
     assert (decode_rest(unmoved, seq, tokens) - reference).abs().max() > 1e-4  # the move mattered
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_the_decode_kernel_and_the_torch_path_agree(
+    model: Transformer, tokens: list[int], kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps of a per-head sequence batched with whole ones: the C++ kernel reads each head's keys
+    where it keeps them (head codes) as the torch path does, captured probabilities included; a prefill
+    slice after the compression runs the torch path (mixed_attention) and matches the masked reference."""
+
+    def run() -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        engine = Engine(model, block_size=BS, kv_dtype=kv_dtype)
+        seq, _ = two_segments(engine, tokens)
+        compress_heads(engine, seq, seq.segments[0], KEEP)
+        other = engine.new_sequence()
+        engine.extend(other, tokens[3:20])
+        captured: dict[int, torch.Tensor] = {}
+        out = []
+        for i, t in enumerate(tokens[30:36]):
+            out += engine.step([(seq, [t]), (other, [tokens[20 + i]])])
+        out.append(engine.decode(seq, tokens[36], capture_layers=frozenset({0, 1}), captured=captured)[None])
+        return out, captured
+
+    if not decode_kernel.usable(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16, dtype=kv_dtype)):
+        pytest.skip("the decode kernel is not built on this machine")
+    fast, fast_probs = run()
+    monkeypatch.setattr(decode_kernel, "usable", lambda *a: False)
+    slow, slow_probs = run()
+    for a, b in zip(fast, slow, strict=True):
+        assert (a - b).abs().max() <= 1e-4
+    for layer in (0, 1):
+        assert (fast_probs[layer] - slow_probs[layer]).abs().max() <= 1e-5
+
+
+def test_a_prefill_after_compression_is_the_masked_reference(model: Transformer, tokens: list[int]) -> None:
+    engine = Engine(model, block_size=BS)
+    seq, out = two_segments(engine, tokens)
+    compress_heads(engine, seq, seq.segments[0], KEEP)
+    rest = engine.extend(seq, tokens[FIRST + SECOND :], logits="all")  # one slice: mixed_attention
+    reference = masked_reference(model, tokens, mask_for(model, [(FIRST + SECOND, KEEP)]))
+    assert (torch.cat((out, rest)) - reference).abs().max() <= 1e-4
+
+
+def test_the_kernel_refuses_a_head_code_out_of_range(model: Transformer, tokens: list[int]) -> None:
+    engine = Engine(model, block_size=BS)
+    seq, _ = two_segments(engine, tokens)
+    compress_heads(engine, seq, seq.segments[0], KEEP)
+    item = engine._item(seq, [tokens[30]], [30], "last")
+    group = Batch.of([item]).decodes
+    assert group is not None and group.codes is not None
+    group.codes[0, 0, 0, 0] = 10**9
+    q = torch.zeros(1, model.config.num_heads, model.config.head_dim)
+    k, v = engine.pool.slabs(0)
+    if not decode_kernel.usable(q, k):
+        pytest.skip("the decode kernel is not built on this machine")
+    with pytest.raises(RuntimeError, match="head code is out of range"):
+        decode_kernel.decode_attention(q, k, v, group, None, 0, engine.pool.head_store().flat())
+    seq.drop_last(1)

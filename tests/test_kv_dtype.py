@@ -27,6 +27,8 @@ from kvos.errors import ConfigError
 from kvos.model import decode_kernel, layer_kernel
 from kvos.model.loader import load_model
 
+WHOLE = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.int64))  # no tokens kept per KV head
+
 kernels = pytest.mark.skipif(
     decode_kernel.kernel() is None or layer_kernel.kernel() is None, reason="no C++ compiler for the kernels"
 )
@@ -49,8 +51,8 @@ def test_decode_kernel_reads_float16_as_the_widened_float32(
     module = decode_kernel.module()
     p16, p32 = (torch.zeros(len(lengths), heads, 40) for _ in range(2))
     args = (slots, torch.tensor(lengths), kpos, positions, window)
-    out16 = module.attend(q, k, v, *args, p16)
-    out32 = module.attend(q, k.float(), v.float(), *args, p32)
+    out16 = module.attend(q, k, v, *args, p16, *WHOLE)
+    out32 = module.attend(q, k.float(), v.float(), *args, p32, *WHOLE)
     assert torch.equal(out16, out32)
     assert torch.equal(p16, p32)
     assert (p16[2, :, :40].sum(-1) - 1).abs().max().item() < 1e-5  # real attention, not zeros
@@ -70,6 +72,7 @@ def test_decode_kernel_refuses_a_pool_of_another_dtype() -> None:
             torch.tensor([0]),
             0,
             torch.empty(0),
+            *WHOLE,
         )
 
 

@@ -104,3 +104,8 @@ class HeadStore:
         self._check_layer(layer)
         k, v = self.pool.gather(0, rows)
         return k[:, 0], v[:, 0]
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[num_slots, head_dim]`` views of the store's own slabs (valid until it next grows)."""
+        k, v = self.pool.slabs(0)
+        return k[:, 0], v[:, 0]

@@ -155,7 +155,7 @@ class Batch:
         bounds = [0]
         for item in items:
             bounds.append(bounds[-1] + int(item.token_ids.shape[0]))
-        decodes = [i for i, m in enumerate(metas) if m.num_new == 1 and not m.fresh and m.heads is None]
+        decodes = [i for i, m in enumerate(metas) if m.num_new == 1 and not m.fresh]
         group = DecodeGroup.of(decodes, [bounds[i] for i in decodes], metas) if decodes else None
         if len(items) == 1:
             m = metas[0]
@@ -174,7 +174,9 @@ class Batch:
 class DecodeGroup:
     """Several sequences' decode steps, attending together: each one's keys padded to the longest,
     ``slots`` int64 [B * T] (a padded key repeats its sequence's first slot) and ``key_positions`` int64
-    [B, T] (a padded key sits at a position after every query, so :func:`visible` hides it)."""
+    [B, T] (a padded key sits at a position after every query, so :func:`visible` hides it). ``codes``:
+    where some sequences keep tokens per KV head, int64 [num_layers, B, Hkv, T], where each head reads each
+    key (:meth:`head_codes`); None when none does."""
 
     items: list[int]  # batch item indexes
     rows: list[int]  # the batch row of each one's token
@@ -182,6 +184,7 @@ class DecodeGroup:
     lengths: list[int]
     slots: torch.Tensor
     key_positions: torch.Tensor
+    codes: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
     _rows: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
     _inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
@@ -199,7 +202,18 @@ class DecodeGroup:
             slots[row, :n], slots[row, n:] = m.read_slots.cpu(), int(m.read_slots[0])
             positions[row, :n], positions[row, n:] = m.key_positions.cpu(), int(m.positions[0]) + 1
         device = chosen[0].read_slots.device
-        return cls(items, rows, chosen, lengths, slots.flatten().to(device), positions.to(device))
+        codes = _head_codes(chosen, lengths, longest)
+        return cls(items, rows, chosen, lengths, slots.flatten().to(device), positions.to(device), codes)
+
+    @property
+    def per_head(self) -> bool:
+        """Whether some of the sequences keep tokens per KV head (only the decode kernel reads those)."""
+        return self.codes is not None
+
+    def head_codes(self, layer: int) -> torch.Tensor:
+        """int64 [B, Hkv, T] of ``layer`` for :mod:`kvos.model.decode_kernel` (``>= 0`` a head-store slot,
+        ``-1`` the pool at the key's slot, ``-2`` dropped by that head), or an empty tensor."""
+        return _NO_CODES if self.codes is None else self.codes[layer]
 
     def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What :mod:`kvos.model.decode_kernel` reads: slots int64 [B, T], lengths int64 [B], key positions
@@ -230,6 +244,24 @@ class DecodeGroup:
             q = torch.stack([m.positions for m in self.metas]).to(self.key_positions.device)  # [B, 1]
             self._masks[window] = visible(q, self.key_positions, window)
         return self._masks[window]
+
+
+_NO_CODES = torch.empty(0, dtype=torch.int64)
+
+
+def _head_codes(metas: list[AttentionMetadata], lengths: list[int], longest: int) -> torch.Tensor | None:
+    """The :attr:`DecodeGroup.codes` of these sequences (None when none keeps tokens per KV head)."""
+    heads = [m.heads for m in metas]
+    first = next((h for h in heads if h is not None), None)
+    if first is None:
+        return None
+    num_layers, num_kv = first.slots.shape[:2]
+    codes = torch.full((num_layers, len(metas), num_kv, longest), -1, dtype=torch.int64)
+    for row, (h, n) in enumerate(zip(heads, lengths, strict=True)):
+        if h is not None:
+            inside = torch.where(h.in_heads.cpu(), h.slots.cpu(), -1)
+            codes[:, row, :, :n] = torch.where(h.held.cpu(), inside, -2)
+    return codes.contiguous()
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -337,10 +369,14 @@ def _decode_attention(
 
 
 class HeadKVStore(Protocol):
-    """What per-head attention reads from a head store (``kvos.memory.head_store.HeadStore``): slots int64
-    [num_kv_heads, T] -> K and V, two [num_kv_heads, T, D]."""
+    """What per-head attention reads from a head store (``kvos.memory.head_store.HeadStore``): ``gather``,
+    slots int64 [num_kv_heads, T] -> K and V, two [num_kv_heads, T, D]; ``flat``, its slabs."""
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [num_slots, D] views of the store's slabs (what the decode kernel reads)."""
+        ...
 
 
 def mixed_attention(

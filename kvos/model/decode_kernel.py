@@ -11,7 +11,11 @@ new token per sequence for B sequences at once, each over its own cached keys, w
 - key_positions int64 [B, T] and positions int64 [B]: a key is seen when its position is at or before the
   query's and, with ``window`` > 0 (a sliding-window layer), after ``position - window``;
 - probs float32 [B, H, T], or empty: filled with each sequence's attention probabilities (for the memory
-  policy's attention signal) where given.
+  policy's attention signal) where given;
+- hk, hv [R, D] (the pool's head store, same dtype as k) and head_codes int64 [B, Hkv, T], or all three
+  empty: where some of a sequence's tokens are kept per KV head (:class:`~kvos.model.attention.HeadKeys`),
+  the code of each (sequence, KV head, key) says where that head reads it: ``>= 0`` a head-store slot, ``-1``
+  the pool at ``slots`` (a whole token), ``-2`` nowhere (the head dropped it: unseen, probability 0).
 
 Returns float32 [B, H * D]. Query head ``i`` reads KV head ``i // (H / Hkv)`` (grouped-query attention).
 Each (sequence, KV head) pair is one task of ``at::parallel_for``: it lists the rows of the keys its query
@@ -36,6 +40,8 @@ from kvos.extensions import build
 from kvos.model.attention import DecodeGroup
 from kvos.model.dtype import KERNEL_KV_DTYPES
 from kvos.model.simd_exp import SOURCE as EXP8
+
+EMPTY = torch.empty(0)
 
 _SOURCE = (
     r"""
@@ -154,7 +160,8 @@ static void weighted_sum(const float* p, const E* const* rows, int64_t m, int64_
 template <typename E>
 static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, const int64_t* slots,
                        const int64_t* kpos, int64_t qpos, int64_t n, int64_t window, int64_t H,
-                       int64_t Hkv, int64_t D, int64_t T, int64_t b, int64_t h, float* out, float* probs) {
+                       int64_t Hkv, int64_t D, int64_t T, int64_t b, int64_t h, float* out, float* probs,
+                       const E* hk, const E* hv, const int64_t* codes) {
   const int64_t G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   std::vector<int64_t> seen;  // which of the n keys the query sees, in cache order
@@ -164,8 +171,13 @@ static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, co
   vrows.reserve(n);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t p = kpos[t];
-    if (p <= qpos && (window <= 0 || p > qpos - window)) {
-      seen.push_back(t);
+    const int64_t code = codes ? codes[t] : -1;  // where this head reads the key (see the module's doc)
+    if (code == -2 || p > qpos || (window > 0 && p <= qpos - window)) continue;
+    seen.push_back(t);
+    if (code >= 0) {
+      krows.push_back(hk + code * D);
+      vrows.push_back(hv + code * D);
+    } else {
       krows.push_back(k + (slots[t] * Hkv + h) * D);
       vrows.push_back(v + (slots[t] * Hkv + h) * D);
     }
@@ -199,19 +211,20 @@ static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, co
 template <typename E>
 static void attend_all(const float* qp, int64_t q_row, const E* kp, const E* vp, const int64_t* sl,
                        const int64_t* len, const int64_t* kpp, const int64_t* qpp, int64_t window, int64_t B,
-                       int64_t H, int64_t Hkv, int64_t D, int64_t T, float* op, float* pp) {
+                       int64_t H, int64_t Hkv, int64_t D, int64_t T, float* op, float* pp, const E* hk,
+                       const E* hv, const int64_t* codes) {
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       attend_one<E>(qp, q_row, kp, vp, sl + b * T, kpp + b * T, qpp[b], len[b], window, H, Hkv, D, T, b, h,
-                    op, pp);
+                    op, pp, hk, hv, codes ? codes + task * T : nullptr);
     }
   });
 }
 
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                      torch::Tensor lengths, torch::Tensor kpos, torch::Tensor qpos, int64_t window,
-                     torch::Tensor probs) {
+                     torch::Tensor probs, torch::Tensor hk, torch::Tensor hv, torch::Tensor codes) {
   const bool half = k.dtype() == torch::kFloat16;
   TORCH_CHECK(q.dtype() == torch::kFloat32 && (half || k.dtype() == torch::kFloat32) &&
                   v.dtype() == k.dtype(), "float32 queries, a float32 or float16 pool");
@@ -232,10 +245,23 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   const int64_t S = k.size(0);
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
+  const bool per_head = codes.numel() > 0;
+  TORCH_CHECK(!per_head || (codes.is_contiguous() && codes.dim() == 3 && codes.size(0) == B &&
+                            codes.size(1) == Hkv && codes.size(2) == T && hk.dim() == 2 &&
+                            hk.size(1) == D && hk.is_contiguous() && hv.sizes() == hk.sizes() &&
+                            hv.is_contiguous() && hk.dtype() == k.dtype() && hv.dtype() == k.dtype()),
+              "head codes [B, Hkv, T] with a head store [R, D] of the pool's dtype");
+  const int64_t R = per_head ? hk.size(0) : 0;
+  const int64_t* cd = per_head ? codes.data_ptr<int64_t>() : nullptr;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(len[b] >= 0 && len[b] <= T, "a length is out of range");
     for (int64_t t = 0; t < len[b]; ++t)
       TORCH_CHECK(sl[b * T + t] >= 0 && sl[b * T + t] < S, "a slot is out of range");
+    for (int64_t i = 0; per_head && i < Hkv; ++i)
+      for (int64_t t = 0; t < len[b]; ++t) {
+        const int64_t c = cd[(b * Hkv + i) * T + t];
+        TORCH_CHECK(c >= -2 && c < R, "a head code is out of range");
+      }
   }
   auto out = torch::empty({B, H * D}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -246,10 +272,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   float* pp = capture ? probs.data_ptr<float>() : nullptr;
   if (half)
     attend_all<c10::Half>(qp, q_row, k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), sl, len, kpp, qpp,
-                          window, B, H, Hkv, D, T, op, pp);
+                          window, B, H, Hkv, D, T, op, pp,
+                          per_head ? hk.data_ptr<c10::Half>() : nullptr,
+                          per_head ? hv.data_ptr<c10::Half>() : nullptr, cd);
   else
     attend_all<float>(qp, q_row, k.data_ptr<float>(), v.data_ptr<float>(), sl, len, kpp, qpp, window, B, H,
-                      Hkv, D, T, op, pp);
+                      Hkv, D, T, op, pp, per_head ? hk.data_ptr<float>() : nullptr,
+                      per_head ? hv.data_ptr<float>() : nullptr, cd);
   return out;
 }
 """
@@ -259,7 +288,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v7", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v8", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
 
 
 def module() -> Any:
@@ -287,15 +316,17 @@ def decode_attention(
     group: DecodeGroup,
     window: int | None,
     layer: int,
+    heads: tuple[torch.Tensor, torch.Tensor] = (EMPTY, EMPTY),
 ) -> torch.Tensor:
     """The decode steps of ``group`` over the pool layer ``k_slab``/``v_slab`` [S, Hkv, D]: q [B, H, D]
-    float32 -> [B, H * D]. Each sequence's probabilities [H, n] are captured where its metadata asks, as
-    the gathered path captures them."""
+    float32 -> [B, H * D]. ``heads``: the pool's head store [R, D] (K, V) where some sequences keep tokens
+    per KV head (``group.head_codes``). Each sequence's probabilities [H, n] are captured where its metadata
+    asks, as the gathered path captures them."""
     built = module()
     slots, lengths, key_positions, positions = group.kernel_inputs()
     b, num_heads, _ = q.shape
     wanted = [layer in m.capture_layers for m in group.metas]
-    probs = torch.zeros(b, num_heads, slots.shape[1]) if any(wanted) else _EMPTY
+    probs = torch.zeros(b, num_heads, slots.shape[1]) if any(wanted) else EMPTY
     out = built.attend(
         q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous(),
         k_slab,
@@ -306,11 +337,10 @@ def decode_attention(
         positions,
         window or 0,
         probs,
+        *heads,
+        group.head_codes(layer),
     )
     for row, (meta, n) in enumerate(zip(group.metas, group.lengths, strict=True)):
         if wanted[row]:
             meta.captured[layer] = probs[row, :, :n]
     return out
-
-
-_EMPTY = torch.empty(0)

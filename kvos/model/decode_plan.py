@@ -120,6 +120,7 @@ class DecodePlan:
             assert meta.window.decodes is not None
             sliding = (meta.window.decodes, meta.window.decodes.kernel_inputs(), meta.window.write_slots)
         n = int(x.shape[0])
+        heads = kv.head_store().flat() if group.per_head else (EMPTY, EMPTY)  # tokens kept per KV head
         captured = [row for row, m in enumerate(group.metas) if m.capture_layers]
         x = x.contiguous()
         for index, layer in enumerate(self.layers):
@@ -131,7 +132,20 @@ class DecodePlan:
             wanted = [(row, group.metas[row]) for row in captured if index in group.metas[row].capture_layers]
             probs = torch.zeros(n, h, slots.shape[1]) if wanted else EMPTY
             q = qkv.view(n, h + 2 * hkv, d)[:, :h]
-            out = attend(q, k_slab, v_slab, slots, lengths, key_positions, positions, layer.window, probs)
+            codes = group.head_codes(index)
+            out = attend(
+                q,
+                k_slab,
+                v_slab,
+                slots,
+                lengths,
+                key_positions,
+                positions,
+                layer.window,
+                probs,
+                *heads,
+                codes,
+            )
             for row, m in wanted:
                 m.captured[index] = probs[row, :, : group.lengths[row]]
             if layer.post_attn_norm is None:

@@ -414,8 +414,8 @@ class Transformer:
         c = self.config
         k_slab, v_slab = kv.slabs(index) if slabs is None else slabs
         fast = decode_kernel.usable(q, k_slab)
-        if not fast and len(group.items) == 1:
-            return None
+        if not fast and (len(group.items) == 1 or group.per_head):
+            return None  # (the gathered path reads whole tokens only: per-head ones go to _attend)
         for meta, row in zip(group.metas, group.rows, strict=True):
             if index in meta.query_layers:
                 seen, mine = meta.queries.get(index), q[row : row + 1].float()
@@ -423,7 +423,9 @@ class Transformer:
         every = len(group.rows) == q.shape[0]  # every row a decode step (rows distinct, ascending)
         mine = q if every else q[group.rows]
         if fast:
-            return decode_kernel.decode_attention(mine, k_slab, v_slab, group, self.windows[index], index)
+            heads = kv.head_store().flat() if group.per_head else (decode_kernel.EMPTY, decode_kernel.EMPTY)
+            window = self.windows[index]
+            return decode_kernel.decode_attention(mine, k_slab, v_slab, group, window, index, heads)
         keys, values = kv.gather_rows(index, group.head_rows(c.num_kv_heads))  # [B * Hkv * T, D]
         shape = (len(group.items) * c.num_kv_heads, -1, c.head_dim)
         window = self.windows[index]

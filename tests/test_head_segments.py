@@ -95,19 +95,19 @@ def test_freed_blocks_are_reused_and_head_blocks_go_back(model: Transformer, tok
 def test_a_compressed_sequence_batches_with_others(model: Transformer, tokens: list[int]) -> None:
     """One forward pass over a per-head sequence's decode step and two ordinary ones (which decode together)
     gives each what it gets alone."""
-    engine = Engine(model, block_size=BS)
-    seq, _ = two_segments(engine, tokens)
-    compress_heads(engine, seq, seq.segments[0], KEEP)
-    a, b = engine.new_sequence(), engine.new_sequence()
-    engine.extend(a, tokens[:12])
-    engine.extend(b, tokens[5:30])
+
+    def three(engine: Engine) -> tuple[Sequence, Sequence, Sequence]:
+        seq, _ = two_segments(engine, tokens)
+        compress_heads(engine, seq, seq.segments[0], KEEP)
+        a, b = engine.new_sequence(), engine.new_sequence()
+        engine.extend(a, tokens[:12])
+        engine.extend(b, tokens[5:30])
+        return seq, a, b
+
+    engine, alone = Engine(model, block_size=BS), Engine(model, block_size=BS)
+    seq, a, b = three(engine)
     batched = engine.step([(seq, [tokens[30]]), (a, [tokens[12]]), (b, [tokens[30]])])
-    alone = Engine(model, block_size=BS)
-    seq2, _ = two_segments(alone, tokens)
-    compress_heads(alone, seq2, seq2.segments[0], KEEP)
-    a2, b2 = alone.new_sequence(), alone.new_sequence()
-    alone.extend(a2, tokens[:12])
-    alone.extend(b2, tokens[5:30])
+    seq2, a2, b2 = three(alone)
     singles = [alone.decode(seq2, tokens[30]), alone.decode(a2, tokens[12]), alone.decode(b2, tokens[30])]
     for x, y in zip(batched, singles, strict=True):
         assert (x[0] - y).abs().max() <= 1e-5

@@ -150,7 +150,6 @@ def test_what_a_compressed_segment_refuses(model: Transformer, tokens: list[int]
     for refused in (
         lambda: engine.read_kv(seg),
         lambda: engine.share(seg, engine.new_sequence(), 4),
-        lambda: engine.truncate(seq, seg, 4),
     ):
         with pytest.raises(ConfigError, match="keep their own tokens"):
             refused()
@@ -302,3 +301,28 @@ def test_the_kernel_refuses_a_head_code_out_of_range(model: Transformer, tokens:
     with pytest.raises(RuntimeError, match="head code is out of range"):
         decode_kernel.decode_attention(q, k, v, group, None, 0, engine.pool.head_store().flat())
     seq.drop_last(1)
+
+
+def test_truncating_a_per_head_segment_lets_go_of_the_cut_tokens(
+    model: Transformer, tokens: list[int]
+) -> None:
+    """Cut to 13 tokens, then decoding on: each head holds its kept tokens below the cut, the head-blocks
+    past it go back, and the logits are the masked reference's with everything from token 13 on gone."""
+    engine = Engine(model, block_size=BS)
+    seq = engine.new_sequence()
+    engine.extend(seq, tokens[:FIRST])
+    compress_heads(engine, seq, seq.segments[0], KEEP)
+    engine.truncate(seq, seq.segments[0], 13)
+    assert seq.num_tokens == 13 and seq.token_ids == tokens[:13]
+    part = seq.segments[0].heads
+    assert part is not None and [k.tolist() for k in part.kept] == [[t for t in r if t < 13] for r in KEEP]
+    assert seq.num_head_blocks == sum(math.ceil(len([t for t in r if t < 13]) / BS) for r in KEEP)
+    rest = tokens[13:N]
+    out = torch.stack([engine.decode(seq, t) for t in rest])
+    ids = tokens[:13] + rest  # the same tokens: positions 13.. follow the cut
+    mask = torch.ones(2, 2, len(ids), len(ids), dtype=torch.bool)
+    for row, kept in enumerate(KEEP):
+        gone = [t for t in range(13) if t not in kept]
+        mask[row // 2, row % 2, 13:, gone] = False
+    reference = masked_reference(model, ids, mask)
+    assert (out - reference[13:]).abs().max() <= 1e-4

@@ -358,7 +358,9 @@ class Engine:
     def truncate(self, seq: Sequence, seg: Segment, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens of a resident segment; a partly filled last block that
         another sequence shares is copied first (the segment may be written again)."""
-        seg.whole("truncate")
+        if seg.heads is not None:  # each head lets go of what it held past the cut
+            head_segments.truncate_heads(self, seq, seg, num_tokens)
+            return
         seg.truncate(num_tokens)
         table = seg.page_table
         if num_tokens % self.pool.layout.block_size and self._shared(table.blocks[-1]):

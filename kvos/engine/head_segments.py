@@ -12,8 +12,9 @@ head. Tokens appended later go to a whole segment of their own.
 A per-head segment can be read back (:func:`read_heads`: dense K/V with zeros where a head dropped the token,
 and which tokens each head holds), moved to other positions (:meth:`Engine.reposition` re-rotates each
 head's keys) and put back from what was read (:func:`splice_heads`), so it can be paged out and in without
-recomputation like any segment. It cannot be shared, truncated or edited in place, and pools with
-sliding-window layers do not take per-head segments yet (each refused with a ConfigError).
+recomputation like any segment, and truncated (:func:`truncate_heads`). It cannot be shared or edited in
+place, and pools with sliding-window layers do not take per-head segments yet (each refused with a
+ConfigError).
 """
 
 from __future__ import annotations
@@ -221,3 +222,15 @@ def splice_heads(
     seg.hold_per_head(list(token_ids), positions, HeadPart(table, kept))
     seq.insert(index, seg)
     return seg
+
+
+def truncate_heads(engine: Engine, seq: Sequence, seg: Segment, num_tokens: int) -> None:
+    """Keep the first ``num_tokens`` tokens of a per-head segment: each row lets go of the later ones it held
+    (and of the head-blocks they emptied)."""
+    part = seg.heads
+    assert part is not None
+    if not 0 <= num_tokens <= seg.num_tokens:
+        raise InvalidPositionError(f"cannot truncate a segment of {seg.num_tokens} tokens to {num_tokens}")
+    _drop_more(engine, part, [kept[kept < num_tokens] for kept in part.kept])
+    seg.cut_per_head(num_tokens)
+    seq.rebuild()

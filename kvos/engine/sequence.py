@@ -133,6 +133,12 @@ class Segment:
         self._positions = put(self._positions, start, positions)
         self._slots = torch.zeros(self.num_tokens, dtype=torch.int64)
 
+    def cut_per_head(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` token ids and positions of a segment whose heads keep their own
+        tokens (its rows let go of the later ones first: ``head_segments.truncate_heads``)."""
+        del self.token_ids[num_tokens:]
+        self._slots = torch.zeros(num_tokens, dtype=torch.int64)
+
     def set_positions(self, positions: torch.Tensor) -> None:
         """Replace every token's rotary position (after its keys were re-anchored): int64 [num_tokens]."""
         if positions.shape != (self.num_tokens,):

@@ -147,12 +147,10 @@ def test_what_a_compressed_segment_refuses(model: Transformer, tokens: list[int]
     compress_heads(engine, seq, seg, KEEP)
     with pytest.raises(InvalidPositionError, match="still holds"):
         compress_heads(engine, seq, seg, [[0, 4], *KEEP[1:]])  # token 4 of row 0 is gone
-    for refused in (
-        lambda: engine.read_kv(seg),
-        lambda: engine.share(seg, engine.new_sequence(), 4),
-    ):
-        with pytest.raises(ConfigError, match="keep their own tokens"):
-            refused()
+    with pytest.raises(ConfigError, match="keep their own tokens"):
+        engine.read_kv(seg)  # read_heads reads them
+    with pytest.raises(ConfigError, match="keep their own tokens"):
+        engine.edit_kv(seq, seg, 0, lambda pool, slots: None)
 
 
 def test_a_compression_that_does_not_fit_changes_nothing(model: Transformer, tokens: list[int]) -> None:
@@ -326,3 +324,36 @@ def test_truncating_a_per_head_segment_lets_go_of_the_cut_tokens(
         mask[row // 2, row % 2, 13:, gone] = False
     reference = masked_reference(model, ids, mask)
     assert (out - reference[13:]).abs().max() <= 1e-4
+
+
+def test_a_shared_per_head_segment_is_copied_before_either_side_writes(
+    model: Transformer, tokens: list[int]
+) -> None:
+    """A branch takes the per-head segment by reference (no head-block copied); when the original drops more
+    tokens, its rows get copies first, and each side then computes its own masked reference. Every
+    head-block goes back once both are released."""
+    engine = Engine(model, block_size=BS)
+    seq, _ = two_segments(engine, tokens)
+    compress_heads(engine, seq, seq.segments[0], KEEP)
+    before = engine.pool.head_live_bytes
+    branch = engine.new_sequence()
+    engine.share(seq.segments[0], branch, FIRST)
+    engine.share(seq.segments[1], branch, SECOND)
+    assert engine.pool.head_live_bytes == before and branch.token_ids == seq.token_ids
+    compress_heads(engine, seq, seq.segments[0], LATER)
+    kept, later = (sum(math.ceil(len(r) / BS) for r in rows) for rows in (KEEP, LATER))  # 11, 7
+    assert branch.num_head_blocks == kept and seq.num_head_blocks == later  # the branch's are its own now
+    lay = engine.pool.layout
+    assert engine.pool.head_live_bytes == (kept + later) * 2 * BS * lay.head_dim * lay.dtype.itemsize
+    mine = decode_rest(engine, seq, tokens)
+    theirs = decode_rest(engine, branch, tokens)
+    start = FIRST + SECOND
+    assert (
+        mine - masked_reference(model, tokens, mask_for(model, [(start, LATER)]))[start:]
+    ).abs().max() <= 1e-4
+    assert (
+        theirs - masked_reference(model, tokens, mask_for(model, [(start, KEEP)]))[start:]
+    ).abs().max() <= 1e-4
+    seq.release()
+    branch.release()
+    assert engine.pool.head_live_bytes == 0 and engine.pool.live_bytes == 0

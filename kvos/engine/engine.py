@@ -342,7 +342,8 @@ class Engine:
         sequence) at the same positions, by reference: the same pool blocks, one more reference each, no
         forward pass. A partly filled last block is copied, so that neither side ever writes into a block
         the other reads."""
-        seg.whole("share")
+        if seg.heads is not None:  # each row's head-blocks by reference, copied when either side writes
+            return head_segments.share_heads(self, seg, into, num_tokens)
         new = into.new_segment()
         new.adopt(seg.page_table.share(num_tokens), seg.token_ids[:num_tokens], seg.positions[:num_tokens])
         if num_tokens % self.pool.layout.block_size:

@@ -12,9 +12,10 @@ head. Tokens appended later go to a whole segment of their own.
 A per-head segment can be read back (:func:`read_heads`: dense K/V with zeros where a head dropped the token,
 and which tokens each head holds), moved to other positions (:meth:`Engine.reposition` re-rotates each
 head's keys) and put back from what was read (:func:`splice_heads`), so it can be paged out and in without
-recomputation like any segment, and truncated (:func:`truncate_heads`). It cannot be shared or edited in
-place, and pools with sliding-window layers do not take per-head segments yet (each refused with a
-ConfigError).
+recomputation like any segment, truncated (:func:`truncate_heads`) and shared with another sequence
+(:func:`share_heads`: the head-blocks by reference, each copied before either side writes into it). It
+cannot be edited in place, and pools with sliding-window layers do not take per-head segments yet (each
+refused with a ConfigError).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def fold_tail(engine: Engine, seq: Sequence, keep: Seq[Seq[int]]) -> None:
         raise ConfigError("fold_tail takes a sequence whose last segment is whole and follows a per-head one")
     tail, part = seq.segments[-1], seq.segments[-2].heads
     assert part is not None
+    _own(engine, part)
     lay = engine.pool.layout
     rows = lay.num_layers * lay.num_kv_heads
     if len(keep) != rows:
@@ -121,6 +123,7 @@ def _copy_rows(engine: Engine, seg: Segment, table: HeadPageTable, kept: list[to
 def _drop_more(engine: Engine, part: HeadPart, kept: list[torch.Tensor]) -> None:
     """Each row keeps a subset of what it holds: compact it (survivors move down, in order) and give its
     emptied head-blocks back."""
+    _own(engine, part)
     store, heads = engine.pool.head_store(), engine.pool.layout.num_kv_heads
     indices: list[list[int]] = []
     for row, (now, new) in enumerate(zip(part.kept, kept, strict=True)):
@@ -174,6 +177,7 @@ def move_heads(engine: Engine, seg: Segment, positions: torch.Tensor) -> None:
     each row's kept tokens by their own deltas; the caller records the new positions."""
     part = seg.heads
     assert part is not None
+    _own(engine, part)
     heads = engine.pool.layout.num_kv_heads
     store = engine.pool.head_store()
     for rope, layers in engine.model.ropes.groups():
@@ -234,3 +238,46 @@ def truncate_heads(engine: Engine, seq: Sequence, seg: Segment, num_tokens: int)
     _drop_more(engine, part, [kept[kept < num_tokens] for kept in part.kept])
     seg.cut_per_head(num_tokens)
     seq.rebuild()
+
+
+def share_heads(engine: Engine, seg: Segment, into: Sequence, num_tokens: int) -> Segment:
+    """Append to ``into`` a per-head segment holding the first ``num_tokens`` tokens of ``seg`` (of another
+    sequence) at the same positions, each row by reference to the head-blocks of the tokens it keeps among
+    them: no copy until one side writes (:func:`_own`)."""
+    part = seg.heads
+    assert part is not None
+    if not 0 <= num_tokens <= seg.num_tokens:
+        raise InvalidPositionError(f"cannot share {num_tokens} tokens of a segment of {seg.num_tokens}")
+    kept = [k[k < num_tokens] for k in part.kept]
+    table = part.table.share([int(k.shape[0]) for k in kept])
+    new = into.new_segment()
+    new.hold_per_head(seg.token_ids[:num_tokens], seg.positions[:num_tokens], HeadPart(table, kept))
+    into.segments.append(new)
+    into.rebuild()
+    return new
+
+
+def _own(engine: Engine, part: HeadPart) -> None:
+    """Copy-on-write before writing into a per-head segment's rows: a private copy of every head-block another
+    table shares (all or nothing: a PoolOutOfMemoryError changes nothing)."""
+    store, heads, bs = (
+        engine.pool.head_store(),
+        engine.pool.layout.num_kv_heads,
+        engine.pool.layout.block_size,
+    )
+    table, allocator = part.table, store.pool.allocator
+    shared = [
+        (row, index, block)
+        for row in range(len(part.kept))
+        for index, block in enumerate(table.row(*divmod(row, heads)))
+        if allocator.refcount(block) > 1
+    ]
+    if not shared:
+        return
+    fresh = store.alloc_n(len(shared))
+    offsets = torch.arange(bs)
+    src = torch.cat([block * bs + offsets for _, _, block in shared])
+    dst = torch.cat([block * bs + offsets for block in fresh])
+    store.put(dst, *store.gather_rows(0, src))
+    for (row, index, _), block in zip(shared, fresh, strict=True):
+        store.free(table.replace(*divmod(row, heads), index, block))

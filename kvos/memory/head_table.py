@@ -126,6 +126,29 @@ class HeadPageTable:
         moves = [(self._slot(i, keep[dst]), self._slot(i, dst)) for dst in range(first, len(keep))]
         return moves, self.truncate(layer, kv_head, len(keep))
 
+    def share(self, counts: Sequence[int]) -> HeadPageTable:
+        """A new table over the same source whose row ``i`` holds the first ``counts[i]`` tokens of this
+        one's: the head-blocks that hold them are shared (one more reference each), nothing is copied.
+        Writing into a shared head-block is the caller's to prevent (copy it first: :meth:`replace`)."""
+        if len(counts) != len(self._rows) or any(
+            not 0 <= n <= c for n, c in zip(counts, self._counts, strict=True)
+        ):
+            raise InvalidPositionError(f"share takes {len(self._rows)} counts, each within its row's tokens")
+        table = HeadPageTable(self.num_layers, self.num_kv_heads, self.block_size, self.source)
+        for i, n in enumerate(counts):
+            table._rows[i] = self._rows[i][: self._blocks_for(n)]
+            table._counts[i] = n
+            for block_id in table._rows[i]:
+                self.source.incref(block_id)
+        return table
+
+    def replace(self, layer: int, kv_head: int, index: int, block_id: int) -> int:
+        """Put ``block_id`` (a copy the caller made) at logical head-block ``index`` of one row; returns the
+        id it replaced, whose reference the caller drops."""
+        row = self._rows[self._index(layer, kv_head)]
+        old, row[index] = row[index], block_id
+        return old
+
     def free_all(self) -> None:
         """Free every row's head-blocks; the table is then empty."""
         for layer in range(self.num_layers):

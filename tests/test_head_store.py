@@ -36,7 +36,7 @@ def filled(n: int, initial_tokens: int = 64) -> tuple[HeadStore, HeadPageTable, 
 
 
 def row_keys(pool: HeadStore, table: HeadPageTable, layer: int, h: int) -> torch.Tensor:
-    k, v = pool.read_slots(table.slots(layer, h, 0, table.num_tokens(layer, h)))
+    k, v = pool.gather_rows(layer, torch.tensor(table.slots(layer, h, 0, table.num_tokens(layer, h))))
     assert torch.equal(v, -k)
     return k[:, 0]
 

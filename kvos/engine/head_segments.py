@@ -40,24 +40,17 @@ def compress_heads(engine: Engine, seq: Sequence, seg: Segment, keep: Seq[Seq[in
     each row holds. All or nothing: a PoolOutOfMemoryError (the head-blocks do not fit under the pool's cap)
     changes nothing. Returns the pool bytes given back (blocks and head-blocks freed, less those taken).
     """
-    pool, lay = engine.pool, engine.pool.layout
-    if pool.slides:
-        raise ConfigError("per-head segments are not yet supported on a pool with sliding-window layers")
+    _check_pool(engine)
     if seg not in seq.segments:
         raise ConfigError("compress_heads takes a segment of the sequence it is given")
-    rows = lay.num_layers * lay.num_kv_heads
-    if len(keep) != rows:
-        raise ConfigError(
-            f"compress_heads takes {rows} keep lists, one per (layer, KV head); got {len(keep)}"
-        )
-    kept = [_checked(row, seg.num_tokens) for row in keep]
-    before = pool.live_bytes
+    kept = _keep_rows(engine, keep, seg.num_tokens, "compress_heads")
+    before = engine.pool.live_bytes
     if seg.heads is None:
         _move_into_heads(engine, seg, kept)
     else:
         _drop_more(engine, seg.heads, kept)
     seq.rebuild()
-    return before - pool.live_bytes
+    return before - engine.pool.live_bytes
 
 
 def fold_tail(engine: Engine, seq: Sequence, keep: Seq[Seq[int]]) -> None:
@@ -69,12 +62,8 @@ def fold_tail(engine: Engine, seq: Sequence, keep: Seq[Seq[int]]) -> None:
         raise ConfigError("fold_tail takes a sequence whose last segment is whole and follows a per-head one")
     tail, part = seq.segments[-1], seq.segments[-2].heads
     assert part is not None
+    kept = _keep_rows(engine, keep, tail.num_tokens, "fold_tail")
     _own(engine, part)
-    lay = engine.pool.layout
-    rows = lay.num_layers * lay.num_kv_heads
-    if len(keep) != rows:
-        raise ConfigError(f"fold_tail takes {rows} keep lists, one per (layer, KV head); got {len(keep)}")
-    kept = [_checked(row, tail.num_tokens) for row in keep]
     _copy_rows(engine, tail, part.table, kept)
     head = seq.segments[-2]
     offset = head.num_tokens
@@ -86,11 +75,22 @@ def fold_tail(engine: Engine, seq: Sequence, keep: Seq[Seq[int]]) -> None:
     seq.rebuild()
 
 
-def _checked(row: Seq[int], n: int) -> torch.Tensor:
-    t = torch.tensor(list(row), dtype=torch.int64)
-    if t.numel() and (bool((t[1:] <= t[:-1]).any()) or int(t[0]) < 0 or int(t[-1]) >= n):
-        raise InvalidPositionError(f"keep indices must be increasing and in [0, {n}), got {list(row)}")
-    return t
+def _check_pool(engine: Engine) -> None:
+    if engine.pool.slides:
+        raise ConfigError("per-head segments are not yet supported on a pool with sliding-window layers")
+
+
+def _keep_rows(engine: Engine, keep: Seq[Seq[int]], n: int, what: str) -> list[torch.Tensor]:
+    """One keep list per (layer, KV head), each increasing and within ``[0, n)``, as int64 tensors."""
+    lay = engine.pool.layout
+    rows = lay.num_layers * lay.num_kv_heads
+    if len(keep) != rows:
+        raise ConfigError(f"{what} takes {rows} keep lists, one per (layer, KV head); got {len(keep)}")
+    kept = [torch.tensor(list(row), dtype=torch.int64) for row in keep]
+    for t in kept:
+        if t.numel() and (bool((t[1:] <= t[:-1]).any()) or int(t[0]) < 0 or int(t[-1]) >= n):
+            raise InvalidPositionError(f"keep indices must be increasing and in [0, {n}), got {t.tolist()}")
+    return kept
 
 
 def _move_into_heads(engine: Engine, seg: Segment, kept: list[torch.Tensor]) -> None:
@@ -123,7 +123,6 @@ def _copy_rows(engine: Engine, seg: Segment, table: HeadPageTable, kept: list[to
 def _drop_more(engine: Engine, part: HeadPart, kept: list[torch.Tensor]) -> None:
     """Each row keeps a subset of what it holds: compact it (survivors move down, in order) and give its
     emptied head-blocks back."""
-    _own(engine, part)
     store, heads = engine.pool.head_store(), engine.pool.layout.num_kv_heads
     indices: list[list[int]] = []
     for row, (now, new) in enumerate(zip(part.kept, kept, strict=True)):
@@ -134,6 +133,7 @@ def _drop_more(engine: Engine, part: HeadPart, kept: list[torch.Tensor]) -> None
                 f"row ({layer}, {head}) can only keep tokens it still holds; it holds {now.tolist()}"
             )
         indices.append(at.tolist())
+    _own(engine, part)
     for row, positions in enumerate(indices):
         moves, _ = part.table.drop(*divmod(row, heads), positions)
         store.move(moves)
@@ -206,9 +206,8 @@ def splice_heads(
     ``v`` [num_layers, n, num_kv_heads, head_dim], ``mask`` [num_layers, num_kv_heads, n]) when its tokens
     sat at ``saved_positions``, the keys re-anchored to ``positions`` (int64 [n] each). Only the kept tokens
     take head-blocks; no forward pass. All or nothing."""
+    _check_pool(engine)
     lay = engine.pool.layout
-    if engine.pool.slides:
-        raise ConfigError("per-head segments are not yet supported on a pool with sliding-window layers")
     kept = [torch.tensor(row, dtype=torch.int64) for row in keep_lists(mask)]
     table = HeadPageTable(lay.num_layers, lay.num_kv_heads, lay.block_size, engine.pool.head_store())
     table.append_rows([int(r.shape[0]) for r in kept])
@@ -260,17 +259,13 @@ def share_heads(engine: Engine, seg: Segment, into: Sequence, num_tokens: int) -
 def _own(engine: Engine, part: HeadPart) -> None:
     """Copy-on-write before writing into a per-head segment's rows: a private copy of every head-block another
     table shares (all or nothing: a PoolOutOfMemoryError changes nothing)."""
-    store, heads, bs = (
-        engine.pool.head_store(),
-        engine.pool.layout.num_kv_heads,
-        engine.pool.layout.block_size,
-    )
-    table, allocator = part.table, store.pool.allocator
+    store, lay, table = engine.pool.head_store(), engine.pool.layout, part.table
+    heads, bs = lay.num_kv_heads, lay.block_size
     shared = [
         (row, index, block)
         for row in range(len(part.kept))
         for index, block in enumerate(table.row(*divmod(row, heads)))
-        if allocator.refcount(block) > 1
+        if store.pool.allocator.refcount(block) > 1
     ]
     if not shared:
         return

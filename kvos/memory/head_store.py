@@ -51,10 +51,6 @@ class HeadStore:
 
     # ------------------------------------------------------------------ sizes
     @property
-    def block_size(self) -> int:
-        return self.pool.layout.block_size
-
-    @property
     def bytes_per_block(self) -> int:
         """Bytes of K and V of one head-block: ``2 * block_size * head_dim * itemsize``."""
         return self.pool.layout.bytes_per_block
@@ -86,10 +82,6 @@ class HeadStore:
         k, v = self.pool.gather(0, slots.reshape(-1))
         shape = (*slots.shape, k.shape[2])
         return k.view(shape), v.view(shape)
-
-    def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V at flat slots: two ``[len(slots), head_dim]``."""
-        return self.gather_rows(0, torch.tensor(list(slots), dtype=torch.long))
 
     def move(self, moves: Sequence[tuple[int, int]]) -> None:
         """Copy K/V from each ``(source, destination)`` slot; every source is read before any write."""

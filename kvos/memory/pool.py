@@ -367,7 +367,7 @@ class KVPool:
         target = self.growth.blocks_for(self.num_blocks, num_blocks, lay.block_size, per_block)
         beside = self._beside()
         if beside and self.growth.max_bytes is not None:  # the inner pools and the side bytes share the cap
-            if any(p.shrink() for p in self._inner_pools()):  # an empty one gives its slabs back first
+            if any([p.shrink() for p in self._inner_pools()]):  # the empty ones give their slabs back first
                 beside = self._beside()
             room = (self.growth.max_bytes - beside) // per_block
             if room < num_blocks:

@@ -28,7 +28,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 @dataclass
 class HeadKeys:
     """Where each KV head finds a sequence's keys when some of its segments keep their tokens per head
-    (:meth:`kvos.engine.engine.Engine.compress_heads`): those tokens' K/V are in the pool's head store, each
+    (:func:`kvos.engine.head_segments.compress_heads`): those tokens' K/V are in the pool's head store, each
     (layer, KV head) holding its own of them; every other token's are at its ``read_slots`` for every head.
 
     in_heads: bool [T], the key's token is in such a segment.

@@ -80,8 +80,8 @@ class BudgetedSequence:
 
     @property
     def head_block_bytes(self) -> int:
-        lay = self.engine.pool.layout
-        return 2 * lay.block_size * lay.head_dim * lay.dtype.itemsize
+        """Bytes of one head-block (K and V of one KV head of one layer for a block's tokens)."""
+        return self.engine.pool.head_store().bytes_per_block
 
     @property
     def resident_bytes(self) -> int:

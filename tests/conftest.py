@@ -34,3 +34,26 @@ SMALL = {
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_random_model(tmp_path_factory.mktemp("small"), SMALL, seed=3)
+
+
+@pytest.fixture(scope="session")
+def head_calibration(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`kvos calibrate`'s JSON for the small model (its entropies measured on three random texts), for
+    sessions with per-head entropy budgets."""
+    import json
+
+    import torch
+
+    from kvos.engine.engine import Engine
+    from kvos.model.loader import load_model
+    from kvos.policy.calibration import calibrate
+    from kvos.policy.entropy import summarize
+
+    model = load_model(model_dir)
+    texts = [
+        torch.randint(3, 250, (96,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)
+    ]
+    entropies = calibrate(Engine(model), texts, show_progress=False)
+    path = tmp_path_factory.mktemp("calibration") / "entropy.json"
+    path.write_text(json.dumps(summarize(entropies, model.config.group_size)))
+    return path

@@ -3,6 +3,7 @@ restored bit-exact, never visible to a branch that shares the blocks, reported p
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,8 +16,7 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.chunks import ChunkKind
-from kvos.policy.compression import compression_name, parse_compression
-from kvos.policy.sparsify import MagnitudeSparsifier
+from kvos.policy.compression import CompressionSpec, compression_name, parse_compression, parse_spec
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span
@@ -43,27 +43,37 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_parse_compression_names_and_refusals() -> None:
+def test_parse_compression_names_and_refusals(tmp_path: Path) -> None:
     assert parse_compression("none") is None and parse_compression(None) is None
     default = parse_compression("sparse")
-    assert isinstance(default, MagnitudeSparsifier)
-    assert (default.k_scale, default.v_scale, default.key_unit, default.n_sink) == (
-        0.35,
-        0.17,
-        "rotary_pair",
-        64,
-    )
+    assert default is not None and default.budgets is None and default.sparsifier is not None
+    sp = default.sparsifier
+    assert (sp.k_scale, sp.v_scale, sp.key_unit, sp.n_sink) == (0.35, 0.17, "rotary_pair", 64)
     sweet = parse_compression("sparse:sweet")
-    assert sweet is not None and (sweet.k_scale, sweet.v_scale) == (0.45, 0.50)
+    assert sweet is not None and sweet.sparsifier is not None
+    assert (sweet.sparsifier.k_scale, sweet.sparsifier.v_scale) == (0.45, 0.50)
     assert compression_name(sweet) == "sparse:sweet" and compression_name(None) == "none"
-    # one the specs do not make (element-wise keys) is named as such, not as the preset of its scales
-    assert compression_name(MagnitudeSparsifier.preset("sweet")) == "sparse:custom"
-    with pytest.raises(ConfigError, match="per-KV-head page tables"):
-        parse_compression("entropy")
+    # the spelling is checked without a file; the calibration is read when a model is named
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({"kv_head_entropies": {"L0_K0": 1.0, "L0_K1": 3.0}}))
+    both = parse_compression(f"sparse:sweet+entropy:{calibration}@0.25")
+    assert both is not None and both.sparsifier is not None and both.budgets is not None
+    assert dict(both.budgets.entropies) == {(0, 0): 1.0, (0, 1): 3.0} and both.budgets.keep == 0.25
+    assert compression_name(both) == f"sparse:sweet+entropy:{calibration}@0.25"
+    assert parse_spec("entropy") == CompressionSpec(entropy=True)
+    assert parse_spec("entropy@0.3") == CompressionSpec(entropy=True, keep=0.3)
+    assert str(parse_spec("entropy+sparse")) == "sparse:default+entropy"
+    with pytest.raises(ConfigError, match=r"need a calibration for .*run `kvos calibrate"):
+        parse_compression("entropy", tmp_path / "model.gguf")
+    with pytest.raises(ConfigError, match="not a kvos calibration file"):
+        parse_compression(f"entropy:{tmp_path / 'missing.json'}")
+    with pytest.raises(ConfigError, match="KEEP must be a fraction"):
+        parse_spec("entropy@2")
     with pytest.raises(ConfigError, match="unknown sparsification preset 'loose'"):
         parse_compression("sparse:loose")
-    with pytest.raises(ConfigError, match="unknown --kv-compression 'zip'"):
-        parse_compression("zip")
+    for bad in ("zip", "entropy:", "sparse+sparse:sweet", "entropyx", "sparse+entropy+sparse"):
+        with pytest.raises(ConfigError, match="unknown --kv-compression"):
+            parse_spec(bad)
 
 
 def test_each_chunk_is_sparsified_once_prefilled_as_the_engine_would(model_dir: Path) -> None:
@@ -73,7 +83,7 @@ def test_each_chunk_is_sparsified_once_prefilled_as_the_engine_would(model_dir: 
     manager = make_manager(model_dir, "sparse:sweet")
     session = manager.session("s")
     session.sync([Span(ids, ChunkKind.DOCUMENT)])
-    method = manager.config.kv_compression
+    method = manager.config.kv_compression.sparsifier if manager.config.kv_compression else None
     assert method is not None
     engine = Engine(load_model(model_dir), block_size=BLOCK)
     seq = engine.new_sequence()
@@ -197,11 +207,13 @@ def test_serve_refuses_an_unknown_compression(model_dir: Path, capsys: pytest.Ca
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    for spec, why in (("entropy", "per-KV-head page tables"), ("sparse:tight", "unknown sparsification")):
+    for spec, why in (("entropy@0", "KEEP must be a fraction"), ("sparse:tight", "unknown sparsification")):
         with pytest.raises(SystemExit) as stopped:
             parser.parse_args(["--model", str(model_dir), "--kv-compression", spec])
         assert stopped.value.code == 2 and why in capsys.readouterr().err
     assert parser.parse_args(["--kv-compression", "sparse:sweet"]).kv_compression == "sparse:sweet"
+    spec = "sparse+entropy:cal.json@0.4"  # the spelling only: the file is read with the model
+    assert parser.parse_args(["--kv-compression", spec]).kv_compression == spec
 
 
 def test_a_request_sets_its_sessions_compression(model_dir: Path) -> None:
@@ -238,7 +250,7 @@ def test_a_sessions_compression_survives_a_snapshot(model_dir: Path, tmp_path: P
 
     manager = make_manager(model_dir, "none", disk=tmp_path)
     session = manager.session("s")
-    session.compressor.method = parse_compression("sparse:aggressive")
+    session.set_compression("sparse:aggressive")
     session.sync([Span(tokens(6, 4 * CHUNK), ChunkKind.DOCUMENT)])
     snap = snapshot.save(session, tmp_path, "s.snap")
     fresh = make_manager(model_dir, "none", disk=tmp_path).session("s")

@@ -229,7 +229,7 @@ def _play_one(
     config.recovery_signal = args.recovery_signal
     config.retriever = args.loaded_retriever
     config.recovery_bar = args.bar
-    config.kv_compression = parse_compression(args.kv_compression)
+    config.kv_compression = parse_compression(args.kv_compression, manager.engine.model.source)
     if args.retrieval_heads:
         config.retrieval_heads = load_retrieval_heads(args.retrieval_heads)
     if args.weights and name.startswith("kvos-"):

@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         embedder="tokens",
         recovery_signal=args.recovery_signal,
         retriever=find_retriever(path, args.retriever),
-        kv_compression=parse_compression(args.kv_compression),
+        kv_compression=parse_compression(args.kv_compression, path),
     )
     engine = Engine(load_model(path, dtype=torch.float32), kv_dtype=parse_kv_dtype(args.kv_dtype))
     manager = MemoryManager(engine, load_tokenizer(path), config)

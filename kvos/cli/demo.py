@@ -112,7 +112,7 @@ def session_config(args: argparse.Namespace, path: Path, budget: int, context: i
             f"kvos-{args.backend}", Budget(max_active_tokens=budget, policy="hard"), chunk_tokens
         )
     config.embedder = args.embedder
-    config.kv_compression = parse_compression(getattr(args, "kv_compression", "none"))
+    config.kv_compression = parse_compression(getattr(args, "kv_compression", "none"), path)
     config.retriever = find_retriever(path)  # the auto recovery signal: learned with one, else lexical
     return config
 

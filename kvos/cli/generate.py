@@ -55,7 +55,7 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = Engine(model, kv_dtype=parse_kv_dtype(getattr(args, "kv_dtype", "auto")), window_margin=margin)
     seq = engine.new_sequence()
     method = parse_compression(getattr(args, "kv_compression", "none"))
-    sealer = WindowSealer(method) if method is not None else None
+    sealer = WindowSealer(method.sparsifier) if method is not None and method.sparsifier is not None else None
     seal = None if sealer is None else lambda s: sealer(engine.pool, s.slots, s.positions)
     sys.stdout.write(args.prompt if not args.chat else "")
     reason = None

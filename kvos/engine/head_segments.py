@@ -276,3 +276,24 @@ def _own(engine: Engine, part: HeadPart) -> None:
     store.put(dst, *store.gather_rows(0, src))
     for (row, index, _), block in zip(shared, fresh, strict=True):
         store.free(table.replace(*divmod(row, heads), index, block))
+
+
+def pack_mask(mask: torch.Tensor) -> str:
+    """A :func:`head_mask` (bool [num_layers, num_kv_heads, n]) as hex text, one bit a (row, token), for a
+    chunk file's JSON metadata; :func:`unpack_mask` reads it back."""
+    bits = mask.reshape(-1).to(torch.uint8)
+    bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)]).view(-1, 8)
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    return bytes((bits * weights).sum(dim=1, dtype=torch.uint8).tolist()).hex()
+
+
+def unpack_mask(text: str, num_layers: int, num_kv_heads: int, n: int) -> torch.Tensor:
+    """The bool [num_layers, num_kv_heads, n] mask :func:`pack_mask` wrote. ValueError when ``text`` does
+    not hold that many bits."""
+    raw = torch.tensor(list(bytes.fromhex(text)), dtype=torch.uint8)
+    size = num_layers * num_kv_heads * n
+    if raw.numel() != -(-size // 8):
+        raise ValueError(f"a head mask of {raw.numel()} bytes for {num_layers}x{num_kv_heads}x{n} tokens")
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8)
+    bits = (raw[:, None] >> shifts) & 1
+    return bits.reshape(-1)[:size].bool().view(num_layers, num_kv_heads, n)

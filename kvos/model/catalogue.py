@@ -28,6 +28,9 @@ from kvos.model.home import kvos_home
 # The retrievers of the "learned" recovery signal that kvos ships for catalogue models, fitted by `kvos
 # calibrate --retriever` (knowledge sessions of the calibration seed) and found by shipped_retriever.
 RETRIEVERS = Path(__file__).resolve().parent / "retrievers"
+# The per-head entropy calibrations (`kvos calibrate`, built-in texts) kvos ships for catalogue models, found
+# by shipped_calibration: what `--kv-compression entropy` reads without a FILE.
+CALIBRATIONS = Path(__file__).resolve().parent / "calibrations"
 
 
 @dataclass(frozen=True)
@@ -210,17 +213,32 @@ def model_name(path: Path, catalogue: Mapping[str, CatalogueEntry] | None = None
     return path.name
 
 
-def shipped_retriever(path: str | Path, catalogue: Mapping[str, CatalogueEntry] | None = None) -> Path | None:
-    """The retriever file kvos ships for the model at ``path``: a catalogue model's file (its catalogue
-    file name and exact size, wherever it is kept) whose entry has one; None for any other model."""
+def catalogue_entry(
+    path: str | Path, catalogue: Mapping[str, CatalogueEntry] | None = None
+) -> CatalogueEntry | None:
+    """The catalogue entry of the model file at ``path`` (its catalogue file name and exact size, wherever
+    it is kept), or None."""
     path = Path(path)
     if not path.is_file():
         return None
     entries = CATALOGUE if catalogue is None else catalogue
-    for entry in entries.values():
-        if entry.retriever and path.name == entry.file and path.stat().st_size == entry.size:
-            return RETRIEVERS / f"{entry.name}.safetensors"
-    return None
+    size = path.stat().st_size
+    return next((e for e in entries.values() if path.name == e.file and size == e.size), None)
+
+
+def shipped_retriever(path: str | Path, catalogue: Mapping[str, CatalogueEntry] | None = None) -> Path | None:
+    """The retriever file kvos ships for the model at ``path``: a catalogue model's whose entry has one;
+    None for any other model."""
+    entry = catalogue_entry(path, catalogue)
+    return RETRIEVERS / f"{entry.name}.safetensors" if entry is not None and entry.retriever else None
+
+
+def shipped_calibration(path: str | Path) -> Path | None:
+    """The entropy calibration (``kvos calibrate``'s JSON) kvos ships for the model at ``path``: a catalogue
+    model's, where there is one in :data:`CALIBRATIONS`; None for any other model."""
+    entry = catalogue_entry(path)
+    found = CALIBRATIONS / f"{entry.name}.json" if entry is not None else None
+    return found if found is not None and found.exists() else None
 
 
 def default_model() -> Path:

@@ -133,11 +133,14 @@ def load_model(
     """Load a model from a Hugging Face directory, a ``.gguf`` file or a llama2.c ``.bin`` checkpoint."""
     root = Path(path)
     if root.is_dir():
-        return load_hf(root, dtype, device)
-    if root.suffix == ".gguf" and root.is_file():
-        return load_gguf(root, dtype, device)
-    if root.suffix == ".bin" and root.is_file():
-        return load_llama2c(root, dtype, device)
-    raise ModelLoadError(
-        f"{root} is neither a Hugging Face model directory, a GGUF file nor a llama2.c .bin checkpoint"
-    )
+        model = load_hf(root, dtype, device)
+    elif root.suffix == ".gguf" and root.is_file():
+        model = load_gguf(root, dtype, device)
+    elif root.suffix == ".bin" and root.is_file():
+        model = load_llama2c(root, dtype, device)
+    else:
+        raise ModelLoadError(
+            f"{root} is neither a Hugging Face model directory, a GGUF file nor a llama2.c .bin checkpoint"
+        )
+    model.source = root
+    return model

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -139,6 +140,7 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]) -> None:
         self.config = config
+        self.source: Path | None = None  # the file or directory it was loaded from (load_model)
         self.embed = _need(weights, "model.embed_tokens.weight")
         self.final_norm = _dense(weights, "model.norm.weight")
         self.dtype = self.embed.dtype

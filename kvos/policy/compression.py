@@ -1,4 +1,5 @@
-"""A session's K/V compression, chosen once by name: ``none`` or ``sparse[:PRESET]``.
+"""A session's K/V compression, chosen once by name: ``none``, ``sparse[:PRESET]``, ``entropy[:FILE][@KEEP]``
+or both, ``sparse[:PRESET]+entropy[:FILE][@KEEP]``.
 
 ``sparse`` is magnitude-threshold sparsification (:mod:`kvos.policy.sparsify`) applied to each chunk of a
 session once its tokens are all written: per layer and KV head, ``tau_h = max(sigma_h / 2, mu_h) x s`` over
@@ -8,66 +9,185 @@ element. The first ``n_sink`` (64) positions of the history are never touched. T
 K/V rest outside the pool: the chunk store (RAM and disk) and the saved state directory encode them sparse
 (:mod:`kvos.memory.codec`). The pool stays dense.
 
-Per-head entropy budgets are not a session setting yet: they need page tables that differ per KV head in the
-main pool, and run only in ``kvos bench quality``; asking for them is a :class:`ConfigError` that says so.
+``entropy`` gives each (layer, KV head) of a sealed chunk its own share of the chunk's tokens, by the
+model's calibrated attention entropy (:class:`~kvos.policy.entropy.HeadBudgets`: ``KEEP`` of the chunk's
+tokens per row on average, 0.5 by default), and each head keeps the tokens it attends to most
+(:mod:`kvos.session.compressor`). The dropped tokens' K/V leave the pool: the chunk's rows move into the
+pool's head store (:mod:`kvos.engine.head_segments`). ``FILE`` is a ``kvos calibrate`` JSON; without it,
+the model's own (:func:`calibration_path`: ``entropy.json`` in a model directory, ``<file>.entropy.json``
+beside a model file) or the one kvos ships for a catalogue model.
+
+Parsing a spec (:func:`parse_spec`) reads no file: the command line checks the spelling as it parses;
+:func:`resolve` then loads the calibration for the model that will run.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
 
 from kvos.errors import ConfigError
+from kvos.policy.entropy import HeadBudgets, load_calibration
 from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier
 
+DEFAULT_KEEP = 0.5
+CALIBRATION_NAME = "entropy.json"
 COMPRESSION_HELP = (
-    "K/V compression of each session: none (default) or sparse[:PRESET], magnitude sparsification with "
-    f"the presets {', '.join(PRESETS)} (sparse alone: default); zeroed K/V are stored sparse when paged "
-    "out or saved"
+    "K/V compression of each session: none (default); sparse[:PRESET], magnitude sparsification with the "
+    f"presets {', '.join(PRESETS)} (zeroed K/V stored sparse when paged out or saved); "
+    f"entropy[:FILE][@KEEP], per-KV-head token budgets from `kvos calibrate` entropies (KEEP of each "
+    f"chunk's tokens per head on average, default {DEFAULT_KEEP}; the dropped K/V leave the pool); or "
+    "sparse[:PRESET]+entropy[:FILE][@KEEP]"
 )
 
 
-def parse_compression(spec: str | None) -> MagnitudeSparsifier | None:
-    """``none`` (or None) -> None; ``sparse`` / ``sparse:PRESET`` -> the sessions' sparsifier (keys by
-    rotary pair). ConfigError for anything else, naming what is accepted."""
+@dataclass(frozen=True)
+class CompressionSpec:
+    """What a spec names, before any file is read. ``sparse``: the preset (None: no sparsification);
+    ``entropy``: per-head budgets on; ``calibration``: their file (None: the model's own); ``keep``: the
+    mean share of a chunk's tokens each (layer, KV head) keeps."""
+
+    sparse: str | None = None
+    entropy: bool = False
+    calibration: str | None = None
+    keep: float = DEFAULT_KEEP
+
+    def __str__(self) -> str:
+        parts = [f"sparse:{self.sparse}"] if self.sparse is not None else []
+        if self.entropy:
+            file = f":{self.calibration}" if self.calibration is not None else ""
+            keep = f"@{self.keep:g}" if self.keep != DEFAULT_KEEP else ""
+            parts.append(f"entropy{file}{keep}")
+        return "+".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A spec with what it needs to run: the sparsifier (keys by rotary pair) and the head budgets."""
+
+    spec: CompressionSpec
+    sparsifier: MagnitudeSparsifier | None = None
+    budgets: HeadBudgets | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.spec)
+
+
+def parse_spec(spec: str | None) -> CompressionSpec | None:
+    """The spec's meaning, None for ``none`` (or None). ConfigError naming what is accepted otherwise."""
     if spec is None or spec == "none":
         return None
-    method, _, preset = spec.partition(":")
-    if method == "sparse":
-        return MagnitudeSparsifier.preset(preset or "default", key_unit="rotary_pair")
-    if method in ("entropy", "sparse+entropy"):
-        raise ConfigError(
-            f"--kv-compression {spec}: per-head entropy budgets are not a session setting yet (they need "
-            "per-KV-head page tables in the main pool; `kvos bench quality` measures them); use none or "
-            "sparse[:PRESET]"
-        )
-    raise ConfigError(f"unknown --kv-compression {spec!r}; use none or sparse[:{'|'.join(PRESETS)}]")
+    sparse, entropy, calibration, keep = None, False, None, DEFAULT_KEEP
+    parts = spec.split("+")
+    if len(parts) > 2 or len({p.partition(":")[0].partition("@")[0] for p in parts}) < len(parts):
+        raise _unknown(spec)
+    for part in parts:
+        if part == "sparse" or part.startswith("sparse:"):
+            sparse = part.partition(":")[2] or "default"
+            if sparse not in PRESETS:
+                raise ConfigError(
+                    f"--kv-compression {spec}: unknown sparsification preset {sparse!r}; use one of {PRESETS}"
+                )
+        elif part.startswith("entropy") and part[7:8] in ("", ":", "@"):
+            entropy, rest = True, part[7:]
+            if "@" in rest:
+                rest, _, ratio = rest.rpartition("@")
+                keep = _keep(ratio, spec)
+            if rest == ":":
+                raise _unknown(spec)
+            calibration = rest[1:] or None
+        else:
+            raise _unknown(spec)
+    return CompressionSpec(sparse, entropy, calibration, keep)
 
 
-def compression_name(method: MagnitudeSparsifier | None) -> str:
-    """The spec :func:`parse_compression` makes ``method`` from (``none`` for None), or ``sparse:custom``
-    for a sparsifier no spec makes (built in Python with other settings: a snapshot keeps no custom one)."""
-    if method is None:
-        return "none"
-    for name in PRESETS:
-        if parse_compression(f"sparse:{name}") == method:
-            return f"sparse:{name}"
-    return "sparse:custom"
+def _keep(text: str, spec: str) -> float:
+    try:
+        keep = float(text)
+    except ValueError:
+        keep = -1.0
+    if not 0 < keep <= 1:
+        raise ConfigError(f"--kv-compression {spec}: KEEP must be a fraction in (0, 1], got {text!r}")
+    return keep
+
+
+def _unknown(spec: str) -> ConfigError:
+    return ConfigError(
+        f"unknown --kv-compression {spec!r}; use none, sparse[:{'|'.join(PRESETS)}], entropy[:FILE][@KEEP] "
+        "or sparse[:PRESET]+entropy[:FILE][@KEEP]"
+    )
+
+
+def calibration_path(model: str | Path) -> Path:
+    """Where a model's entropy calibration lives by default: ``entropy.json`` in a model directory, or
+    ``<file>.entropy.json`` beside a model file (what ``kvos calibrate`` writes without ``--out``)."""
+    model = Path(model)
+    return model / CALIBRATION_NAME if model.is_dir() else model.with_name(f"{model.name}.{CALIBRATION_NAME}")
+
+
+def find_calibration(model: str | Path | None, given: str | None = None) -> Path:
+    """The calibration file of ``given``, else the model's own, else the one kvos ships for a catalogue
+    model; ConfigError saying how to make one when there is none."""
+    from kvos.model.catalogue import shipped_calibration
+
+    if given is not None:
+        return Path(given)
+    if model is not None:
+        own = calibration_path(model)
+        if own.exists():
+            return own
+        shipped = shipped_calibration(model)
+        if shipped is not None:
+            return shipped
+    where = f" for {model}" if model is not None else ""
+    raise ConfigError(
+        f"per-head entropy budgets need a calibration{where}: run `kvos calibrate --model MODEL` (it writes "
+        "it beside the model) or name one, entropy:FILE"
+    )
+
+
+def resolve(spec: CompressionSpec | str | None, model: str | Path | None = None) -> Compression | None:
+    """What runs ``spec`` for the model at ``model`` (its path, for the default calibration)."""
+    parsed = parse_spec(spec) if not isinstance(spec, CompressionSpec) else spec
+    if parsed is None:
+        return None
+    sparsifier = None
+    if parsed.sparse is not None:
+        sparsifier = MagnitudeSparsifier.preset(parsed.sparse, key_unit="rotary_pair")
+    budgets = None
+    if parsed.entropy:
+        path = find_calibration(model, parsed.calibration)
+        budgets = HeadBudgets(load_calibration(path), parsed.keep)
+    return Compression(parsed, sparsifier, budgets)
+
+
+def parse_compression(spec: str | None, model: str | Path | None = None) -> Compression | None:
+    """:func:`parse_spec` then :func:`resolve` for the model at ``model``."""
+    return resolve(parse_spec(spec), model)
+
+
+def compression_name(method: Compression | None) -> str:
+    """The spec ``method`` was made from (``none`` for None)."""
+    return "none" if method is None else method.name
 
 
 def _checked(spec: str) -> str:
     try:
-        parse_compression(spec)
+        parse_spec(spec)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     return spec
 
 
 def add_compression_argument(p: argparse.ArgumentParser) -> None:
-    """``--kv-compression SPEC`` (default ``none``), checked as it is parsed; the value stays the spec."""
+    """``--kv-compression SPEC`` (default ``none``), its spelling checked as it is parsed; the value stays the
+    spec (:func:`parse_compression` with the model's path makes it)."""
     p.add_argument(
         "--kv-compression",
         default="none",
         type=_checked,
-        metavar="none|sparse[:PRESET]",
+        metavar="none|sparse[:PRESET]|entropy[:FILE][@KEEP]|sparse[:PRESET]+entropy[:FILE][@KEEP]",
         help=COMPRESSION_HELP,
     )

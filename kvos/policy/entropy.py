@@ -16,6 +16,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,61 @@ def head_budgets(
         ratio = min(max(bits / mean, low), high) if mean > 0 else 1.0
         out[key] = min(max(math.floor(n * keep_ratio * ratio + 0.5), 1), n)
     return out
+
+
+def matched_budgets(
+    kv_entropies: Mapping[tuple[int, int], float], n: int, keep_ratio: float, block_size: int = 1
+) -> dict[tuple[int, int], int]:
+    """:func:`head_budgets` at the memory of a uniform ``keep_ratio``: each budget rounded up to whole blocks
+    of ``block_size`` tokens (a head's last block holds that many whatever its budget; at most ``n``), with
+    the largest ratio whose blocks, summed over the heads, are no more than ``ceil(n * keep_ratio)`` tokens'
+    worth per head would take. The seed's rule with the clamp's drift taken out: its budgets average to
+    ``keep_ratio`` only when no head is clamped."""
+    if not 0 < keep_ratio <= 1:
+        raise ConfigError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    def whole(budgets: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+        return {row: min(blocks(b) * block_size, n) for row, b in budgets.items()}
+
+    target = blocks(math.ceil(n * keep_ratio - 1e-9)) * len(kv_entropies)
+    low, high = 0.0, 1.0  # the block total is nondecreasing in the ratio: bisect on it
+    best = whole(head_budgets(kv_entropies, n, 1e-9))
+    for _ in range(30):
+        mid = (low + high) / 2
+        trial = whole(head_budgets(kv_entropies, n, mid))
+        if sum(blocks(b) for b in trial.values()) <= target:
+            low, best = mid, trial
+        else:
+            high = mid
+    return best
+
+
+@dataclass(frozen=True)
+class HeadBudgets:
+    """A session's per-KV-head budgets: the calibrated entropies (``(layer, kv_head)`` -> bits) and the mean
+    share ``keep`` of a chunk's tokens a head keeps (:func:`matched_budgets`)."""
+
+    entropies: Mapping[tuple[int, int], float]
+    keep: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.keep <= 1:
+            raise ConfigError(f"keep must be in (0, 1], got {self.keep}")
+
+    def for_chunk(self, n: int, num_layers: int, num_kv_heads: int, block_size: int) -> list[int]:
+        """Tokens each row (layer-major, ``layer * num_kv_heads + kv_head``) of an ``n``-token chunk keeps.
+        ConfigError when the calibration does not cover the model's heads (it is another model's)."""
+        rows = [(layer, head) for layer in range(num_layers) for head in range(num_kv_heads)]
+        if set(rows) != set(self.entropies):
+            raise ConfigError(
+                f"the entropy calibration covers {len(self.entropies)} (layer, KV head) pairs, the model has "
+                f"{num_layers} x {num_kv_heads}: it was measured on another model; run `kvos calibrate`"
+            )
+        budgets = matched_budgets(self.entropies, n, self.keep, block_size)
+        return [budgets[row] for row in rows]
 
 
 def summarize(entropies: torch.Tensor, group: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvos.errors import ConfigError
-from kvos.policy.entropy import head_budgets
+from kvos.policy.entropy import head_budgets, matched_budgets
 
 DEFAULT_SINKS = 4
 Row = tuple[int, int]  # (layer, kv_head)
@@ -158,23 +158,7 @@ class EntropyMatched(Entropy):
         if budget_tokens >= n_seen:
             return dict.fromkeys(rows, n_seen)
         entropies = {row: self.calibration[row] for row in rows}
-        target = self._blocks(budget_tokens) * len(rows)
-        low, high = 0.0, 1.0  # the block total is nondecreasing in keep_ratio: bisect on it
-        best = self._whole_blocks(head_budgets(entropies, n_seen, 1e-9), n_seen)
-        for _ in range(30):
-            mid = (low + high) / 2
-            trial = self._whole_blocks(head_budgets(entropies, n_seen, mid), n_seen)
-            if sum(self._blocks(b) for b in trial.values()) <= target:
-                low, best = mid, trial
-            else:
-                high = mid
-        return best
-
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def _whole_blocks(self, budgets: dict[Row, int], n_seen: int) -> dict[Row, int]:
-        return {row: min(self._blocks(b) * self.block_size, n_seen) for row, b in budgets.items()}
+        return matched_budgets(entropies, n_seen, budget_tokens / n_seen, self.block_size)
 
 
 @dataclass
@@ -244,6 +228,26 @@ class SnapKV(TokenPolicy):
 def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     """1-D max-pool of per-token scores [T] (stride 1, same length), as SnapKV clusters its selection."""
     return F.max_pool1d(scores.float()[None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
+
+
+def observed_keep(
+    probs: Sequence[torch.Tensor], budgets: Sequence[int], num_kv_heads: int, sinks: int, kernel: int = 7
+) -> list[list[int]]:
+    """Which of ``n`` tokens each (layer, KV head) keeps, chosen once from an observation window's attention
+    (SnapKV's rule with per-head budgets): ``probs[layer]`` float [num_heads, n], the window's mean
+    attention of each query head over the tokens; a KV head scores a token by the sum over its query heads
+    (head ``h`` reads KV head ``h // group``), max-pooled over ``kernel`` neighbours, and keeps the first
+    ``sinks`` tokens and its ``budgets[row]`` best (rows layer-major). Returns increasing indices per row."""
+    out = []
+    for layer, p in enumerate(probs):
+        n = p.shape[-1]
+        grouped = p.float().cpu().reshape(num_kv_heads, -1, n).sum(dim=1)  # [Hkv, n]
+        for head in range(num_kv_heads):
+            scores = pool_scores(grouped[head], kernel)
+            scores[:sinks] = float("inf")
+            budget = min(budgets[layer * num_kv_heads + head], n)
+            out.append(sorted(torch.topk(scores, budget).indices.tolist()))
+    return out
 
 
 @dataclass

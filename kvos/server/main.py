@@ -306,7 +306,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         retriever=find_retriever(path, args.retriever),
         store_ram_bytes=args.store_ram_bytes,
         store_disk_dir=args.store_disk_dir,
-        kv_compression=parse_compression(args.kv_compression),
+        kv_compression=parse_compression(args.kv_compression, path),
         recurrent_checkpoints=args.recurrent_checkpoints,
     )
     if config.retriever is not None:

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvos.policy.compression import parse_compression
+from kvos.policy.compression import parse_spec
 
 # what kvos itself passes the chat template (and its own render methods take): not settable by a request
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "self"})
@@ -25,7 +25,7 @@ class Hints(BaseModel):
     @field_validator("kv_compression")
     @classmethod
     def _known_compression(cls, value: str | None) -> str | None:
-        parse_compression(value)  # ConfigError is a ValueError: a 400 naming the field
+        parse_spec(value)  # ConfigError is a ValueError: a 400 naming the field
         return value
 
 

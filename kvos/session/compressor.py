@@ -2,10 +2,20 @@
 
 A chunk is sealed when no more tokens will be written into it: a prompt chunk once prefilled (but the
 generation prompt's ASSISTANT chunk, which the reply continues), a reply chunk once full or once the reply
-ends. :meth:`ChunkCompressor.seal` sparsifies the tokens written since the chunk was last sealed
-(``Chunk.compressed_tokens`` on), in the pool, through the engine's copy-on-write edit: a branch that
-shares the blocks keeps its own copy. Deterministic: the same chunk in the same state gets the same zeros,
-so a session that evicts and restores holds what one that never evicted holds.
+ends.
+
+- Sparsification: :meth:`ChunkCompressor.seal` sparsifies the tokens written since the chunk was last
+  sealed (``Chunk.compressed_tokens`` on), in the pool, through the engine's copy-on-write edit: a branch
+  that shares the blocks keeps its own copy. Deterministic: the same chunk in the same state gets the same
+  zeros, so a session that evicts and restores holds what one that never evicted holds.
+- Per-head budgets: a sealed chunk waits for the next observation, the attention of the last 32 queries
+  of a prompt chunk's prefill over the whole cache, every layer (SnapKV's observation window): a prompt
+  chunk is observed by its own prefill, a reply chunk by the next message's. Each (layer, KV head) then
+  keeps its budget (:meth:`HeadBudgets.for_chunk`) of the chunk's tokens: the history's first
+  ``sink_count`` tokens, then the tokens its query heads attend to most (summed over the group,
+  max-pooled over 7 neighbours as SnapKV clusters them). :func:`~kvos.engine.head_segments.compress_heads`
+  moves the kept K/V into the head store and gives the chunk's blocks back. A chunk is chosen once; its
+  heads keep their tokens wherever it goes (paged out and in, saved, shared).
 """
 
 from __future__ import annotations
@@ -16,38 +26,74 @@ import time
 import torch
 
 from kvos.engine.engine import Engine
-from kvos.errors import PoolOutOfMemoryError
+from kvos.engine.head_segments import compress_heads
+from kvos.errors import ConfigError, PoolOutOfMemoryError
 from kvos.memory.pool import KVPool
 from kvos.policy.chunks import Chunk
-from kvos.policy.sparsify import MagnitudeSparsifier, SparsifyReport
+from kvos.policy.compression import Compression
+from kvos.policy.sparsify import SparsifyReport
+from kvos.policy.token_select import observed_keep
 from kvos.session.pager import Pager
 
 _log = logging.getLogger(__name__)
 
 
 class ChunkCompressor:
-    """One session's compression, and what it zeroed and the seconds it took since this process made the
-    session (what each chunk holds is its own record: ``Chunk.compressed_tokens``)."""
+    """One session's compression, and what it zeroed, dropped and the seconds it took since this process
+    made the session (what each chunk holds is its own record: ``Chunk.compressed_tokens``, its segment's
+    per-head table)."""
 
-    def __init__(self, method: MagnitudeSparsifier | None, engine: Engine) -> None:
-        self.method, self.engine = method, engine
+    def __init__(self, method: Compression | None, engine: Engine, sink_count: int = 4) -> None:
+        self.engine, self.sink_count = engine, sink_count
+        self.method: Compression | None = None
+        self.set(method)
         self.report = SparsifyReport()
         self.seconds = 0.0
+        self.awaiting: set[int] = set()  # sealed chunks whose heads have not chosen their tokens yet
+        self.head_chunks = 0  # chunks whose heads chose their tokens in this process
+        self.head_bytes_freed = 0
+
+    def set(self, method: Compression | None) -> None:
+        """Compress the chunks sealed from now on by ``method``; ConfigError when its per-head budgets do
+        not fit the model (another model's calibration; sliding-window layers)."""
+        if method is not None and method.budgets is not None:
+            lay = self.engine.pool.layout
+            method.budgets.for_chunk(1, lay.num_layers, lay.num_kv_heads, lay.block_size)
+            if self.engine.pool.slides:
+                raise ConfigError("per-head entropy budgets do not run on models with sliding-window layers")
+        self.method = method
+
+    @property
+    def observes(self) -> bool:
+        """Whether prefills should capture every layer's attention for :meth:`choose_heads`."""
+        return self.method is not None and self.method.budgets is not None
 
     def pending(self, chunk: Chunk, pager: Pager) -> bool:
-        """Whether a seal of ``chunk`` has work: a method, the chunk resident, tokens not yet compressed."""
-        resident = chunk.chunk_id in pager.segments
-        return self.method is not None and resident and chunk.compressed_tokens < chunk.num_tokens
+        """Whether a seal of ``chunk`` has sparsification to do: a sparsifier, the chunk resident and whole,
+        tokens not yet compressed."""
+        seg = pager.segments.get(chunk.chunk_id)
+        sparse = self.method is not None and self.method.sparsifier is not None
+        return sparse and seg is not None and seg.heads is None and chunk.compressed_tokens < chunk.num_tokens
 
-    def seal(self, chunk: Chunk, pager: Pager) -> float:
-        """Compress the resident ``chunk``'s tokens from ``chunk.compressed_tokens`` on; returns the seconds
-        it took (0 when nothing is :meth:`pending`). When a private copy of a block shared with a branch
-        cannot be allocated, the chunk is left as it is for a later seal."""
-        if not self.pending(chunk, pager):
-            return 0.0
-        method, seg, lo = self.method, pager.segments[chunk.chunk_id], chunk.compressed_tokens
-        assert method is not None
+    def seal(self, chunk: Chunk, pager: Pager, captured: dict[int, torch.Tensor] | None = None) -> float:
+        """Compress the resident ``chunk``: sparsify its tokens from ``chunk.compressed_tokens`` on, and with
+        per-head budgets, mark it for the next observation (``captured``, when given: this one). Returns the
+        seconds it took. When a private copy of a block shared with a branch cannot be allocated, the chunk
+        is left as it is for a later seal."""
         began = time.perf_counter()
+        if self.pending(chunk, pager):
+            self._sparsify(chunk, pager)
+        if self.observes and chunk.chunk_id in pager.segments:
+            self.awaiting.add(chunk.chunk_id)
+        if captured:
+            self.choose_heads(pager, captured)
+        seconds = time.perf_counter() - began
+        self.seconds += seconds
+        return seconds
+
+    def _sparsify(self, chunk: Chunk, pager: Pager) -> None:
+        assert self.method is not None and self.method.sparsifier is not None
+        method, seg, lo = self.method.sparsifier, pager.segments[chunk.chunk_id], chunk.compressed_tokens
         positions = torch.arange(chunk.original_start + lo, chunk.original_end, dtype=torch.int64)
 
         def edit(pool: KVPool, slots: torch.Tensor) -> SparsifyReport:
@@ -57,18 +103,64 @@ class ChunkCompressor:
             report = self.engine.edit_kv(pager.seq, seg, lo, edit)
         except PoolOutOfMemoryError:
             _log.info("chunk %d left uncompressed: no block for a private copy", chunk.chunk_id)
-            return 0.0
+            return
         chunk.compressed_tokens = chunk.num_tokens
         self.report += report
-        seconds = time.perf_counter() - began
-        self.seconds += seconds
-        return seconds
+
+    def choose_heads(self, pager: Pager, captured: dict[int, torch.Tensor]) -> None:
+        """Each awaiting resident chunk's heads keep their budgets of its tokens, chosen by ``captured``
+        (layer -> float [num_heads, T], the observation window's mean attention over the cache as it is now,
+        in cache order, every layer)."""
+        if not self.awaiting or self.method is None or self.method.budgets is None:
+            return
+        lay = self.engine.pool.layout
+        if len(captured) < lay.num_layers:
+            raise ValueError(f"per-head budgets need every layer's attention, got {sorted(captured)}")
+        start = {}
+        at = 0
+        for seg in pager.seq.segments:
+            start[id(seg)] = at
+            at += seg.num_tokens
+        for cid in sorted(self.awaiting):
+            resident = pager.segments.get(cid)
+            if resident is None:
+                continue  # paged out whole: chosen when it is resident at an observation again
+            self.awaiting.discard(cid)
+            if resident.heads is not None or not resident.num_tokens:
+                continue
+            seg = resident
+            lo = start[id(seg)]
+            keep = self._keep(pager.chunks[cid], captured, lo, seg.num_tokens)
+            if all(len(k) == seg.num_tokens for k in keep):
+                continue  # every head keeps every token: nothing to free
+            try:
+                self.head_bytes_freed += compress_heads(self.engine, pager.seq, seg, keep)
+            except PoolOutOfMemoryError:
+                _log.info("chunk %d keeps all its heads' tokens: no head-blocks for it", cid)
+                continue
+            self.head_chunks += 1
+
+    def _keep(self, chunk: Chunk, captured: dict[int, torch.Tensor], lo: int, n: int) -> list[list[int]]:
+        """Per row (layer-major), the increasing indices of the chunk's tokens it keeps."""
+        assert self.method is not None and self.method.budgets is not None
+        lay = self.engine.pool.layout
+        budgets = self.method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, lay.block_size)
+        sinks = max(0, min(self.sink_count - chunk.original_start, n))
+        probs = [captured[layer][:, lo : lo + n] for layer in range(lay.num_layers)]
+        return observed_keep(probs, budgets, lay.num_kv_heads, sinks)
+
+    def forget(self, chunk_id: int) -> None:
+        """A chunk the session no longer holds (history truncated)."""
+        self.awaiting.discard(chunk_id)
 
     def stats(self) -> dict[str, object]:
-        """Zeroed fractions of K and V over the tokens this process compressed, and the seconds spent."""
+        """Zeroed fractions of K and V over the tokens this process sparsified, the chunks whose heads chose
+        their tokens and the pool bytes that freed, and the seconds spent."""
         r = self.report
         return {
             "k_zero_fraction": round(r.k_sparsity, 4),
             "v_zero_fraction": round(r.v_sparsity, 4),
+            "head_chunks": self.head_chunks,
+            "head_bytes_freed": self.head_bytes_freed,
             "compress_s": round(self.seconds, 4),
         }

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Literal
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
 from kvos.policy.budget import Budget
+from kvos.policy.compression import Compression
 from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import Scorer
-from kvos.policy.sparsify import MagnitudeSparsifier
 from kvos.session.embedder import DEFAULT_EMBEDDER, EmbedderName
 from kvos.session.pager import Backend, PositionMode
 from kvos.session.recovery import RecoverySignal, signal_class
@@ -56,7 +56,8 @@ class SessionConfig:
         statement that answers it, so the bar blocked the right chunk: 57.5% vs 63.3-70% probe recall at
         25-50% budgets on the recall benchmark).
     kv_compression: the K/V compression applied to each chunk once sealed (:mod:`kvos.policy.compression`,
-        :func:`~kvos.policy.compression.parse_compression`): None (the default) or a sparsifier.
+        :func:`~kvos.policy.compression.parse_compression`): None (the default), a sparsifier, per-head
+        entropy budgets or both.
     recurrent_checkpoints: a hybrid model's recurrent state kept at this many of the latest chunk boundaries
         (:mod:`kvos.session.checkpoints`; each a full state, 20.2 MB on Qwen3.5-0.8B's shape): a cut in the
         history goes back to the latest one before it; with 0 every cut reads the history again.
@@ -83,7 +84,7 @@ class SessionConfig:
     query_window: int = 64
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
-    kv_compression: MagnitudeSparsifier | None = None
+    kv_compression: Compression | None = None
     recurrent_checkpoints: int = 4
 
     def __post_init__(self) -> None:

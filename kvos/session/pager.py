@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from kvos.engine.engine import Engine
+from kvos.engine.head_segments import pack_mask, read_heads, splice_heads, unpack_mask
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError, CorruptChunkError
 from kvos.memory.store import ChunkStore, StoredChunk
@@ -160,13 +161,12 @@ class Pager:
             self._opened_at.pop(chunk.chunk_id, None)
             if self.backend == "kv_restore":
                 assert self.store is not None
-                k, v = self.engine.read_kv(seg)
+                k, v, meta = self.read(seg)
                 if self.digest_layers:
                     chunk.digest = digest_keys(k, seg.positions, self.engine.model.ropes, self.digest_layers)
                 if self.retriever is not None and chunk.key_code is None:
                     chunk.key_code = self._code(k, seg.positions)
                 self.saved.add(chunk.chunk_id)  # before put: a store over its caps may drop it at once
-                meta = {"positions": seg.positions.tolist(), "held_from": seg.held_from}
                 self.store.put(chunk.chunk_id, k, v, meta, copy=False)
                 self._reap()  # a store over its caps may have dropped this chunk or older ones
             else:
@@ -179,6 +179,33 @@ class Pager:
         if self.mode == "compact":
             self.compact()
         return freed
+
+    def read(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor, dict[str, object]]:
+        """A resident segment's K and V ([num_layers, n, num_kv_heads, head_dim] each) and the metadata a
+        chunk file keeps beside them, which :meth:`splice` takes back: its positions, how much of it the
+        sliding-window layers hold and, for a segment whose KV heads keep their own tokens, which
+        (:func:`~kvos.engine.head_segments.pack_mask`; the K/V are zero where a head holds no token)."""
+        meta: dict[str, object] = {"positions": seg.positions.tolist(), "held_from": seg.held_from}
+        if seg.heads is None:
+            k, v = self.engine.read_kv(seg)
+        else:
+            k, v, mask = read_heads(self.engine, seg)
+            meta["head_mask"] = pack_mask(mask)
+        return k, v, meta
+
+    def splice(
+        self, index: int, chunk: Chunk, saved: StoredChunk, old: torch.Tensor, new: torch.Tensor
+    ) -> Segment:
+        """Put a saved chunk back at ``index`` in cache order, its keys moved from ``old`` to ``new``
+        positions (int64 [n]), no forward pass: its KV heads keep the tokens they kept when it was saved."""
+        text = saved.meta.get("head_mask")
+        if text is None:
+            return self.engine.splice(
+                self.seq, index, chunk.token_ids, saved.k, saved.v, old, new, held_from(saved)
+            )
+        lay = self.engine.pool.layout  # (the store checks a chunk file's metadata with its K/V)
+        mask = unpack_mask(str(text), lay.num_layers, lay.num_kv_heads, chunk.num_tokens)
+        return splice_heads(self.engine, self.seq, index, chunk.token_ids, saved.k, saved.v, mask, old, new)
 
     def compact(self) -> None:
         """Give resident tokens contiguous positions in cache order, re-anchoring keys that move."""
@@ -198,7 +225,7 @@ class Pager:
         """The key digest of a resident chunk (of ``seg``, its segment, once it has left ``segments``),
         from its keys in the pool (needs ``digest_layers``)."""
         seg = seg if seg is not None else self.segments[chunk.chunk_id]
-        k, _ = self.engine.read_kv(seg)
+        k, _, _ = self.read(seg)
         return digest_keys(k, seg.positions, self.engine.model.ropes, self.digest_layers)
 
     def key_codes(self, chunks: list[Chunk]) -> list[torch.Tensor | None]:
@@ -209,6 +236,9 @@ class Pager:
         (discarded): it cannot be scored. Needs :attr:`retriever`."""
         assert self.retriever is not None
         resident = [c for c in chunks if c.key_code is None and c.chunk_id in self.segments]
+        for chunk in [c for c in resident if self.segments[c.chunk_id].heads is not None]:
+            self.key_code(chunk)  # its heads keep their own tokens: read whole, zeros where dropped
+        resident = [c for c in resident if c.key_code is None]
         if resident:
             segs = [self.segments[c.chunk_id] for c in resident]
             keys = self.engine.read_keys(torch.cat([s.slots for s in segs]), self.retriever.key_layers)
@@ -232,9 +262,11 @@ class Pager:
         if chunk.key_code is None:
             assert self.retriever is not None
             seg = seg if seg is not None else self.segments[chunk.chunk_id]
-            chunk.key_code = self._code(
-                self.engine.read_keys(seg.slots, self.retriever.key_layers), seg.positions
-            )
+            if seg.heads is None:
+                keys = self.engine.read_keys(seg.slots, self.retriever.key_layers)
+            else:
+                keys = self.read(seg)[0].to(self.engine.model.dtype)
+            chunk.key_code = self._code(keys, seg.positions)
         return chunk.key_code
 
     def _code(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -274,9 +306,7 @@ class Pager:
         old = saved.meta_int64("positions")
         index, start = self._landing(chunk, at) if before is None else self._in_front(chunk, before)
         new = torch.arange(start, start + chunk.num_tokens)
-        seg = self.engine.splice(
-            self.seq, index, chunk.token_ids, saved.k, saved.v, old, new, held_from(saved)
-        )
+        seg = self.splice(index, chunk, saved, old, new)
         self.store.delete(chunk.chunk_id)
         self.saved.discard(chunk.chunk_id)
         self.segments[chunk.chunk_id] = seg
@@ -375,17 +405,7 @@ class Pager:
                 self.append(chunk, start=positions[0], absorb=False)
                 recomputed.append(cid)
                 continue
-            seg = self.engine.splice(
-                self.seq,
-                len(self.seq.segments),
-                chunk.token_ids,
-                saved.k,
-                saved.v,
-                pos,
-                pos,
-                held_from(saved),
-            )
-            self.segments[cid] = seg
+            self.segments[cid] = self.splice(len(self.seq.segments), chunk, saved, pos, pos)
         return recomputed
 
     def _take(self, chunk: Chunk) -> StoredChunk | None:

@@ -120,7 +120,8 @@ class Session:
         self.logits_at = -1  # history length at which last_logits were computed
         self._swapped: list[tuple[int, list[int]]] = []
         self.writer = ReplyWriter(self)
-        self.compressor = ChunkCompressor(config.kv_compression, engine)
+        self.compressor = ChunkCompressor(config.kv_compression, engine, config.sink_count)
+        self._observed: tuple[tuple[int, ...], dict[int, torch.Tensor]] | None = None  # see _prefill
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
         self.checkpoints = RecurrentCheckpoints(config.recurrent_checkpoints)  # a hybrid model's states
         if self.pager.seq.recurrent is not None:  # they count against the pool's cap while it is resident
@@ -294,34 +295,47 @@ class Session:
         return made
 
     def seal(self, chunk: Chunk) -> None:
-        """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens. The learned
-        signal's key code is made first, from the keys as the model wrote them: its retriever was
-        calibrated on those, and its threshold does not hold for codes of sparsified keys."""
+        """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens (per-head
+        budgets with the attention its own prefill captured, when the cache is still as it was then). The
+        learned signal's key code is made first, from the keys as the model wrote them: its retriever was
+        calibrated on those, and its threshold does not hold for codes of compressed keys."""
         self._checkpoint()
-        if not self.compressor.pending(chunk, self.pager):
+        observed, self._observed = self._observed, None
+        captured = observed[1] if observed is not None and observed[0] == self._cache_shape() else None
+        if not (self.compressor.pending(chunk, self.pager) or self.compressor.observes):
             return
-        if self.pager.retriever is not None and chunk.key_code is None:
+        if self.pager.retriever is not None and chunk.key_code is None and chunk.resident:
             began = time.perf_counter()
             self.pager.key_code(chunk)
             self.memory.costs.add(code_s=time.perf_counter() - began)
-        seconds = self.compressor.seal(chunk, self.pager)
+        seconds = self.compressor.seal(chunk, self.pager, captured)
         if seconds:
             self.memory.costs.add(compress_s=seconds)
+
+    def _cache_shape(self) -> tuple[int, ...]:
+        """The cache's tokens and segments: attention captured over it is read while they stay the same."""
+        return (self.pager.seq.num_tokens, *map(id, self.pager.seq.segments))
 
     def _prefill(self, chunk: Chunk, observe: bool, tap: frozenset[int] = frozenset()) -> None:
         """Page as needed, then prefill one new chunk; with ``observe``, the attention of its last 32
         queries (the SnapKV observation window) becomes the attention signal; with ``tap``, its queries at
-        those layers go to :attr:`queries`."""
+        those layers go to :attr:`queries`. With per-head budgets, every layer's is captured for
+        :meth:`seal`."""
         self.memory.make_room(chunk.num_tokens, protected={chunk.chunk_id})
         self.memory.hold(chunk.num_tokens, set())
         layers = self.capture if observe else frozenset()
+        if self.compressor.observes:
+            layers = frozenset(range(self.engine.model.config.num_kv_layers))
         captured: dict[int, torch.Tensor] = {}
         queries = None
         if tap:  # the position is read after paging: it may have compacted the cache
             start = self.pager.next_position(chunk)
             queries = self.queries.add(torch.arange(start, start + chunk.num_tokens))
+        self._observed = None
         self.last_logits = self.pager.append(chunk, "last", captured, layers, tap=tap, queries=queries)
-        self.memory.observe(captured)
+        if self.compressor.observes:
+            self._observed = (self._cache_shape(), captured)
+        self.memory.observe({i: captured[i] for i in self.capture if i in captured} if observe else {})
 
     # ------------------------------------------------------- whole-prompt sync
     def reply_room(self) -> int:
@@ -416,6 +430,7 @@ class Session:
         for chunk_id in cut.discard:
             self.pager.discard(self.chunks.pop(chunk_id))
             self.memory.tracker.forget(chunk_id)
+            self.compressor.forget(chunk_id)
         if self.config.position_mode == "compact":
             self.pager.compact()
         if self.window_gap(cut.length):  # the next token would read window K/V that are gone
@@ -650,16 +665,18 @@ class Session:
         }
 
     def set_compression(self, spec: str) -> None:
-        """Compress the chunks sealed from now on by ``spec`` (:func:`parse_compression`; ConfigError for a
-        bad one); the chunks compressed before keep their zeros."""
-        self.compressor.method = parse_compression(spec)
+        """Compress the chunks sealed from now on by ``spec`` (:func:`parse_compression` for this session's
+        model; ConfigError for a bad one); the chunks compressed before keep their zeros and their heads'
+        tokens."""
+        if spec != compression_name(self.compressor.method):
+            self.compressor.set(parse_compression(spec, self.engine.model.source))
 
     def bytes_per_token(self, store: dict[str, int] | None = None) -> dict[str, float]:
-        """K/V bytes a token takes where it rests: resident (the pool is dense: the layout's bytes whatever
-        compression zeroed; where sliding-window layers let go of the tokens behind their window, their
-        bytes count for the tokens they still hold only) and saved (the store's encoded bytes over its
-        dense bytes, times the layout's; 0 when nothing is saved). ``store``: the store's stats when the
-        caller has read them."""
+        """K/V bytes a token takes where it rests: resident (the layout's bytes whatever sparsification
+        zeroed, the pool is dense; where sliding-window layers let go of the tokens behind their window, or
+        KV heads keep their own tokens, the bytes of what is still held only) and saved (the store's
+        encoded bytes over its dense bytes, times the layout's; 0 when nothing is saved). ``store``: the
+        store's stats when the caller has read them."""
         if store is None:
             store = self.pager.store.stats() if self.pager.store is not None else {}
         lay, seq = self.engine.pool.layout, self.pager.seq
@@ -669,6 +686,12 @@ class Session:
             layer = dense / lay.num_layers
             held = len(seq.held) * len(lay.window_layers)
             resident = round(layer * (seq.num_tokens * len(lay.global_layers) + held) / seq.num_tokens, 1)
+        heads = [seg.heads for seg in seq.segments if seg.heads is not None]
+        if heads:  # (no window layers then) a row's token takes a row's share of a token's bytes
+            rows = lay.num_layers * lay.num_kv_heads
+            held = sum(len(kept) for part in heads for kept in part.kept)
+            whole = sum(seg.num_tokens for seg in seq.segments if seg.heads is None)
+            resident = round((whole * dense + held * dense / rows) / seq.num_tokens, 1)
         raw = store.get("raw_bytes", 0)
         saved = dense * store.get("stored_bytes", 0) / raw if raw else 0.0
         return {"resident_bytes_per_token": resident, "saved_bytes_per_token": round(saved, 1)}

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvos.errors import ChunkDataError, SnapshotError
+from kvos.errors import ChunkDataError, ConfigError, SnapshotError
 from kvos.memory import container
 from kvos.memory.store import FILE_SUFFIX, ChunkStore, write_chunk_file
 from kvos.model.recurrent import MixerState, RecurrentState
@@ -39,7 +39,6 @@ from kvos.policy.compression import compression_name
 from kvos.policy.focus import TaskFocus
 from kvos.session import fields
 from kvos.session.fields import TensorTable
-from kvos.session.pager import held_from
 from kvos.session.session import Session
 
 MAGIC = b"KVOSSNP\x00"
@@ -80,11 +79,9 @@ def save(session: Session, directory: Path, name: str) -> SessionSnapshot:
     holds them elsewhere). Runs under the scheduler, between requests."""
     table, files, cache = TensorTable(), {}, []
     for cid in session.pager.order():
-        seg = session.pager.segments[cid]
-        k, v = session.engine.read_kv(seg)
-        positions = seg.positions.tolist()
-        files[str(cid)] = _write_kv(directory, f"r{cid}", k, v, positions, seg.held_from)
-        cache.append([cid, positions])
+        k, v, meta = session.pager.read(session.pager.segments[cid])
+        files[str(cid)] = _write_kv(directory, f"r{cid}", k, v, meta)
+        cache.append([cid, meta["positions"]])
     store = session.pager.store
     for chunk in session.chunks.values():
         if chunk.state is ChunkState.SAVED and store is not None and chunk.chunk_id in store:
@@ -188,19 +185,19 @@ def _adopt_files(session: Session, files: dict[int, str], directory: Path) -> li
     return bad
 
 
-def _write_kv(
-    directory: Path, prefix: str, k: torch.Tensor, v: torch.Tensor, positions: list[int], held: int = 0
-) -> str:
-    """Write a chunk file named by a digest of its K/V and positions unless it exists; its name. ``held``:
-    the first token whose sliding-window layers' K/V the file holds (:attr:`Segment.held_from`)."""
-    h = hashlib.blake2b(f"{positions}{held or ''}".encode(), digest_size=12)
+def _write_kv(directory: Path, prefix: str, k: torch.Tensor, v: torch.Tensor, meta: dict[str, Any]) -> str:
+    """Write a chunk file named by a digest of its K/V and metadata unless it exists; its name. ``meta``: what
+    :meth:`Pager.read` gives: the positions, ``held_from`` (the first token whose sliding-window layers'
+    K/V the file holds, :attr:`Segment.held_from`; left out when 0) and, for a chunk whose KV heads keep
+    their own tokens, ``head_mask``."""
+    meta = {key: value for key, value in meta.items() if value or key == "positions"}
+    h = hashlib.blake2b(f"{meta['positions']}{meta.get('held_from') or ''}".encode(), digest_size=12)
+    h.update(str(meta.get("head_mask", "")).encode())
     for t in (k, v):
         h.update(t.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data)
     name = f"{prefix}-{h.hexdigest()}{FILE_SUFFIX}"
     if not (directory / name).exists():
-        write_chunk_file(
-            directory / name, k, v, {"positions": positions, **({"held_from": held} if held else {})}
-        )
+        write_chunk_file(directory / name, k, v, meta)
     return name
 
 
@@ -210,8 +207,7 @@ def _saved_file(store: ChunkStore, chunk_id: int, directory: Path) -> str:
     if path is not None and path.parent.resolve() == directory.resolve():
         return path.name
     saved = store.get(chunk_id)
-    positions = [int(p) for p in saved.meta["positions"]]
-    return _write_kv(directory, f"s{chunk_id}", saved.k, saved.v, positions, held_from(saved))
+    return _write_kv(directory, f"s{chunk_id}", saved.k, saved.v, dict(saved.meta))
 
 
 def _memory_state(session: Session, table: TensorTable) -> dict[str, Any]:
@@ -305,8 +301,11 @@ def _load_session(session: Session, state: dict[str, Any], table: TensorTable) -
     session.last_logits = None if logits is None else table.get(logits).to(session.engine.model.device)
     session.logits_at = int(state["logits_at"]) if logits is not None else -1
     session.history.next_id = int(state["next_chunk"])
-    if state.get("kv_compression", "sparse:custom") != "sparse:custom":  # else the server's setting
-        session.set_compression(str(state["kv_compression"]))
+    if "kv_compression" in state:  # else the server's setting
+        try:
+            session.set_compression(str(state["kv_compression"]))
+        except ConfigError as e:  # a calibration file gone since: the chunks keep what they hold
+            _log.warning("session %s keeps the server's K/V compression: %s", session.session_id, e)
     _load_recurrent(session, state.get("recurrent"), table)
 
 

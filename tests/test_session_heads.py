@@ -1,0 +1,208 @@
+"""Per-head entropy budgets as a session setting (``--kv-compression entropy``): each sealed chunk's KV heads
+keep their own budgets of its tokens, chosen from the observation window's attention as an engine sequence
+would; the dropped tokens' K/V leave the pool; such chunks page out and in, are saved and restored, bit for
+bit, with which tokens each head holds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvos.engine.engine import Engine
+from kvos.engine.head_segments import compress_heads, read_heads
+from kvos.engine.sampling import SamplingParams
+from kvos.engine.sequence import Segment
+from kvos.errors import ConfigError
+from kvos.memory.store import ChunkStore
+from kvos.model.loader import load_model
+from kvos.model.tokenizer import load_tokenizer
+from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkKind, ChunkState
+from kvos.policy.compression import parse_compression
+from kvos.policy.token_select import observed_keep
+from kvos.session import snapshot
+from kvos.session.config import SessionConfig
+from kvos.session.manager import MemoryManager
+from kvos.session.prompt import Span
+from kvos.session.session import Session
+
+CHUNK = 32
+BLOCK = 8
+WINDOW = 32  # the session's observation window (Pager.append)
+
+
+def make_manager(
+    model_dir: Path, spec: str, budget: int = 4096, mode: str = "sparse", disk: Path | None = None
+) -> MemoryManager:
+    config = SessionConfig(
+        budget=Budget(max_active_tokens=budget, policy="hard"),
+        chunk_tokens=CHUNK,
+        embedder="tokens",
+        recovery_signal="lexical",
+        position_mode=mode,  # type: ignore[arg-type]
+        kv_compression=parse_compression(spec),
+    )
+    engine = Engine(load_model(model_dir), block_size=BLOCK)
+    store = (lambda _: ChunkStore(disk_dir=disk, write_through=True)) if disk is not None else None
+    return MemoryManager(engine, load_tokenizer(model_dir), config, store_factory=store)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def replied(session: Session, params: SamplingParams) -> list[int | None]:
+    return [event.token_id for event in session.reply(params)]
+
+
+def kv_of(session: Session, seg: Segment) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if seg.heads is None:
+        return (*session.engine.read_kv(seg), None)
+    return read_heads(session.engine, seg)
+
+
+def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The session's cache equals a plain sequence prefilled chunk by chunk, each chunk's heads cut right
+    after its prefill to their budgets of its tokens, the sinks and the best of the window's attention
+    (:func:`observed_keep`); the logits after it agree, and the dropped K/V are out of the pool."""
+    calibration = tmp_path / "entropy.json"  # heads far apart (the small random model's are alike)
+    calibration.write_text(
+        json.dumps({"kv_head_entropies": {"L0_K0": 0.4, "L0_K1": 4.0, "L1_K0": 2.0, "L1_K1": 2.4}})
+    )
+    spec = f"entropy:{calibration}@0.5"
+    manager = make_manager(model_dir, spec)
+    session = manager.session("s")
+    ids = tokens(1, 4 * CHUNK + 12)
+    session.sync([Span(ids, ChunkKind.DOCUMENT)])
+    method = manager.config.kv_compression
+    assert method is not None and method.budgets is not None
+
+    engine = Engine(load_model(model_dir), block_size=BLOCK)
+    lay = engine.pool.layout
+    layers = frozenset(range(lay.num_layers))
+    seq = engine.new_sequence()
+    expected = []
+    for chunk in sorted(session.chunks.values(), key=lambda c: c.original_start):
+        lo, n = chunk.original_start, chunk.num_tokens
+        seg = seq.open_segment()
+        captured: dict[int, torch.Tensor] = {}
+        logits = engine.extend(seq, chunk.token_ids, range(lo, lo + n), "last", layers, captured, WINDOW)
+        budgets = method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, BLOCK)
+        keep = observed_keep(
+            [captured[i][:, lo : lo + n] for i in range(lay.num_layers)],
+            budgets,
+            lay.num_kv_heads,
+            max(0, 4 - lo),
+        )
+        compress_heads(engine, seq, seg, keep)
+        expected.append((chunk.chunk_id, keep, budgets))
+
+    for (cid, keep, budgets), seg in zip(expected, seq.segments, strict=True):
+        ours = session.pager.segments[cid]
+        assert ours.heads is not None and seg.heads is not None
+        assert [row.tolist() for row in ours.heads.kept] == keep
+        assert [len(row) for row in keep] == budgets
+        k1, v1, m1 = read_heads(session.engine, ours)
+        k2, v2, m2 = read_heads(engine, seg)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(m1, m2)
+    first = session.pager.segments[expected[0][0]].heads
+    assert first is not None and all(row[:4].tolist() == [0, 1, 2, 3] for row in first.kept)  # the sinks
+    assert session.last_logits is not None
+    torch.testing.assert_close(session.last_logits, logits, rtol=0, atol=1e-5)
+
+    # the budgets differ per head, average half a chunk, and what was dropped left the pool: no whole block
+    full = expected[0][2]
+    assert len(set(full)) > 1 and sum(full) <= lay.num_layers * lay.num_kv_heads * CHUNK // 2
+    pool = session.engine.pool
+    assert pool.allocator.num_used == 0
+    held = sum(-(-len(row) // BLOCK) for _, keep, _ in expected for row in keep)
+    assert pool.head_store().num_used == held
+    assert pool.live_bytes < 0.6 * len(ids) * lay.bytes_per_token
+    stats = session.stats()
+    assert stats["head_chunks"] == len(expected) and stats["kv_compression"] == f"entropy:{calibration}"
+    assert stats["resident_bytes_per_token"] < 0.6 * lay.bytes_per_token
+
+
+def test_a_reply_chunk_is_chosen_by_the_next_messages_window(model_dir: Path, head_calibration: Path) -> None:
+    """A reply chunk is sealed whole (no prefill observed it) and keeps every token until the next user
+    message's prefill: then its heads keep their budgets."""
+    session = make_manager(model_dir, f"entropy:{head_calibration}").session("s")
+    session.add_message("user", "the lanterns are in crate 7; " * 6)
+    session.generate(SamplingParams(max_tokens=CHUNK + 5, temperature=0.0, ignore_eos=True))
+    replies = [c for c in session.chunks.values() if c.kind is ChunkKind.ASSISTANT and c.num_tokens > BLOCK]
+    assert replies and all(session.pager.segments[c.chunk_id].heads is None for c in replies)
+    session.add_message("user", "which crate holds the lanterns? " * 3)
+    for chunk in replies:
+        heads = session.pager.segments[chunk.chunk_id].heads
+        assert heads is not None and {len(row) for row in heads.kept} != {chunk.num_tokens}
+
+
+@pytest.mark.parametrize("mode", ["sparse", "compact"])
+def test_a_per_head_chunk_pages_out_sparse_and_comes_back_as_it_was(
+    model_dir: Path, head_calibration: Path, mode: str
+) -> None:
+    """Paged out, a chunk whose heads keep their own tokens is stored with its head mask and its dropped
+    K/V as zeros, which the store does not keep; back in, each head holds the same tokens, the same K/V
+    (re-anchored where compaction moved them), and the session decodes as one that never paged out."""
+    manager = make_manager(model_dir, f"entropy:{head_calibration}", mode=mode)
+    paged, kept = manager.session("paged"), manager.session("kept")
+    ids = tokens(4, 5 * CHUNK)
+    for s in (paged, kept):
+        s.sync([Span(ids, ChunkKind.DOCUMENT)])
+    victims = [c for c in paged.chunks.values() if c.original_start >= 2 * CHUNK]
+    before = {c.chunk_id: kv_of(paged, paged.pager.segments[c.chunk_id]) for c in victims}
+    paged.memory.page_out(victims)
+    store = paged.pager.store
+    assert store is not None and all(c.state is ChunkState.SAVED for c in victims)
+    assert all("head_mask" in store.meta(c.chunk_id) for c in victims)
+    stats = store.stats()
+    assert stats["stored_bytes"] < 0.7 * stats["raw_bytes"]  # the dropped K/V are not stored
+    for chunk in victims:
+        paged.pager.restore(chunk, at="place")
+    if mode == "compact":
+        paged.pager.compact()
+    for chunk in victims:
+        k, v, mask = kv_of(paged, paged.pager.segments[chunk.chunk_id])
+        k0, v0, mask0 = before[chunk.chunk_id]
+        assert mask is not None and mask0 is not None and torch.equal(mask, mask0)
+        assert torch.equal(v, v0)
+        assert torch.equal(k, k0) if mode == "sparse" else torch.allclose(k, k0, atol=1e-5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert replied(paged, params) == replied(kept, params)
+
+
+def test_a_snapshot_keeps_which_tokens_each_head_holds(
+    model_dir: Path, head_calibration: Path, tmp_path: Path
+) -> None:
+    spec = f"entropy:{head_calibration}"
+    original = make_manager(model_dir, spec, disk=tmp_path / "a").session("s")
+    original.sync([Span(tokens(5, 4 * CHUNK + 3), ChunkKind.DOCUMENT)])
+    original.memory.page_out([c for c in original.chunks.values() if c.original_start == CHUNK])
+    snapshot.save(original, tmp_path / "a", "s-1.snap")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copy = make_manager(model_dir, "none", disk=tmp_path / "b").session("s")
+    snapshot.restore(snapshot.load(tmp_path / "b" / "s-1.snap"), copy, tmp_path / "b")
+    copy.swap_in()
+    assert copy.stats()["kv_compression"] == spec  # the session's own setting came back with it
+    assert copy.pager.order() == original.pager.order()
+    for cid in original.pager.order():
+        a = kv_of(original, original.pager.segments[cid])
+        b = kv_of(copy, copy.pager.segments[cid])
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert any(original.pager.segments[cid].heads is not None for cid in original.pager.order())
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert replied(copy, params) == replied(original, params)
+
+
+def test_another_models_calibration_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('{"kv_head_entropies": {"L0_K0": 1.0}}')
+    manager = make_manager(model_dir, "none")
+    with pytest.raises(ConfigError, match="measured on another model"):
+        manager.session("s").set_compression(f"entropy:{wrong}")

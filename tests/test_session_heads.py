@@ -200,6 +200,30 @@ def test_a_snapshot_keeps_which_tokens_each_head_holds(
     assert replied(copy, params) == replied(original, params)
 
 
+def test_the_budget_counts_what_the_heads_keep(model_dir: Path, head_calibration: Path) -> None:
+    """Half of each chunk kept per head: the same budget holds about twice the tokens resident (each
+    chunk's charge is its rows' tokens over the rows), and never more than the model's positions allow."""
+    ids = tokens(6, 40 * CHUNK)
+    resident = {}
+    for spec in ("none", f"entropy:{head_calibration}"):
+        session = make_manager(model_dir, spec, budget=8 * CHUNK, mode="compact").session(spec)
+        session.sync([Span(ids, ChunkKind.DOCUMENT)])
+        stats = session.stats()
+        assert stats["active_tokens"] <= 8 * CHUNK and stats["evictions"] > 0
+        charge = sum(session.chunks[cid].cost for cid in session.pager.order())
+        assert stats["active_tokens"] == charge
+        resident[spec] = stats["resident_tokens"]
+    assert resident["none"] <= 8 * CHUNK < 1.5 * resident["none"] <= resident[f"entropy:{head_calibration}"]
+
+    bound = make_manager(model_dir, f"entropy:{head_calibration}", budget=8 * CHUNK, mode="compact").session(
+        "b"
+    )
+    bound.pager.position_slack = CHUNK  # as for a model of 9 chunks' positions
+    bound.sync([Span(ids, ChunkKind.DOCUMENT)])
+    assert bound.pager.resident_tokens <= 9 * CHUNK  # where the charge alone would let in 12 chunks
+    assert int(bound.pager.seq.positions.max()) < 9 * CHUNK
+
+
 def test_another_models_calibration_is_refused(model_dir: Path, tmp_path: Path) -> None:
     wrong = tmp_path / "wrong.json"
     wrong.write_text('{"kv_head_entropies": {"L0_K0": 1.0}}')

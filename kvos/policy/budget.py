@@ -91,9 +91,10 @@ def select_victims(
     """The chunks to evict, in eviction order, to bring ``active_tokens`` down to ``target``.
 
     Among :func:`evictable` chunks, the lowest-scored go first (ties: smaller ``original_start`` first),
-    until ``active_tokens - sum(num_tokens) <= target``. ``units``: chunk id -> the ids of the chunks that
-    go with it (itself included); a unit goes whole, scored as its best chunk, and only when every chunk
-    of it that is resident, unpinned and no sink is evictable (a pinned question's reply goes alone).
+    until ``active_tokens - sum(cost) <= target`` (:attr:`Chunk.cost`). ``units``: chunk id -> the ids of
+    the chunks that go with it (itself included); a unit goes whole, scored as its best chunk, and only
+    when every chunk of it that is resident, unpinned and no sink is evictable (a pinned question's reply
+    goes alone).
     Returns ``[]`` when already at or under the target, and every evictable unit when even that does not
     reach it (the caller decides what to do then).
     """
@@ -116,5 +117,5 @@ def select_victims(
         if remaining <= target:
             break
         victims.extend(group)
-        remaining -= sum(c.num_tokens for c in group)
+        remaining -= sum(c.cost for c in group)
     return victims

@@ -61,6 +61,11 @@ class Placement(Protocol):
         """The rotary position of its first token in the cache while resident, else None."""
         ...
 
+    def cost_of(self, chunk_id: int) -> int | None:
+        """The tokens a session's budget counts for it while resident (fewer than its tokens when its KV
+        heads keep their own); None: its tokens."""
+        ...
+
 
 @dataclass(frozen=True)
 class Detached:
@@ -74,6 +79,9 @@ class Detached:
 
     def start_of(self, chunk_id: int) -> int | None:
         return self.start
+
+    def cost_of(self, chunk_id: int) -> int | None:
+        return None
 
 
 DETACHED = Detached()
@@ -161,6 +169,13 @@ class Chunk:
     def current_start(self) -> int | None:
         """The rotary position of its first token in the cache while resident, else None."""
         return self.placement.start_of(self.chunk_id)
+
+    @property
+    def cost(self) -> int:
+        """The tokens the session's budget counts for it: its tokens, or fewer while it is resident with its
+        KV heads keeping their own (:meth:`Pager.cost_of`): what paging it out frees of the budget."""
+        cost = self.placement.cost_of(self.chunk_id)
+        return self.num_tokens if cost is None else cost
 
     @property
     def resident(self) -> bool:

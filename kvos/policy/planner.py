@@ -29,7 +29,8 @@ class Residency:
     """A session as the planner sees it.
 
     - ``resident``: its resident chunks in cache order; ``scores``: chunk id -> score for each of them;
-    - ``active_tokens``: its resident tokens (the sum of the resident chunks' tokens);
+    - ``active_tokens``: what its budget counts (:attr:`Pager.active_tokens`: the resident chunks'
+      :attr:`~kvos.policy.chunks.Chunk.cost`, their tokens unless their KV heads keep their own);
     - ``protected``: chunk ids protected for this turn (recovered ones), which yield only to the chunks a
       caller holds;
     - ``units``: chunk id -> the ids of the resident chunks that are evicted together with it (a user
@@ -47,8 +48,9 @@ class Residency:
 
 @dataclass(frozen=True)
 class Eviction:
-    """One chunk to page out: its id, its tokens, its score, and whether it went past the scorer's floor
-    (a chunk scoring >= 1.0 without a pin, taken when nothing else was left)."""
+    """One chunk to page out: its id, the budget's tokens it frees (:attr:`Chunk.cost`), its score, and
+    whether it went past the scorer's floor (a chunk scoring >= 1.0 without a pin, taken when nothing else
+    was left)."""
 
     chunk_id: int
     tokens: int
@@ -175,9 +177,7 @@ def _first_unit(
     first = victims[0].chunk_id
     unit = units.get(first, frozenset({first}))
     return tuple(
-        Eviction(c.chunk_id, c.num_tokens, residency.scores[c.chunk_id])
-        for c in victims
-        if c.chunk_id in unit
+        Eviction(c.chunk_id, c.cost, residency.scores[c.chunk_id]) for c in victims if c.chunk_id in unit
     )
 
 
@@ -239,9 +239,9 @@ class _Draft:
         gone = {c.chunk_id for c in victims}
         self.left = [c for c in self.left if c.chunk_id not in gone]
         for chunk in victims:
-            self.active -= chunk.num_tokens
+            self.active -= chunk.cost
             self.evictions.append(
-                Eviction(chunk.chunk_id, chunk.num_tokens, self.residency.scores[chunk.chunk_id], forced)
+                Eviction(chunk.chunk_id, chunk.cost, self.residency.scores[chunk.chunk_id], forced)
             )
 
 

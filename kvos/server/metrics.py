@@ -15,12 +15,13 @@ from prometheus_client.registry import Collector
 from kvos.server.service import ChatService
 
 SESSION_GAUGES = {
-    "active_tokens": "tokens resident in the KV pool",
+    "active_tokens": "tokens the session's budget counts as resident in the KV pool",
+    "resident_tokens": "tokens in the KV pool (each KV head may keep fewer of them)",
     "cached_tokens": "tokens resident or restorable from the chunk store",
     "history_tokens": "tokens in the session's logical history",
     "saved_ram_bytes": "bytes of saved chunks in host RAM",
     "saved_disk_bytes": "bytes of saved chunks on disk",
-    "resident_bytes_per_token": "K/V bytes a resident token takes in the pool (dense)",
+    "resident_bytes_per_token": "K/V bytes a resident token takes in the pool (what its KV heads keep)",
     "saved_bytes_per_token": "K/V bytes a saved token takes in the chunk store, as encoded (0: none saved)",
     "recurrent_bytes": "a hybrid model's recurrent state and checkpoints, in the pool's cap (0: none)",
 }

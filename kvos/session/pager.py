@@ -9,6 +9,7 @@ recomputing re-prefills the chunk's tokens (the ``breadcrumb`` backend's recover
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Literal
 
 import torch
@@ -57,10 +58,35 @@ class Pager:
         self.dropped: list[int] = []  # chunks whose saved K/V the store dropped, not yet taken
         self.saved: set[int] = set()  # chunks whose K/V this pager's store holds (resident ones: segments)
         self._opened_at: dict[int, int] = {}  # where an opened segment's first token will go
+        # compact mode: how far the resident tokens may run past the budget (the model's positions less the
+        # budget: a cache of per-head chunks holds more tokens than its charge, each at its own position)
+        self.position_slack = sys.maxsize
 
     @property
     def active_tokens(self) -> int:
+        """What the session's budget counts: the resident chunks' tokens, a chunk whose KV heads keep their
+        own counted by the K/V it holds (:meth:`cost_of`); and, where positions bind (compact mode, see
+        :attr:`position_slack`), at least the resident tokens less the slack."""
+        charged = sum(self._cost(seg) for seg in self.seq.segments)
+        return max(charged, self.seq.num_tokens - self.position_slack)
+
+    @property
+    def resident_tokens(self) -> int:
+        """The tokens in the cache (whatever each KV head keeps of them)."""
         return self.seq.num_tokens
+
+    def cost_of(self, chunk_id: int) -> int | None:
+        """A resident chunk's charge to the budget when its KV heads keep their own tokens: the tokens'
+        worth of K/V its rows hold, ``ceil(sum of each row's tokens / rows)``; None otherwise (its tokens)."""
+        seg = self.segments.get(chunk_id)
+        return None if seg is None or seg.heads is None else self._cost(seg)
+
+    @staticmethod
+    def _cost(seg: Segment) -> int:
+        if seg.heads is None:
+            return seg.num_tokens
+        kept = seg.heads.kept
+        return -(-sum(int(row.shape[0]) for row in kept) // len(kept))
 
     # ------------------------------------------------------------------ the record of residency
     def state_of(self, chunk_id: int) -> ChunkState:

@@ -95,6 +95,9 @@ class Session:
             else:
                 store = ChunkStore(config.store_ram_bytes, config.store_disk_dir)
         self.pager = Pager(engine, store, config.position_mode, config.backend, self.history.chunks)
+        if config.position_mode == "compact":  # positions run to the resident tokens, within the model's
+            positions = engine.model.config.max_position_embeddings
+            self.pager.position_slack = max(0, positions - config.budget.max_active_tokens)
         signal = config.signal_class
         answer = None
         if signal.scratch:
@@ -644,7 +647,8 @@ class Session:
             "session": self.session_id,
             "turn": self.history.turn,
             "active_tokens": self.pager.active_tokens,
-            "cached_tokens": self.pager.active_tokens + sum(c.num_tokens for c in states[ChunkState.SAVED]),
+            "resident_tokens": self.pager.resident_tokens,
+            "cached_tokens": self.pager.resident_tokens + sum(c.num_tokens for c in states[ChunkState.SAVED]),
             "history_tokens": self.history.tokens,
             "max_active_tokens_seen": self.memory.journal.max_active,
             "budget": self.config.budget.max_active_tokens,

@@ -255,8 +255,8 @@ def test_stream_seals_each_window_of_128_tokens_once(
 
     engine = Engine(load_model(model_dir))
     method = parse_compression("sparse:sweet")
-    assert method is not None
-    sealer = WindowSealer(method)
+    assert method is not None and method.sparsifier is not None
+    sealer = WindowSealer(method.sparsifier)
     seq = engine.new_sequence()
     prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(4)).tolist()
     params = SamplingParams(max_tokens=90, ignore_eos=True)

@@ -28,6 +28,7 @@ from kvos.model.config import ModelConfig
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, find_tokenizer
 from kvos.policy.calibration import calibrate
+from kvos.policy.compression import calibration_path
 from kvos.policy.entropy import QUERY_FRACTIONS, summarize
 from kvos.policy.retriever import retriever_path
 from kvos.session.embedder import add_embedder_argument
@@ -46,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per text at most (default 512)")
     p.add_argument(
         "--out",
-        help="where to write the JSON (default entropy.json; with --retriever, beside the model, where kvos "
-        "serve and kvos bench find it: retriever.safetensors in its directory, FILE.retriever.safetensors "
-        "beside a file)",
+        help="where to write the JSON (default: beside the model, where --kv-compression entropy finds it: "
+        "entropy.json in its directory, FILE.entropy.json beside a file; with --retriever, "
+        "retriever.safetensors / FILE.retriever.safetensors, where kvos serve and kvos bench find it; with "
+        "--retrieval, retrieval.json)",
     )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
@@ -180,10 +182,10 @@ def run(args: argparse.Namespace) -> int:
             if args.out is None:
                 args.out = str(retriever_path(path))
             return run_retriever(args, model, model_info(model.config, path))
-        args.out = args.out or "entropy.json"
+        args.out = args.out or "retrieval.json"
         return run_retrieval(args, model, model_info(model.config, path))
     if args.out is None:
-        args.out = "entropy.json"
+        args.out = str(calibration_path(path))
     tokenizer = find_tokenizer(path, args.tokenizer)
     max_tokens = min(args.max_tokens, model.config.max_position_embeddings)
     texts = token_texts(tokenizer, args.text, max_tokens, bool(tokenizer.add_bos_token))

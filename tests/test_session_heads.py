@@ -21,6 +21,7 @@ from kvos.memory.store import ChunkStore
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
+from kvos.policy.budgeted import compress_prompt
 from kvos.policy.chunks import ChunkKind, ChunkState
 from kvos.policy.compression import parse_compression
 from kvos.policy.token_select import observed_keep
@@ -222,6 +223,52 @@ def test_the_budget_counts_what_the_heads_keep(model_dir: Path, head_calibration
     bound.sync([Span(ids, ChunkKind.DOCUMENT)])
     assert bound.pager.resident_tokens <= 9 * CHUNK  # where the charge alone would let in 12 chunks
     assert int(bound.pager.seq.positions.max()) < 9 * CHUNK
+
+
+def test_a_prompt_is_compressed_as_a_session_compresses_a_chunk(
+    model_dir: Path, head_calibration: Path
+) -> None:
+    """:func:`compress_prompt` (``kvos generate``'s prompt) keeps per head what a session keeps of a chunk of
+    the same tokens, sparsified first where asked, and ``kvos generate`` reports the K/V it holds."""
+    ids = tokens(7, CHUNK)
+    spec = f"sparse:sweet+entropy:{head_calibration}"
+    session = make_manager(model_dir, spec).session("s")
+    session.sync([Span(ids, ChunkKind.DOCUMENT)])
+    (chunk,) = session.chunks.values()
+    ours = session.pager.segments[chunk.chunk_id]
+    method = parse_compression(spec)
+    assert method is not None
+    engine = Engine(load_model(model_dir), block_size=BLOCK)
+    seq = engine.new_sequence()
+    freed = compress_prompt(engine, seq, ids, method)
+    (seg,) = seq.segments
+    assert seg.heads is not None and ours.heads is not None and freed > 0
+    assert [row.tolist() for row in seg.heads.kept] == [row.tolist() for row in ours.heads.kept]
+    a, b = read_heads(engine, seg), read_heads(session.engine, ours)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert bool((a[1] == 0).any())  # sparsified before the heads chose
+
+
+def test_generate_holds_less_with_entropy_budgets(
+    model_dir: Path, head_calibration: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvos.cli import main
+
+    held = {}
+    for spec in ("none", f"entropy:{head_calibration}@0.25"):
+        argv = [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt",
+            "waves and wind " * 20,
+            "--max-tokens",
+            "4",
+        ]
+        assert main([*argv, "--kv-compression", spec]) == 0
+        err = capsys.readouterr().err
+        held[spec] = int(err.split("K/V held ")[1].split()[0])
+    assert held[f"entropy:{head_calibration}@0.25"] < 0.5 * held["none"]
 
 
 def test_another_models_calibration_is_refused(model_dir: Path, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.generate import stream
 from kvos.engine.kv_dtype import parse_kv_dtype
 from kvos.engine.sampling import SamplingParams
+from kvos.engine.sequence import Sequence
 from kvos.engine.window_option import DEFAULT_WINDOW_MARGIN, parse_window_margin
 from kvos.errors import TokenizerError
 from kvos.model import activations
@@ -17,6 +18,7 @@ from kvos.model.catalogue import default_model
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import Tokenizer, find_tokenizer, with_chat_template
+from kvos.policy.budgeted import compress_prompt
 from kvos.policy.compression import parse_compression
 from kvos.policy.sparsify import WindowSealer
 
@@ -54,13 +56,23 @@ def run_generate(args: argparse.Namespace) -> int:
     margin = parse_window_margin(getattr(args, "window_margin", str(DEFAULT_WINDOW_MARGIN)))
     engine = Engine(model, kv_dtype=parse_kv_dtype(getattr(args, "kv_dtype", "auto")), window_margin=margin)
     seq = engine.new_sequence()
-    method = parse_compression(getattr(args, "kv_compression", "none"))
-    sealer = WindowSealer(method.sparsifier) if method is not None and method.sparsifier is not None else None
-    seal = None if sealer is None else lambda s: sealer(engine.pool, s.slots, s.positions)
+    method = parse_compression(getattr(args, "kv_compression", "none"), path)
+    seal, fed = None, prompt_ids
+    if method is not None and method.budgets is not None and len(prompt_ids) > 1:
+        # the prompt but its last token compressed once (sparsified, then each head's budget); the
+        # generated tokens stay whole (no later prefill observes them)
+        compress_prompt(engine, seq, prompt_ids[:-1], method)
+        fed = prompt_ids[-1:]
+    elif method is not None and method.sparsifier is not None:
+        sealer = WindowSealer(method.sparsifier)
+
+        def seal(s: Sequence) -> None:
+            sealer(engine.pool, s.slots, s.positions)
+
     sys.stdout.write(args.prompt if not args.chat else "")
     reason = None
     count = 0
-    for event in stream(engine, seq, prompt_ids, params, tokenizer, seal):
+    for event in stream(engine, seq, fed, params, tokenizer, seal):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         count += event.token_id is not None
@@ -68,7 +80,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(
         f"[kvos] {len(prompt_ids)} prompt tokens, {count} generated, finish: {reason}, "
-        f"pool {engine.pool.nbytes} bytes",
+        f"pool {engine.pool.nbytes} bytes, K/V held {engine.pool.live_bytes} bytes",
         file=sys.stderr,
     )
     return 0

@@ -12,7 +12,8 @@ calibration, where a KV head takes the maximum entropy of its query heads.
 
 :func:`run_budgeted` streams a text through it, teacher-forced, so the logits of every position can be
 compared with a full cache's; ``kvos bench quality`` uses it for the budget policies (uniform, entropy and
-the baselines).
+the baselines). :func:`compress_prompt` compresses a prompt once, as sessions compress each chunk
+(``kvos generate --kv-compression entropy``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,19 @@ import torch
 
 from kvos.engine.engine import Engine
 from kvos.engine.head_segments import compress_heads, fold_tail
+from kvos.engine.sequence import Sequence as Sequence_
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.model.transformer import Transformer
-from kvos.policy.token_select import HeadState, Row, SnapKV, TokenPolicy, make_policy
+from kvos.policy.compression import Compression
+from kvos.policy.token_select import (
+    DEFAULT_SINKS,
+    HeadState,
+    Row,
+    SnapKV,
+    TokenPolicy,
+    make_policy,
+    observed_keep,
+)
 
 OBSERVATION_WINDOW = 32
 
@@ -243,3 +254,39 @@ def run_budgeted(
         uniform_bytes=math.fsum(uniform) / len(uniform),
         seconds=time.perf_counter() - start,
     )
+
+
+def compress_prompt(
+    engine: Engine,
+    seq: Sequence_,
+    token_ids: Sequence[int],
+    compression: Compression,
+    sink_count: int = DEFAULT_SINKS,
+    window: int = OBSERVATION_WINDOW,
+) -> int:
+    """Prefill ``token_ids`` into a new segment of ``seq`` and compress it as a session seals a prompt chunk
+    (:mod:`kvos.session.compressor`): sparsified (when ``compression`` has a sparsifier), then each (layer, KV
+    head) keeps its budget of the tokens (:meth:`HeadBudgets.for_chunk`): the history's first ``sink_count``
+    and the best of the last ``window`` queries' attention (:func:`observed_keep`). Returns the pool bytes
+    the heads gave back (0 without budgets). ``kvos generate --kv-compression`` runs its prompt through it."""
+    lay = engine.pool.layout
+    seg = seq.open_segment()
+    first, n = seq.next_position(), len(token_ids)
+    captured: dict[int, torch.Tensor] = {}
+    layers = frozenset(range(lay.num_layers)) if compression.budgets is not None else frozenset()
+    engine.extend(seq, token_ids, None, "none", layers, captured, window if layers else 0)
+    sparsifier = compression.sparsifier
+    if sparsifier is not None:
+        positions = torch.arange(first, first + n, dtype=torch.int64)
+        engine.edit_kv(
+            seq, seg, 0, lambda pool, slots: sparsifier.apply(pool, slots, positions.to(slots.device))
+        )
+    if compression.budgets is None or not n:
+        return 0
+    lo = seq.num_tokens - n
+    budgets = compression.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, lay.block_size)
+    probs = [captured[layer][:, lo : lo + n] for layer in range(lay.num_layers)]
+    keep = observed_keep(probs, budgets, lay.num_kv_heads, max(0, min(sink_count - first, n)))
+    if all(len(row) == n for row in keep):
+        return 0
+    return compress_heads(engine, seq, seg, keep)

@@ -271,6 +271,50 @@ def test_generate_holds_less_with_entropy_budgets(
     assert held[f"entropy:{head_calibration}@0.25"] < 0.5 * held["none"]
 
 
+def test_served_sessions_hold_more_tokens_per_byte(model_dir: Path, head_calibration: Path) -> None:
+    """`kvos serve --kv-compression entropy:FILE` at its own defaults but a small budget: a conversation
+    holds more tokens than its budget counts, each in fewer bytes than a session without compression
+    (usage, /v1/sessions, /metrics); asking for budgets the model has no calibration for is a 400 that
+    changes nothing."""
+    import httpx
+    from server_harness import MODEL_NAME, running_server
+
+    budget = 256
+    with running_server(model_dir, "--kv-compression", f"entropy:{head_calibration}", budget=budget) as url:
+
+        def turns(sid: str, n: int, kvos: dict[str, str] | None = None) -> httpx.Response:
+            messages = [{"role": "system", "content": f"You are {sid}, a terse assistant. " * 4}]
+            for turn in range(n):
+                messages.append(
+                    {"role": "user", "content": f"message {turn}: " + "waves and wind and salt " * 5}
+                )
+                body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
+                if kvos is not None:
+                    body["kvos"] = kvos
+                r = httpx.post(
+                    f"{url}/chat/completions", json=body, headers={"X-Session-Id": sid}, timeout=60
+                )
+                if r.status_code != 200:
+                    return r
+                messages.append(
+                    {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+                )
+            return r
+
+        usage = turns("c", 12).json()["usage"]["kvos"]
+        dense = turns("d", 2, {"kv_compression": "none"}).json()["usage"]["kvos"]
+        bad = turns("d", 1, {"kv_compression": "entropy"})  # the small model ships no calibration
+        stats = {s["id"]: s for s in httpx.get(f"{url}/sessions").json()["data"]}
+        metrics = httpx.get(url.replace("/v1", "/metrics")).text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "kvos.kv_compression"
+    assert "run `kvos calibrate" in bad.json()["error"]["message"]
+    assert stats["d"]["kv_compression"] == "none"  # the bad request changed nothing
+    assert usage["active_tokens"] <= budget < usage["resident_tokens"]
+    assert usage["resident_bytes_per_token"] < 0.75 * dense["resident_bytes_per_token"]
+    assert stats["c"]["head_chunks"] > 0 and stats["c"]["resident_tokens"] == usage["resident_tokens"]
+    assert 'kvos_session_resident_tokens{session="local/c"}' in metrics
+
+
 def test_another_models_calibration_is_refused(model_dir: Path, tmp_path: Path) -> None:
     wrong = tmp_path / "wrong.json"
     wrong.write_text('{"kv_head_entropies": {"L0_K0": 1.0}}')

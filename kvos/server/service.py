@@ -15,6 +15,7 @@ from kvos.engine.generate import StreamEvent
 from kvos.engine.sampling import SamplingParams, TokenLogprob
 from kvos.errors import KvosError, PrefillCancelled, TokenizerError
 from kvos.policy.chunks import ChunkKind
+from kvos.policy.compression import parse_compression
 from kvos.server.autosave import Autosave
 from kvos.server.errors import APIError, bad_request, not_found
 from kvos.server.protocol import logit_bias, logprob_count, note_unknown, reject_unsupported, request_grammar
@@ -23,6 +24,7 @@ from kvos.server.reply import parse_reply
 from kvos.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from kvos.server.state import StateDir
 from kvos.server.tools import plan_tools, template_inputs
+from kvos.session.compressor import ChunkCompressor
 from kvos.session.manager import MemoryManager
 from kvos.session.prompt import Span, flatten
 from kvos.session.session import Session
@@ -105,10 +107,23 @@ class ChatService:
                 "messages",
             )
 
+    def _check_compression(self, req: SamplingFields) -> None:
+        """A 400 naming ``kvos.kv_compression`` when the compression asked for cannot run on this model (no
+        calibration for its entropy budgets, another model's), before the session is touched."""
+        spec = req.hints().kv_compression
+        if spec is None:
+            return
+        engine = self.manager.engine
+        try:
+            ChunkCompressor(parse_compression(spec, engine.model.source), engine)
+        except KvosError as exc:
+            raise bad_request(str(exc), "invalid_value", "kvos.kv_compression") from exc
+
     def sampling(self, req: SamplingFields) -> SamplingParams:
         """The request's sampling; a field it cannot honour is a 400 naming it, an unknown one is logged."""
         reject_unsupported(req)
         note_unknown(req, self._unknown_fields())
+        self._check_compression(req)
         wanted = req.requested_tokens()
         if wanted is None:  # OpenAI's default: until the model stops, bounded here by the reply's room
             wanted = self.config.default_max_tokens or self.config.max_tokens_limit

@@ -135,6 +135,8 @@ class Outcome:
     session: int = 0  # its index in the seed's sequence of sessions (--first counts)
     reply: str = ""  # the model's answer to the probe
     expected: str = ""  # what the answer had to contain
+    resident_tokens: int = 0  # tokens in the pool at the end (more than the budget with per-head budgets)
+    resident_bytes_per_token: float = 0.0  # the K/V bytes each of them took there
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,6 +261,8 @@ def _play_one(
         chat.probes[0].kind,
         reply=played.reply,
         expected=played.expected,
+        resident_tokens=int(stats["resident_tokens"]),
+        resident_bytes_per_token=float(stats["resident_bytes_per_token"]),
     )
 
 
@@ -297,7 +301,8 @@ def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
         "recovery_over_prefill",
         "recovery_and_codes_over_prefill",
     ]
-    print_table(result["rows"], [*columns, "mean_recoveries", "mean_seconds", *costs, "n"])
+    resident = ["mean_resident_tokens", "resident_bytes_per_token"]
+    print_table(result["rows"], [*columns, "mean_recoveries", *resident, "mean_seconds", *costs, "n"])
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:
         title = (
@@ -332,6 +337,8 @@ def _row(name: str, frac: float, results: list[Outcome]) -> dict[str, Any]:
         "mean_recoveries": sum(r.recoveries for r in results) / n,
         "mean_seconds": round(sum(r.seconds for r in results) / n, 2),
         "mean_session_tokens": sum(r.session_tokens for r in results) / n,
+        "mean_resident_tokens": sum(r.resident_tokens for r in results) / n,
+        "resident_bytes_per_token": round(sum(r.resident_bytes_per_token for r in results) / n, 1),
         **cost_medians([turn for r in results for turn in r.costs]),
         "digest_over_saved": round(sum(r.digest_ratio for r in results) / n, 5),
         "by_kind": _by_kind(results),

@@ -137,12 +137,18 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     events = fact_events(session, demo.chat.probes[0].plant_index)
     print(f"the fact's message (turn 1): {_describe(events)}")
-    if config.kv_compression is not None:
+    method = config.kv_compression
+    if method is not None:
+        zeroed = f"K {stats['k_zero_fraction']:.1%} and V {stats['v_zero_fraction']:.1%} zeroed; "
+        heads = (
+            f"{stats['head_chunks']} chunks kept per KV head, {stats['resident_tokens']} tokens resident "
+            f"for {stats['active_tokens']} counted; "
+        )
+        what = (zeroed if method.sparsifier else "") + (heads if method.budgets else "")
         print(
-            f"{stats['kv_compression']}: K {stats['k_zero_fraction']:.1%} and "
-            f"V {stats['v_zero_fraction']:.1%} zeroed; a saved token takes "
-            f"{stats['saved_bytes_per_token']:.0f} bytes, a resident one {stats['resident_bytes_per_token']} "
-            "(the pool is dense)"
+            f"{stats['kv_compression']}: {what}"
+            f"a saved token takes {stats['saved_bytes_per_token']:.0f} bytes, a resident one "
+            f"{stats['resident_bytes_per_token']}"
         )
     if args.json:
         _write_json(args, path.name, played, {**stats, "fact_events": events}, demo)

@@ -26,6 +26,9 @@ from kvos.cli import main
 from kvos.engine.engine import Engine
 from kvos.model.loader import load_model
 from kvos.policy import budgeted
+from kvos.policy.budgeted import run_chunked
+from kvos.policy.compression import Compression, CompressionSpec
+from kvos.policy.entropy import HeadBudgets
 from kvos.policy.sparsify import MagnitudeSparsifier
 
 CONTRACT = ("benchmark", "model", "device", "torch", "rows")
@@ -215,3 +218,31 @@ def test_stories260k(shared_dir: Path, tmp_path: Path) -> None:
     assert ablation["stored_bytes_ratio"] == pytest.approx(sweet["stored_bytes_ratio"], rel=0.02)
     assert ablation["kl"] > 5 * sweet["kl"]
     assert ablation["ppl_delta_pct"] > sweet["ppl_delta_pct"]
+
+
+def test_session_budget_rows_read_a_document_as_a_session_does(
+    model_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """``session-entropy`` / ``session-uniform``: each 128-token chunk prefilled, then its heads cut to their
+    budgets. The first chunk's logits are the full cache's; the later ones read the cut chunks; the pool
+    holds about ``keep`` of the dense bytes."""
+    engine = Engine(load_model(model_dir))
+    ids = _ids(300, 250, seed=5)
+    lay = engine.pool.layout
+    rows = {(layer, head): 1.0 for layer in range(lay.num_layers) for head in range(lay.num_kv_heads)}
+    whole = Compression(CompressionSpec(entropy=True, keep=1.0), budgets=HeadBudgets(rows, 1.0))
+    half = Compression(CompressionSpec(entropy=True, keep=0.5), budgets=HeadBudgets(rows, 0.5))
+    full, cut = run_chunked(engine, ids, whole), run_chunked(engine, ids, half)
+    seq = engine.new_sequence()
+    plain = torch.cat([engine.extend(seq, ids[lo : lo + 128], logits="all") for lo in range(0, 300, 128)])
+    engine.release(seq)
+    assert torch.equal(full.logits, plain[:-1].float()) and full.resident_bytes >= full.dense_bytes
+    assert torch.equal(cut.logits[:127], full.logits[:127])
+    assert not torch.allclose(cut.logits[128:], full.logits[128:])
+    assert cut.resident_bytes <= 0.6 * cut.dense_bytes and cut.dense_bytes == full.dense_bytes
+
+    argv = ["--model", str(model_dir), "--quick", "--policies", "full,session-uniform", "--budgets", "0.5"]
+    result = run_bench(tmp_path, "quality", *argv)
+    (row,) = [r for r in result["rows"] if r["policy"] == "session-uniform"]
+    assert row["budget_tokens"] == 128 and 0.4 <= row["stored_bytes_ratio"] <= 0.6
+    assert row["ppl_delta_pct"] != 0 and math.isnan(row["overhead_pct"])

@@ -240,9 +240,9 @@ def test_a_prompt_is_compressed_as_a_session_compresses_a_chunk(
     assert method is not None
     engine = Engine(load_model(model_dir), block_size=BLOCK)
     seq = engine.new_sequence()
-    freed = compress_prompt(engine, seq, ids, method)
+    compress_prompt(engine, seq, ids, method)
     (seg,) = seq.segments
-    assert seg.heads is not None and ours.heads is not None and freed > 0
+    assert seg.heads is not None and ours.heads is not None
     assert [row.tolist() for row in seg.heads.kept] == [row.tolist() for row in ours.heads.kept]
     a, b = read_heads(engine, seg), read_heads(session.engine, ours)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

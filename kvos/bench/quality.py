@@ -61,7 +61,8 @@ from kvos.model.loader import load_model
 from kvos.model.tokenizer import find_tokenizer
 from kvos.policy import budgeted
 from kvos.policy.calibration import calibrate
-from kvos.policy.entropy import HeadMap, kv_head_entropies
+from kvos.policy.compression import Compression, CompressionSpec
+from kvos.policy.entropy import HeadBudgets, HeadMap, kv_head_entropies
 from kvos.policy.sparsify import PRESETS, KeyUnit, MagnitudeSparsifier
 
 PRESET_POLICIES = {
@@ -87,7 +88,10 @@ BUDGET_POLICIES = ("uniform", "entropy", "entropy_matched", "streaming_llm", "h2
 DEFAULT_POLICIES = (
     "full", "uniform", "entropy", "entropy_matched", *SPARSIFY, *ABLATIONS, "streaming_llm", "h2o", "snapkv",
 )  # fmt: skip
-ENTROPY_POLICIES = {"entropy", "entropy_matched"}  # need a calibration
+# what `kvos serve --kv-compression entropy@KEEP` does to a document, and the same with one budget for every
+# head: each 128 tokens prefilled, then each KV head keeps its budget of them (budgeted.run_chunked)
+CHUNKED_POLICIES = ("session-entropy", "session-uniform")
+ENTROPY_POLICIES = {"entropy", "entropy_matched", "session-entropy"}  # need a calibration
 HEAD_FULL = "head-full"  # the head cache with a budget of every token: the budget rows' reference
 COLUMNS = (
     "model",
@@ -197,9 +201,13 @@ def bench_model(
     counts = sorted({_budget_tokens(b, tokens) for b in budgets})
     contenders = _engine_contenders(engine, policies, args.prefill, args.seed)
     wanted = [p for p in policies if p in BUDGET_POLICIES]
+    chunked = [p for p in policies if p in CHUNKED_POLICIES]
+    calibration = _calibration(engine, texts.calibration) if ENTROPY_POLICIES & set(policies) else None
     if wanted:
-        calibration = _calibration(engine, texts.calibration) if ENTROPY_POLICIES & set(wanted) else None
         contenders.update(_budget_contenders(engine, wanted, counts, calibration, args.prefill, args.seed))
+    for policy in chunked:
+        for count in counts:
+            contenders[(policy, count)] = _chunked_contender(engine, policy, count / tokens, calibration)
     results: dict[Key, list[list[Outcome]]] = {key: [] for key in contenders}
     repeats = args.repeats or (1 if args.quick else 3)
     bar = tqdm(total=len(texts.windows) * repeats * len(contenders), desc=name, unit="run", file=sys.stderr)
@@ -281,6 +289,25 @@ def _budget_contenders(
     return out
 
 
+def _chunked_contender(engine: Engine, policy: str, keep: float, calibration: HeadMap | None) -> Contender:
+    """A session's per-head budgets on a document (:func:`budgeted.run_chunked`), each head keeping ``keep``
+    of every chunk on average: by the calibration's entropies, or (``session-uniform``) alike."""
+    lay = engine.pool.layout
+    rows = [(layer, head) for layer in range(lay.num_layers) for head in range(lay.num_kv_heads)]
+    if policy == "session-entropy":
+        assert calibration is not None
+        entropies: HeadMap = dict(calibration)
+    else:
+        entropies = dict.fromkeys(rows, 1.0)
+    compression = Compression(CompressionSpec(entropy=True, keep=keep), budgets=HeadBudgets(entropies, keep))
+
+    def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
+        run = budgeted.run_chunked(engine, ids, compression, SESSION_CHUNK)
+        return Outcome(run.logits, run.seconds, run.resident_bytes, run.dense_bytes)
+
+    return go
+
+
 def _outcome(run: Any) -> Outcome:
     return Outcome(run.logits, run.seconds, run.stored_bytes, run.raw_bytes, zeroed=int(run.zeros.sum()))
 
@@ -297,7 +324,8 @@ def _row(
     per window), memory and time against the runtime's reference."""
     policy, budget = key
     runs = results[key]
-    base = results[(HEAD_FULL, None)] if budget is not None else full
+    chunked = policy in CHUNKED_POLICIES  # against the full cache's bytes, no timing of its own
+    base = results[(HEAD_FULL, None)] if budget is not None and not chunked else full
     parts = [compare(r[0].logits, f[0].logits, t) for r, f, t in zip(runs, full, targets, strict=True)]
     ref = [compare(f[0].logits, f[0].logits, t) for f, t in zip(full, targets, strict=True)]
     tails = [_tail(m) for m in scored]
@@ -307,7 +335,9 @@ def _row(
     )
     tail = concat([_pick(p, m) for p, m in zip(parts, tails, strict=True)])
     tail_ref = concat([_pick(p, m) for p, m in zip(ref, tails, strict=True)])
-    denominator = [b[0].stored for b in base] if budget is not None else [r[0].raw for r in runs]
+    denominator = (
+        [b[0].stored for b in base] if budget is not None and not chunked else [r[0].raw for r in runs]
+    )
     seconds = sum(median([o.seconds for o in w]) for w in runs)
     base_seconds = sum(median([o.seconds for o in w]) for w in base)
     row: dict[str, Any] = {
@@ -321,12 +351,12 @@ def _row(
         "ppl_delta_tail_pct": _delta_pct(perplexity(tail.nll), perplexity(tail_ref.nll)),
         "top1_agree": float(mine.top1.double().mean()),
         "kl": float(mine.kl.mean()),
-        "overhead_pct": 100.0 * (seconds / base_seconds - 1.0),
+        "overhead_pct": math.nan if chunked else 100.0 * (seconds / base_seconds - 1.0),
         "positions": int(mine.nll.numel()),
     }
     if budget is None:
         row["zeroed_elements"] = sum(r[0].zeroed for r in runs)
-    else:
+    elif not chunked:
         row["uniform_bytes_ratio"] = sum(r[0].uniform for r in runs) / sum(denominator)
     return row
 
@@ -367,9 +397,9 @@ def _calibration(engine: Engine, texts: list[list[int]]) -> HeadMap:
 
 def _parse_policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in ENGINE_POLICIES + BUDGET_POLICIES]
+    unknown = [p for p in names if p not in ENGINE_POLICIES + BUDGET_POLICIES + CHUNKED_POLICIES]
     if unknown or not names:
-        known = ", ".join(ENGINE_POLICIES + BUDGET_POLICIES)
+        known = ", ".join(ENGINE_POLICIES + BUDGET_POLICIES + CHUNKED_POLICIES)
         raise ConfigError(f"unknown policies {', '.join(unknown) or '(none given)'}; choose from {known}")
     return list(dict.fromkeys(["full", *names]))
 

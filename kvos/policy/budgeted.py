@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -29,6 +30,7 @@ from kvos.engine.engine import Engine
 from kvos.engine.head_segments import compress_heads, fold_tail
 from kvos.engine.sequence import Sequence as Sequence_
 from kvos.errors import ConfigError, InvalidPositionError
+from kvos.memory.pool import KVPool
 from kvos.model.transformer import Transformer
 from kvos.policy.compression import Compression
 from kvos.policy.token_select import (
@@ -263,30 +265,69 @@ def compress_prompt(
     compression: Compression,
     sink_count: int = DEFAULT_SINKS,
     window: int = OBSERVATION_WINDOW,
-) -> int:
+    logits: Literal["none", "all"] = "none",
+) -> torch.Tensor:
     """Prefill ``token_ids`` into a new segment of ``seq`` and compress it as a session seals a prompt chunk
     (:mod:`kvos.session.compressor`): sparsified (when ``compression`` has a sparsifier), then each (layer, KV
     head) keeps its budget of the tokens (:meth:`HeadBudgets.for_chunk`): the history's first ``sink_count``
-    and the best of the last ``window`` queries' attention (:func:`observed_keep`). Returns the pool bytes
-    the heads gave back (0 without budgets). ``kvos generate --kv-compression`` runs its prompt through it."""
+    and the best of the last ``window`` queries' attention (:func:`observed_keep`). Returns what the prefill
+    returned (``logits``: "all", float [n, vocab] as the tokens were written, before any was dropped).
+    ``kvos generate --kv-compression`` runs its prompt through it; :func:`run_chunked` a text, chunk by
+    chunk."""
     lay = engine.pool.layout
     seg = seq.open_segment()
     first, n = seq.next_position(), len(token_ids)
     captured: dict[int, torch.Tensor] = {}
     layers = frozenset(range(lay.num_layers)) if compression.budgets is not None else frozenset()
-    engine.extend(seq, token_ids, None, "none", layers, captured, window if layers else 0)
+    out = engine.extend(seq, token_ids, None, logits, layers, captured, window if layers else 0)
     sparsifier = compression.sparsifier
     if sparsifier is not None:
         positions = torch.arange(first, first + n, dtype=torch.int64)
-        engine.edit_kv(
-            seq, seg, 0, lambda pool, slots: sparsifier.apply(pool, slots, positions.to(slots.device))
-        )
+
+        def sparsify(pool: KVPool, slots: torch.Tensor) -> object:
+            return sparsifier.apply(pool, slots, positions.to(slots.device))
+
+        engine.edit_kv(seq, seg, 0, sparsify)
     if compression.budgets is None or not n:
-        return 0
+        return out
     lo = seq.num_tokens - n
     budgets = compression.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, lay.block_size)
     probs = [captured[layer][:, lo : lo + n] for layer in range(lay.num_layers)]
     keep = observed_keep(probs, budgets, lay.num_kv_heads, max(0, min(sink_count - first, n)))
-    if all(len(row) == n for row in keep):
-        return 0
-    return compress_heads(engine, seq, seg, keep)
+    if any(len(row) < n for row in keep):
+        compress_heads(engine, seq, seg, keep)
+    return out
+
+
+@dataclass
+class ChunkedRun:
+    """A text read as a session reads a document: ``logits`` float32 ``[n - 1, vocab]`` (position ``i``
+    predicts token ``i + 1``), the seconds it took, the pool bytes its K/V held at the end and the bytes the
+    same tokens take whole."""
+
+    logits: torch.Tensor
+    seconds: float
+    resident_bytes: int
+    dense_bytes: int
+
+
+def run_chunked(
+    engine: Engine, token_ids: Sequence[int], compression: Compression, chunk: int = 128
+) -> ChunkedRun:
+    """Prefill ``token_ids`` ``chunk`` tokens at a time into a fresh sequence, each chunk compressed right
+    after its prefill (:func:`compress_prompt`): what a session with ``--kv-compression`` holds of a
+    document, and the logits each token got from it (``kvos bench quality``'s ``session-entropy`` and
+    ``session-uniform``)."""
+    seq = engine.new_sequence()
+    began = time.perf_counter()
+    try:
+        parts = [
+            compress_prompt(engine, seq, token_ids[lo : lo + chunk], compression, logits="all")
+            for lo in range(0, len(token_ids), chunk)
+        ]
+        seconds = time.perf_counter() - began
+        resident = engine.pool.live_bytes
+    finally:
+        engine.release(seq)
+    dense = len(token_ids) * engine.pool.layout.bytes_per_token
+    return ChunkedRun(torch.cat(parts)[:-1].float(), seconds, resident, dense)

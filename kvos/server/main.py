@@ -40,6 +40,7 @@ from kvos.policy.compression import add_compression_argument, parse_compression
 from kvos.policy.retriever import find_retriever, retriever_path
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
+from kvos.session.compressor import ChunkCompressor
 from kvos.session.config import SessionConfig
 from kvos.session.embedder import add_embedder_argument
 from kvos.session.manager import MemoryManager
@@ -313,11 +314,16 @@ def build_service(args: argparse.Namespace) -> ChatService:
         c = model.config
         config.retriever.check_model(c.num_kv_layers, c.num_heads, c.num_kv_heads, c.head_dim)
     print(f"[kvos] recovery signal: {config.signal} ({args.recovery_signal})", file=sys.stderr)
-    if config.kv_compression is not None:
-        note = "paged-out chunks are stored sparse"
-        if config.backend != "kv_restore":  # nothing paged out is kept: only snapshots gain
-            note = f"the {config.backend} backend keeps no paged-out K/V: only snapshots are smaller"
-        print(f"[kvos] K/V compression: {args.kv_compression} ({note})", file=sys.stderr)
+    method = config.kv_compression
+    if method is not None:
+        notes = []
+        if method.budgets is not None:
+            notes.append(f"each KV head keeps {method.budgets.keep:g} of a sealed chunk on average")
+        if method.sparsifier is not None:
+            notes.append("paged-out chunks are stored sparse")
+            if config.backend != "kv_restore":  # nothing paged out is kept: only snapshots gain
+                notes[-1] = f"the {config.backend} backend keeps no paged-out K/V: only snapshots are smaller"
+        print(f"[kvos] K/V compression: {method.name} ({'; '.join(notes)})", file=sys.stderr)
     if args.recovery_signal == "auto" and config.retriever is None and args.retriever != "none":
         print(
             f"[kvos] no retriever at {retriever_path(path)}: `kvos calibrate --retriever --model {path}` "
@@ -340,6 +346,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         window_margin=parse_window_margin(args.window_margin),
     )
     check_kv_memory(engine, config, args.kv_memory)
+    ChunkCompressor(config.kv_compression, engine)  # budgets that do not fit the model: a clear error now
     layout = engine.pool.layout
     print(
         f"[kvos] K/V pool: {kv_dtype_name(layout.dtype)}, {layout.bytes_per_token} bytes a token "

@@ -70,15 +70,18 @@ static inline __m256 load8(const c10::Half* p) {
 }
 #endif
 
-// a . b over n values, in 8 running sums (vectorised by the compiler, no fast-math needed).
+// a . b over n values, in 8 running sums (vectorised by the compiler, no fast-math needed). Every product
+// is fused with its sum (std::fma), as the AVX paths fuse them: whether the compiler contracts a * b + c
+// depends on how it vectorises each element type, and a float16 pool must give what its float32 widening
+// does.
 template <typename E>
 static inline float dot(const float* a, const E* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t d = 0;
   for (; d + 8 <= n; d += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[d + l] * to_f(b[d + l]);
+    for (int l = 0; l < 8; ++l) acc[l] = std::fma(a[d + l], to_f(b[d + l]), acc[l]);
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; d < n; ++d) s += a[d] * to_f(b[d]);
+  for (; d < n; ++d) s = std::fma(a[d], to_f(b[d]), s);
   return s;
 }
 
@@ -153,7 +156,7 @@ static void weighted_sum(const float* p, const E* const* rows, int64_t m, int64_
   }
 #endif
   for (int64_t i = 0; i < m && d < D; ++i)
-    for (int64_t e = d; e < D; ++e) o[e] += p[i] * to_f(rows[i][e]);
+    for (int64_t e = d; e < D; ++e) o[e] = std::fma(p[i], to_f(rows[i][e]), o[e]);  // fused, as above
 }
 
 // One (sequence b, KV head h) task: the G query heads that read KV head h, over the keys the query sees.

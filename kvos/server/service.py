@@ -279,7 +279,7 @@ class ChatService:
                 "evictions": delta("evict"),
                 "recoveries": delta("restore", "recompute"),
                 "active_tokens": session.active_tokens,
-                "resident_tokens": session.pager.resident_tokens,
+                "resident_tokens": session.resident_tokens,
                 **session.bytes_per_token(),
                 **({"max_tokens_clipped": outcome.clipped} if outcome.clipped else {}),
             },

@@ -549,6 +549,11 @@ class Session:
 
     # ------------------------------------------------------- what a server reads
     @property
+    def resident_tokens(self) -> int:
+        """The tokens in the pool (more than :attr:`active_tokens` counts when KV heads keep their own)."""
+        return self.pager.resident_tokens
+
+    @property
     def active_tokens(self) -> int:
         """Tokens resident in the pool now."""
         return self.pager.active_tokens

@@ -13,8 +13,10 @@ ends.
   chunk is observed by its own prefill, a reply chunk by the next message's. Each (layer, KV head) then
   keeps its budget (:meth:`HeadBudgets.for_chunk`) of the chunk's tokens: the history's first
   ``sink_count`` tokens, then the tokens its query heads attend to most (summed over the group,
-  max-pooled over 7 neighbours as SnapKV clusters them). :func:`~kvos.engine.head_segments.compress_heads`
-  moves the kept K/V into the head store and gives the chunk's blocks back. A chunk is chosen once; its
+  max-pooled over 7 neighbours as SnapKV clusters them). Only chunks of the configured kinds
+  (``SessionConfig.head_budget_kinds``: replies, tool results and documents) are cut.
+  :func:`~kvos.engine.head_segments.compress_heads` moves the kept K/V into the head store and gives the
+  chunk's blocks back. A chunk is chosen once; its
   heads keep their tokens wherever it goes (paged out and in, saved, shared).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -43,13 +46,21 @@ class ChunkCompressor:
     made the session (what each chunk holds is its own record: ``Chunk.compressed_tokens``, its segment's
     per-head table)."""
 
-    def __init__(self, method: Compression | None, engine: Engine, sink_count: int = 4) -> None:
+    def __init__(
+        self,
+        method: Compression | None,
+        engine: Engine,
+        sink_count: int = 4,
+        kinds: Iterable[str] = ("assistant", "tool", "document"),
+    ) -> None:
         self.engine, self.sink_count = engine, sink_count
+        self.kinds = frozenset(kinds)  # the kinds of chunk whose heads keep their own budgets
         self.method: Compression | None = None
         self.set(method)
         self.report = SparsifyReport()
         self.seconds = 0.0
         self.awaiting: set[int] = set()  # sealed chunks whose heads have not chosen their tokens yet
+        self.watched: dict[int, _Watch] = {}  # reply chunks being written: the attention they got so far
         self.head_chunks = 0  # chunks whose heads chose their tokens in this process
         self.head_bytes_freed = 0
 
@@ -62,6 +73,26 @@ class ChunkCompressor:
             if self.engine.pool.slides:
                 raise ConfigError("per-head entropy budgets do not run on models with sliding-window layers")
         self.method = method
+
+    def watches(self, chunk: Chunk) -> bool:
+        """Whether decode steps writing ``chunk`` should capture every layer's attention for
+        :meth:`watch`: per-head budgets on, and a kind of chunk they cut."""
+        return self.observes and chunk.kind.value in self.kinds
+
+    def watch(self, chunk: Chunk, captured: dict[int, torch.Tensor]) -> None:
+        """Add one decode step's attention (layer -> float [num_heads, T], every layer, the chunk being
+        written last in cache order) to what ``chunk``'s tokens received: its heads choose by it when it is
+        sealed (the reply's own queries are its observation window, as a prompt chunk's are)."""
+        n = chunk.num_tokens
+        if not captured or not n:
+            return
+        began = time.perf_counter()
+        watch = self.watched.get(chunk.chunk_id)
+        if watch is None:
+            heads = next(iter(captured.values())).shape[0]
+            watch = self.watched[chunk.chunk_id] = _Watch(heads, len(captured), max(n, 128))
+        watch.add([captured[layer][:, -n:] for layer in range(len(captured))])
+        self.seconds += time.perf_counter() - began
 
     @property
     def observes(self) -> bool:
@@ -83,8 +114,12 @@ class ChunkCompressor:
         began = time.perf_counter()
         if self.pending(chunk, pager):
             self._sparsify(chunk, pager)
-        if self.observes and chunk.chunk_id in pager.segments:
-            self.awaiting.add(chunk.chunk_id)
+        watch = self.watched.pop(chunk.chunk_id, None)
+        if self.watches(chunk) and chunk.chunk_id in pager.segments:
+            if watch is not None and watch.covers(chunk.num_tokens):
+                self._choose(pager, chunk, watch.means(chunk.num_tokens))
+            else:
+                self.awaiting.add(chunk.chunk_id)
         if captured:
             self.choose_heads(pager, captured)
         seconds = time.perf_counter() - began
@@ -128,30 +163,34 @@ class ChunkCompressor:
             self.awaiting.discard(cid)
             if resident.heads is not None or not resident.num_tokens:
                 continue
-            seg = resident
-            lo = start[id(seg)]
-            keep = self._keep(pager.chunks[cid], captured, lo, seg.num_tokens)
-            if all(len(k) == seg.num_tokens for k in keep):
-                continue  # every head keeps every token: nothing to free
-            try:
-                self.head_bytes_freed += compress_heads(self.engine, pager.seq, seg, keep)
-            except PoolOutOfMemoryError:
-                _log.info("chunk %d keeps all its heads' tokens: no head-blocks for it", cid)
-                continue
-            self.head_chunks += 1
+            lo = start[id(resident)]
+            n = resident.num_tokens
+            self._choose(
+                pager, pager.chunks[cid], [captured[i][:, lo : lo + n] for i in range(lay.num_layers)]
+            )
 
-    def _keep(self, chunk: Chunk, captured: dict[int, torch.Tensor], lo: int, n: int) -> list[list[int]]:
-        """Per row (layer-major), the increasing indices of the chunk's tokens it keeps."""
+    def _choose(self, pager: Pager, chunk: Chunk, probs: list[torch.Tensor]) -> None:
+        """Cut the resident whole ``chunk``'s heads to their budgets by ``probs`` (per layer, float
+        [num_heads, n]: the attention each of its ``n`` tokens got from the observation window)."""
         assert self.method is not None and self.method.budgets is not None
-        lay = self.engine.pool.layout
+        seg = pager.segments[chunk.chunk_id]
+        lay, n = self.engine.pool.layout, seg.num_tokens
         budgets = self.method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, lay.block_size)
         sinks = max(0, min(self.sink_count - chunk.original_start, n))
-        probs = [captured[layer][:, lo : lo + n] for layer in range(lay.num_layers)]
-        return observed_keep(probs, budgets, lay.num_kv_heads, sinks)
+        keep = observed_keep(probs, budgets, lay.num_kv_heads, sinks)
+        if all(len(k) == n for k in keep):
+            return  # every head keeps every token: nothing to free
+        try:
+            self.head_bytes_freed += compress_heads(self.engine, pager.seq, seg, keep)
+        except PoolOutOfMemoryError:
+            _log.info("chunk %d keeps all its heads' tokens: no head-blocks for it", chunk.chunk_id)
+            return
+        self.head_chunks += 1
 
     def forget(self, chunk_id: int) -> None:
         """A chunk the session no longer holds (history truncated)."""
         self.awaiting.discard(chunk_id)
+        self.watched.pop(chunk_id, None)
 
     def stats(self) -> dict[str, object]:
         """Zeroed fractions of K and V over the tokens this process sparsified, the chunks whose heads chose
@@ -164,3 +203,32 @@ class ChunkCompressor:
             "head_bytes_freed": self.head_bytes_freed,
             "compress_s": round(self.seconds, 4),
         }
+
+
+class _Watch:
+    """The attention a chunk being written got from the decode steps that wrote it: per layer, float32
+    ``[num_heads, capacity]`` sums over the steps, and how many steps saw each token."""
+
+    def __init__(self, heads: int, layers: int, capacity: int) -> None:
+        self.sums = [torch.zeros(heads, capacity) for _ in range(layers)]
+        self.counts = torch.zeros(capacity)
+
+    def add(self, probs: list[torch.Tensor]) -> None:
+        """One step's attention to the chunk's first ``n`` tokens (per layer, [num_heads, n])."""
+        n = probs[0].shape[-1]
+        if n > self.counts.numel():
+            grow = n - self.counts.numel()
+            self.sums = [torch.nn.functional.pad(s, (0, grow)) for s in self.sums]
+            self.counts = torch.nn.functional.pad(self.counts, (0, grow))
+        for total, p in zip(self.sums, probs, strict=True):
+            total[:, :n] += p.float().cpu()
+        self.counts[:n] += 1
+
+    def covers(self, n: int) -> bool:
+        """Whether every one of the chunk's ``n`` tokens was seen by a step (the first step may come after
+        tokens the prefill wrote: a reply continues the generation prompt's chunk)."""
+        return n <= self.counts.numel() and bool((self.counts[:n] > 0).all())
+
+    def means(self, n: int) -> list[torch.Tensor]:
+        """The mean attention each of the ``n`` tokens got, per layer: [num_heads, n]."""
+        return [total[:, :n] / self.counts[:n] for total in self.sums]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 from kvos.errors import ConfigError
 from kvos.policy.attention import AttentionTracker
 from kvos.policy.budget import Budget
+from kvos.policy.chunks import ChunkKind
 from kvos.policy.compression import Compression
 from kvos.policy.retriever import Retriever
 from kvos.policy.scorer import Scorer
@@ -58,6 +59,10 @@ class SessionConfig:
     kv_compression: the K/V compression applied to each chunk once sealed (:mod:`kvos.policy.compression`,
         :func:`~kvos.policy.compression.parse_compression`): None (the default), a sparsifier, per-head
         entropy budgets or both.
+    head_budget_kinds: the kinds of chunk whose KV heads keep their own budgets under per-head compression
+        (``entropy``): replies, tool results and documents by default. The system prompt and what the user
+        says stay whole: a fact stated once must survive every head, and recall at 25% of the budget on
+        Qwen2.5-Coder-0.5B fell from 96.7% to 88.3% when user messages were cut as well.
     recurrent_checkpoints: a hybrid model's recurrent state kept at this many of the latest chunk boundaries
         (:mod:`kvos.session.checkpoints`; each a full state, 20.2 MB on Qwen3.5-0.8B's shape): a cut in the
         history goes back to the latest one before it; with 0 every cut reads the history again.
@@ -85,6 +90,7 @@ class SessionConfig:
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
     kv_compression: Compression | None = None
+    head_budget_kinds: tuple[str, ...] = ("assistant", "tool", "document")
     recurrent_checkpoints: int = 4
 
     def __post_init__(self) -> None:
@@ -102,6 +108,9 @@ class SessionConfig:
             raise ConfigError("retrieval_heads must name at least one (layer, head), or be None")
         if self.recurrent_checkpoints < 0:
             raise ConfigError(f"recurrent_checkpoints must be >= 0, got {self.recurrent_checkpoints}")
+        bad_kinds = set(self.head_budget_kinds) - {kind.value for kind in ChunkKind}
+        if bad_kinds:
+            raise ConfigError(f"head_budget_kinds: unknown chunk kinds {sorted(bad_kinds)}")
         if self.query_window < 1:
             raise ConfigError(f"query_window must be >= 1, got {self.query_window}")
         AttentionTracker(mode=self.attention_mode)  # type: ignore[arg-type]  # validates the mode

@@ -123,7 +123,9 @@ class Session:
         self.logits_at = -1  # history length at which last_logits were computed
         self._swapped: list[tuple[int, list[int]]] = []
         self.writer = ReplyWriter(self)
-        self.compressor = ChunkCompressor(config.kv_compression, engine, config.sink_count)
+        self.compressor = ChunkCompressor(
+            config.kv_compression, engine, config.sink_count, config.head_budget_kinds
+        )
         self._observed: tuple[tuple[int, ...], dict[int, torch.Tensor]] | None = None  # see _prefill
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
         self.checkpoints = RecurrentCheckpoints(config.recurrent_checkpoints)  # a hybrid model's states
@@ -323,7 +325,11 @@ class Session:
         """Page as needed, then prefill one new chunk; with ``observe``, the attention of its last 32
         queries (the SnapKV observation window) becomes the attention signal; with ``tap``, its queries at
         those layers go to :attr:`queries`. With per-head budgets, every layer's is captured for
-        :meth:`seal`."""
+        :meth:`seal`. An ASSISTANT chunk the prompt ended with (a reply might have continued it) is sealed
+        first: the client re-sent that message whole, and more follows it."""
+        last = self.history.last()
+        if last is not None and last.kind is ChunkKind.ASSISTANT and last.resident:
+            self.seal(last)
         self.memory.make_room(chunk.num_tokens, protected={chunk.chunk_id})
         self.memory.hold(chunk.num_tokens, set())
         layers = self.capture if observe else frozenset()

@@ -15,7 +15,7 @@ import torch
 from kvos.engine.engine import Engine
 from kvos.engine.head_segments import compress_heads, read_heads
 from kvos.engine.sampling import SamplingParams
-from kvos.engine.sequence import Segment
+from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError
 from kvos.memory.store import ChunkStore
 from kvos.model.loader import load_model
@@ -23,7 +23,7 @@ from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
 from kvos.policy.budgeted import compress_prompt
 from kvos.policy.chunks import ChunkKind, ChunkState
-from kvos.policy.compression import parse_compression
+from kvos.policy.compression import Compression, parse_compression
 from kvos.policy.token_select import observed_keep
 from kvos.session import snapshot
 from kvos.session.config import SessionConfig
@@ -56,6 +56,22 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def varied_calibration(tmp_path: Path) -> Path:
+    """A calibration whose heads are far apart (the small random model's own entropies are alike)."""
+    path = tmp_path / "entropy.json"
+    entropies = {"L0_K0": 0.4, "L0_K1": 4.0, "L1_K0": 2.0, "L1_K1": 2.4}
+    path.write_text(json.dumps({"kv_head_entropies": entropies}))
+    return path
+
+
+def reference(manager: MemoryManager, model_dir: Path) -> tuple[Compression, Engine, Sequence]:
+    """The manager's compression, and a fresh engine and sequence of the same model to replay a session on."""
+    method = manager.config.kv_compression
+    assert method is not None and method.budgets is not None
+    engine = Engine(load_model(model_dir), block_size=BLOCK)
+    return method, engine, engine.new_sequence()
+
+
 def replied(session: Session, params: SamplingParams) -> list[int | None]:
     return [event.token_id for event in session.reply(params)]
 
@@ -72,22 +88,13 @@ def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
     """The session's cache equals a plain sequence prefilled chunk by chunk, each chunk's heads cut right
     after its prefill to their budgets of its tokens, the sinks and the best of the window's attention
     (:func:`observed_keep`); the logits after it agree, and the dropped K/V are out of the pool."""
-    calibration = tmp_path / "entropy.json"  # heads far apart (the small random model's are alike)
-    calibration.write_text(
-        json.dumps({"kv_head_entropies": {"L0_K0": 0.4, "L0_K1": 4.0, "L1_K0": 2.0, "L1_K1": 2.4}})
-    )
-    spec = f"entropy:{calibration}@0.5"
-    manager = make_manager(model_dir, spec)
+    calibration = varied_calibration(tmp_path)
+    manager = make_manager(model_dir, f"entropy:{calibration}@0.5")
     session = manager.session("s")
     ids = tokens(1, 4 * CHUNK + 12)
     session.sync([Span(ids, ChunkKind.DOCUMENT)])
-    method = manager.config.kv_compression
-    assert method is not None and method.budgets is not None
-
-    engine = Engine(load_model(model_dir), block_size=BLOCK)
-    lay = engine.pool.layout
-    layers = frozenset(range(lay.num_layers))
-    seq = engine.new_sequence()
+    method, engine, seq = reference(manager, model_dir)
+    lay, layers = engine.pool.layout, frozenset(range(engine.pool.layout.num_layers))
     expected = []
     for chunk in sorted(session.chunks.values(), key=lambda c: c.original_start):
         lo, n = chunk.original_start, chunk.num_tokens
@@ -134,10 +141,7 @@ def test_a_reply_chunk_is_chosen_by_its_own_decode_attention(model_dir: Path, tm
     """A reply chunk's heads choose when it is sealed, by the mean attention each of its tokens got from the
     decode steps that wrote the chunk (its own observation window), as a plain sequence decoding the same
     tokens and cutting each chunk then would; the user's messages stay whole."""
-    calibration = tmp_path / "entropy.json"
-    entropies = {"L0_K0": 0.4, "L0_K1": 4.0, "L1_K0": 2.0, "L1_K1": 2.4}
-    calibration.write_text(json.dumps({"kv_head_entropies": entropies}))
-    manager = make_manager(model_dir, f"entropy:{calibration}")
+    manager = make_manager(model_dir, f"entropy:{varied_calibration(tmp_path)}")
     session = manager.session("s")
     session.add_message("user", "the lanterns are in crate 7; " * 3)
     _, reply, _ = session.generate(SamplingParams(max_tokens=2 * CHUNK + 5, temperature=0.0, ignore_eos=True))
@@ -148,12 +152,8 @@ def test_a_reply_chunk_is_chosen_by_its_own_decode_attention(model_dir: Path, tm
         session.pager.segments[c.chunk_id].heads is None for c in chunks if c.kind is not ChunkKind.ASSISTANT
     )
 
-    method = manager.config.kv_compression
-    assert method is not None and method.budgets is not None
-    engine = Engine(load_model(model_dir), block_size=BLOCK)
-    lay = engine.pool.layout
-    layers = frozenset(range(lay.num_layers))
-    seq = engine.new_sequence()
+    method, engine, seq = reference(manager, model_dir)
+    lay, layers = engine.pool.layout, frozenset(range(engine.pool.layout.num_layers))
     header = sum(c.num_tokens for c in answers) - len(reply)  # the generation prompt's tokens, prefilled
     for chunk in chunks[: chunks.index(answers[0])]:
         seq.open_segment()

@@ -28,11 +28,13 @@ import torch
 
 from kvos.engine.engine import Engine
 from kvos.engine.head_segments import compress_heads, fold_tail
+from kvos.engine.sequence import Segment
 from kvos.engine.sequence import Sequence as Sequence_
 from kvos.errors import ConfigError, InvalidPositionError
 from kvos.memory.pool import KVPool
 from kvos.model.transformer import Transformer
 from kvos.policy.compression import Compression
+from kvos.policy.entropy import HeadBudgets
 from kvos.policy.token_select import (
     DEFAULT_SINKS,
     HeadState,
@@ -291,12 +293,29 @@ def compress_prompt(
     if compression.budgets is None or not n:
         return out
     lo = seq.num_tokens - n
-    budgets = compression.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, lay.block_size)
     probs = [captured[layer][:, lo : lo + n] for layer in range(lay.num_layers)]
-    keep = observed_keep(probs, budgets, lay.num_kv_heads, max(0, min(sink_count - first, n)))
-    if any(len(row) < n for row in keep):
-        compress_heads(engine, seq, seg, keep)
+    cut_heads(engine, seq, seg, probs, compression.budgets, max(0, min(sink_count - first, n)))
     return out
+
+
+def cut_heads(
+    engine: Engine,
+    seq: Sequence_,
+    seg: Segment,
+    probs: Sequence[torch.Tensor],
+    budgets: HeadBudgets,
+    sinks: int,
+) -> int | None:
+    """Cut the whole segment ``seg``'s KV heads to their ``budgets`` of its ``n`` tokens, each keeping its
+    first ``sinks`` and the best by ``probs`` (per layer, float [num_heads, n]: an observation window's
+    attention to them, :func:`observed_keep`). Returns the pool bytes given back, or None when every head
+    keeps every token (nothing is cut). PoolOutOfMemoryError as :func:`compress_heads`."""
+    lay, n = engine.pool.layout, seg.num_tokens
+    sizes = budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, lay.block_size)
+    keep = observed_keep(probs, sizes, lay.num_kv_heads, sinks)
+    if all(len(row) == n for row in keep):
+        return None
+    return compress_heads(engine, seq, seg, keep)
 
 
 @dataclass

@@ -29,13 +29,12 @@ from collections.abc import Iterable
 import torch
 
 from kvos.engine.engine import Engine
-from kvos.engine.head_segments import compress_heads
 from kvos.errors import ConfigError, PoolOutOfMemoryError
 from kvos.memory.pool import KVPool
+from kvos.policy.budgeted import cut_heads
 from kvos.policy.chunks import Chunk
 from kvos.policy.compression import Compression
 from kvos.policy.sparsify import SparsifyReport
-from kvos.policy.token_select import observed_keep
 from kvos.session.pager import Pager
 
 _log = logging.getLogger(__name__)
@@ -173,19 +172,17 @@ class ChunkCompressor:
         """Cut the resident whole ``chunk``'s heads to their budgets by ``probs`` (per layer, float
         [num_heads, n]: the attention each of its ``n`` tokens got from the observation window)."""
         assert self.method is not None and self.method.budgets is not None
-        seg = pager.segments[chunk.chunk_id]
-        lay, n = self.engine.pool.layout, seg.num_tokens
-        budgets = self.method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, lay.block_size)
+        n = chunk.num_tokens
         sinks = max(0, min(self.sink_count - chunk.original_start, n))
-        keep = observed_keep(probs, budgets, lay.num_kv_heads, sinks)
-        if all(len(k) == n for k in keep):
-            return  # every head keeps every token: nothing to free
+        seg = pager.segments[chunk.chunk_id]
         try:
-            self.head_bytes_freed += compress_heads(self.engine, pager.seq, seg, keep)
+            freed = cut_heads(self.engine, pager.seq, seg, probs, self.method.budgets, sinks)
         except PoolOutOfMemoryError:
             _log.info("chunk %d keeps all its heads' tokens: no head-blocks for it", chunk.chunk_id)
             return
-        self.head_chunks += 1
+        if freed is not None:
+            self.head_bytes_freed += freed
+            self.head_chunks += 1
 
     def forget(self, chunk_id: int) -> None:
         """A chunk the session no longer holds (history truncated)."""

@@ -85,9 +85,11 @@ def kv_of(session: Session, seg: Segment) -> tuple[torch.Tensor, torch.Tensor, t
 def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    """The session's cache equals a plain sequence prefilled chunk by chunk, each chunk's heads cut right
-    after its prefill to their budgets of its tokens, the sinks and the best of the window's attention
-    (:func:`observed_keep`); the logits after it agree, and the dropped K/V are out of the pool."""
+    """The session's cache equals a plain sequence prefilled chunk by chunk where each chunk waits for the
+    queries that read it next: the observation windows of the chunks prefilled after it (its last 32
+    queries, fewer for a short chunk), then the reply's decode steps, until 32 queries have seen it; then
+    its heads keep their budgets of its tokens, the sinks and the best of those queries' mean attention
+    (:func:`observed_keep`). The logits agree, and the dropped K/V are out of the pool."""
     calibration = varied_calibration(tmp_path)
     manager = make_manager(model_dir, f"entropy:{calibration}@0.5")
     session = manager.session("s")
@@ -95,46 +97,75 @@ def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
     session.sync([Span(ids, ChunkKind.DOCUMENT)])
     method, engine, seq = reference(manager, model_dir)
     lay, layers = engine.pool.layout, frozenset(range(engine.pool.layout.num_layers))
-    expected = []
+    heads = engine.model.config.num_heads
+    waiting: list[tuple[int, Segment, int, list[torch.Tensor], list[int]]] = []  # id, seg, start, sums, seen
+    expected: dict[int, tuple[list[list[int]], list[int]]] = {}
+
+    def observe(captured: dict[int, torch.Tensor], queries: int) -> None:
+        for item in list(waiting):
+            cid, seg, lo, sums, seen = item
+            n = seg.num_tokens
+            for layer, total in enumerate(sums):
+                total += queries * captured[layer][:, lo : lo + n].float()
+            seen[0] += queries
+            if seen[0] >= WINDOW:
+                waiting.remove(item)
+                budgets = method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, BLOCK)
+                probs = [total / seen[0] for total in sums]
+                keep = observed_keep(probs, budgets, lay.num_kv_heads, max(0, 4 - lo))
+                compress_heads(engine, seq, seg, keep)
+                expected[cid] = (keep, budgets)
+
     for chunk in sorted(session.chunks.values(), key=lambda c: c.original_start):
         lo, n = chunk.original_start, chunk.num_tokens
         seg = seq.open_segment()
         captured: dict[int, torch.Tensor] = {}
         logits = engine.extend(seq, chunk.token_ids, range(lo, lo + n), "last", layers, captured, WINDOW)
-        budgets = method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, BLOCK)
-        keep = observed_keep(
-            [captured[i][:, lo : lo + n] for i in range(lay.num_layers)],
-            budgets,
-            lay.num_kv_heads,
-            max(0, 4 - lo),
-        )
-        compress_heads(engine, seq, seg, keep)
-        expected.append((chunk.chunk_id, keep, budgets))
+        observe(captured, min(WINDOW, n))
+        waiting.append((chunk.chunk_id, seg, lo, [torch.zeros(heads, n) for _ in layers], [0]))
 
-    for (cid, keep, budgets), seg in zip(expected, seq.segments, strict=True):
+    # chunks 0-2 were read by a whole window; chunk 3 by the 12 queries of the last, which nothing read yet
+    assert len(expected) == 3 and [w[0] for w in waiting] == [c.chunk_id for c in session.chunks.values()][3:]
+    assert session.last_logits is not None
+    torch.testing.assert_close(session.last_logits, logits, rtol=0, atol=1e-5)
+    assert [session.pager.segments[w[0]].heads for w in waiting] == [None, None]
+    pool = session.engine.pool
+    held = sum(-(-len(row) // BLOCK) for keep, _ in expected.values() for row in keep)
+    assert pool.head_store().num_used == held
+
+    # the reply reads them: chunk 3 is chosen after 20 decode steps, chunk 4 after 32 (the reply's own
+    # chunks stay whole here, so that the replay need not cut them: the next test does)
+    session.compressor.kinds = frozenset({"document"})
+    params = SamplingParams(max_tokens=WINDOW + 3, temperature=0.0, ignore_eos=True)
+    reply = [t for t in replied(session, params) if t is not None]
+    seq.open_segment()
+    position = len(ids)
+    for token in reply[:WINDOW]:
+        captured = {}
+        engine.extend(seq, [token], [position], "last", layers, captured)
+        position += 1
+        observe(captured, 1)
+    assert not waiting and len(expected) == 5
+
+    for cid, (keep, budgets) in expected.items():
         ours = session.pager.segments[cid]
-        assert ours.heads is not None and seg.heads is not None
+        theirs = seq.segments[sorted(expected).index(cid)]
+        assert ours.heads is not None and theirs.heads is not None
         assert [row.tolist() for row in ours.heads.kept] == keep
         assert [len(row) for row in keep] == budgets
         k1, v1, m1 = read_heads(session.engine, ours)
-        k2, v2, m2 = read_heads(engine, seg)
+        k2, v2, m2 = read_heads(engine, theirs)
         assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(m1, m2)
-    first = session.pager.segments[expected[0][0]].heads
+    first = session.pager.segments[min(expected)].heads
     assert first is not None and all(row[:4].tolist() == [0, 1, 2, 3] for row in first.kept)  # the sinks
-    assert session.last_logits is not None
-    torch.testing.assert_close(session.last_logits, logits, rtol=0, atol=1e-5)
 
-    # the budgets differ per head, average half a chunk, and what was dropped left the pool: no whole block
-    full = expected[0][2]
+    # the budgets differ per head, average half a chunk, and what was dropped left the pool
+    full = expected[min(expected)][1]
     assert len(set(full)) > 1 and sum(full) <= lay.num_layers * lay.num_kv_heads * CHUNK // 2
-    pool = session.engine.pool
-    assert pool.allocator.num_used == 0
-    held = sum(-(-len(row) // BLOCK) for _, keep, _ in expected for row in keep)
-    assert pool.head_store().num_used == held
-    assert pool.live_bytes < 0.6 * len(ids) * lay.bytes_per_token
+    docs = [cid for cid in expected if session.chunks[cid].kind is ChunkKind.DOCUMENT]
+    assert len(docs) == 5 and all(session.pager.segments[cid].heads is not None for cid in docs)
     stats = session.stats()
-    assert stats["head_chunks"] == len(expected) and stats["kv_compression"] == f"entropy:{calibration}"
-    assert stats["resident_bytes_per_token"] < 0.6 * lay.bytes_per_token
+    assert stats["head_chunks"] == 5 and stats["kv_compression"] == f"entropy:{calibration}"
 
 
 def test_a_reply_chunk_is_chosen_by_its_own_decode_attention(model_dir: Path, tmp_path: Path) -> None:
@@ -209,7 +240,7 @@ def test_a_per_head_chunk_pages_out_sparse_and_comes_back_as_it_was(
     ids = tokens(4, 5 * CHUNK)
     for s in (paged, kept):
         s.sync([Span(ids, ChunkKind.DOCUMENT)])
-    victims = [c for c in paged.chunks.values() if c.original_start >= 2 * CHUNK]
+    victims = [c for c in paged.chunks.values() if 2 * CHUNK <= c.original_start < 4 * CHUNK]
     before = {c.chunk_id: kv_of(paged, paged.pager.segments[c.chunk_id]) for c in victims}
     paged.memory.page_out(victims)
     store = paged.pager.store
@@ -229,6 +260,36 @@ def test_a_per_head_chunk_pages_out_sparse_and_comes_back_as_it_was(
         assert torch.equal(k, k0) if mode == "sparse" else torch.allclose(k, k0, atol=1e-5)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert replied(paged, params) == replied(kept, params)
+
+
+def test_a_waiting_chunk_that_must_leave_is_chosen_by_its_own_last_queries(
+    model_dir: Path, head_calibration: Path
+) -> None:
+    """A chunk paged out before 32 queries read it is cut first, so that it is saved at its budget: by the
+    queries that read it so far, or by its own prefill's last queries when none did yet."""
+    manager = make_manager(model_dir, f"entropy:{head_calibration}")
+    session = manager.session("s")
+    ids = tokens(8, 2 * CHUNK)
+    session.sync([Span(ids, ChunkKind.DOCUMENT)])
+    first, last = sorted(session.chunks.values(), key=lambda c: c.original_start)
+    assert session.pager.segments[first.chunk_id].heads is not None
+    assert session.pager.segments[last.chunk_id].heads is None  # waiting
+    session.memory.page_out([last])
+    store = session.pager.store
+    assert store is not None and "head_mask" in store.meta(last.chunk_id)
+    session.pager.restore(last, at="place")
+
+    method, engine, seq = reference(manager, model_dir)
+    lay, layers = engine.pool.layout, frozenset(range(engine.pool.layout.num_layers))
+    for lo in (0, CHUNK):
+        seq.open_segment()
+        captured: dict[int, torch.Tensor] = {}
+        engine.extend(seq, ids[lo : lo + CHUNK], range(lo, lo + CHUNK), "none", layers, captured, WINDOW)
+    budgets = method.budgets.for_chunk(CHUNK, lay.num_layers, lay.num_kv_heads, BLOCK)
+    probs = [captured[i][:, CHUNK:] for i in range(lay.num_layers)]
+    keep = observed_keep(probs, budgets, lay.num_kv_heads, 0)
+    heads = session.pager.segments[last.chunk_id].heads
+    assert heads is not None and [row.tolist() for row in heads.kept] == keep
 
 
 def test_a_snapshot_keeps_which_tokens_each_head_holds(
@@ -278,26 +339,32 @@ def test_the_budget_counts_what_the_heads_keep(model_dir: Path, head_calibration
     assert int(bound.pager.seq.positions.max()) < 9 * CHUNK
 
 
-def test_a_prompt_is_compressed_as_a_session_compresses_a_chunk(
-    model_dir: Path, head_calibration: Path
-) -> None:
-    """:func:`compress_prompt` (``kvos generate``'s prompt) keeps per head what a session keeps of a chunk of
-    the same tokens, sparsified first where asked, and ``kvos generate`` reports the K/V it holds."""
-    ids = tokens(7, CHUNK)
+def test_a_prompt_is_compressed_once_by_its_own_last_queries(model_dir: Path, head_calibration: Path) -> None:
+    """:func:`compress_prompt` (``kvos generate``'s prompt, read next only by the reply) sparsifies the
+    prompt, then each head keeps its budget: the sinks and the best of the prompt's own last 32 queries'
+    attention, as a plain sequence cut by :func:`observed_keep` holds it; ``kvos generate`` reports the K/V
+    it holds."""
+    ids, n = tokens(7, CHUNK), CHUNK
     spec = f"sparse:sweet+entropy:{head_calibration}"
-    session = make_manager(model_dir, spec).session("s")
-    session.sync([Span(ids, ChunkKind.DOCUMENT)])
-    (chunk,) = session.chunks.values()
-    ours = session.pager.segments[chunk.chunk_id]
     method = parse_compression(spec)
-    assert method is not None
+    assert method is not None and method.sparsifier is not None and method.budgets is not None
     engine = Engine(load_model(model_dir), block_size=BLOCK)
+    lay, layers = engine.pool.layout, frozenset(range(engine.pool.layout.num_layers))
     seq = engine.new_sequence()
     compress_prompt(engine, seq, ids, method)
     (seg,) = seq.segments
-    assert seg.heads is not None and ours.heads is not None
-    assert [row.tolist() for row in seg.heads.kept] == [row.tolist() for row in ours.heads.kept]
-    a, b = read_heads(engine, seg), read_heads(session.engine, ours)
+
+    plain = engine.new_sequence()
+    theirs = plain.open_segment()
+    captured: dict[int, torch.Tensor] = {}
+    engine.extend(plain, ids, None, "none", layers, captured, WINDOW)
+    sparsifier = method.sparsifier
+    engine.edit_kv(plain, theirs, 0, lambda pool, slots: sparsifier.apply(pool, slots, torch.arange(n)))
+    budgets = method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, BLOCK)
+    keep = observed_keep([captured[i] for i in range(lay.num_layers)], budgets, lay.num_kv_heads, 4)
+    compress_heads(engine, plain, theirs, keep)
+    assert seg.heads is not None and [row.tolist() for row in seg.heads.kept] == keep
+    a, b = read_heads(engine, seg), read_heads(engine, theirs)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert bool((a[1] == 0).any())  # sparsified before the heads chose
 

@@ -269,13 +269,30 @@ def compress_prompt(
     window: int = OBSERVATION_WINDOW,
     logits: Literal["none", "all"] = "none",
 ) -> torch.Tensor:
-    """Prefill ``token_ids`` into a new segment of ``seq`` and compress it as a session seals a prompt chunk
-    (:mod:`kvos.session.compressor`): sparsified (when ``compression`` has a sparsifier), then each (layer, KV
-    head) keeps its budget of the tokens (:meth:`HeadBudgets.for_chunk`): the history's first ``sink_count``
-    and the best of the last ``window`` queries' attention (:func:`observed_keep`). Returns what the prefill
-    returned (``logits``: "all", float [n, vocab] as the tokens were written, before any was dropped).
-    ``kvos generate --kv-compression`` runs its prompt through it; :func:`run_chunked` a text, chunk by
-    chunk."""
+    """Prefill ``token_ids`` into a new segment of ``seq`` and compress it once (``kvos generate
+    --kv-compression``: nothing reads the prompt after its own last queries but the reply): sparsified (when
+    ``compression`` has a sparsifier), then each (layer, KV head) keeps its budget of the tokens
+    (:meth:`HeadBudgets.for_chunk`): the history's first ``sink_count`` and the best of the last ``window``
+    queries' attention (:func:`observed_keep`). Returns what the prefill returned (``logits``: "all", float
+    [n, vocab] as the tokens were written, before any was dropped)."""
+    seg, out, captured = _prefill(engine, seq, token_ids, compression, logits, window)
+    n = seg.num_tokens
+    if compression.budgets is not None and n:
+        _cut_by(engine, seq, seg, captured, compression.budgets, sink_count)
+    return out
+
+
+def _prefill(
+    engine: Engine,
+    seq: Sequence_,
+    token_ids: Sequence[int],
+    compression: Compression,
+    logits: Literal["none", "all"],
+    window: int,
+) -> tuple[Segment, torch.Tensor, dict[int, torch.Tensor]]:
+    """Prefill ``token_ids`` into a new segment of ``seq``, sparsified when ``compression`` has a sparsifier;
+    with per-head budgets, every layer's mean attention of the last ``window`` queries is captured (layer ->
+    float [num_heads, T], in cache order). Returns the segment, what the prefill returned and the capture."""
     lay = engine.pool.layout
     seg = seq.open_segment()
     first, n = seq.next_position(), len(token_ids)
@@ -290,12 +307,28 @@ def compress_prompt(
             return sparsifier.apply(pool, slots, positions.to(slots.device))
 
         engine.edit_kv(seq, seg, 0, sparsify)
-    if compression.budgets is None or not n:
-        return out
-    lo = seq.num_tokens - n
-    probs = [captured[layer][:, lo : lo + n] for layer in range(lay.num_layers)]
-    cut_heads(engine, seq, seg, probs, compression.budgets, max(0, min(sink_count - first, n)))
-    return out
+    return seg, out, captured
+
+
+def _cut_by(
+    engine: Engine,
+    seq: Sequence_,
+    seg: Segment,
+    captured: dict[int, torch.Tensor],
+    budgets: HeadBudgets,
+    sink_count: int,
+) -> None:
+    """Cut the whole ``seg``'s heads by ``captured`` (an observation of the cache as it is now, layer ->
+    float [num_heads, T] in cache order)."""
+    lo = 0
+    for other in seq.segments:
+        if other is seg:
+            break
+        lo += other.num_tokens
+    n = seg.num_tokens
+    first = int(seg.positions[0]) if n else 0
+    probs = [captured[layer][:, lo : lo + n] for layer in range(engine.pool.layout.num_layers)]
+    cut_heads(engine, seq, seg, probs, budgets, max(0, min(sink_count - first, n)))
 
 
 def cut_heads(
@@ -333,17 +366,25 @@ class ChunkedRun:
 def run_chunked(
     engine: Engine, token_ids: Sequence[int], compression: Compression, chunk: int = 128
 ) -> ChunkedRun:
-    """Prefill ``token_ids`` ``chunk`` tokens at a time into a fresh sequence, each chunk compressed right
-    after its prefill (:func:`compress_prompt`): what a session with ``--kv-compression`` holds of a
-    document, and the logits each token got from it (``kvos bench quality``'s ``session-entropy`` and
-    ``session-uniform``)."""
+    """Prefill ``token_ids`` ``chunk`` tokens at a time into a fresh sequence, as a session reads a
+    document (:mod:`kvos.session.compressor`): each chunk sparsified after its prefill, and its heads cut to
+    their budgets by the next chunk's observation window (the queries that read it next; the last chunk
+    stays whole). Returns the logits each token got and the bytes held (``kvos bench quality``'s
+    ``session-entropy`` and ``session-uniform``)."""
     seq = engine.new_sequence()
     began = time.perf_counter()
+    parts, waiting = [], None
     try:
-        parts = [
-            compress_prompt(engine, seq, token_ids[lo : lo + chunk], compression, logits="all")
-            for lo in range(0, len(token_ids), chunk)
-        ]
+        for lo in range(0, len(token_ids), chunk):
+            seg, out, captured = _prefill(
+                engine, seq, token_ids[lo : lo + chunk], compression, "all", OBSERVATION_WINDOW
+            )
+            parts.append(out)
+            if compression.budgets is None:
+                continue
+            if waiting is not None:
+                _cut_by(engine, seq, waiting, captured, compression.budgets, DEFAULT_SINKS)
+            waiting = seg
         seconds = time.perf_counter() - began
         resident = engine.pool.live_bytes
     finally:

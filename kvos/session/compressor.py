@@ -8,16 +8,19 @@ ends.
   sealed (``Chunk.compressed_tokens`` on), in the pool, through the engine's copy-on-write edit: a branch
   that shares the blocks keeps its own copy. Deterministic: the same chunk in the same state gets the same
   zeros, so a session that evicts and restores holds what one that never evicted holds.
-- Per-head budgets: a sealed chunk waits for the next observation, the attention of the last 32 queries
-  of a prompt chunk's prefill over the whole cache, every layer (SnapKV's observation window): a prompt
-  chunk is observed by its own prefill, a reply chunk by the next message's. Each (layer, KV head) then
+- Per-head budgets: a sealed prompt chunk waits for the queries that read it next: the observation windows
+  (SnapKV's last 32 queries of a prefilled chunk, every layer) of the chunks prefilled after it and the
+  decode steps of the reply that follows, until 32 queries have seen it. A chunk cut by its own prefill's
+  window lost 16% perplexity more on a document (docs/benchmarks.md): its last queries see its own end, not
+  what later text needs of it. A reply chunk is chosen by the decode steps that wrote it when it is sealed
+  (or, when the prompt wrote its first tokens, waits as a prompt chunk does). Each (layer, KV head) then
   keeps its budget (:meth:`HeadBudgets.for_chunk`) of the chunk's tokens: the history's first
   ``sink_count`` tokens, then the tokens its query heads attend to most (summed over the group,
   max-pooled over 7 neighbours as SnapKV clusters them). Only chunks of the configured kinds
   (``SessionConfig.head_budget_kinds``: replies, tool results and documents) are cut.
   :func:`~kvos.engine.head_segments.compress_heads` moves the kept K/V into the head store and gives the
-  chunk's blocks back. A chunk is chosen once; its
-  heads keep their tokens wherever it goes (paged out and in, saved, shared).
+  chunk's blocks back. A chunk is chosen once; its heads keep their tokens wherever it goes (paged out and
+  in, saved, shared). A chunk paged out while it waits gathers again once it is back.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError, PoolOutOfMemoryError
 from kvos.memory.pool import KVPool
-from kvos.policy.budgeted import cut_heads
+from kvos.policy.budgeted import OBSERVATION_WINDOW, cut_heads
 from kvos.policy.chunks import Chunk
 from kvos.policy.compression import Compression
 from kvos.policy.sparsify import SparsifyReport
@@ -58,8 +61,9 @@ class ChunkCompressor:
         self.set(method)
         self.report = SparsifyReport()
         self.seconds = 0.0
-        self.awaiting: set[int] = set()  # sealed chunks whose heads have not chosen their tokens yet
+        self.awaiting: dict[int, _Watch] = {}  # sealed chunks waiting for later queries: what they got so far
         self.watched: dict[int, _Watch] = {}  # reply chunks being written: the attention they got so far
+        self.own: dict[int, list[torch.Tensor]] = {}  # prefilled, not sealed: their own window's attention
         self.head_chunks = 0  # chunks whose heads chose their tokens in this process
         self.head_bytes_freed = 0
 
@@ -74,23 +78,29 @@ class ChunkCompressor:
         self.method = method
 
     def watches(self, chunk: Chunk) -> bool:
-        """Whether decode steps writing ``chunk`` should capture every layer's attention for
-        :meth:`watch`: per-head budgets on, and a kind of chunk they cut."""
+        """Whether ``chunk``'s heads keep their own budgets: per-head budgets on, and a kind they cut."""
         return self.observes and chunk.kind.value in self.kinds
 
-    def watch(self, chunk: Chunk, captured: dict[int, torch.Tensor]) -> None:
-        """Add one decode step's attention (layer -> float [num_heads, T], every layer, the chunk being
-        written last in cache order) to what ``chunk``'s tokens received: its heads choose by it when it is
-        sealed (the reply's own queries are its observation window, as a prompt chunk's are)."""
+    def listens(self, chunk: Chunk) -> bool:
+        """Whether a decode step writing ``chunk`` should capture every layer's attention for :meth:`watch`:
+        the chunk is watched, or sealed chunks wait for the queries that read them next."""
+        return self.watches(chunk) or bool(self.awaiting)
+
+    def watch(self, chunk: Chunk, captured: dict[int, torch.Tensor], pager: Pager) -> None:
+        """Add one decode step's attention (layer -> float [num_heads, T], every layer, in cache order, the
+        chunk being written last) to what ``chunk``'s tokens received (its heads choose by it when it is
+        sealed) and to what the waiting chunks received (each chooses once 32 queries have seen it)."""
         n = chunk.num_tokens
-        if not captured or not n:
+        if not captured:
             return
         began = time.perf_counter()
-        watch = self.watched.get(chunk.chunk_id)
-        if watch is None:
-            heads = next(iter(captured.values())).shape[0]
-            watch = self.watched[chunk.chunk_id] = _Watch(heads, len(captured), max(n, 128))
-        watch.add([captured[layer][:, -n:] for layer in range(len(captured))])
+        if n and self.watches(chunk):
+            watch = self.watched.get(chunk.chunk_id)
+            if watch is None:
+                heads = next(iter(captured.values())).shape[0]
+                watch = self.watched[chunk.chunk_id] = _Watch(heads, len(captured), max(n, 128))
+            watch.add([captured[layer][:, -n:] for layer in range(len(captured))])
+        self._observe(pager, captured, 1)
         self.seconds += time.perf_counter() - began
 
     @property
@@ -105,22 +115,27 @@ class ChunkCompressor:
         sparse = self.method is not None and self.method.sparsifier is not None
         return sparse and seg is not None and seg.heads is None and chunk.compressed_tokens < chunk.num_tokens
 
-    def seal(self, chunk: Chunk, pager: Pager, captured: dict[int, torch.Tensor] | None = None) -> float:
+    def seal(self, chunk: Chunk, pager: Pager) -> float:
         """Compress the resident ``chunk``: sparsify its tokens from ``chunk.compressed_tokens`` on, and with
-        per-head budgets, mark it for the next observation (``captured``, when given: this one). Returns the
+        per-head budgets, choose its heads' tokens by the decode steps that wrote it (a reply whose steps saw
+        every token) or let it wait for the queries that read it next (:meth:`observe`). Returns the
         seconds it took. When a private copy of a block shared with a branch cannot be allocated, the chunk
         is left as it is for a later seal."""
         began = time.perf_counter()
         if self.pending(chunk, pager):
             self._sparsify(chunk, pager)
-        watch = self.watched.pop(chunk.chunk_id, None)
-        if self.watches(chunk) and chunk.chunk_id in pager.segments:
-            if watch is not None and watch.covers(chunk.num_tokens):
-                self._choose(pager, chunk, watch.means(chunk.num_tokens))
+        watch, n = self.watched.pop(chunk.chunk_id, None), chunk.num_tokens
+        seg = pager.segments.get(chunk.chunk_id)
+        whole = seg is not None and seg.heads is None and chunk.chunk_id not in self.awaiting
+        if self.watches(chunk) and whole and n:
+            if watch is not None and watch.covers(n):
+                self._choose(pager, chunk, watch.means(n))
             else:
-                self.awaiting.add(chunk.chunk_id)
-        if captured:
-            self.choose_heads(pager, captured)
+                heads, layers = self.engine.model.config.num_heads, self.engine.pool.layout.num_layers
+                wait = self.awaiting[chunk.chunk_id] = _Watch(heads, layers, n)
+                own = self.own.get(chunk.chunk_id)
+                wait.own = own if own is not None and own[0].shape[-1] == n else None
+        self.own.pop(chunk.chunk_id, None)
         seconds = time.perf_counter() - began
         self.seconds += seconds
         return seconds
@@ -141,32 +156,64 @@ class ChunkCompressor:
         chunk.compressed_tokens = chunk.num_tokens
         self.report += report
 
-    def choose_heads(self, pager: Pager, captured: dict[int, torch.Tensor]) -> None:
-        """Each awaiting resident chunk's heads keep their budgets of its tokens, chosen by ``captured``
-        (layer -> float [num_heads, T], the observation window's mean attention over the cache as it is now,
-        in cache order, every layer)."""
-        if not self.awaiting or self.method is None or self.method.budgets is None:
+    def prefilled(self, pager: Pager, chunk: Chunk, captured: dict[int, torch.Tensor], queries: int) -> float:
+        """``chunk`` was just prefilled at the end of the cache; ``captured`` is its last ``queries`` queries'
+        mean attention (layer -> float [num_heads, T], in cache order, every layer). The chunks waiting
+        before it were read by them (:meth:`_observe`); ``chunk``'s own share is kept for when it must leave
+        before anything reads it (:meth:`settle`). Returns the seconds it took."""
+        began = time.perf_counter()
+        self._observe(pager, captured, queries)
+        n = chunk.num_tokens
+        if self.watches(chunk) and n:
+            self.own[chunk.chunk_id] = [captured[i][:, -n:].float() for i in range(len(captured))]
+        seconds = time.perf_counter() - began
+        self.seconds += seconds
+        return seconds
+
+    def _observe(self, pager: Pager, captured: dict[int, torch.Tensor], queries: int) -> None:
+        """Add ``queries`` queries' mean attention (as :meth:`observe`) to each waiting resident chunk; a
+        chunk that 32 queries have seen chooses its heads' tokens by the mean of all of them."""
+        if not self.awaiting or not queries or self.method is None or self.method.budgets is None:
             return
         lay = self.engine.pool.layout
         if len(captured) < lay.num_layers:
             raise ValueError(f"per-head budgets need every layer's attention, got {sorted(captured)}")
-        start = {}
-        at = 0
+        start, at = {}, 0
         for seg in pager.seq.segments:
             start[id(seg)] = at
             at += seg.num_tokens
         for cid in sorted(self.awaiting):
             resident = pager.segments.get(cid)
             if resident is None:
-                continue  # paged out whole: chosen when it is resident at an observation again
-            self.awaiting.discard(cid)
-            if resident.heads is not None or not resident.num_tokens:
+                continue  # paged out whole: it gathers again once it is back
+            n = resident.num_tokens
+            if resident.heads is not None or n != self.awaiting[cid].counts.numel():
+                del self.awaiting[cid]  # cut or rewritten meanwhile
                 continue
             lo = start[id(resident)]
-            n = resident.num_tokens
-            self._choose(
-                pager, pager.chunks[cid], [captured[i][:, lo : lo + n] for i in range(lay.num_layers)]
-            )
+            watch = self.awaiting[cid]
+            watch.add([captured[i][:, lo : lo + n] for i in range(lay.num_layers)], queries)
+            if watch.seen(n) >= OBSERVATION_WINDOW:
+                del self.awaiting[cid]
+                self._choose(pager, pager.chunks[cid], watch.means(n))
+
+    def settle(self, pager: Pager, chunks: list[Chunk]) -> None:
+        """The waiting ``chunks`` about to be saved choose their heads' tokens now, so that they are saved
+        at their budgets: by the queries that read them so far, or, read by none yet, by their own prefill's
+        last queries (SnapKV's choice)."""
+        for chunk in chunks:
+            watch = self.awaiting.get(chunk.chunk_id)
+            seg = pager.segments.get(chunk.chunk_id)
+            n = chunk.num_tokens
+            if watch is None or seg is None or seg.heads is not None:
+                continue
+            probs = watch.means(n) if watch.seen(n) else watch.own
+            if probs is None:
+                continue
+            began = time.perf_counter()
+            del self.awaiting[chunk.chunk_id]
+            self._choose(pager, chunk, probs)
+            self.seconds += time.perf_counter() - began
 
     def _choose(self, pager: Pager, chunk: Chunk, probs: list[torch.Tensor]) -> None:
         """Cut the resident whole ``chunk``'s heads to their budgets by ``probs`` (per layer, float
@@ -186,7 +233,8 @@ class ChunkCompressor:
 
     def forget(self, chunk_id: int) -> None:
         """A chunk the session no longer holds (history truncated)."""
-        self.awaiting.discard(chunk_id)
+        self.awaiting.pop(chunk_id, None)
+        self.own.pop(chunk_id, None)
         self.watched.pop(chunk_id, None)
 
     def stats(self) -> dict[str, object]:
@@ -209,17 +257,23 @@ class _Watch:
     def __init__(self, heads: int, layers: int, capacity: int) -> None:
         self.sums = [torch.zeros(heads, capacity) for _ in range(layers)]
         self.counts = torch.zeros(capacity)
+        self.own: list[torch.Tensor] | None = None  # a prompt chunk's own last queries (see settle)
 
-    def add(self, probs: list[torch.Tensor]) -> None:
-        """One step's attention to the chunk's first ``n`` tokens (per layer, [num_heads, n])."""
+    def add(self, probs: list[torch.Tensor], queries: int = 1) -> None:
+        """The mean attention of ``queries`` queries to the chunk's first ``n`` tokens (per layer,
+        [num_heads, n])."""
         n = probs[0].shape[-1]
         if n > self.counts.numel():
             grow = n - self.counts.numel()
             self.sums = [torch.nn.functional.pad(s, (0, grow)) for s in self.sums]
             self.counts = torch.nn.functional.pad(self.counts, (0, grow))
         for total, p in zip(self.sums, probs, strict=True):
-            total[:, :n] += p.float().cpu()
-        self.counts[:n] += 1
+            total[:, :n] += queries * p.float().cpu()
+        self.counts[:n] += queries
+
+    def seen(self, n: int) -> int:
+        """The fewest queries any of the first ``n`` tokens was seen by."""
+        return int(self.counts[:n].min()) if n else 0
 
     def covers(self, n: int) -> bool:
         """Whether every one of the chunk's ``n`` tokens was seen by a step (the first step may come after

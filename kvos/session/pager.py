@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -19,6 +20,7 @@ from kvos.engine.head_segments import pack_mask, read_heads, splice_heads, unpac
 from kvos.engine.sequence import Segment, Sequence
 from kvos.errors import ConfigError, CorruptChunkError
 from kvos.memory.store import ChunkStore, StoredChunk
+from kvos.policy.budgeted import OBSERVATION_WINDOW
 from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import KeyDigest, digest_keys, unrotate
 from kvos.policy.retriever import Retriever
@@ -61,6 +63,8 @@ class Pager:
         # compact mode: how far the resident tokens may run past the budget (the model's positions less the
         # budget: a cache of per-head chunks holds more tokens than its charge, each at its own position)
         self.position_slack = sys.maxsize
+        # called with the chunks about to be saved, before they leave (per-head budgets choose what waits)
+        self.on_save: Callable[[list[Chunk]], None] | None = None
 
     @property
     def active_tokens(self) -> int:
@@ -140,7 +144,7 @@ class Pager:
         chunk.key_code = None  # new K/V: a code made from the old ones no longer holds
         first = int(chunk.current_start or 0)
         positions = range(first, first + chunk.num_tokens)
-        window = 32 if capture_layers else 0
+        window = OBSERVATION_WINDOW if capture_layers else 0
         try:
             return self.engine.extend(
                 self.seq,
@@ -181,6 +185,8 @@ class Pager:
 
     def evict(self, chunks: list[Chunk]) -> int:
         """Take chunks out of the pool (saving their K/V for kv_restore); returns the tokens freed."""
+        if self.backend == "kv_restore" and self.on_save is not None:
+            self.on_save(chunks)
         freed = 0
         for chunk in chunks:
             seg = self.segments.pop(chunk.chunk_id)

@@ -25,6 +25,7 @@ from kvos.errors import BudgetError, ChunkNotFoundError, ConfigError, PrefillCan
 from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
+from kvos.policy.budgeted import OBSERVATION_WINDOW
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
 from kvos.policy.compression import compression_name, parse_compression
 from kvos.policy.planner import plan_truncate
@@ -126,7 +127,7 @@ class Session:
         self.compressor = ChunkCompressor(
             config.kv_compression, engine, config.sink_count, config.head_budget_kinds
         )
-        self._observed: tuple[tuple[int, ...], dict[int, torch.Tensor]] | None = None  # see _prefill
+        self.pager.on_save = lambda chunks: self.compressor.settle(self.pager, chunks)
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
         self.checkpoints = RecurrentCheckpoints(config.recurrent_checkpoints)  # a hybrid model's states
         if self.pager.seq.recurrent is not None:  # they count against the pool's cap while it is resident
@@ -300,26 +301,20 @@ class Session:
         return made
 
     def seal(self, chunk: Chunk) -> None:
-        """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens (per-head
-        budgets with the attention its own prefill captured, when the cache is still as it was then). The
-        learned signal's key code is made first, from the keys as the model wrote them: its retriever was
-        calibrated on those, and its threshold does not hold for codes of compressed keys."""
+        """No more tokens go into ``chunk``: the session's K/V compression takes its new tokens (with
+        per-head budgets, the chunk then waits for the queries that read it next). The learned signal's key
+        code is made first, from the keys as the model wrote them: its retriever was calibrated on those, and
+        its threshold does not hold for codes of compressed keys."""
         self._checkpoint()
-        observed, self._observed = self._observed, None
-        captured = observed[1] if observed is not None and observed[0] == self._cache_shape() else None
         if not (self.compressor.pending(chunk, self.pager) or self.compressor.observes):
             return
         if self.pager.retriever is not None and chunk.key_code is None and chunk.resident:
             began = time.perf_counter()
             self.pager.key_code(chunk)
             self.memory.costs.add(code_s=time.perf_counter() - began)
-        seconds = self.compressor.seal(chunk, self.pager, captured)
+        seconds = self.compressor.seal(chunk, self.pager)
         if seconds:
             self.memory.costs.add(compress_s=seconds)
-
-    def _cache_shape(self) -> tuple[int, ...]:
-        """The cache's tokens and segments: attention captured over it is read while they stay the same."""
-        return (self.pager.seq.num_tokens, *map(id, self.pager.seq.segments))
 
     def _prefill(self, chunk: Chunk, observe: bool, tap: frozenset[int] = frozenset()) -> None:
         """Page as needed, then prefill one new chunk; with ``observe``, the attention of its last 32
@@ -340,10 +335,11 @@ class Session:
         if tap:  # the position is read after paging: it may have compacted the cache
             start = self.pager.next_position(chunk)
             queries = self.queries.add(torch.arange(start, start + chunk.num_tokens))
-        self._observed = None
         self.last_logits = self.pager.append(chunk, "last", captured, layers, tap=tap, queries=queries)
-        if self.compressor.observes:
-            self._observed = (self._cache_shape(), captured)
+        if self.compressor.observes:  # the chunks sealed before it were read by its last queries
+            window = min(OBSERVATION_WINDOW, chunk.num_tokens)
+            seconds = self.compressor.prefilled(self.pager, chunk, captured, window)
+            self.memory.costs.add(compress_s=seconds)
         self.memory.observe({i: captured[i] for i in self.capture if i in captured} if observe else {})
 
     # ------------------------------------------------------- whole-prompt sync

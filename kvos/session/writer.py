@@ -64,8 +64,8 @@ class ReplyWriter:
             self.s.pager.open(chunk)
         captured: dict[int, torch.Tensor] = {}
         scored = frozenset() if self.s.config.attention_mode == "snapshot" else self.s.capture
-        watched = self.s.compressor.watches(chunk)  # per-head budgets choose by the reply's own attention
-        layers = frozenset(range(self.s.engine.model.config.num_kv_layers)) if watched else scored
+        listens = self.s.compressor.listens(chunk)  # per-head budgets: the reply's and waiting chunks' reads
+        layers = frozenset(range(self.s.engine.model.config.num_kv_layers)) if listens else scored
         self.s.memory.hold(1, {chunk.chunk_id}, into=chunk)
         position = int(chunk.current_start or 0) + chunk.num_tokens  # read after paging: it may compact
         self.s.last_logits = self.s.engine.extend(
@@ -74,8 +74,8 @@ class ReplyWriter:
         chunk.token_ids.append(token)
         self.s.history.tokens += 1
         self.s.logits_at = self.s.history.tokens
-        if watched:
-            self.s.compressor.watch(chunk, captured)
+        if listens:
+            self.s.compressor.watch(chunk, captured, self.s.pager)
             captured = {i: captured[i] for i in scored}
         self.s.memory.observe(captured)
         self.s.memory.journal.seen(self.s.pager.active_tokens)

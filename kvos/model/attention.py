@@ -392,9 +392,10 @@ def mixed_attention(
 
     q: [n, H, D]; k, v: [T, Hkv, D], the keys at ``meta.read_slots`` (what a token kept per head has there
     is ignored): each head's keys are those, with the per-head tokens' read from ``store``, and the keys
-    that head no longer holds masked out. Explicit softmax in float32; captured probabilities are float32
-    [H, T] in cache order (0 where the head holds no key), as :func:`paged_attention` captures them.
-    Returns [n, H * D] in q's dtype.
+    that head no longer holds masked out. A decode step: explicit softmax in float32. A prefill slice:
+    scaled dot-product attention under the per-head mask, in q's dtype (as :func:`paged_attention`).
+    Captured probabilities are float32 [H, T] in cache order (0 where the head holds no key), as
+    :func:`paged_attention` captures them. Returns [n, H * D] in q's dtype.
     """
     heads = meta.heads
     assert heads is not None
@@ -403,16 +404,39 @@ def mixed_attention(
     group = num_heads // num_kv
     hk, hv = store.gather(layer, heads.slots[layer])  # [Hkv, T, D]
     inside = heads.in_heads[None, :, None]
-    keys = torch.where(inside, hk.to(k.dtype), k.transpose(0, 1)).float()
-    values = torch.where(inside, hv.to(v.dtype), v.transpose(0, 1)).float()
-    qg = q.float().permute(1, 0, 2).reshape(num_kv, group * n, head_dim) * (1.0 / math.sqrt(head_dim))
-    scores = torch.bmm(qg, keys.transpose(1, 2)).view(num_kv, group, n, t)
+    keys = torch.where(inside, hk.to(k.dtype), k.transpose(0, 1))  # [Hkv, T, D]
+    values = torch.where(inside, hv.to(v.dtype), v.transpose(0, 1))
     allowed = visible(meta.positions[:, None], meta.key_positions[None, :], window)[None]  # [1, n, T]
     allowed = allowed & heads.held[layer][:, None, :]  # [Hkv, n, T]
+    if n > 1:
+        out = _masked_prefill(q, keys, values, allowed)
+        if layer in meta.capture_layers and meta.capture_window > 0:
+            w = min(meta.capture_window, n)
+            qw = q[-w:].float().permute(1, 0, 2).reshape(num_kv, group * w, head_dim) / math.sqrt(head_dim)
+            scores = torch.bmm(qw, keys.float().transpose(1, 2)).view(num_kv, group, w, t)
+            probs = torch.softmax(scores.masked_fill(~allowed[:, None, n - w :], float("-inf")), dim=-1)
+            meta.captured[layer] = probs.mean(dim=2).reshape(num_heads, t)
+        return out
+    qg = q.float().permute(1, 0, 2).reshape(num_kv, group, head_dim) * (1.0 / math.sqrt(head_dim))
+    scores = torch.bmm(qg, keys.float().transpose(1, 2)).view(num_kv, group, 1, t)
     probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
-    if layer in meta.capture_layers and (n == 1 or meta.capture_window > 0):
-        w = min(meta.capture_window, n) if n > 1 else 1
-        meta.captured[layer] = probs[:, :, n - w :].mean(dim=2).reshape(num_heads, t)
-    out = torch.bmm(probs.view(num_kv, group * n, t), values)  # [Hkv, G * n, D]
-    out = out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(n, num_heads * head_dim).to(q.dtype)
+    if layer in meta.capture_layers:
+        meta.captured[layer] = probs.reshape(num_heads, t)
+    out = torch.bmm(probs.view(num_kv, group, t), values.float())  # [Hkv, G, D]
+    return out.reshape(1, num_heads * head_dim).to(q.dtype)
+
+
+def _masked_prefill(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """q [n, H, D]; keys, values [Hkv, T, D]; allowed bool [Hkv, n, T] -> [n, H * D] in q's dtype."""
+    n, num_heads, head_dim = q.shape
+    group = num_heads // keys.shape[0]
+    mask = allowed.repeat_interleave(group, dim=0)[None]  # [1, H, n, T]
+    kh, vh = keys.to(q.dtype)[None], values.to(q.dtype)[None]
+    if SDPA_GQA:
+        kwargs: dict = {"enable_gqa": group != 1}
+    else:
+        kh, vh, kwargs = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1), {}
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kh, vh, attn_mask=mask, **kwargs)
+    return out[0].transpose(0, 1).reshape(n, num_heads * head_dim)

@@ -81,10 +81,10 @@ class ChunkCompressor:
         """Whether ``chunk``'s heads keep their own budgets: per-head budgets on, and a kind they cut."""
         return self.observes and chunk.kind.value in self.kinds
 
-    def listens(self, chunk: Chunk) -> bool:
+    def listens(self, chunk: Chunk, pager: Pager) -> bool:
         """Whether a decode step writing ``chunk`` should capture every layer's attention for :meth:`watch`:
-        the chunk is watched, or sealed chunks wait for the queries that read them next."""
-        return self.watches(chunk) or bool(self.awaiting)
+        the chunk is watched, or resident sealed chunks wait for the queries that read them next."""
+        return self.watches(chunk) or any(cid in pager.segments for cid in self.awaiting)
 
     def watch(self, chunk: Chunk, captured: dict[int, torch.Tensor], pager: Pager) -> None:
         """Add one decode step's attention (layer -> float [num_heads, T], every layer, in cache order, the

@@ -64,7 +64,8 @@ class ReplyWriter:
             self.s.pager.open(chunk)
         captured: dict[int, torch.Tensor] = {}
         scored = frozenset() if self.s.config.attention_mode == "snapshot" else self.s.capture
-        listens = self.s.compressor.listens(chunk)  # per-head budgets: the reply's and waiting chunks' reads
+        # per-head budgets read what the reply attends to: its own chunk, and the chunks waiting for a reader
+        listens = self.s.compressor.listens(chunk, self.s.pager)
         layers = frozenset(range(self.s.engine.model.config.num_kv_layers)) if listens else scored
         self.s.memory.hold(1, {chunk.chunk_id}, into=chunk)
         position = int(chunk.current_start or 0) + chunk.num_tokens  # read after paging: it may compact

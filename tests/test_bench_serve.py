@@ -67,6 +67,9 @@ def test_serve_bench_at_ci_scale(tmp_path: Path) -> None:
         # the built-in's K/V per token in kvos serve's default float16 pool: 4 layers x 2 heads x 64 x 2 x 2
         assert row["pool_bytes_peak"] >= row["max_active_tokens"] * 2048
         assert row["rss_peak_mb"] > 0
+        # what the sessions held at the end, from /v1/sessions: every token resident, at the pool's bytes
+        assert 0 < row["resident_tokens"] <= row["max_active_tokens"]
+        assert row["resident_bytes_per_token"] == 2048 and row["saved_bytes_per_token"] is None
         assert row["wall_s"] > 0 and row["sessions"] == n  # one session per client, deleted after the run
 
 

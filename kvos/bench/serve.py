@@ -306,7 +306,7 @@ def run_clients(
             t.start()
         for t in threads:
             t.join()
-        unseen = ("max_active_tokens", "max_active_tokens_metrics", "budget", "pool_bytes_peak")
+        unseen = ("max_active_tokens", "max_active_tokens_metrics", "budget", "pool_bytes_peak", *_HELD)
         seen = {**dict.fromkeys(unseen), "sessions": 0, "rss_peak_mb": None}
         return timings, time.perf_counter() - began, seen
     monitor = Monitor(server, {})
@@ -332,8 +332,28 @@ def run_clients(
         "sessions": len(sessions),
         "pool_bytes_peak": monitor.peaks.pool_bytes,
         "rss_peak_mb": round(monitor.peaks.rss / (1 << 20), 1),
+        **held(sessions),
     }
     return timings, wall_s, seen
+
+
+_HELD = ("resident_tokens", "resident_bytes_per_token", "saved_bytes_per_token")
+
+
+def held(sessions: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What the sessions held at the end of a run, from ``/v1/sessions``: their mean resident tokens, and
+    the mean bytes a resident and a saved token took (the K/V compression's gain; saved: over the sessions
+    that saved any)."""
+
+    def mean(values: list[float]) -> float | None:
+        return round(sum(values) / len(values), 1) if values else None
+
+    saved = [float(s["saved_bytes_per_token"]) for s in sessions if s.get("saved_bytes_per_token")]
+    return {
+        "resident_tokens": mean([float(s["resident_tokens"]) for s in sessions]),
+        "resident_bytes_per_token": mean([float(s["resident_bytes_per_token"]) for s in sessions]),
+        "saved_bytes_per_token": mean(saved),
+    }
 
 
 def make_row(
@@ -371,6 +391,7 @@ def make_row(
         "sessions": seen["sessions"],
         "pool_bytes_peak": seen["pool_bytes_peak"],
         "rss_peak_mb": seen["rss_peak_mb"],
+        **{key: seen[key] for key in _HELD},
     }
 
 

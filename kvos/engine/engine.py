@@ -273,10 +273,10 @@ class Engine:
         write_slots = seq.extend(ids, positions)
         device = self.model.device
         meta = AttentionMetadata(
-            positions=seq.positions[-len(ids) :],
+            positions=seq.positions[-len(ids) :].to(device),
             write_slots=write_slots.to(device),
             read_slots=seq.slots.to(device),
-            key_positions=seq.positions,
+            key_positions=seq.positions.to(device),
             fresh=fresh,
             recurrent=seq.recurrent,
         )
@@ -288,7 +288,7 @@ class Engine:
                 positions=meta.positions,
                 write_slots=self.pool.window_slots(write_slots).to(device),
                 read_slots=self.pool.window_slots(seq.window_slots).to(device),
-                key_positions=seq.window_positions,
+                key_positions=seq.window_positions.to(device),
                 fresh=fresh,
             )
         return BatchItem(torch.tensor(ids, dtype=torch.int64), meta, logits)

@@ -311,8 +311,19 @@ def test_a_snapshot_keeps_which_tokens_each_head_holds(
         b = kv_of(copy, copy.pager.segments[cid])
         assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert any(original.pager.segments[cid].heads is not None for cid in original.pager.order())
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # the last two chunks (the last 3 tokens read the one before) still wait for their readers in both:
+    # the reply's first steps choose them alike
+    waiting = set(original.compressor.awaiting)
+    assert len(waiting) == 2 and set(copy.compressor.awaiting) == waiting
+    params = SamplingParams(max_tokens=WINDOW + 2, temperature=0.0, ignore_eos=True)
     assert replied(copy, params) == replied(original, params)
+    assert not original.compressor.awaiting and not copy.compressor.awaiting
+    chosen = [(original.pager.segments[cid].heads, copy.pager.segments[cid].heads) for cid in sorted(waiting)]
+    assert chosen[0][0] is not None  # the 3-token chunk: one head-block a head, nothing to cut
+    for a, b in chosen:
+        assert (a is None and b is None) or (
+            a is not None and b is not None and [r.tolist() for r in a.kept] == [r.tolist() for r in b.kept]
+        )
 
 
 def test_the_budget_counts_what_the_heads_keep(model_dir: Path, head_calibration: Path) -> None:

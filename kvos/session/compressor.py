@@ -131,14 +131,43 @@ class ChunkCompressor:
             if watch is not None and watch.covers(n):
                 self._choose(pager, chunk, watch.means(n))
             else:
-                heads, layers = self.engine.model.config.num_heads, self.engine.pool.layout.num_layers
-                wait = self.awaiting[chunk.chunk_id] = _Watch(heads, layers, n)
-                own = self.own.get(chunk.chunk_id)
-                wait.own = own if own is not None and own[0].shape[-1] == n else None
+                self.wait(chunk, self.own.get(chunk.chunk_id))
         self.own.pop(chunk.chunk_id, None)
         seconds = time.perf_counter() - began
         self.seconds += seconds
         return seconds
+
+    def wait(self, chunk: Chunk, own: list[torch.Tensor] | None = None) -> None:
+        """``chunk`` (whole, sealed) waits for the queries that read it next; ``own``: its own prefill's last
+        queries' attention to it (per layer, [num_heads, n]), for when it must leave before any read it."""
+        n = chunk.num_tokens
+        heads, layers = self.engine.model.config.num_heads, self.engine.pool.layout.num_layers
+        watch = self.awaiting[chunk.chunk_id] = _Watch(heads, layers, n)
+        watch.own = own if own is not None and own[0].shape[-1] == n else None
+
+    def gathered(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """What each waiting chunk gathered (a snapshot's): float32 sums [layers, num_heads, n] of the
+        attention its readers gave it, how many read each token [n], its own window's [layers, num_heads, n]
+        or None."""
+        return {
+            cid: (torch.stack(w.sums), w.counts, None if w.own is None else torch.stack(w.own))
+            for cid, w in self.awaiting.items()
+        }
+
+    def resume(
+        self, chunk: Chunk, sums: torch.Tensor, counts: torch.Tensor, own: torch.Tensor | None
+    ) -> None:
+        """``chunk`` waits again with what it had gathered (:meth:`gathered`); ValueError when that does not
+        fit the chunk and the model."""
+        heads, layers = self.engine.model.config.num_heads, self.engine.pool.layout.num_layers
+        n = chunk.num_tokens
+        if sums.shape != (layers, heads, n) or counts.shape != (n,):
+            raise ValueError(f"chunk {chunk.chunk_id}'s gathered attention does not fit it")
+        if own is not None and own.shape != sums.shape:
+            raise ValueError(f"chunk {chunk.chunk_id}'s own window does not fit it")
+        self.wait(chunk, None if own is None else list(own.float()))
+        watch = self.awaiting[chunk.chunk_id]
+        watch.sums, watch.counts = list(sums.float().clone()), counts.float().clone()
 
     def _sparsify(self, chunk: Chunk, pager: Pager) -> None:
         assert self.method is not None and self.method.sparsifier is not None

@@ -268,8 +268,21 @@ def _session_state(session: Session, table: TensorTable) -> dict[str, Any]:
         "last_logits": None if logits is None else table.add("last_logits", logits),
         "next_chunk": session.history.next_id,
         "kv_compression": compression_name(session.compressor.method),
+        "awaiting": _awaiting_state(session, table),
         "recurrent": _recurrent_state(session, table),
     }
+
+
+def _awaiting_state(session: Session, table: TensorTable) -> dict[str, dict[str, Any]]:
+    """The chunks waiting for the queries that read them next (per-head budgets), with what they gathered."""
+    out = {}
+    for cid, (sums, counts, own) in session.compressor.gathered().items():
+        out[str(cid)] = {
+            "sums": table.add(f"awaiting.{cid}.sums", sums),
+            "counts": table.add(f"awaiting.{cid}.counts", counts),
+            "own": None if own is None else table.add(f"awaiting.{cid}.own", own),
+        }
+    return out
 
 
 def _recurrent_state(session: Session, table: TensorTable) -> dict[str, Any] | None:
@@ -306,6 +319,15 @@ def _load_session(session: Session, state: dict[str, Any], table: TensorTable) -
             session.set_compression(str(state["kv_compression"]))
         except ConfigError as e:  # a calibration file gone since: the chunks keep what they hold
             _log.warning("session %s keeps the server's K/V compression: %s", session.session_id, e)
+    if session.compressor.observes:  # they go on gathering from the next queries that read them
+        for cid, raw in state.get("awaiting", {}).items():
+            own = raw["own"]
+            session.compressor.resume(
+                session.chunks[int(cid)],
+                table.get(raw["sums"]),
+                table.get(raw["counts"]),
+                None if own is None else table.get(own),
+            )
     _load_recurrent(session, state.get("recurrent"), table)
 
 

@@ -86,10 +86,10 @@ def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """The session's cache equals a plain sequence prefilled chunk by chunk where each chunk waits for the
-    queries that read it next: the observation windows of the chunks prefilled after it (its last 32
-    queries, fewer for a short chunk), then the reply's decode steps, until 32 queries have seen it; then
-    its heads keep their budgets of its tokens, the sinks and the best of those queries' mean attention
-    (:func:`observed_keep`). The logits agree, and the dropped K/V are out of the pool."""
+    queries that read it next: the next prefilled chunk of 8 tokens or more (its last 32 queries, all of a
+    shorter one), else the reply's decode steps until 32 queries have seen it; then its heads keep their
+    budgets of its tokens, the sinks and the best of those queries' mean attention (:func:`observed_keep`).
+    The logits agree, and the dropped K/V are out of the pool."""
     calibration = varied_calibration(tmp_path)
     manager = make_manager(model_dir, f"entropy:{calibration}@0.5")
     session = manager.session("s")
@@ -108,7 +108,7 @@ def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
             for layer, total in enumerate(sums):
                 total += queries * captured[layer][:, lo : lo + n].float()
             seen[0] += queries
-            if seen[0] >= WINDOW:
+            if queries >= 8 or seen[0] >= WINDOW:
                 waiting.remove(item)
                 budgets = method.budgets.for_chunk(n, lay.num_layers, lay.num_kv_heads, BLOCK)
                 probs = [total / seen[0] for total in sums]
@@ -124,16 +124,16 @@ def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
         observe(captured, min(WINDOW, n))
         waiting.append((chunk.chunk_id, seg, lo, [torch.zeros(heads, n) for _ in layers], [0]))
 
-    # chunks 0-2 were read by a whole window; chunk 3 by the 12 queries of the last, which nothing read yet
-    assert len(expected) == 3 and [w[0] for w in waiting] == [c.chunk_id for c in session.chunks.values()][3:]
+    # chunks 0-2 were read by a whole window, chunk 3 by all 12 queries of the last, which nothing read yet
+    assert len(expected) == 4 and [w[0] for w in waiting] == [c.chunk_id for c in session.chunks.values()][4:]
     assert session.last_logits is not None
     torch.testing.assert_close(session.last_logits, logits, rtol=0, atol=1e-5)
-    assert [session.pager.segments[w[0]].heads for w in waiting] == [None, None]
+    assert [session.pager.segments[w[0]].heads for w in waiting] == [None]
     pool = session.engine.pool
     held = sum(-(-len(row) // BLOCK) for keep, _ in expected.values() for row in keep)
     assert pool.head_store().num_used == held
 
-    # the reply reads them: chunk 3 is chosen after 20 decode steps, chunk 4 after 32 (the reply's own
+    # the reply reads the last: it is chosen after 32 decode steps (the reply's own
     # chunks stay whole here, so that the replay need not cut them: the next test does)
     session.compressor.kinds = frozenset({"document"})
     params = SamplingParams(max_tokens=WINDOW + 3, temperature=0.0, ignore_eos=True)

@@ -8,12 +8,14 @@ ends.
   sealed (``Chunk.compressed_tokens`` on), in the pool, through the engine's copy-on-write edit: a branch
   that shares the blocks keeps its own copy. Deterministic: the same chunk in the same state gets the same
   zeros, so a session that evicts and restores holds what one that never evicted holds.
-- Per-head budgets: a sealed prompt chunk waits for the queries that read it next: the observation windows
-  (SnapKV's last 32 queries of a prefilled chunk, every layer) of the chunks prefilled after it and the
-  decode steps of the reply that follows, until 32 queries have seen it. A chunk cut by its own prefill's
-  window lost 16% perplexity more on a document (docs/benchmarks.md): its last queries see its own end, not
-  what later text needs of it. A reply chunk is chosen by the decode steps that wrote it when it is sealed
-  (or, when the prompt wrote its first tokens, waits as a prompt chunk does). Each (layer, KV head) then
+- Per-head budgets: a sealed prompt chunk waits for the queries that read it next: the next prefilled
+  chunk of at least 8 tokens (its last 32 queries, SnapKV's observation window, every layer: the next part
+  of a document, the question after a reply), or else the queries that come (a generation prompt's, the
+  reply's decode steps) until 32 have seen it. Cut by its own prefill's last queries instead, a document
+  kept 5 points less top-1 agreement with the full cache (docs/benchmarks.md): those queries look at its
+  own end, not at what later text needs of it. A reply chunk is chosen by the decode steps that wrote it
+  when it is sealed (or, when the prompt wrote its first tokens, waits as a prompt chunk does). Each (layer,
+  KV head) then
   keeps its budget (:meth:`HeadBudgets.for_chunk`) of the chunk's tokens: the history's first
   ``sink_count`` tokens, then the tokens its query heads attend to most (summed over the group,
   max-pooled over 7 neighbours as SnapKV clusters them). Only chunks of the configured kinds
@@ -41,6 +43,10 @@ from kvos.policy.sparsify import SparsifyReport
 from kvos.session.pager import Pager
 
 _log = logging.getLogger(__name__)
+
+# a prefilled chunk this long reads the chunks waiting before it well enough to choose for them; shorter ones
+# (a generation prompt's 3-5 tokens, which attend to the end of the cache) only add to what they gathered
+PREFILL_WINDOW = 8
 
 
 class ChunkCompressor:
@@ -89,7 +95,7 @@ class ChunkCompressor:
     def watch(self, chunk: Chunk, captured: dict[int, torch.Tensor], pager: Pager) -> None:
         """Add one decode step's attention (layer -> float [num_heads, T], every layer, in cache order, the
         chunk being written last) to what ``chunk``'s tokens received (its heads choose by it when it is
-        sealed) and to what the waiting chunks received (each chooses once 32 queries have seen it)."""
+        sealed) and to what the waiting chunks received (:meth:`_observe`)."""
         n = chunk.num_tokens
         if not captured:
             return
@@ -200,8 +206,10 @@ class ChunkCompressor:
         return seconds
 
     def _observe(self, pager: Pager, captured: dict[int, torch.Tensor], queries: int) -> None:
-        """Add ``queries`` queries' mean attention (as :meth:`observe`) to each waiting resident chunk; a
-        chunk that 32 queries have seen chooses its heads' tokens by the mean of all of them."""
+        """Add ``queries`` queries' mean attention (as :meth:`prefilled`; 1: a decode step) to each waiting
+        resident chunk. A chunk chooses its heads' tokens, by the mean over every query that saw it, once a
+        prefilled chunk of at least :data:`PREFILL_WINDOW` tokens has read it (its last 32 queries, SnapKV's
+        window: the next part of a document, the question after a reply), or else once 32 queries have."""
         if not self.awaiting or not queries or self.method is None or self.method.budgets is None:
             return
         lay = self.engine.pool.layout
@@ -222,7 +230,7 @@ class ChunkCompressor:
             lo = start[id(resident)]
             watch = self.awaiting[cid]
             watch.add([captured[i][:, lo : lo + n] for i in range(lay.num_layers)], queries)
-            if watch.seen(n) >= OBSERVATION_WINDOW:
+            if queries >= PREFILL_WINDOW or watch.seen(n) >= OBSERVATION_WINDOW:
                 del self.awaiting[cid]
                 self._choose(pager, pager.chunks[cid], watch.means(n))
 

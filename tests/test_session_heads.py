@@ -452,3 +452,25 @@ def test_another_models_calibration_is_refused(model_dir: Path, tmp_path: Path) 
     manager = make_manager(model_dir, "none")
     with pytest.raises(ConfigError, match="measured on another model"):
         manager.session("s").set_compression(f"entropy:{wrong}")
+
+
+def test_a_chat_turn_captures_attention_only_for_chunks_that_wait(
+    model_dir: Path, head_calibration: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply chosen by its own decode steps, then re-sealed when the next message follows it, is not
+    chosen again; with nothing waiting, a user message's prefill captures no attention (it is never cut)."""
+    session = make_manager(model_dir, f"entropy:{head_calibration}").session("s")
+    session.add_message("user", "where are the lanterns? " * 3)
+    session.generate(SamplingParams(max_tokens=CHUNK + 5, temperature=0.0, ignore_eos=True))
+    assert session.compressor.chosen and not session.compressor.awaiting
+    captured: list[frozenset[int]] = []
+    append = session.pager.append
+
+    def recording(chunk, logits="none", captured_=None, capture_layers=frozenset(), **kw):  # type: ignore[no-untyped-def]
+        captured.append(capture_layers)
+        return append(chunk, logits, captured_, capture_layers, **kw)
+
+    monkeypatch.setattr(session.pager, "append", recording)
+    session.add_message("user", "and the crates? " * 3)
+    assert captured and all(not layers for layers in captured)
+    assert not session.compressor.awaiting

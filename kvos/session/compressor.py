@@ -70,6 +70,7 @@ class ChunkCompressor:
         self.awaiting: dict[int, _Watch] = {}  # sealed chunks waiting for later queries: what they got so far
         self.watched: dict[int, _Watch] = {}  # reply chunks being written: the attention they got so far
         self.own: dict[int, list[torch.Tensor]] = {}  # prefilled, not sealed: their own window's attention
+        self.chosen: set[int] = set()  # chunks whose heads chose (even if each kept every token): once only
         self.head_chunks = 0  # chunks whose heads chose their tokens in this process
         self.head_bytes_freed = 0
 
@@ -88,8 +89,9 @@ class ChunkCompressor:
         return self.observes and chunk.kind.value in self.kinds
 
     def listens(self, chunk: Chunk, pager: Pager) -> bool:
-        """Whether a decode step writing ``chunk`` should capture every layer's attention for :meth:`watch`:
-        the chunk is watched, or resident sealed chunks wait for the queries that read them next."""
+        """Whether a forward pass writing ``chunk`` should capture every layer's attention (for :meth:`watch`
+        or :meth:`prefilled`): the chunk is of a kind cut (it will wait, or be chosen by its own decode
+        steps), or resident sealed chunks wait for the queries that read them next."""
         return self.watches(chunk) or any(cid in pager.segments for cid in self.awaiting)
 
     def watch(self, chunk: Chunk, captured: dict[int, torch.Tensor], pager: Pager) -> None:
@@ -132,7 +134,8 @@ class ChunkCompressor:
             self._sparsify(chunk, pager)
         watch, n = self.watched.pop(chunk.chunk_id, None), chunk.num_tokens
         seg = pager.segments.get(chunk.chunk_id)
-        whole = seg is not None and seg.heads is None and chunk.chunk_id not in self.awaiting
+        whole = seg is not None and seg.heads is None
+        whole = whole and chunk.chunk_id not in self.awaiting and chunk.chunk_id not in self.chosen
         if self.watches(chunk) and whole and n:
             if watch is not None and watch.covers(n):
                 self._choose(pager, chunk, watch.means(n))
@@ -259,6 +262,7 @@ class ChunkCompressor:
         n = chunk.num_tokens
         sinks = max(0, min(self.sink_count - chunk.original_start, n))
         seg = pager.segments[chunk.chunk_id]
+        self.chosen.add(chunk.chunk_id)
         try:
             freed = cut_heads(self.engine, pager.seq, seg, probs, self.method.budgets, sinks)
         except PoolOutOfMemoryError:
@@ -273,6 +277,7 @@ class ChunkCompressor:
         self.awaiting.pop(chunk_id, None)
         self.own.pop(chunk_id, None)
         self.watched.pop(chunk_id, None)
+        self.chosen.discard(chunk_id)
 
     def stats(self) -> dict[str, object]:
         """Zeroed fractions of K and V over the tokens this process sparsified, the chunks whose heads chose

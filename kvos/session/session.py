@@ -328,7 +328,8 @@ class Session:
         self.memory.make_room(chunk.num_tokens, protected={chunk.chunk_id})
         self.memory.hold(chunk.num_tokens, set())
         layers = self.capture if observe else frozenset()
-        if self.compressor.observes:
+        heads = self.compressor.observes and self.compressor.listens(chunk, self.pager)
+        if heads:  # per-head budgets: chunks wait for this one's queries, or it will wait itself
             layers = frozenset(range(self.engine.model.config.num_kv_layers))
         captured: dict[int, torch.Tensor] = {}
         queries = None
@@ -336,7 +337,7 @@ class Session:
             start = self.pager.next_position(chunk)
             queries = self.queries.add(torch.arange(start, start + chunk.num_tokens))
         self.last_logits = self.pager.append(chunk, "last", captured, layers, tap=tap, queries=queries)
-        if self.compressor.observes:  # the chunks sealed before it were read by its last queries
+        if heads:  # the chunks sealed before it were read by its last queries
             window = min(OBSERVATION_WINDOW, chunk.num_tokens)
             seconds = self.compressor.prefilled(self.pager, chunk, captured, window)
             self.memory.costs.add(compress_s=seconds)

@@ -159,7 +159,7 @@ class ChunkCompressor:
         attention its readers gave it, how many read each token [n], its own window's [layers, num_heads, n]
         or None."""
         return {
-            cid: (torch.stack(w.sums), w.counts, None if w.own is None else torch.stack(w.own))
+            cid: (w.sums.clone(), w.counts.clone(), None if w.own is None else torch.stack(w.own))
             for cid, w in self.awaiting.items()
         }
 
@@ -176,7 +176,7 @@ class ChunkCompressor:
             raise ValueError(f"chunk {chunk.chunk_id}'s own window does not fit it")
         self.wait(chunk, None if own is None else list(own.float()))
         watch = self.awaiting[chunk.chunk_id]
-        watch.sums, watch.counts = list(sums.float().clone()), counts.float().clone()
+        watch.sums, watch.counts = sums.float().clone(), counts.float().clone()
 
     def _sparsify(self, chunk: Chunk, pager: Pager) -> None:
         assert self.method is not None and self.method.sparsifier is not None
@@ -293,24 +293,24 @@ class ChunkCompressor:
 
 
 class _Watch:
-    """The attention a chunk being written got from the decode steps that wrote it: per layer, float32
-    ``[num_heads, capacity]`` sums over the steps, and how many steps saw each token."""
+    """The attention a chunk got from the queries that read it: float32 sums ``[layers, num_heads, capacity]``
+    over them, and how many saw each token."""
 
     def __init__(self, heads: int, layers: int, capacity: int) -> None:
-        self.sums = [torch.zeros(heads, capacity) for _ in range(layers)]
+        self.sums = torch.zeros(layers, heads, capacity)
         self.counts = torch.zeros(capacity)
         self.own: list[torch.Tensor] | None = None  # a prompt chunk's own last queries (see settle)
 
     def add(self, probs: list[torch.Tensor], queries: int = 1) -> None:
         """The mean attention of ``queries`` queries to the chunk's first ``n`` tokens (per layer,
-        [num_heads, n])."""
+        [num_heads, n]), added in one operation over every layer."""
         n = probs[0].shape[-1]
         if n > self.counts.numel():
             grow = n - self.counts.numel()
-            self.sums = [torch.nn.functional.pad(s, (0, grow)) for s in self.sums]
+            self.sums = torch.nn.functional.pad(self.sums, (0, grow))
             self.counts = torch.nn.functional.pad(self.counts, (0, grow))
-        for total, p in zip(self.sums, probs, strict=True):
-            total[:, :n] += queries * p.float().cpu()
+        stacked = torch.stack(probs).to(device="cpu", dtype=torch.float32)
+        self.sums[:, :, :n] += stacked if queries == 1 else queries * stacked
         self.counts[:n] += queries
 
     def seen(self, n: int) -> int:
@@ -324,4 +324,4 @@ class _Watch:
 
     def means(self, n: int) -> list[torch.Tensor]:
         """The mean attention each of the ``n`` tokens got, per layer: [num_heads, n]."""
-        return [total[:, :n] / self.counts[:n] for total in self.sums]
+        return list(self.sums[:, :, :n] / self.counts[:n])

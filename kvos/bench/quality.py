@@ -89,7 +89,8 @@ DEFAULT_POLICIES = (
     "full", "uniform", "entropy", "entropy_matched", *SPARSIFY, *ABLATIONS, "streaming_llm", "h2o", "snapkv",
 )  # fmt: skip
 # what `kvos serve --kv-compression entropy@KEEP` does to a document, and the same with one budget for every
-# head: each 128 tokens prefilled, then each KV head keeps its budget of them (budgeted.run_chunked)
+# head: each 128 tokens prefilled, then, once the next 128 have read them, each KV head keeps its budget of
+# them (budgeted.run_chunked)
 CHUNKED_POLICIES = ("session-entropy", "session-uniform")
 ENTROPY_POLICIES = {"entropy", "entropy_matched", "session-entropy"}  # need a calibration
 HEAD_FULL = "head-full"  # the head cache with a budget of every token: the budget rows' reference

@@ -320,11 +320,7 @@ def _cut_by(
 ) -> None:
     """Cut the whole ``seg``'s heads by ``captured`` (an observation of the cache as it is now, layer ->
     float [num_heads, T] in cache order)."""
-    lo = 0
-    for other in seq.segments:
-        if other is seg:
-            break
-        lo += other.num_tokens
+    lo = seq.boundaries()[next(i for i, other in enumerate(seq.segments) if other is seg)]
     n = seg.num_tokens
     first = int(seg.positions[0]) if n else 0
     probs = [captured[layer][:, lo : lo + n] for layer in range(engine.pool.layout.num_layers)]

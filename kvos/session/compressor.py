@@ -92,6 +92,8 @@ class ChunkCompressor:
         """Whether a forward pass writing ``chunk`` should capture every layer's attention (for :meth:`watch`
         or :meth:`prefilled`): the chunk is of a kind cut (it will wait, or be chosen by its own decode
         steps), or resident sealed chunks wait for the queries that read them next."""
+        if not self.observes:
+            return False
         return self.watches(chunk) or any(cid in pager.segments for cid in self.awaiting)
 
     def watch(self, chunk: Chunk, captured: dict[int, torch.Tensor], pager: Pager) -> None:
@@ -126,7 +128,7 @@ class ChunkCompressor:
     def seal(self, chunk: Chunk, pager: Pager) -> float:
         """Compress the resident ``chunk``: sparsify its tokens from ``chunk.compressed_tokens`` on, and with
         per-head budgets, choose its heads' tokens by the decode steps that wrote it (a reply whose steps saw
-        every token) or let it wait for the queries that read it next (:meth:`observe`). Returns the
+        every token) or let it wait for the queries that read it next (:meth:`_observe`). Returns the
         seconds it took. When a private copy of a block shared with a branch cannot be allocated, the chunk
         is left as it is for a later seal."""
         began = time.perf_counter()
@@ -194,14 +196,15 @@ class ChunkCompressor:
         chunk.compressed_tokens = chunk.num_tokens
         self.report += report
 
-    def prefilled(self, pager: Pager, chunk: Chunk, captured: dict[int, torch.Tensor], queries: int) -> float:
-        """``chunk`` was just prefilled at the end of the cache; ``captured`` is its last ``queries`` queries'
-        mean attention (layer -> float [num_heads, T], in cache order, every layer). The chunks waiting
-        before it were read by them (:meth:`_observe`); ``chunk``'s own share is kept for when it must leave
-        before anything reads it (:meth:`settle`). Returns the seconds it took."""
+    def prefilled(self, pager: Pager, chunk: Chunk, captured: dict[int, torch.Tensor]) -> float:
+        """``chunk`` was just prefilled at the end of the cache; ``captured`` is its last queries' mean
+        attention (32, or all of a shorter chunk: the pager's window; layer -> float [num_heads, T], in
+        cache order, every layer). The chunks waiting before it were read by them (:meth:`_observe`);
+        ``chunk``'s own share is kept for when it must leave before anything reads it (:meth:`settle`).
+        Returns the seconds it took."""
         began = time.perf_counter()
-        self._observe(pager, captured, queries)
         n = chunk.num_tokens
+        self._observe(pager, captured, min(OBSERVATION_WINDOW, n))
         if self.watches(chunk) and n:
             self.own[chunk.chunk_id] = [captured[i][:, -n:].float() for i in range(len(captured))]
         seconds = time.perf_counter() - began
@@ -218,10 +221,7 @@ class ChunkCompressor:
         lay = self.engine.pool.layout
         if len(captured) < lay.num_layers:
             raise ValueError(f"per-head budgets need every layer's attention, got {sorted(captured)}")
-        start, at = {}, 0
-        for seg in pager.seq.segments:
-            start[id(seg)] = at
-            at += seg.num_tokens
+        start = {id(seg): at for seg, at in zip(pager.seq.segments, pager.seq.boundaries(), strict=False)}
         for cid in sorted(self.awaiting):
             resident = pager.segments.get(cid)
             if resident is None:

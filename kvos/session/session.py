@@ -25,7 +25,6 @@ from kvos.errors import BudgetError, ChunkNotFoundError, ConfigError, PrefillCan
 from kvos.memory.store import ChunkStore
 from kvos.model.chat_template import ChatTemplate
 from kvos.model.tokenizer import Tokenizer
-from kvos.policy.budgeted import OBSERVATION_WINDOW
 from kvos.policy.chunks import Chunk, ChunkKind, ChunkState, Keep
 from kvos.policy.compression import compression_name, parse_compression
 from kvos.policy.planner import plan_truncate
@@ -328,7 +327,7 @@ class Session:
         self.memory.make_room(chunk.num_tokens, protected={chunk.chunk_id})
         self.memory.hold(chunk.num_tokens, set())
         layers = self.capture if observe else frozenset()
-        heads = self.compressor.observes and self.compressor.listens(chunk, self.pager)
+        heads = self.compressor.listens(chunk, self.pager)
         if heads:  # per-head budgets: chunks wait for this one's queries, or it will wait itself
             layers = frozenset(range(self.engine.model.config.num_kv_layers))
         captured: dict[int, torch.Tensor] = {}
@@ -338,8 +337,7 @@ class Session:
             queries = self.queries.add(torch.arange(start, start + chunk.num_tokens))
         self.last_logits = self.pager.append(chunk, "last", captured, layers, tap=tap, queries=queries)
         if heads:  # the chunks sealed before it were read by its last queries
-            window = min(OBSERVATION_WINDOW, chunk.num_tokens)
-            seconds = self.compressor.prefilled(self.pager, chunk, captured, window)
+            seconds = self.compressor.prefilled(self.pager, chunk, captured)
             self.memory.costs.add(compress_s=seconds)
         self.memory.observe({i: captured[i] for i in self.capture if i in captured} if observe else {})
 

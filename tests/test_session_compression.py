@@ -15,24 +15,27 @@ from kvos.errors import ConfigError
 from kvos.model.loader import load_model
 from kvos.model.tokenizer import load_tokenizer
 from kvos.policy.budget import Budget
-from kvos.policy.chunks import ChunkKind
+from kvos.policy.chunks import Chunk, ChunkKind, ChunkState
 from kvos.policy.compression import CompressionSpec, compression_name, parse_compression, parse_spec
 from kvos.session.config import SessionConfig
 from kvos.session.manager import MemoryManager
+from kvos.session.pager import SavedKeys
 from kvos.session.prompt import Span
 
 CHUNK = 24
 BLOCK = 8
 
 
-def make_manager(model_dir: Path, spec: str, budget: int = 4096, disk: Path | None = None) -> MemoryManager:
+def make_manager(
+    model_dir: Path, spec: str, budget: int = 4096, disk: Path | None = None, mode: str = "sparse"
+) -> MemoryManager:
     config = SessionConfig(
         store_disk_dir=disk,
         budget=Budget(max_active_tokens=budget, policy="hard"),
         chunk_tokens=CHUNK,
         embedder="tokens",
         recovery_signal="lexical",
-        position_mode="sparse",  # restores land at their own positions: K/V comparable bit for bit
+        position_mode=mode,  # sparse: restores land at their own positions, K/V comparable bit for bit
         kv_compression=parse_compression(spec),
     )
     engine = Engine(load_model(model_dir), block_size=BLOCK)
@@ -48,7 +51,7 @@ def test_parse_compression_names_and_refusals(tmp_path: Path) -> None:
     default = parse_compression("sparse")
     assert default is not None and default.budgets is None and default.sparsifier is not None
     sp = default.sparsifier
-    assert (sp.k_scale, sp.v_scale, sp.key_unit, sp.n_sink) == (0.35, 0.17, "rotary_pair", 64)
+    assert (sp.k_scale, sp.v_scale, sp.key_unit, sp.n_sink) == (0.35, 0.17, "element", 64)
     sweet = parse_compression("sparse:sweet")
     assert sweet is not None and sweet.sparsifier is not None
     assert (sweet.sparsifier.k_scale, sweet.sparsifier.v_scale) == (0.45, 0.50)
@@ -133,6 +136,54 @@ def test_paged_out_chunks_are_stored_sparse_and_come_back_bit_exact(model_dir: P
         k, v = session.engine.read_kv(session.pager.segments[chunk.chunk_id])
         assert torch.equal(k, before[chunk.chunk_id][0]) and torch.equal(v, before[chunk.chunk_id][1])
         assert chunk.compressed_tokens == chunk.num_tokens  # not sparsified a second time
+
+
+def test_a_compacted_sessions_chunks_are_saved_as_sparse_as_chunks_that_never_moved(model_dir: Path) -> None:
+    """Compact mode moves resident chunks down as others leave, so chunks are sealed and saved away from
+    their logical positions. Keys zeroed element by element are saved in the frame they were thresholded
+    in (the logical positions) with their zeros snapped back: the store holds as few bytes as for a session
+    whose chunks never moved; without that, rotation turns half their zeros into rounding. A restored
+    chunk's keys are the ones it left with, moved (within float32 rounding)."""
+    ratios, left = {}, {}
+    for mode, framed in (("sparse", True), ("compact", True), ("compact", False)):
+        session = make_manager(model_dir, "sparse:sweet", budget=4 * CHUNK, mode=mode).session("s")
+        frame = session.pager.saved_keys
+        assert frame is not None
+        if not framed:
+            session.pager.saved_keys = None
+
+        def keep(
+            chunk: Chunk, positions: torch.Tensor, k: torch.Tensor, frame: SavedKeys = frame
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            left[chunk.chunk_id] = (positions.clone(), k.clone())
+            return frame(chunk, positions, k)
+
+        if framed:
+            session.pager.saved_keys = keep
+        session.sync([Span(tokens(9, 12 * CHUNK), ChunkKind.DOCUMENT)])
+        saved = [c for c in session.chunks.values() if c.state is ChunkState.SAVED and c.original_start >= 64]
+        store = session.pager.store
+        assert store is not None and len(saved) >= 6
+        if mode == "compact" and framed:  # they were moved, and are saved at their logical positions
+            assert any(not torch.equal(left[c.chunk_id][0], _logical(c)) for c in saved)
+            assert all(torch.equal(store.get(c.chunk_id).meta_int64("positions"), _logical(c)) for c in saved)
+        stats = store.stats()
+        ratios[mode, framed] = stats["stored_bytes"] / stats["raw_bytes"]
+        if mode == "compact" and framed:
+            chunk = saved[len(saved) // 2]
+            session.pager.restore(chunk, at="end")
+            seg = session.pager.segments[chunk.chunk_id]
+            k, _ = session.engine.read_kv(seg)
+            was_at, was = left[chunk.chunk_id]
+            want = session.engine.model.ropes.reanchor(was, was_at, seg.positions)
+            torch.testing.assert_close(k, want, rtol=1e-5, atol=1e-5)
+    assert ratios["sparse", True] < 0.85
+    assert abs(ratios["compact", True] - ratios["sparse", True]) < 0.02
+    assert ratios["compact", False] > ratios["compact", True] + 0.05
+
+
+def _logical(chunk: Chunk) -> torch.Tensor:
+    return torch.arange(chunk.original_start, chunk.original_end, dtype=torch.int64)
 
 
 def test_sealing_a_shared_chunk_leaves_the_branch_its_own_blocks(model_dir: Path) -> None:

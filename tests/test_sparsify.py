@@ -11,8 +11,17 @@ from kvos.errors import ConfigError
 from kvos.memory.codec import encode
 from kvos.memory.pool import KVLayout, KVPool
 from kvos.memory.store import ChunkStore
-from kvos.model.rope import Rope
-from kvos.policy.sparsify import PRESETS, MagnitudeSparsifier, pair_moduli, sparsify_, thresholds
+from kvos.model.rope import LayerRopes, Rope
+from kvos.policy.sparsify import (
+    PRESETS,
+    RESIDUE,
+    MagnitudeSparsifier,
+    key_residue,
+    pair_moduli,
+    snap_keys_,
+    sparsify_,
+    thresholds,
+)
 
 LAYERS, HEADS, DIM, BLOCK = 2, 3, 8, 16
 
@@ -189,6 +198,61 @@ def test_pair_moduli_do_not_move_with_the_rotary_position() -> None:
         MagnitudeSparsifier(key_unit="pairs")
     with pytest.raises(ValueError, match="even head_dim"):
         pair_moduli(torch.zeros(4, 2, 7))
+
+
+def test_keys_that_moved_are_thresholded_in_their_frame_and_their_zeros_snap_back() -> None:
+    """Keys sitting at other positions than their frame (a compacted session's chunk) get the zeros the same
+    keys get in their frame: rotated back there, they are those keys thresholded, within rounding, and
+    :func:`snap_keys_` restores every zero exactly. Each layer moves by its own rope (as Gemma 3's)."""
+    t = 150
+    frame, moved_pool = filled_pool(t), filled_pool(t)
+    pool, slots, positions = frame
+    ropes = LayerRopes([Rope(DIM, 10000.0), Rope(DIM, 1_000_000.0)])
+    now = positions * 3 + 700  # where the moved copy's keys sit
+    for layer in range(LAYERS):
+        k, v = moved_pool[0].gather(layer, slots)
+        moved_pool[0].write(layer, slots, ropes[layer].reanchor(k, positions, now), v)
+    sp = MagnitudeSparsifier.preset("sweet")
+    want = sp.apply(pool, slots, positions)
+    got = sp.apply(moved_pool[0], slots, positions, moved=(now, ropes))
+    assert got == want and want.k_zeroed > 0
+    k_frame = torch.stack([pool.gather(layer, slots)[0] for layer in range(LAYERS)])
+    k_moved = torch.stack([moved_pool[0].gather(layer, slots)[0] for layer in range(LAYERS)])
+    back = ropes.reanchor(k_moved, now, positions)
+    torch.testing.assert_close(back, k_frame, rtol=1e-6, atol=1e-5)  # float32 rounding
+    zero, half = k_frame[:, 64:] == 0, DIM // 2
+    lone = zero & ~torch.cat((zero[..., half:], zero[..., :half]), -1)  # a zero whose pair partner is kept
+    stray = int((back[:, 64:] != 0).sum() - (k_frame[:, 64:] != 0).sum())
+    assert stray > 0.9 * int(lone.sum()) > 0  # rotated back, such a zero is rounding, not 0
+    assert snap_keys_(back[:, 64:]) == int((k_frame[:, 64:] == 0).sum())
+    assert torch.equal(back == 0, k_frame == 0)
+    assert torch.equal(
+        torch.stack([moved_pool[0].gather(layer, slots)[1] for layer in range(LAYERS)]),
+        torch.stack([pool.gather(layer, slots)[1] for layer in range(LAYERS)]),
+    )  # values carry no rotation
+    pair = MagnitudeSparsifier.preset("sweet", key_unit="rotary_pair")  # moduli ignore the frame
+    assert pair._frame(positions, (now, ropes), positions >= 64) is None
+    with pytest.raises(ValueError, match="layers"):
+        ropes.reanchor(k_frame[:1], positions, now)
+
+
+def test_the_key_residue_is_what_rounding_leaves_of_a_zero() -> None:
+    """An element at most RESIDUE of its pair's modulus is residue; the element rule zeroes it too (so keys
+    that never moved snap to themselves), and nothing else changes."""
+    k = torch.tensor([[[1.0, 3e-5, 0.0, 2.0, 0.5, 0.0]]])  # pairs (1, 2), (3e-5, 0.5), (0, 0)
+    assert key_residue(k).tolist() == [[[False, True, True, False, False, True]]]
+    assert RESIDUE * 0.5 >= 3e-5
+    sp = MagnitudeSparsifier(k_scale=1e-9, v_scale=0.0, n_sink=0)
+    x = mixed_heads(40, seed=5)
+    x[3, 0, 1], x[3, 0, 5] = 1e-3, 50.0  # far above tau (1e-9 scale) but residue beside 50
+    pool = KVPool(KVLayout(1, HEADS, DIM, BLOCK, torch.float32))
+    slots = torch.arange(40) + BLOCK * pool.alloc_n(3)[0]
+    pool.write(0, slots, x, x)
+    report = sp.apply(pool, slots, torch.arange(40))
+    k, _ = pool.gather(0, slots)
+    assert float(k[3, 0, 1]) == 0.0 and report.k_zeroed == int(key_residue(x).sum())
+    again = k.clone()
+    assert snap_keys_(again) == report.k_zeroed and torch.equal(again, k)
 
 
 def test_schedule_fires_after_warmup_then_every_64_tokens() -> None:

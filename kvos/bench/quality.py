@@ -11,8 +11,8 @@ every policy is acting), top-1 agreement and KL(full || policy) per position, me
   threshold the keys' rotary pairs by modulus, :mod:`kvos.policy.sparsify`) and ``random-zero`` /
   ``random-zero-pair`` (the ablation: as many zeros per layer, KV head and K/V as ``elastic-sweet`` /
   ``elastic-sweet-pair`` made, at random non-sink places, same schedule) and ``session-*`` (what
-  ``kvos serve --kv-compression sparse:PRESET`` does: keys by pair, each 128 new tokens thresholded once
-  by their own statistics, :mod:`kvos.session.compressor`) run on the kvos engine;
+  ``kvos serve --kv-compression sparse:PRESET`` does: each 128 new tokens thresholded once by their own
+  statistics, :mod:`kvos.session.compressor`; ``session-*-pair`` with keys by pair) run on the kvos engine;
   ``stored_bytes_ratio`` is the codec's stored bytes over raw bytes of the final cached K/V, cut into pool
   blocks, each encoded as the chunk store encodes what it saves.
 - ``uniform``, ``entropy``, ``entropy_matched``, ``streaming_llm``, ``h2o``, ``snapkv`` (and the
@@ -73,12 +73,17 @@ PRESET_POLICIES = {
 }
 SESSION_CHUNK = 128  # SessionConfig's chunk_tokens: the "session-*" policies seal this many tokens at once
 # policy -> (preset, key unit, chunk): the element-wise rule, its rotary-pair form ("-pair"), both on the
-# paper's schedule (chunk None), and what `kvos serve --kv-compression sparse:PRESET` does ("session-*")
+# paper's schedule (chunk None), and on the sessions' (each chunk once): "session-*" is what `kvos serve
+# --kv-compression sparse:PRESET` does
 SPARSIFY: dict[str, tuple[str, KeyUnit, int | None]] = {
     **{policy: (preset, "element", None) for policy, preset in PRESET_POLICIES.items()},
     **{f"{policy}-pair": (preset, "rotary_pair", None) for policy, preset in PRESET_POLICIES.items()},
     **{
-        policy.replace("elastic", "session"): (preset, "rotary_pair", SESSION_CHUNK)
+        policy.replace("elastic", "session"): (preset, "element", SESSION_CHUNK)
+        for policy, preset in PRESET_POLICIES.items()
+    },
+    **{
+        policy.replace("elastic", "session") + "-pair": (preset, "rotary_pair", SESSION_CHUNK)
         for policy, preset in PRESET_POLICIES.items()
     },
 }

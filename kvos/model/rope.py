@@ -231,6 +231,17 @@ class LayerRopes:
             found.setdefault(id(rope), (rope, []))[1].append(layer)
         return list(found.values())
 
+    def reanchor(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Every layer's keys ``[num_layers, n, kv_heads, head_dim]`` moved from positions ``old`` to ``new``
+        (int64 ``[n]``), each layer by its own rope: a new tensor in ``keys``' dtype."""
+        if keys.shape[0] != len(self):
+            raise ValueError(f"keys hold {keys.shape[0]} layers, the model has {len(self)}")
+        out = torch.empty_like(keys)
+        for rope, layers in self.groups():
+            index = torch.tensor(layers, device=keys.device)
+            out[index] = Rope.rotate(keys[index], rope.rotation(old, new, keys.device))
+        return out
+
     @property
     def uniform(self) -> Rope | None:
         """The rope of every layer when they share one, else None."""

@@ -3,11 +3,14 @@ or both, ``sparse[:PRESET]+entropy[:FILE][@KEEP]``.
 
 ``sparse`` is magnitude-threshold sparsification (:mod:`kvos.policy.sparsify`) applied to each chunk of a
 session once its tokens are all written: per layer and KV head, ``tau_h = max(sigma_h / 2, mu_h) x s`` over
-that chunk's non-sink tokens, keys by rotary pair (a zeroed pair stays zero when a restore re-anchors the
-keys, so a chunk keeps its zeros wherever it moves; element by element it would not), values element by
-element. The first ``n_sink`` (64) positions of the history are never touched. The zeros free memory where
-K/V rest outside the pool: the chunk store (RAM and disk) and the saved state directory encode them sparse
-(:mod:`kvos.memory.codec`). The pool stays dense.
+that chunk's non-sink tokens, element by element, keys as rotated at the chunk's logical positions (its
+frame: where a never-compacted cache would hold it). A key element zero there is rounding once the cache
+is compacted or the chunk restored elsewhere, so an eviction saves the keys rotated back to their frame,
+where the zeros are snapped back (:meth:`~kvos.session.compressor.ChunkCompressor.saved_keys`). The first
+``n_sink`` (64) positions of the history are never touched. The zeros free memory where K/V rest outside
+the pool: the chunk store (RAM and disk) and the saved state directory encode them sparse
+(:mod:`kvos.memory.codec`); a snapshot writes resident chunks as the pool holds them (bit-exact), so those
+that moved are stored denser. The pool stays dense.
 
 ``entropy`` gives each (layer, KV head) of a sealed chunk its own share of the chunk's tokens, by the
 model's calibrated attention entropy (:class:`~kvos.policy.entropy.HeadBudgets`: ``KEEP`` of the chunk's
@@ -64,7 +67,7 @@ class CompressionSpec:
 
 @dataclass(frozen=True)
 class Compression:
-    """A spec with what it needs to run: the sparsifier (keys by rotary pair) and the head budgets."""
+    """A spec with what it needs to run: the sparsifier (element by element) and the head budgets."""
 
     spec: CompressionSpec
     sparsifier: MagnitudeSparsifier | None = None
@@ -155,7 +158,7 @@ def resolve(spec: CompressionSpec | str | None, model: str | Path | None = None)
         return None
     sparsifier = None
     if parsed.sparse is not None:
-        sparsifier = MagnitudeSparsifier.preset(parsed.sparse, key_unit="rotary_pair")
+        sparsifier = MagnitudeSparsifier.preset(parsed.sparse)
     budgets = None
     if parsed.entropy:
         path = find_calibration(model, parsed.calibration)

@@ -9,14 +9,18 @@ that tensor alone. The zeros free memory only where the tensors are stored spars
 
 Keys carry the rotary embedding: dimensions ``i`` and ``i + head_dim / 2`` are one rotating pair (the
 rotate-half layout every kvos model uses), so an element's own magnitude swings with its position while
-the pair's modulus ``sqrt(x_i^2 + x_{i+D/2}^2)`` does not. ``key_unit="rotary_pair"`` applies the same rule
-to those moduli (``mu_h``, ``sigma_h`` over the pairs' moduli, a pair below ``tau_h`` zeroed whole); the
-default ``"element"`` is the rule above, element by element. Values carry no rotation and are always
-thresholded element by element.
+the pair's modulus ``sqrt(x_i^2 + x_{i+D/2}^2)`` does not. The default ``key_unit="element"`` is the rule
+above, element by element, on the keys as they are rotated at the ``positions`` given (their frame); it
+also zeroes an element at most :data:`RESIDUE` of its pair's modulus (:func:`key_residue`), so that keys
+rotated out of their frame and back can be snapped to the same zeros. ``key_unit="rotary_pair"`` applies
+the rule to the pairs' moduli instead (``mu_h``, ``sigma_h`` over the moduli, a pair below ``tau_h`` zeroed
+whole): its zeros survive any rotation, but it zeroes fewer elements. Values carry no rotation and are
+always thresholded element by element.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,9 +28,15 @@ import torch
 
 from kvos.errors import ConfigError
 from kvos.memory.pool import KVPool
+from kvos.model.rope import LayerRopes
 
 KeyUnit = Literal["element", "rotary_pair"]
 KEY_UNITS: tuple[KeyUnit, ...] = ("element", "rotary_pair")
+# a key element this small beside its rotary pair's modulus counts as zero: rotating a key there and back
+# leaves ~1e-7 of the modulus where a zero was (float32 rounding), 2**-12 allows thousands of rotations
+RESIDUE = 2.0**-12
+# (keys, their positions, new positions int64 [T]) -> the keys moved there: Rope.reanchor, LayerRopes.reanchor
+Reanchor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PRESETS: dict[str, tuple[float, float]] = {
     "default": (0.35, 0.17),
     "sweet": (0.45, 0.50),
@@ -78,6 +88,32 @@ def sparsify_pairs_(x: torch.Tensor, scale: float) -> int:
     below = moduli < _per_head(thresholds(moduli, scale))
     x.masked_fill_(torch.cat((below, below), dim=-1), 0.0)
     return 2 * int(below.sum())
+
+
+def key_residue(x: torch.Tensor, rel: float = RESIDUE) -> torch.Tensor:
+    """bool, ``x``'s shape (keys ``[(L,) T, num_kv_heads, head_dim]``): the elements whose magnitude is at
+    most ``rel`` times their rotary pair's modulus (both elements of an all-zero pair included)."""
+    moduli = pair_moduli(x)
+    return x.to(moduli.dtype).abs() <= torch.cat((moduli, moduli), dim=-1) * rel
+
+
+def snap_keys_(x: torch.Tensor, rel: float = RESIDUE) -> int:
+    """Zero, in place, the :func:`key_residue` of keys ``x`` (``[(L,) T, num_kv_heads, head_dim]``): keys
+    thresholded by the element rule and rotated out of their frame and back get their zeros back. Returns how
+    many elements are zero now."""
+    small = key_residue(x, rel)
+    x.masked_fill_(small, 0.0)
+    return int(small.sum())
+
+
+def sparsify_keys_(x: torch.Tensor, scale: float) -> int:
+    """The element rule for keys ``x`` (``[(L,) T, num_kv_heads, head_dim]``, rotated in their frame), in
+    place: zero below the heads' :func:`thresholds` at ``scale``, and the :func:`key_residue`. Returns how
+    many elements are zero now."""
+    tau = thresholds(x, scale)
+    below = (x.to(tau.dtype).abs() < _per_head(tau)).logical_or_(key_residue(x))
+    x.masked_fill_(below, 0.0)
+    return int(below.sum())
 
 
 def sparsify_(x: torch.Tensor, tau: torch.Tensor) -> int:
@@ -169,51 +205,101 @@ class MagnitudeSparsifier:
         k_scale, v_scale = PRESETS[name]
         return cls(k_scale=k_scale, v_scale=v_scale, **overrides)
 
-    def apply(self, pool: KVPool, slots: torch.Tensor, positions: torch.Tensor) -> SparsifyReport:
+    def apply(
+        self,
+        pool: KVPool,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        moved: tuple[torch.Tensor, LayerRopes] | None = None,
+    ) -> SparsifyReport:
         """One pass over a sequence's tokens: ``slots``, ``positions`` int64 ``[T]`` (cache order, as
         ``Sequence.slots`` / ``Sequence.positions``). Tokens at positions ``< n_sink`` are not touched;
-        for the others, in every layer, K and V are thresholded per KV head and written back."""
+        for the others, in every layer, K and V are thresholded per KV head and written back.
+
+        ``moved``: where the tokens' keys sit now (int64 ``[T]``) and the model's ropes, when that is not
+        ``positions`` (a session's chunk after its cache was compacted): element-wise keys are then rotated
+        to ``positions``, thresholded there and rotated back, so that their zeros are found again wherever
+        they are saved from (:func:`snap_keys_` in that frame)."""
         if slots.shape != positions.shape or slots.dim() != 1:
             raise ValueError(f"slots {tuple(slots.shape)} and positions {tuple(positions.shape)} must be [T]")
-        chosen = slots[positions.to(slots.device) >= self.n_sink]
+        chosen_mask = positions.to(slots.device) >= self.n_sink
+        chosen = slots[chosen_mask]
+        frame = self._frame(positions, moved, chosen_mask)
         if chosen.numel() == 0 or (self.k_scale == 0 and self.v_scale == 0):
             per_layer = chosen.numel() * pool.layout.num_kv_heads * pool.layout.head_dim
             total = per_layer * pool.layout.num_layers
             return SparsifyReport(k_total=total, v_total=total)
         if pool.slides:
-            return self._apply_by_layer(pool, chosen)
+            return self._apply_by_layer(pool, chosen, frame)
         layers = range(pool.layout.num_layers)
         pairs = [pool.gather(layer, chosen) for layer in layers]
         k = torch.stack([kv[0] for kv in pairs])  # [L, T, H, D]: every layer thresholded at once
         v = torch.stack([kv[1] for kv in pairs])
-        k_zeroed = self._sparsify_keys(k) if self.k_scale > 0 else 0
+        k_zeroed = 0
+        if self.k_scale > 0:
+            move = None if frame is None else (frame[0].reanchor, frame[1], frame[2])
+            k, k_zeroed = self._keys_in_frame(k, move)
         v_zeroed = sparsify_(v, thresholds(v, self.v_scale)) if self.v_scale > 0 else 0
         for layer in layers:
             pool.write(layer, chosen, k[layer], v[layer])
         return SparsifyReport(k_zeroed, k.numel(), v_zeroed, v.numel())
 
-    def _apply_by_layer(self, pool: KVPool, chosen: torch.Tensor) -> SparsifyReport:
+    def _frame(
+        self, positions: torch.Tensor, moved: tuple[torch.Tensor, LayerRopes] | None, chosen: torch.Tensor
+    ) -> tuple[LayerRopes, torch.Tensor, torch.Tensor] | None:
+        """(ropes, where the chosen tokens' keys are, where they are thresholded), or None when no rotation
+        is needed: nothing moved, or keys by rotary pair (moduli do not change under rotation)."""
+        if moved is None or self.key_unit != "element":
+            return None
+        current, ropes = moved
+        if current.shape != positions.shape:
+            raise ValueError(f"moved positions {tuple(current.shape)} do not match {tuple(positions.shape)}")
+        chosen = chosen.to(current.device)
+        now, there = current[chosen], positions.to(current.device)[chosen]
+        return None if torch.equal(now, there) else (ropes, now, there)
+
+    def _apply_by_layer(
+        self, pool: KVPool, chosen: torch.Tensor, frame: tuple[LayerRopes, torch.Tensor, torch.Tensor] | None
+    ) -> SparsifyReport:
         """:meth:`apply` on a pool whose window layers hold only some tokens: layer by layer (the thresholds
         are per layer and head either way), a window layer over the chosen tokens whose blocks it still
         holds."""
         counts = [0, 0, 0, 0]
         for layer in range(pool.layout.num_layers):
-            slots = chosen
+            slots, held = chosen, None
             if layer in pool.layout.window_layers:
                 window, held = pool.window_locate(chosen)
                 slots = window[held]
             k, v = pool.gather(layer, slots)
-            counts[0] += self._sparsify_keys(k) if self.k_scale > 0 else 0
+            if self.k_scale > 0:
+                move = None
+                if frame is not None:
+                    now, there = (frame[1], frame[2]) if held is None else (frame[1][held], frame[2][held])
+                    move = (frame[0][layer].reanchor, now, there)
+                k, zeroed = self._keys_in_frame(k, move)
+                counts[0] += zeroed
             counts[2] += sparsify_(v, thresholds(v, self.v_scale)) if self.v_scale > 0 else 0
             counts[1], counts[3] = counts[1] + k.numel(), counts[3] + v.numel()
             pool.write(layer, slots, k, v)
         return SparsifyReport(*counts)
 
+    def _keys_in_frame(
+        self, k: torch.Tensor, move: tuple[Reanchor, torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, int]:
+        """Keys ``[(L,) T, num_kv_heads, head_dim]`` thresholded by :meth:`_sparsify_keys` where ``move``
+        (a re-anchoring, the keys' positions, their frame's) puts them, then moved back; and the zeros."""
+        if move is None:
+            return k, self._sparsify_keys(k)
+        reanchor, now, there = move
+        k = reanchor(k, now, there)
+        zeroed = self._sparsify_keys(k)
+        return reanchor(k, there, now), zeroed
+
     def _sparsify_keys(self, k: torch.Tensor) -> int:
         """Threshold keys ``[(L,) T, num_kv_heads, head_dim]`` in place by :attr:`key_unit`."""
         if self.key_unit == "rotary_pair":
             return sparsify_pairs_(k, self.k_scale)
-        return sparsify_(k, thresholds(k, self.k_scale))
+        return sparsify_keys_(k, self.k_scale)
 
     def due(self, num_tokens: int) -> bool:
         """Whether the schedule calls for a pass at ``num_tokens`` tokens (does not record one)."""

@@ -39,7 +39,7 @@ from kvos.memory.pool import KVPool
 from kvos.policy.budgeted import OBSERVATION_WINDOW, cut_heads
 from kvos.policy.chunks import Chunk
 from kvos.policy.compression import Compression
-from kvos.policy.sparsify import SparsifyReport
+from kvos.policy.sparsify import SparsifyReport, snap_keys_
 from kvos.session.pager import Pager
 
 _log = logging.getLogger(__name__)
@@ -184,9 +184,10 @@ class ChunkCompressor:
         assert self.method is not None and self.method.sparsifier is not None
         method, seg, lo = self.method.sparsifier, pager.segments[chunk.chunk_id], chunk.compressed_tokens
         positions = torch.arange(chunk.original_start + lo, chunk.original_end, dtype=torch.int64)
+        moved = (seg.positions[lo:], self.engine.model.ropes)
 
         def edit(pool: KVPool, slots: torch.Tensor) -> SparsifyReport:
-            return method.apply(pool, slots, positions.to(slots.device))
+            return method.apply(pool, slots, positions.to(slots.device), moved)
 
         try:
             report = self.engine.edit_kv(pager.seq, seg, lo, edit)
@@ -195,6 +196,26 @@ class ChunkCompressor:
             return
         chunk.compressed_tokens = chunk.num_tokens
         self.report += report
+
+    def saved_keys(
+        self, chunk: Chunk, positions: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys to save of ``chunk`` (read from the pool at ``positions``, int64 [n]; ``k`` [num_layers,
+        n, kv_heads, head_dim]) and the positions they are then rotated at. Keys sparsified element by element
+        go back to the frame they were thresholded in, the chunk's logical positions, where their zeros are
+        snapped back (:func:`~kvos.policy.sparsify.snap_keys_`): so the store keeps them sparse after the
+        cache was compacted or the chunk restored elsewhere. Otherwise ``k`` and ``positions`` as given."""
+        sparsifier = self.method.sparsifier if self.method is not None else None
+        done = chunk.compressed_tokens
+        if sparsifier is None or sparsifier.key_unit != "element" or done == 0 or sparsifier.k_scale == 0:
+            return k, positions
+        logical = torch.arange(chunk.original_start, chunk.original_end, dtype=torch.int64)
+        if torch.equal(positions, logical):
+            return k, positions
+        k = self.engine.model.ropes.reanchor(k, positions, logical)
+        lo = max(0, min(done, sparsifier.n_sink - chunk.original_start))  # its sinks were never thresholded
+        snap_keys_(k[:, lo:done])
+        return k, logical
 
     def prefilled(self, pager: Pager, chunk: Chunk, captured: dict[int, torch.Tensor]) -> float:
         """``chunk`` was just prefilled at the end of the cache; ``captured`` is its last queries' mean

@@ -28,6 +28,8 @@ from kvos.policy.retriever import Retriever
 PositionMode = Literal["compact", "sparse"]
 Backend = Literal["discard", "breadcrumb", "kv_restore"]
 Place = Literal["end", "place"]
+# (chunk, positions int64 [n], keys [num_layers, n, kv_heads, head_dim]) -> keys to save, their positions
+SavedKeys = Callable[[Chunk, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 _log = logging.getLogger(__name__)
 
 
@@ -65,6 +67,8 @@ class Pager:
         self.position_slack = sys.maxsize
         # called with the chunks about to be saved, before they leave (per-head budgets choose what waits)
         self.on_save: Callable[[list[Chunk]], None] | None = None
+        # a chunk's keys as an eviction saves them, and their positions (sparsified keys in their own frame)
+        self.saved_keys: SavedKeys | None = None
 
     @property
     def active_tokens(self) -> int:
@@ -183,8 +187,9 @@ class Pager:
         by_seg = {id(seg): cid for cid, seg in self.segments.items()}
         return [by_seg[id(seg)] for seg in self.seq.segments if id(seg) in by_seg]
 
-    def evict(self, chunks: list[Chunk]) -> int:
-        """Take chunks out of the pool (saving their K/V for kv_restore); returns the tokens freed."""
+    def evict(self, chunks: list[Chunk], as_they_are: bool = False) -> int:
+        """Take chunks out of the pool (saving their K/V for kv_restore); returns the tokens freed. Saved keys
+        go through :attr:`saved_keys` unless ``as_they_are`` (a swap-out, which comes back where it was)."""
         if self.backend == "kv_restore" and self.on_save is not None:
             self.on_save(chunks)
         freed = 0
@@ -198,6 +203,9 @@ class Pager:
                     chunk.digest = digest_keys(k, seg.positions, self.engine.model.ropes, self.digest_layers)
                 if self.retriever is not None and chunk.key_code is None:
                     chunk.key_code = self._code(k, seg.positions)
+                if self.saved_keys is not None and not as_they_are:
+                    k, positions = self.saved_keys(chunk, seg.positions, k)
+                    meta["positions"] = positions.tolist()
                 self.saved.add(chunk.chunk_id)  # before put: a store over its caps may drop it at once
                 self.store.put(chunk.chunk_id, k, v, meta, copy=False)
                 self._reap()  # a store over its caps may have dropped this chunk or older ones
@@ -420,13 +428,14 @@ class Pager:
         """Save every resident chunk (kv_restore) and free the pool; returns (chunk id, positions) in cache
         order, which :meth:`swap_in` needs to rebuild the cache exactly."""
         record = [(cid, self.segments[cid].positions.tolist()) for cid in self.order()]
-        self.evict([self.chunks[cid] for cid, _ in record])
+        self.evict([self.chunks[cid] for cid, _ in record], as_they_are=True)
         return record
 
     def swap_in(self, record: list[tuple[int, list[int]]]) -> list[int]:
         """Splice swapped-out chunks back in their cache order at their positions: no forward pass, no
-        rotation, the same cache as before :meth:`swap_out` (a chunk dropped, or whose file fails its
-        check, is recomputed instead); returns the ids of the chunks recomputed."""
+        rotation (keys saved elsewhere, by an eviction, are moved), the same cache as before :meth:`swap_out`
+        (a chunk dropped, or whose file fails its check, is recomputed instead); returns the ids of the
+        chunks recomputed."""
         assert self.store is not None
         recomputed = []
         for cid, positions in record:
@@ -437,7 +446,8 @@ class Pager:
                 self.append(chunk, start=positions[0], absorb=False)
                 recomputed.append(cid)
                 continue
-            self.segments[cid] = self.splice(len(self.seq.segments), chunk, saved, pos, pos)
+            old = saved.meta_int64("positions")
+            self.segments[cid] = self.splice(len(self.seq.segments), chunk, saved, old, pos)
         return recomputed
 
     def _take(self, chunk: Chunk) -> StoredChunk | None:

@@ -127,6 +127,7 @@ class Session:
             config.kv_compression, engine, config.sink_count, config.head_budget_kinds
         )
         self.pager.on_save = lambda chunks: self.compressor.settle(self.pager, chunks)
+        self.pager.saved_keys = self.compressor.saved_keys
         self.cancel: threading.Event | None = None  # set during a sync: stops the prefill between chunks
         self.checkpoints = RecurrentCheckpoints(config.recurrent_checkpoints)  # a hybrid model's states
         if self.pager.seq.recurrent is not None:  # they count against the pool's cap while it is resident

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -35,6 +36,11 @@ SESSION_TOP = (
     "recoveries_restore",
     "recoveries_recompute",
     "saved_bytes",
+    "saved_bytes_per_token",
+    "resident_tokens",
+    "resident_bytes_per_token",
+    "head_chunks",
+    "reply_tokens",
     "pool_bytes",
     "rss_start",
     "rss_end",
@@ -106,6 +112,28 @@ def test_session(model_dir: Path, tmp_path: Path) -> None:
     png = Path(result["png"])
     assert png == tmp_path / "out.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_session_with_long_replies_cuts_them_per_head(
+    model_dir: Path, tmp_path: Path, head_calibration: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--reply-tokens A-B``: replies that long, which per-head budgets then cut (the default 2-8 tokens
+    are too short to): chunks chosen, a resident token below the dense bytes, more tokens resident than the
+    budget charges."""
+    argv = ["--model", str(model_dir), "--budget", "256", "--factor", "3", "--reply-tokens", "48-64"]
+    argv += ["--kv-compression", f"entropy:{head_calibration}", "--png", str(tmp_path / "t.png")]
+    result = run_bench(tmp_path, "session", *argv)
+    assert result["reply_tokens"] == [48, 64] and result["kv_compression"].startswith("entropy")
+    histories = [row["history_tokens"] for row in result["rows"]]
+    steps = [b - a for a, b in itertools.pairwise(histories)]
+    assert min(steps) >= 48 + 3  # a user message of at least 5 words, the reply, the template's tokens
+    assert result["head_chunks"] > 0
+    assert result["resident_bytes_per_token"] < result["bytes_per_token"]
+    assert result["resident_tokens"] > result["active_tokens"]
+    for bad in ("0", "9-3", "x"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "session", "--model", str(model_dir), "--reply-tokens", bad])
+        assert exit_.value.code == 2 and "--reply-tokens" in capsys.readouterr().err
 
 
 def test_session_discard_and_png_path(model_dir: Path, tmp_path: Path) -> None:

@@ -3,8 +3,8 @@
 One session, ``SessionConfig(budget=Budget(max_active_tokens=budget), chunk_tokens, backend,
 embedder="tokens")`` on the default compact position mode: a short system message, then turns of a user
 message (seeded synthetic text of 5-50 words; some plant a fact, later ones ask about a planted fact, which
-gives similarity recovery something to find) and a short greedy reply (2-8 tokens, EOS ignored), until the
-history holds at least ``factor x budget`` tokens.
+gives similarity recovery something to find) and a short greedy reply (2-8 tokens, or ``--reply-tokens``;
+EOS ignored), until the history holds at least ``factor x budget`` tokens.
 
 After every turn a row records the session's active (resident), cached (resident + saved) and history
 tokens, its eviction and recovery counters, the store's bytes and the process's RSS. Top level: the final
@@ -113,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_dtype_argument(parser)
     parser.add_argument("--png", help="where to draw the figure (default: the --json path with .png)")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--reply-tokens",
+        type=reply_range,
+        default=(2, 8),
+        metavar="N|A-B",
+        help="each reply's length in tokens, drawn from A-B (default 2-8; longer replies get cut per head)",
+    )
     add_signal_argument(parser)
     parser.add_argument(
         "--retriever",
@@ -155,9 +162,10 @@ def malloc_bytes() -> tuple[int, int] | None:
 class Conversation:
     """Seeded synthetic user messages: filler words, some planting a fact, later ones asking about one."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, reply: tuple[int, int] = (2, 8)) -> None:
         self.rng = random.Random(seed)
         self.facts: dict[str, str] = {}
+        self.reply = reply  # the replies' length, fewest and most tokens
 
     def user_message(self) -> str:
         rng = self.rng
@@ -173,7 +181,19 @@ class Conversation:
         return words
 
     def reply_tokens(self) -> int:
-        return self.rng.randint(2, 8)
+        return self.rng.randint(*self.reply)
+
+
+def reply_range(text: str) -> tuple[int, int]:
+    """``--reply-tokens``: ``N`` or ``A-B`` (1 <= A <= B) -> (A, B); argparse's error for anything else."""
+    lo, _, hi = text.partition("-")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--reply-tokens takes N or A-B, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"--reply-tokens needs 1 <= A <= B, got {text!r}")
+    return low, high
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,7 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pool_bytes_start = manager.engine.pool.nbytes
     started = time.perf_counter()
     session = manager.session()
-    rows = grow(session, Conversation(args.seed), target)
+    rows = grow(session, Conversation(args.seed, args.reply_tokens), target)
     seconds = time.perf_counter() - started
     stats = session.stats()
     costs = session.memory.costs.medians_ms()
@@ -241,6 +261,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bytes_per_token=manager.engine.pool.layout.bytes_per_token,
         kv_compression=stats["kv_compression"],
         saved_bytes_per_token=stats["saved_bytes_per_token"],
+        resident_tokens=stats["resident_tokens"],
+        resident_bytes_per_token=stats["resident_bytes_per_token"],
+        head_chunks=stats["head_chunks"],
+        reply_tokens=list(args.reply_tokens),
         k_zero_fraction=stats["k_zero_fraction"],
         v_zero_fraction=stats["v_zero_fraction"],
         compress_share=stats["compress_s"] / seconds,

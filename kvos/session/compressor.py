@@ -210,7 +210,7 @@ class ChunkCompressor:
         if sparsifier is None or sparsifier.key_unit != "element" or done == 0 or sparsifier.k_scale == 0:
             return k, positions
         logical = torch.arange(chunk.original_start, chunk.original_end, dtype=torch.int64)
-        if torch.equal(positions, logical):
+        if positions.shape != logical.shape or torch.equal(positions, logical):
             return k, positions
         k = self.engine.model.ropes.reanchor(k, positions, logical)
         lo = max(0, min(done, sparsifier.n_sink - chunk.original_start))  # its sinks were never thresholded

@@ -147,6 +147,9 @@ def test_answered_needs_the_whole_fact() -> None:
     assert answered("Your favourite number is 4242.", "4242")
     assert not answered("Your favourite number is 42424.", "4242")
     assert not answered("Your name is Annabel.", "Anna")
+    assert answered("My birthday is on November 8th.", "November 8")  # an ordinal is the same date
+    assert answered("It is the 21st of May.", "21") and not answered("It is the 21stly.", "21")
+    assert not answered("Your favourite number is 4242nd", "424")
 
 
 def test_heldout_quality_with_full_cache() -> None:

@@ -47,8 +47,11 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def answered(reply: str, expected: str) -> bool:
-    """Whether ``expected`` appears in ``reply``, not as part of a longer word or number."""
-    return re.search(rf"(?<![A-Za-z0-9]){re.escape(expected)}(?![A-Za-z0-9])", reply) is not None
+    """Whether ``expected`` appears in ``reply``, not as part of a longer word or number; an expected answer
+    that ends in a number may be said as an ordinal ("April 5" as "April 5th")."""
+    ordinal = "(?:st|nd|rd|th)?" if expected[-1:].isdigit() else ""
+    pattern = rf"(?<![A-Za-z0-9]){re.escape(expected)}{ordinal}(?![A-Za-z0-9])"
+    return re.search(pattern, reply) is not None
 
 
 class Chat:

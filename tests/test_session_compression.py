@@ -182,6 +182,31 @@ def test_a_compacted_sessions_chunks_are_saved_as_sparse_as_chunks_that_never_mo
     assert ratios["compact", False] > ratios["compact", True] + 0.05
 
 
+def test_chunks_sparsified_before_a_switch_are_still_saved_in_their_frame(model_dir: Path) -> None:
+    """A session switched from sparse to none keeps the zeros it made: its sparsified chunks that moved are
+    saved as sparse as before the switch, and the chunks sealed after it are not sparsified."""
+    ratios = {}
+    for switch in (False, True):
+        session = make_manager(model_dir, "sparse:sweet", budget=4 * CHUNK, mode="compact").session("s")
+        session.sync([Span(tokens(9, 4 * CHUNK), ChunkKind.DOCUMENT)])  # sealed while all fits
+        if switch:
+            session.set_compression("none")
+        session.sync([Span(tokens(9, 4 * CHUNK) + tokens(10, 8 * CHUNK), ChunkKind.DOCUMENT)])
+        early = [c for c in session.chunks.values() if 64 <= c.original_start < 4 * CHUNK]
+        late = [c for c in session.chunks.values() if c.original_start >= 4 * CHUNK]
+        assert all(c.compressed_tokens == c.num_tokens for c in early)
+        assert all(bool(c.compressed_tokens) != switch for c in late)
+        store = session.pager.store
+        assert store is not None
+        saved = [c for c in early if c.state is ChunkState.SAVED]
+        assert saved and all(
+            torch.equal(store.get(c.chunk_id).meta_int64("positions"), _logical(c)) for c in saved
+        )
+        k = torch.cat([store.get(c.chunk_id).k for c in saved], dim=1)
+        ratios[switch] = float((k == 0).float().mean())
+    assert ratios[True] == ratios[False] > 0.2
+
+
 def _logical(chunk: Chunk) -> torch.Tensor:
     return torch.arange(chunk.original_start, chunk.original_end, dtype=torch.int64)
 

@@ -39,7 +39,7 @@ from kvos.memory.pool import KVPool
 from kvos.policy.budgeted import OBSERVATION_WINDOW, cut_heads
 from kvos.policy.chunks import Chunk
 from kvos.policy.compression import Compression
-from kvos.policy.sparsify import SparsifyReport, snap_keys_
+from kvos.policy.sparsify import MagnitudeSparsifier, SparsifyReport, snap_keys_
 from kvos.session.pager import Pager
 
 _log = logging.getLogger(__name__)
@@ -204,16 +204,18 @@ class ChunkCompressor:
         n, kv_heads, head_dim]) and the positions they are then rotated at. Keys sparsified element by element
         go back to the frame they were thresholded in, the chunk's logical positions, where their zeros are
         snapped back (:func:`~kvos.policy.sparsify.snap_keys_`): so the store keeps them sparse after the
-        cache was compacted or the chunk restored elsewhere. Otherwise ``k`` and ``positions`` as given."""
+        cache was compacted or the chunk restored elsewhere (whatever the session's compression is now: it
+        may have been switched since). Otherwise ``k`` and ``positions`` as given."""
         sparsifier = self.method.sparsifier if self.method is not None else None
         done = chunk.compressed_tokens
-        if sparsifier is None or sparsifier.key_unit != "element" or done == 0 or sparsifier.k_scale == 0:
+        if done == 0 or (sparsifier is not None and sparsifier.key_unit != "element"):
             return k, positions
+        n_sink = sparsifier.n_sink if sparsifier is not None else MagnitudeSparsifier.n_sink
         logical = torch.arange(chunk.original_start, chunk.original_end, dtype=torch.int64)
         if positions.shape != logical.shape or torch.equal(positions, logical):
             return k, positions
         k = self.engine.model.ropes.reanchor(k, positions, logical)
-        lo = max(0, min(done, sparsifier.n_sink - chunk.original_start))  # its sinks were never thresholded
+        lo = max(0, min(done, n_sink - chunk.original_start))  # its sinks were never thresholded
         snap_keys_(k[:, lo:done])
         return k, logical
 

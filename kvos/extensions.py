@@ -4,6 +4,11 @@ Every kvos kernel has a torch fallback with the same results, so a missing compi
 ``KVOS_NO_EXTENSIONS=1`` costs speed, never correctness: :func:`build` then returns None (with a warning
 saying why, when it failed).
 
+Every exported function runs with the GIL released (``torch::wrap_pybind_function_no_gil``; their
+arguments and results are tensors and numbers, never Python objects), as torch's own operators do: while a
+forward pass's products run in the scheduler's thread, the sessions' threads and the server's event loop
+go on with their Python (sampling, streaming, bookkeeping) instead of waiting for the kernel to return.
+
 Builds of one kernel are serialised across processes by an advisory lock (``kvos.flock`` in its build
 directory) that the operating system releases when its holder dies. torch's own build lock (a ``lock``
 file it deletes when done) outlives a build that was killed, and every later load then waits on it
@@ -35,8 +40,7 @@ def build(
         with _build_lock(name):
             return load_inline(
                 name=name,
-                cpp_sources=[source],
-                functions=list(functions),
+                cpp_sources=[source + bindings(functions)],
                 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (torch's libgomp is reused)
                 extra_cflags=[*cflags, "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
@@ -45,6 +49,13 @@ def build(
     except Exception as exc:  # no compiler, no ninja, headers missing: the torch path still works
         warnings.warn(f"kvos: {name} kernel unavailable, using {fallback} ({exc})", stacklevel=3)
         return None
+
+
+def bindings(functions: Sequence[str]) -> str:
+    """The pybind11 module of ``functions``, each wrapped to turn C++ errors into Python ones and to run
+    without the GIL."""
+    lines = [f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");' for f in functions]
+    return "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n" + "\n".join(lines) + "\n}\n"
 
 
 def build_directory(name: str) -> Path:

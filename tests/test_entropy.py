@@ -17,12 +17,15 @@ from kvos.errors import ConfigError
 from kvos.model.loader import load_model
 from kvos.policy.calibration import text_entropies
 from kvos.policy.entropy import (
+    HeadBudgets,
     entropy_bits,
     head_budgets,
     head_type,
     kv_head_entropies,
     load_calibration,
+    matched_budgets,
     query_indices,
+    rule_weights,
 )
 
 
@@ -69,6 +72,24 @@ def test_budgets_follow_the_formula() -> None:
     for n, keep in ((0, 0.5), (10, 0.0), (10, 1.5)):
         with pytest.raises(ConfigError):
             head_budgets(entropies, n, keep)
+
+
+def test_the_inverse_rule_gives_focused_heads_the_larger_share() -> None:
+    entropies = {(0, 0): 0.4, (0, 1): 4.0, (1, 0): 2.0, (1, 1): 2.4, (1, 2): 0.0}
+    weights = rule_weights(entropies, "inverse")
+    # 1 / max(H, 0.5): 0.4 and 0.0 bits weigh as 0.5 does
+    assert weights == {(0, 0): 2.0, (0, 1): 0.25, (1, 0): 0.5, (1, 1): 1 / 2.4, (1, 2): 2.0}
+    assert rule_weights(entropies, "seed") == entropies
+    # mean weight 1.0333: ratios 1.935, 0.242 -> 0.3, 0.484, 0.403, 1.935; 20 tokens at ratio 1
+    assert head_budgets(weights, 100, 0.2) == {(0, 0): 39, (0, 1): 6, (1, 0): 10, (1, 1): 8, (1, 2): 39}
+    rows = {(layer, head): bits for (layer, head), bits in entropies.items() if head < 2}
+    seed_budgets = HeadBudgets(rows, 0.5).for_chunk(64, 2, 2, 16)
+    inverse_budgets = HeadBudgets(rows, 0.5, "inverse").for_chunk(64, 2, 2, 16)
+    matched = matched_budgets(rule_weights(rows, "inverse"), 64, 0.5, 16)
+    assert inverse_budgets == [matched[row] for row in sorted(rows)]
+    assert seed_budgets[0] < seed_budgets[1] and inverse_budgets[0] > inverse_budgets[1]
+    with pytest.raises(ConfigError, match="unknown budget rule 'both'"):
+        HeadBudgets(rows, 0.5, "both")
 
 
 def test_kv_head_takes_the_max_of_its_query_heads() -> None:

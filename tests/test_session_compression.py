@@ -66,6 +66,11 @@ def test_parse_compression_names_and_refusals(tmp_path: Path) -> None:
     assert parse_spec("entropy") == CompressionSpec(entropy=True)
     assert parse_spec("entropy@0.3") == CompressionSpec(entropy=True, keep=0.3)
     assert str(parse_spec("entropy+sparse")) == "sparse:default+entropy"
+    inverse = parse_compression(f"entropy-inverse:{calibration}@0.3")
+    assert inverse is not None and inverse.budgets is not None and inverse.budgets.rule == "inverse"
+    assert compression_name(inverse) == f"entropy-inverse:{calibration}@0.3"
+    assert parse_spec("sparse:sweet+entropy-inverse") == CompressionSpec("sweet", True, rule="inverse")
+    assert str(parse_spec("entropy-inverse@0.5")) == "entropy-inverse"
     with pytest.raises(ConfigError, match=r"need a calibration for .*run `kvos calibrate"):
         parse_compression("entropy", tmp_path / "model.gguf")
     with pytest.raises(ConfigError, match="not a kvos calibration file"):
@@ -74,7 +79,10 @@ def test_parse_compression_names_and_refusals(tmp_path: Path) -> None:
         parse_spec("entropy@2")
     with pytest.raises(ConfigError, match="unknown sparsification preset 'loose'"):
         parse_compression("sparse:loose")
-    for bad in ("zip", "entropy:", "sparse+sparse:sweet", "entropyx", "sparse+entropy+sparse"):
+    for bad in (
+        "zip", "entropy:", "sparse+sparse:sweet", "entropyx", "sparse+entropy+sparse",
+        "entropy+entropy-inverse", "entropy-inverse:", "entropy-inversex", "entropy-",
+    ):  # fmt: skip
         with pytest.raises(ConfigError, match="unknown --kv-compression"):
             parse_spec(bad)
 

@@ -82,8 +82,9 @@ def kv_of(session: Session, seg: Segment) -> tuple[torch.Tensor, torch.Tensor, t
     return read_heads(session.engine, seg)
 
 
+@pytest.mark.parametrize("word", ["entropy", "entropy-inverse"])
 def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, word: str
 ) -> None:
     """The session's cache equals a plain sequence prefilled chunk by chunk where each chunk waits for the
     queries that read it next: the next prefilled chunk of 8 tokens or more (its last 32 queries, all of a
@@ -91,7 +92,7 @@ def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
     budgets of its tokens, the sinks and the best of those queries' mean attention (:func:`observed_keep`).
     The logits agree, and the dropped K/V are out of the pool."""
     calibration = varied_calibration(tmp_path)
-    manager = make_manager(model_dir, f"entropy:{calibration}@0.5")
+    manager = make_manager(model_dir, f"{word}:{calibration}@0.5")
     session = manager.session("s")
     ids = tokens(1, 4 * CHUNK + 12)
     session.sync([Span(ids, ChunkKind.DOCUMENT)])
@@ -165,7 +166,11 @@ def test_each_sealed_chunk_keeps_its_heads_budgets_as_an_engine_sequence_would(
     docs = [cid for cid in expected if session.chunks[cid].kind is ChunkKind.DOCUMENT]
     assert len(docs) == 5 and all(session.pager.segments[cid].heads is not None for cid in docs)
     stats = session.stats()
-    assert stats["head_chunks"] == 5 and stats["kv_compression"] == f"entropy:{calibration}"
+    assert stats["head_chunks"] == 5 and stats["kv_compression"] == f"{word}:{calibration}"
+    # the seed's rule gives the diffuse head of layer 0 (4.0 bits) more than the focused one (0.4), the
+    # inverse rule the other way round
+    first, second = full[0], full[1]
+    assert (first < second) if word == "entropy" else (first > second)
 
 
 def test_a_reply_chunk_is_chosen_by_its_own_decode_attention(model_dir: Path, tmp_path: Path) -> None:

@@ -96,8 +96,9 @@ DEFAULT_POLICIES = (
 # what `kvos serve --kv-compression entropy@KEEP` does to a document, and the same with one budget for every
 # head: each 128 tokens prefilled, then, once the next 128 have read them, each KV head keeps its budget of
 # them (budgeted.run_chunked)
-CHUNKED_POLICIES = ("session-entropy", "session-uniform")
-ENTROPY_POLICIES = {"entropy", "entropy_matched", "session-entropy"}  # need a calibration
+# (``session-entropy-inverse``: `entropy-inverse@KEEP`, focused heads get the larger shares)
+CHUNKED_POLICIES = ("session-entropy", "session-entropy-inverse", "session-uniform")
+ENTROPY_POLICIES = {"entropy", "entropy_matched", "session-entropy", "session-entropy-inverse"}  # calibrated
 HEAD_FULL = "head-full"  # the head cache with a budget of every token: the budget rows' reference
 COLUMNS = (
     "model",
@@ -297,15 +298,18 @@ def _budget_contenders(
 
 def _chunked_contender(engine: Engine, policy: str, keep: float, calibration: HeadMap | None) -> Contender:
     """A session's per-head budgets on a document (:func:`budgeted.run_chunked`), each head keeping ``keep``
-    of every chunk on average: by the calibration's entropies, or (``session-uniform``) alike."""
+    of every chunk on average: by the calibration's entropies (the seed's rule, or ``-inverse``), or
+    (``session-uniform``) alike."""
     lay = engine.pool.layout
     rows = [(layer, head) for layer in range(lay.num_layers) for head in range(lay.num_kv_heads)]
-    if policy == "session-entropy":
+    rule = "inverse" if policy.endswith("-inverse") else "seed"
+    if policy.startswith("session-entropy"):
         assert calibration is not None
         entropies: HeadMap = dict(calibration)
     else:
         entropies = dict.fromkeys(rows, 1.0)
-    compression = Compression(CompressionSpec(entropy=True, keep=keep), budgets=HeadBudgets(entropies, keep))
+    spec = CompressionSpec(entropy=True, keep=keep, rule=rule)
+    compression = Compression(spec, budgets=HeadBudgets(entropies, keep, rule))
 
     def go(ids: list[int], memo: dict[str, list[Pass]]) -> Outcome:
         run = budgeted.run_chunked(engine, ids, compression, SESSION_CHUNK)

@@ -7,7 +7,11 @@ attention (high entropy) gets a larger share of the cache than one that looks at
 
     budget(layer, kv_head) = n * keep_ratio * clamp(H / mean H, 0.3, 2.5), rounded half up, clipped to [1, n]
 
-where ``mean H`` is the mean over every (layer, KV head) of the map.
+where ``mean H`` is the mean over every (layer, KV head) of the map. That is the seed's rule (``seed``).
+The ``inverse`` rule weighs each head by ``1 / max(H, 0.5 bits)`` instead, so a head that looks at a few
+tokens gets the larger share: which few tokens it needs changes from query to query, where a head that
+averages over many loses little when some are gone. On Qwen2.5-Coder-0.5B it loses half as much as
+uniform budgets (docs/benchmarks.md), where the seed's rule loses more than they do.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ HEAD_TYPES: tuple[tuple[str, float], ...] = (
     ("diffuse", math.inf),
 )
 RATIO_CLAMP = (0.3, 2.5)
+RULES = ("seed", "inverse")
+INVERSE_FLOOR = 0.5  # bits: a "sink" head's entropy and below weigh as much as a sink head's
 _KV_KEY = re.compile(r"^L(\d+)_K(\d+)$")
 
 HeadMap = dict[tuple[int, int], float]
@@ -125,10 +131,13 @@ class HeadBudgets:
 
     entropies: Mapping[tuple[int, int], float]
     keep: float
+    rule: str = "seed"
 
     def __post_init__(self) -> None:
         if not 0 < self.keep <= 1:
             raise ConfigError(f"keep must be in (0, 1], got {self.keep}")
+        if self.rule not in RULES:
+            raise ConfigError(f"unknown budget rule {self.rule!r}; use one of {', '.join(RULES)}")
 
     def for_chunk(self, n: int, num_layers: int, num_kv_heads: int, block_size: int) -> list[int]:
         """Tokens each row (layer-major, ``layer * num_kv_heads + kv_head``) of an ``n``-token chunk keeps.
@@ -139,8 +148,18 @@ class HeadBudgets:
                 f"the entropy calibration covers {len(self.entropies)} (layer, KV head) pairs, the model has "
                 f"{num_layers} x {num_kv_heads}: it was measured on another model; run `kvos calibrate`"
             )
-        budgets = matched_budgets(self.entropies, n, self.keep, block_size)
+        budgets = matched_budgets(rule_weights(self.entropies, self.rule), n, self.keep, block_size)
         return [budgets[row] for row in rows]
+
+
+def rule_weights(kv_entropies: Mapping[tuple[int, int], float], rule: str) -> HeadMap:
+    """What :func:`head_budgets` shares the cache by: the entropies themselves (``seed``), or their inverses
+    ``1 / max(H, INVERSE_FLOOR)`` (``inverse``)."""
+    if rule == "seed":
+        return dict(kv_entropies)
+    if rule == "inverse":
+        return {row: 1.0 / max(bits, INVERSE_FLOOR) for row, bits in kv_entropies.items()}
+    raise ConfigError(f"unknown budget rule {rule!r}; use one of {', '.join(RULES)}")
 
 
 def summarize(entropies: torch.Tensor, group: int) -> dict[str, Any]:

@@ -98,3 +98,17 @@ def test_a_decode_step_reads_every_weight_once(tmp_path: Path) -> None:
 def test_read_bandwidth_is_bytes_over_seconds() -> None:
     rate = read_bandwidth(1, nbytes=32 << 20, passes=2)
     assert 1e8 < rate < 1e12  # between 0.1 GB/s and 1 TB/s: a measurement, not a constant
+
+
+def test_peer_hf_on_a_file_transformers_cannot_read_is_a_typed_error(tmp_path: Path) -> None:
+    """``--peer hf`` (the default) on a GGUF file says what to use instead; it used to end in
+    transformers' traceback about an invalid config.json."""
+    from kvos.bench import decode
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    args = decode.argparse.Namespace(
+        prompt_tokens=8, new_tokens=4, repeats=1, threads=None, activations="int8", peer="hf", model=str(gguf)
+    )
+    with pytest.raises(ConfigError, match=r"not one \(for a GGUF file: --peer llamacpp\)"):
+        decode.run(args)

@@ -93,6 +93,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _run_llamacpp_peer(args, modes)
     if len(modes) > 1:
         raise ConfigError("several --activations are compared with --peer llamacpp only")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(
+            f"--peer hf compares against transformers, which reads a Hugging Face directory; "
+            f"{args.model} is not one (for a GGUF file: --peer llamacpp)"
+        )
     activations.apply(modes[0])
     try:
         import transformers  # noqa: F401  (a dev dependency)

@@ -407,6 +407,25 @@ def test_generate_holds_less_with_entropy_budgets(
     assert held[f"entropy:{head_calibration}@0.25"] < 0.5 * held["none"]
 
 
+def test_generate_keeps_a_chat_prompt_whole_as_sessions_keep_user_messages(
+    model_dir: Path, head_calibration: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--chat`` makes the prompt a user message, which per-head budgets never cut in a session (a
+    question cut to a quarter per head is lost: Qwen2.5-Coder answered another question): the same text
+    and K/V as without compression, and a line saying why."""
+    from kvos.cli import main
+
+    runs = {}
+    for spec in ("none", f"entropy-inverse:{head_calibration}@0.25"):
+        argv = ["generate", "--model", str(model_dir), "--prompt", "waves and wind " * 20, "--chat"]
+        assert main([*argv, "--max-tokens", "6", "--kv-compression", spec]) == 0
+        runs[spec] = capsys.readouterr()
+    plain, cut = runs["none"], runs[f"entropy-inverse:{head_calibration}@0.25"]
+    assert cut.out == plain.out
+    assert cut.err.split("K/V held ")[1] == plain.err.split("K/V held ")[1]
+    assert "the prompt is a user message, which per-head budgets keep whole" in cut.err
+
+
 def test_served_sessions_hold_more_tokens_per_byte(model_dir: Path, head_calibration: Path) -> None:
     """`kvos serve --kv-compression entropy:FILE` at its own defaults but a small budget: the replies'
     heads keep their budgets, so a saved token takes fewer bytes than in a session without compression,

@@ -58,7 +58,14 @@ def run_generate(args: argparse.Namespace) -> int:
     seq = engine.new_sequence()
     method = parse_compression(getattr(args, "kv_compression", "none"), path)
     seal, fed = None, prompt_ids
-    if method is not None and method.budgets is not None and len(prompt_ids) > 1:
+    budgets = method is not None and method.budgets is not None
+    if budgets and args.chat:
+        print(
+            "[kvos] --chat: the prompt is a user message, which per-head budgets keep whole as sessions do "
+            "(they cut documents and replies; a plain --prompt is a document)",
+            file=sys.stderr,
+        )
+    if method is not None and budgets and not args.chat and len(prompt_ids) > 1:
         # the prompt but its last token compressed once (sparsified, then each head's budget); the
         # generated tokens stay whole (no later prefill observes them)
         compress_prompt(engine, seq, prompt_ids[:-1], method)

@@ -21,6 +21,7 @@ from kvos.model.tokenizer import Tokenizer, find_tokenizer, with_chat_template
 from kvos.policy.budgeted import compress_prompt
 from kvos.policy.compression import parse_compression
 from kvos.policy.sparsify import WindowSealer
+from kvos.session.config import HEAD_BUDGET_KINDS
 
 
 def render_prompt(tokenizer: Tokenizer, prompt: str, chat: bool) -> str:
@@ -58,14 +59,16 @@ def run_generate(args: argparse.Namespace) -> int:
     seq = engine.new_sequence()
     method = parse_compression(getattr(args, "kv_compression", "none"), path)
     seal, fed = None, prompt_ids
-    budgets = method is not None and method.budgets is not None
-    if budgets and args.chat:
+    # the prompt is a chunk of one kind, cut by per-head budgets only where a session would cut it
+    kind = "user" if args.chat else "document"
+    cut = kind in HEAD_BUDGET_KINDS
+    if method is not None and method.budgets is not None and not cut:
         print(
-            "[kvos] --chat: the prompt is a user message, which per-head budgets keep whole as sessions do "
-            "(they cut documents and replies; a plain --prompt is a document)",
+            f"[kvos] --chat: the prompt is a {kind} message, which per-head budgets keep whole as sessions "
+            f"do (they cut {', '.join(HEAD_BUDGET_KINDS)}; a plain --prompt is a document)",
             file=sys.stderr,
         )
-    if method is not None and budgets and not args.chat and len(prompt_ids) > 1:
+    if method is not None and method.budgets is not None and cut and len(prompt_ids) > 1:
         # the prompt but its last token compressed once (sparsified, then each head's budget); the
         # generated tokens stay whole (no later prefill observes them)
         compress_prompt(engine, seq, prompt_ids[:-1], method)

@@ -90,7 +90,7 @@ def parse_spec(spec: str | None) -> CompressionSpec | None:
         return None
     sparse, entropy, calibration, keep, rule = None, False, None, DEFAULT_KEEP, "seed"
     parts = spec.split("+")
-    kinds = [p.partition(":")[0].partition("@")[0].removesuffix("-inverse") for p in parts]
+    kinds = ["entropy" if _entropy_word(p) else p.partition(":")[0].partition("@")[0] for p in parts]
     if len(parts) > 2 or len(set(kinds)) < len(parts):
         raise _unknown(spec)
     for part in parts:
@@ -118,8 +118,7 @@ _ENTROPY = {"seed": "entropy", "inverse": "entropy-inverse"}  # rule -> its word
 
 def _entropy_word(part: str) -> str | None:
     """The budget rule ``part`` of a spec names (``entropy...`` or ``entropy-inverse...``), else None."""
-    for rule in ("inverse", "seed"):
-        word = _ENTROPY[rule]
+    for rule, word in _ENTROPY.items():
         if part.startswith(word) and part[len(word) : len(word) + 1] in ("", ":", "@"):
             return rule
     return None

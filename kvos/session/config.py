@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from kvos.engine.engine import Engine
 
 SignalName = Literal["auto", "learned", "answer", "lexical", "embedding", "attention", "hybrid"]
+# the chunk kinds whose KV heads keep their own budgets under per-head compression (also `kvos generate`'s
+# rule: a plain prompt is a document, cut; a --chat prompt is a user message, kept whole)
+HEAD_BUDGET_KINDS: tuple[str, ...] = ("assistant", "tool", "document")
 
 
 @dataclass
@@ -90,7 +93,7 @@ class SessionConfig:
     store_ram_bytes: int | None = None
     store_disk_dir: Path | None = None
     kv_compression: Compression | None = None
-    head_budget_kinds: tuple[str, ...] = ("assistant", "tool", "document")
+    head_budget_kinds: tuple[str, ...] = HEAD_BUDGET_KINDS
     recurrent_checkpoints: int = 4
 
     def __post_init__(self) -> None:

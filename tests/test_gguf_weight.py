@@ -92,6 +92,9 @@ def test_portable_build_agrees_with_the_simd_build(qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q6_K", "IQ4_XS"])
 def test_prefill_tiles_cover_every_row(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With float32 activations a prefill's product dequantizes tiles of rows (int8 ones take the panels:
+    tests/test_int8_panels.py)."""
+    monkeypatch.setattr(activations, "MODE", "float32")
     monkeypatch.setattr(gguf_weight, "TILE_FLOATS", IN * 7)  # tiles of 7 rows: the last one short
     raw = _raw(qtype, seed=4)
     reference = _reference(raw, qtype)

@@ -38,6 +38,7 @@ OUT, IN = 48, 768  # three K-quant super-blocks a row; 24 groups of 32
 SHAPE = (OUT, IN)
 SMOL = Path("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 TEXT_TOKENS, STEP = 2000, 32  # read 32 tokens a step: the small-product kernels, as a batched decode step
+PREFILL = 512  # or 512 a step: a prefill's products (kvos.model.int8_panels)
 
 
 def _raw(qtype: str, seed: int) -> np.ndarray:
@@ -252,14 +253,15 @@ def _file_and_text(name: str, shared_dir: Path) -> tuple[Path, list[int]]:
     return path, ids
 
 
+@pytest.mark.parametrize("step", [STEP, PREFILL])
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5-coder-0.5b-instruct"])
 def test_int8_activations_agree_with_float32_on_real_models(
-    name: str, shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, step: int, shared_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On 2,000 tokens read 32 at a time (the small-product kernels of a batched decode step): top-1
-    agreement >= 97% and perplexity within 0.5% of the float32-activation path. Measured on SmolLM2: 97.75%
-    and +0.15%, where llama.cpp on the same file agrees with that path on 97.25% at +0.25%
-    (docs/benchmarks.md)."""
+    """On 2,000 tokens read 32 at a time (a batched decode step's products) or 512 (a prefill's panels):
+    top-1 agreement >= 97% and perplexity within 0.5% of the float32-activation path. Measured on SmolLM2:
+    97.75% and +0.15% (32 at a time), where llama.cpp on the same file agrees with that path on 97.25% at
+    +0.25% (docs/benchmarks.md)."""
     path, ids = _file_and_text(name, shared_dir)
     model = load_gguf(path)
     results = {}
@@ -267,8 +269,8 @@ def test_int8_activations_agree_with_float32_on_real_models(
         monkeypatch.setattr(activations, "MODE", mode)
         engine = Engine(model)
         seq, nll, top = engine.new_sequence(), 0.0, []
-        for lo in range(0, len(ids) - 1, STEP):
-            chunk, targets = ids[lo : lo + STEP], torch.tensor(ids[lo + 1 : lo + STEP + 1])
+        for lo in range(0, len(ids) - 1, step):
+            chunk, targets = ids[lo : lo + step], torch.tensor(ids[lo + 1 : lo + step + 1])
             logits = engine.extend(seq, chunk, logits="all")
             logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
             nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())

@@ -1,12 +1,14 @@
-"""How a decode step's activations meet weights kept quantized: as int8 blocks (the default) or as float32.
+"""How activations meet weights kept quantized: as int8 blocks (the default) or as float32.
 
 ``int8``: each row of activations is quantized per 32 values as llama.cpp's Q8_0 (``d = max|x| / 127``,
 ``q = round(x / d)``) and multiplied with the weights' own small integers in integer SIMD (``maddubs`` and
 ``madd`` on AVX2, ``vpdpbusd`` where AVX512-VNNI is present), each group's sum scaled once by both scales:
 what llama.cpp computes for these weights. ``float32``: the weights' integers are widened to float and
-multiplied with the activations as they are (exact products of the dequantized weights, slower). Only the
-products of up to ``SMALL_N`` activation rows (decode, batched decode, short prefill slices) have two modes;
-longer prefills dequantize tiles and call the float32 matmul either way. The output head always takes
+multiplied with the activations as they are (exact products of the dequantized weights, slower); products
+of more than ``SMALL_N`` rows (prefill) dequantize tiles and call the float32 matmul. In the int8 mode a
+prefill's products decode eight weight rows at a time into panels multiplied with every activation row in
+integers (:mod:`kvos.model.int8_panels`; 2-3x the float32 matmul), where the CPU has AVX2 (else the float32
+tiles). The output head always takes
 float32 activations (:func:`kvos.model.linear.logits`): the next token is chosen there, and it is where
 int8 activations changed answers (SmolLM2 Q4_1, as in llama.cpp).
 

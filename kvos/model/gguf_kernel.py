@@ -27,6 +27,7 @@ from typing import Any
 
 from kvos.extensions import build
 from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
+from kvos.model.int8_panels import SOURCE as INT8_PANELS
 
 TYPE_IDS = {
     "Q4_0": 0,
@@ -456,6 +457,7 @@ static inline void tile(const float* x, const float* xsum, int64_t K, const uint
 
 """
     + INT8_BLOCKS
+    + INT8_PANELS
     + r"""
 
 // total[i] = x_i . w_r for the R (<= 4) rows of quantized x (xq int8 [R, K], xd [R, groups], xh
@@ -641,6 +643,58 @@ static void mm_rows_q5_512(const Int8Chunks& xc, int64_t n, int64_t K, const uin
 }
 #endif
 
+#if KVOS_INT8_SIMD
+// How a type's integers enter a panel (kvos/model/int8_panels.py): signed (the sign trick) or shifted by
+// OFFSET into 0..63, and how many runs' 16-bit sums may be added before widening.
+template <int T> struct PanelKind {
+  static constexpr bool SIGNED = false;
+  static constexpr int OFFSET = 0;   // Q4_1, Q4_K, Q5_1, Q5_K, Q2_K: unsigned already
+  static constexpr int ADDS = 4;     // integers < 32
+  static constexpr bool HALVES = false;
+};
+#define PANEL_KIND(T, S, O, A, H)            \
+  template <> struct PanelKind<T> {          \
+    static constexpr bool SIGNED = S;        \
+    static constexpr int OFFSET = O;         \
+    static constexpr int ADDS = A;           \
+    static constexpr bool HALVES = H;        \
+  };
+PANEL_KIND(Q4_0, false, 8, 8, false)
+PANEL_KIND(Q4_1, false, 0, 8, false)
+PANEL_KIND(Q4_K, false, 0, 8, false)
+PANEL_KIND(Q5_0, false, 16, 4, false)
+PANEL_KIND(Q2_K, false, 0, 4, true)
+PANEL_KIND(Q3_K, false, 4, 4, true)
+PANEL_KIND(Q6_K, false, 32, 2, true)
+PANEL_KIND(Q8_0, true, 0, 1, false)
+PANEL_KIND(IQ4_NL, true, 0, 1, false)
+PANEL_KIND(IQ4_XS, true, 0, 1, false)
+
+// out[:, panels p0..p1 (8 weight rows each)] for every row of quantized x: each panel decoded once.
+template <int T>
+static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w, int64_t row_bytes,
+                      float* out, int64_t N, int64_t p0, int64_t p1, bool add) {
+  using P = PanelKind<T>;
+  constexpr int per = static_cast<int>(Layout<T>::VALUES / 32);
+  Panel panel(K / 32);
+  Group G[per];
+  for (int j = 0; j < per; ++j) G[j].m[0] = G[j].m[1] = 0.0f;
+  for (int64_t pi = p0; pi < p1; ++pi) {
+    const int64_t r0 = pi * PANEL;
+    const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - r0));
+    for (int r = 0; r < rows; ++r) {
+      const uint8_t* wr = w + (r0 + r) * row_bytes;
+      for (int64_t g0 = 0; g0 < K / 32; g0 += per) {
+        decode_block<T>(wr + (g0 / per) * Layout<T>::BYTES, G);
+        for (int j = 0; j < per; ++j) panel.set(r, g0 + j, G[j].q, G[j].s, G[j].m);
+      }
+    }
+    panel.finish(rows, P::OFFSET);
+    panel_product<P::SIGNED, P::ADDS, P::HALVES, !P::SIGNED>(panel, xi, n, K, out, N, r0, rows, add);
+  }
+}
+#endif
+
 // out[:, r0:r1] for every row of quantized x, four rows of x at a time.
 template <int T>
 static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64_t n, int64_t K,
@@ -749,9 +803,13 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c
   return out;
 }
 
+enum Path { AUTO, TILES, PANELS };
+constexpr int64_t PANEL_MIN_ROWS = 16;  // activation rows from which AUTO decodes panels (measured)
+
 // As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp
-// computes for these weights.
-torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c) {
+// computes for these weights. TILES: each weight row against four activation rows at a time (a decode
+// step); PANELS: eight weight rows decoded once against every activation row (a prefill).
+static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c, Path path) {
   const int64_t n = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "w must be contiguous uint8");
@@ -765,6 +823,14 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tenso
   const Int8Rows xi(x.data_ptr<float>(), n, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+#if KVOS_INT8_SIMD
+  if (path == PANELS || (path == AUTO && n >= PANEL_MIN_ROWS)) {
+    at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {
+      KVOS_DISPATCH(type, mm_panels<T>(xi, n, K, wp, rb, op, N, p0, p1, add));
+    });
+    return out;
+  }
+#endif
 #if KVOS_VNNI512
   if (type == Q5_0 || type == Q5_1) {
     const Int8Chunks xc(xi, n, K / 32);
@@ -788,6 +854,19 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tenso
   return out;
 }
 
+torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c) {
+  return product_i8(x, w, type, c, AUTO);
+}
+
+// mm_i8 by one path (where the CPU has the integer SIMD for panels; tests and benchmarks).
+torch::Tensor mm_i8_tiles(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c) {
+  return product_i8(x, w, type, c, TILES);
+}
+
+torch::Tensor mm_i8_panels(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c) {
+  return product_i8(x, w, type, c, PANELS);
+}
+
 // The rows of w as float32 [N, K].
 torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "w must be contiguous uint8");
@@ -806,8 +885,8 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
 """
 )
 
-FUNCTIONS = ["mm", "mm_i8", "dequantize"]
-NAME = "kvos_gguf_v3"  # the build's name (and its cache directory's)
+FUNCTIONS = ["mm", "mm_i8", "mm_i8_tiles", "mm_i8_panels", "has_panels", "dequantize"]
+NAME = "kvos_gguf_v4"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -819,7 +898,7 @@ def kernel() -> Any | None:
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA/F16C), for tests."""
-    return build("kvos_gguf_portable_v3", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
+    return build("kvos_gguf_portable_v4", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
 
 
 @functools.cache
@@ -827,4 +906,4 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_gguf_avx2_v3", _SOURCE, FUNCTIONS, flags, "gguf.quants")
+    return build("kvos_gguf_avx2_v4", _SOURCE, FUNCTIONS, flags, "gguf.quants")

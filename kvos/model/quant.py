@@ -11,9 +11,10 @@ Every kept type is one of two layouts, in groups of 32 consecutive inputs of one
 The scales and mins are products of a float16 and at most a 6-bit integer, exact in float32, and so is
 scale * q: the dequantized values are bit-identical to ``gguf.quants.dequantize``. Rows of the same layout
 concatenate (fused q/k/v and gate/up projections). A matmul with up to ``SMALL_N`` activation rows (a
-decode step, batched or not) runs from the packed bytes (:mod:`kvos.model.quant_kernel`); more rows
-(prefill) dequantize a tile of at most
-``TILE_FLOATS`` weights at a time and call the float32 matmul, so no float copy of a matrix is ever kept.
+decode step, batched or not) runs from the packed bytes (:mod:`kvos.model.quant_kernel`), and so does a
+prefill's with int8 activations (panels of eight rows, :mod:`kvos.model.int8_panels`); with float32
+activations (or no AVX2) more rows dequantize a tile of at most ``TILE_FLOATS`` weights at a time and call
+the float32 matmul, so no float copy of a matrix is ever kept.
 """
 
 from __future__ import annotations
@@ -134,10 +135,11 @@ class QuantizedWeight:
         None: the mode in force)."""
         xf = x.float().contiguous()
         product = self.kernel_product()
-        if product is not None and xf.shape[0] <= SMALL_N:
+        int8 = activations.int8() if int8 is None else int8
+        if product is not None and (xf.shape[0] <= SMALL_N or (int8 and _has_panels())):
             fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
             add = c.contiguous() if fused and c is not None else _EMPTY
-            out = product(xf, add, activations.int8() if int8 is None else int8)
+            out = product(xf, add, int8)
             if c is not None and not fused:
                 out += c
         else:
@@ -214,3 +216,9 @@ def _from_q4_k(blocks: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tenso
     values = (chunks & 0x0F).reshape(rows, -1, GROUP)
     q = values[..., :16] | (values[..., 16:] << 4)
     return _tensor(q, rows), _tensor(scale, rows), _tensor(mins, rows)
+
+
+def _has_panels() -> bool:
+    """Whether the kernel has the int8 panel product for prefills (AVX2; see kvos.model.int8_panels)."""
+    k = kernel()
+    return k is not None and bool(k.has_panels())

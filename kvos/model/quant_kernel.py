@@ -27,12 +27,14 @@ from typing import Any
 
 from kvos.extensions import build
 from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
+from kvos.model.int8_panels import SOURCE as INT8_PANELS
 
 _SOURCE = (
     r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <cstring>
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -223,6 +225,7 @@ static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, con
 
 """
     + INT8_BLOCKS
+    + INT8_PANELS
     + r"""
 
 #if KVOS_INT8_SIMD
@@ -390,6 +393,42 @@ static void mm_rows_512(const Int8Rows& xi, const Int8Chunks* xc, int64_t n, int
 }
 #endif
 
+#if KVOS_INT8_SIMD
+// out[:, panels p0..p1 (8 weight rows each)] for every row of quantized x (kvos/model/int8_panels.py):
+// 4-bit groups enter as their nibbles 0..15 with the min, 8-bit ones signed.
+template <bool Q4>
+static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w, const float* scale,
+                      const float* mins, float* out, int64_t N, int64_t p0, int64_t p1, bool add) {
+  const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
+  Panel panel(groups);
+  int8_t v[GROUP];
+  for (int64_t pi = p0; pi < p1; ++pi) {
+    const int64_t r0 = pi * PANEL;
+    const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - r0));
+    for (int r = 0; r < rows; ++r) {
+      const uint8_t* wr = w + (r0 + r) * row_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float sh[2] = {scale[(r0 + r) * groups + g], scale[(r0 + r) * groups + g]};
+        const float m = Q4 ? mins[(r0 + r) * groups + g] : 0.0f;
+        const float mh[2] = {m, m};
+        if (Q4) {
+          for (int l = 0; l < 16; ++l) {
+            v[l] = static_cast<int8_t>(wr[g * 16 + l] & 0x0F);
+            v[l + 16] = static_cast<int8_t>(wr[g * 16 + l] >> 4);
+          }
+          panel.set(r, g, v, sh, mh);
+        } else {
+          panel.set(r, g, reinterpret_cast<const int8_t*>(wr + g * GROUP), sh, mh);
+        }
+      }
+    }
+    panel.finish(rows, 0);
+    if (Q4) panel_product<false, 8, false, true>(panel, xi, n, K, out, N, r0, rows, add);
+    else panel_product<true, 1, false, false>(panel, xi, n, K, out, N, r0, rows, add);
+  }
+}
+#endif
+
 // out[:, r0:r1] from quantized x, four rows of x at a time.
 template <bool Q4>
 static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64_t n, int64_t K,
@@ -403,10 +442,15 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64
   });
 }
 
+enum Path { AUTO, TILES, PANELS };
+constexpr int64_t PANEL_MIN_ROWS = 16;  // activation rows from which AUTO decodes panels (measured)
+
 // As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp
-// computes for these weights. c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32.
-torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
-                    torch::Tensor c) {
+// computes for these weights. c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32. TILES: each
+// weight row against four activation rows at a time (a decode step); PANELS: eight weight rows laid out
+// once against every activation row (a prefill).
+static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins,
+                                bool q4, torch::Tensor c, Path path) {
   const int64_t n = x.size(0), K = x.size(1), N = scale.size(0), groups = K / GROUP;
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
   TORCH_CHECK(K % GROUP == 0 && scale.size(1) == groups, "x's columns do not match the weight");
@@ -419,6 +463,15 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch
   const float* scp = scale.data_ptr<float>();
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+#if KVOS_INT8_SIMD
+  if (path == PANELS || (path == AUTO && n >= PANEL_MIN_ROWS)) {
+    at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {
+      if (q4) mm_panels<true>(xi, n, K, wp, scp, mp, op, N, p0, p1, add);
+      else mm_panels<false>(xi, n, K, wp, scp, mp, op, N, p0, p1, add);
+    });
+    return out;
+  }
+#endif
 #if KVOS_VNNI512
   const std::unique_ptr<Int8Chunks> xc = q4 ? std::make_unique<Int8Chunks>(xi, n, groups) : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
@@ -432,6 +485,22 @@ torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch
   });
 #endif
   return out;
+}
+
+torch::Tensor mm_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
+                    torch::Tensor c) {
+  return product_i8(x, w, scale, mins, q4, c, AUTO);
+}
+
+// mm_i8 by one path (where the CPU has the integer SIMD for panels; tests and benchmarks).
+torch::Tensor mm_i8_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
+                          torch::Tensor c) {
+  return product_i8(x, w, scale, mins, q4, c, TILES);
+}
+
+torch::Tensor mm_i8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
+                           torch::Tensor c) {
+  return product_i8(x, w, scale, mins, q4, c, PANELS);
 }
 
 // The activations' int8 blocks as mm_i8 makes them: (q int8 [n, K], d float32 [n, K / 32]).
@@ -504,8 +573,8 @@ torch::Tensor dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor min
 """
 )
 
-FUNCTIONS = ["mm", "mm_i8", "quantize_activations", "dequantize"]
-NAME = "kvos_quant_v4"  # the build's name (and its cache directory's)
+FUNCTIONS = ["mm", "mm_i8", "mm_i8_tiles", "mm_i8_panels", "has_panels", "quantize_activations", "dequantize"]
+NAME = "kvos_quant_v5"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -519,10 +588,10 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_quant_avx2_v4", _SOURCE, FUNCTIONS, flags, "torch ops")
+    return build("kvos_quant_avx2_v5", _SOURCE, FUNCTIONS, flags, "torch ops")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
-    return build("kvos_quant_portable_v4", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")
+    return build("kvos_quant_portable_v5", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

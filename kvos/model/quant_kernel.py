@@ -411,11 +411,11 @@ static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w
         const float sh[2] = {scale[(r0 + r) * groups + g], scale[(r0 + r) * groups + g]};
         const float m = Q4 ? mins[(r0 + r) * groups + g] : 0.0f;
         const float mh[2] = {m, m};
-        if (Q4) {
-          for (int l = 0; l < 16; ++l) {
-            v[l] = static_cast<int8_t>(wr[g * 16 + l] & 0x0F);
-            v[l + 16] = static_cast<int8_t>(wr[g * 16 + l] >> 4);
-          }
+        if (Q4) {  // elements 0-15 in the low nibbles, 16-31 in the high ones
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16));
+          const __m128i low = _mm_set1_epi8(0x0F);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(v), _mm_and_si128(b, low));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(v + 16), _mm_and_si128(_mm_srli_epi16(b, 4), low));
           panel.set(r, g, v, sh, mh);
         } else {
           panel.set(r, g, reinterpret_cast<const int8_t*>(wr + g * GROUP), sh, mh);

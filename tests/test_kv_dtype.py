@@ -146,7 +146,7 @@ def test_the_kernels_and_the_eager_path_agree_on_a_float16_pool(
     slow = run()
     # Per-head query/key norms (Gemma 3, Qwen3): the kernel's norms differ from the eager ones by 1-2 float32
     # ulp, which moves a few keys one float16 step; Gemma's sandwich norms carry that to 4e-5 of the logits,
-    # the mixture's routing to 1.3e-5 (AMD Zen 3), Qwen3 to 7e-6 (every other architecture: below 4e-6)
+    # the mixture's routing to 1.3e-5 (AMD Zen 5), Qwen3 to 7e-6 (every other architecture: below 4e-6)
     tolerance = 1e-4 if model_path.name.startswith(("gemma3", "qwen3")) else 1e-5
     assert (fast - slow).abs().max().item() < tolerance
 

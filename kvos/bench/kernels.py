@@ -9,8 +9,9 @@ not from a warm cache. Contenders:
 - ``dense_f32``: the float32 matmul on the dequantized weights (kvos's ``--dtype float32`` path);
 - ``dequant_mm``: dequantize the whole Q4_1 matrix with torch ops, then the float32 matmul;
 - ``kvos_q4`` / ``kvos_q8``: :class:`QuantizedWeight` (Q4_1 / Q8_0): the packed-bytes kernel with float32
-  activations for n <= ``SMALL_N``, float32 tiles + matmul above; ``kvos_q4_i8`` / ``kvos_q8_i8``: the same
-  with the activations quantized to int8 blocks and integer products (:mod:`kvos.model.activations`);
+  activations for n <= ``SMALL_N``, float32 tiles + matmul above; ``kvos_q4_i8`` / ``kvos_q8_i8``: the
+  activations quantized to int8 blocks and integer products (:mod:`kvos.model.activations`), by the tiles
+  below 16 rows and the panels from 16 (:mod:`kvos.model.int8_panels`);
 - ``torch_int4pack``: ``_weight_int4pack_mm_for_cpu`` with Q4_1 mapped exactly (scale d, zero m + 8d);
 - ``torch_int8pack``: ``_weight_int8pack_mm``, Q8_0 re-quantized per output channel (lossy).
 

@@ -676,12 +676,9 @@ static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w
                       float* out, int64_t N, int64_t p0, int64_t p1, bool add) {
   using P = PanelKind<T>;
   constexpr int per = static_cast<int>(Layout<T>::VALUES / 32);
-  Panel panel(K / 32);
   Group G[per];
   for (int j = 0; j < per; ++j) G[j].m[0] = G[j].m[1] = 0.0f;
-  for (int64_t pi = p0; pi < p1; ++pi) {
-    const int64_t r0 = pi * PANEL;
-    const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - r0));
+  auto fill = [&](Panel& panel, int64_t r0, int rows) {
     for (int r = 0; r < rows; ++r) {
       const uint8_t* wr = w + (r0 + r) * row_bytes;
       for (int64_t g0 = 0; g0 < K / 32; g0 += per) {
@@ -690,8 +687,8 @@ static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w
       }
     }
     panel.finish(rows, P::OFFSET);
-    panel_product<P::SIGNED, P::ADDS, P::HALVES, !P::SIGNED>(panel, xi, n, K, out, N, r0, rows, add);
-  }
+  };
+  panels_product<P::SIGNED, P::ADDS, P::HALVES, !P::SIGNED>(xi, n, K, out, N, p0, p1, add, fill);
 }
 #endif
 

@@ -17,10 +17,10 @@ The weights' integers enter ``maddubs`` as its unsigned operand. Types whose int
 (:mod:`kvos.model.int8_blocks`' ``h``), as in the few-row kernels. The sums are exact: 16-bit partial sums are
 widened before they can overflow (after 4 runs of 4 values for integers < 32, 2 for < 64, 1 for signed).
 
-``SOURCE`` defines ``Panel`` (the decoded rows: ``put`` fills one row's group), ``panel_product`` (the panel
-against every activation row) and, for the kernels that include it after :mod:`kvos.model.int8_blocks`,
-needs ``KVOS_INT8_SIMD``; :mod:`kvos.model.quant_kernel` and :mod:`kvos.model.gguf_kernel` fill panels from
-their own layouts.
+``SOURCE`` defines ``has_panels`` and, where the including kernel defines ``KVOS_INT8_SIMD`` (after
+:mod:`kvos.model.int8_blocks`), ``Panel`` (eight decoded rows: ``set`` fills one row's group, ``finish`` lays
+them out) and ``panels_product`` (panels filled by the caller against every activation row);
+:mod:`kvos.model.quant_kernel` and :mod:`kvos.model.gguf_kernel` fill panels from their own layouts.
 """
 
 SOURCE = r"""
@@ -36,7 +36,7 @@ bool has_panels() {
 #if KVOS_INT8_SIMD
 constexpr int PANEL = 8;  // weight rows a panel
 
-// Eight weight rows of K values decoded for panel_product: q [groups][8 runs][8 rows][4] (each run's four
+// Eight weight rows of K values decoded for panels_product: q [groups][8 runs][8 rows][4] (each run's four
 // values of the eight rows side by side), s and m [groups][2 halves][8 rows] (scale and min of each half).
 // Filled a row at a time (set: the row's groups as decoded, w = s_h * v + m_h in half h), then laid out
 // (finish). Rows not set are zero.
@@ -163,13 +163,23 @@ static inline void panel_rows(const Panel& p, const Int8Rows& xi, int64_t i0, in
   }
 }
 
-// The panel (weight rows r0..r0 + rows) against all n rows of xi, four activation rows at a time.
-template <bool SIGNED, int ADDS, bool HALVES, bool MIN>
-static void panel_product(const Panel& p, const Int8Rows& xi, int64_t n, int64_t K, float* out, int64_t N,
-                          int64_t r0, int rows, bool add) {
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) panel_rows<SIGNED, ADDS, HALVES, MIN, 4>(p, xi, i, K, out, N, r0, rows, add);
-  for (; i < n; ++i) panel_rows<SIGNED, ADDS, HALVES, MIN, 1>(p, xi, i, K, out, N, r0, rows, add);
+// Panels p0..p1 of the N weight rows against every row of xi: fill(panel, r0, rows) decodes weight rows
+// r0..r0 + rows into the panel (set, then finish), then every activation row passes over it, four at a time.
+// (Two panels a pass, so that four activation rows of a long row are read once for both: slower on an AMD
+// Zen 5, whose 1 MB L2 holds a prefill's activations anyway.)
+template <bool SIGNED, int ADDS, bool HALVES, bool MIN, typename Fill>
+static void panels_product(const Int8Rows& xi, int64_t n, int64_t K, float* out, int64_t N, int64_t p0,
+                           int64_t p1, bool add, Fill&& fill) {
+  Panel panel(K / 32);
+  for (int64_t pi = p0; pi < p1; ++pi) {
+    const int64_t r0 = pi * PANEL;
+    const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - r0));
+    fill(panel, r0, rows);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+      panel_rows<SIGNED, ADDS, HALVES, MIN, 4>(panel, xi, i, K, out, N, r0, rows, add);
+    for (; i < n; ++i) panel_rows<SIGNED, ADDS, HALVES, MIN, 1>(panel, xi, i, K, out, N, r0, rows, add);
+  }
 }
 #endif
 """

@@ -406,11 +406,8 @@ template <bool Q4>
 static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w, const float* scale,
                       const float* mins, float* out, int64_t N, int64_t p0, int64_t p1, bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  Panel panel(groups);
   int8_t v[GROUP];
-  for (int64_t pi = p0; pi < p1; ++pi) {
-    const int64_t r0 = pi * PANEL;
-    const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - r0));
+  auto fill = [&](Panel& panel, int64_t r0, int rows) {
     for (int r = 0; r < rows; ++r) {
       const uint8_t* wr = w + (r0 + r) * row_bytes;
       for (int64_t g = 0; g < groups; ++g) {
@@ -429,9 +426,9 @@ static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w
       }
     }
     panel.finish(rows, 0);
-    if (Q4) panel_product<false, 8, false, true>(panel, xi, n, K, out, N, r0, rows, add);
-    else panel_product<true, 1, false, false>(panel, xi, n, K, out, N, r0, rows, add);
-  }
+  };
+  if (Q4) panels_product<false, 8, false, true>(xi, n, K, out, N, p0, p1, add, fill);
+  else panels_product<true, 1, false, false>(xi, n, K, out, N, p0, p1, add, fill);
 }
 #endif
 

@@ -648,7 +648,7 @@ static void mm_rows_q5_512(const Int8Chunks& xc, int64_t n, int64_t K, const uin
 // OFFSET into 0..63, and how many runs' 16-bit sums may be added before widening.
 template <int T> struct PanelKind {
   static constexpr bool SIGNED = false;
-  static constexpr int OFFSET = 0;   // Q4_1, Q4_K, Q5_1, Q5_K, Q2_K: unsigned already
+  static constexpr int OFFSET = 0;   // Q5_1, Q5_K: unsigned already
   static constexpr int ADDS = 4;     // integers < 32
   static constexpr bool HALVES = false;
 };
@@ -800,12 +800,8 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c
   return out;
 }
 
-enum Path { AUTO, TILES, PANELS };
-constexpr int64_t PANEL_MIN_ROWS = 16;  // activation rows from which AUTO decodes panels (measured)
-
 // As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp
-// computes for these weights. TILES: each weight row against four activation rows at a time (a decode
-// step); PANELS: eight weight rows decoded once against every activation row (a prefill).
+// computes for these weights, by the tiles or the panels (Path, kvos/model/int8_panels.py).
 static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor c, Path path) {
   const int64_t n = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
@@ -821,7 +817,7 @@ static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, int64_t type, 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
 #if KVOS_INT8_SIMD
-  if (path == PANELS || (path == AUTO && n >= PANEL_MIN_ROWS)) {
+  if (takes_panels(path, n)) {
     at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {
       KVOS_DISPATCH(type, mm_panels<T>(xi, n, K, wp, rb, op, N, p0, p1, add));
     });

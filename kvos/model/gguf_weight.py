@@ -1,12 +1,12 @@
 """Weight matrices kept in their GGUF file's own blocks (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL, ...).
 
 A :class:`GGUFWeight` holds the file's bytes, one row of blocks per output: it takes the file's size in memory
-and no more. A matmul of up to ``SMALL_N`` activation rows (a decode step) runs from those bytes
-(:mod:`kvos.model.gguf_kernel`), and so does a prefill's with int8 activations (panels of eight decoded
-rows, :mod:`kvos.model.int8_panels`); with float32 activations (or no AVX2) more rows dequantize a tile of
-at most ``TILE_FLOATS`` weights at a time and call the float32 matmul, so no float copy of a matrix is ever
-kept. The kernel's dequantization is bit-identical to ``gguf.quants.dequantize``, which is also the fallback
-when no kernel can be built.
+and no more. The block kernel (:mod:`kvos.model.gguf_kernel`) multiplies up to ``SMALL_N`` activation rows (a
+decode step) from those bytes, and any number with int8 activations (panels of eight decoded rows,
+:mod:`kvos.model.int8_panels`; :func:`kvos.model.quant.kernel_takes` is the rule); with float32 activations
+(or no AVX2) more rows dequantize a tile of at most ``TILE_FLOATS`` weights at a time and call the float32
+matmul, so no float copy of a matrix is ever kept. The kernel's dequantization is bit-identical to
+``gguf.quants.dequantize``, which is also the fallback when no kernel can be built.
 
 Rows of one type concatenate (fused projections); projections of different types are kept side by side by
 :class:`RowStack`, each read in its own type.
@@ -24,9 +24,8 @@ import torch
 from kvos.errors import ModelLoadError
 from kvos.model import activations
 from kvos.model.gguf_kernel import TYPE_IDS, kernel
-from kvos.model.quant import KernelProduct
+from kvos.model.quant import KernelProduct, kernel_takes
 
-SMALL_N = 32  # activation rows up to which the block kernel runs in both modes; more: panels (int8) or tiles
 TILE_FLOATS = 1 << 20  # weights dequantized at once on the prefill path (4 MiB of float32)
 _EMPTY = torch.empty(0)
 
@@ -109,7 +108,7 @@ class GGUFWeight:
         xf = x.float().contiguous()
         product = self.kernel_product()
         int8 = activations.int8() if int8 is None else int8
-        if product is not None and (xf.shape[0] <= SMALL_N or (int8 and _has_panels())):
+        if product is not None and kernel_takes(kernel(), xf.shape[0], int8):
             fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
             add = c.contiguous() if fused and c is not None else _EMPTY
             out = product(xf, add, int8)
@@ -149,9 +148,3 @@ class GGUFWeight:
             return k.dequantize(raw.contiguous(), TYPE_IDS[self.qtype], self.cols)
         values = gguf.quants.dequantize(raw.cpu().numpy(), gguf.GGMLQuantizationType[self.qtype])
         return torch.from_numpy(values.astype(np.float32, copy=False)).to(raw.device)
-
-
-def _has_panels() -> bool:
-    """Whether the kernel has the int8 panel product for prefills (AVX2; see kvos.model.int8_panels)."""
-    k = kernel()
-    return k is not None and bool(k.has_panels())

@@ -15,12 +15,14 @@ The weights' integers enter ``maddubs`` as its unsigned operand. Types whose int
 (``w = s * (q + off) + (m - off * s)``); Q8_0 and the IQ4 types keep their signs and take the sign trick
 (``|w|`` against ``x`` with ``w``'s sign). Mins multiply the half-groups' activation sums
 (:mod:`kvos.model.int8_blocks`' ``h``), as in the few-row kernels. The sums are exact: 16-bit partial sums are
-widened before they can overflow (after 4 runs of 4 values for integers < 32, 2 for < 64, 1 for signed).
+widened before they can overflow (after 8 runs of 4 values for integers < 16, 4 for < 32, 2 for < 64, 1 for
+signed).
 
-``SOURCE`` defines ``has_panels`` and, where the including kernel defines ``KVOS_INT8_SIMD`` (after
-:mod:`kvos.model.int8_blocks`), ``Panel`` (eight decoded rows: ``set`` fills one row's group, ``finish`` lays
-them out) and ``panels_product`` (panels filled by the caller against every activation row);
-:mod:`kvos.model.quant_kernel` and :mod:`kvos.model.gguf_kernel` fill panels from their own layouts.
+``SOURCE`` defines ``has_panels``, ``Path`` and ``takes_panels`` (which path a product of n rows takes) and,
+where the including kernel defines ``KVOS_INT8_SIMD`` (after :mod:`kvos.model.int8_blocks`), ``Panel``
+(eight decoded rows: ``set`` fills one row's group, ``finish`` lays them out) and ``panels_product`` (panels
+filled by the caller against every activation row); :mod:`kvos.model.quant_kernel` and
+:mod:`kvos.model.gguf_kernel` fill panels from their own layouts.
 """
 
 SOURCE = r"""
@@ -31,6 +33,15 @@ bool has_panels() {
 #else
   return false;
 #endif
+}
+
+// How mm_i8 multiplies: AUTO chooses; TILES: each weight row against four activation rows at a time (a
+// decode step); PANELS: eight weight rows decoded once against every activation row (a prefill).
+enum Path { AUTO, TILES, PANELS };
+constexpr int64_t PANEL_MIN_ROWS = 16;  // from 16 rows the panels matched the tiles for every type measured
+
+static inline bool takes_panels(Path path, int64_t n) {
+  return has_panels() && (path == PANELS || (path == AUTO && n >= PANEL_MIN_ROWS));
 }
 
 #if KVOS_INT8_SIMD

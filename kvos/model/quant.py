@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,7 +137,7 @@ class QuantizedWeight:
         xf = x.float().contiguous()
         product = self.kernel_product()
         int8 = activations.int8() if int8 is None else int8
-        if product is not None and (xf.shape[0] <= SMALL_N or (int8 and _has_panels())):
+        if product is not None and kernel_takes(kernel(), xf.shape[0], int8):
             fused = c is not None and c.dtype == torch.float32 and c.shape == (xf.shape[0], self.shape[0])
             add = c.contiguous() if fused and c is not None else _EMPTY
             out = product(xf, add, int8)
@@ -218,7 +219,8 @@ def _from_q4_k(blocks: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tenso
     return _tensor(q, rows), _tensor(scale, rows), _tensor(mins, rows)
 
 
-def _has_panels() -> bool:
-    """Whether the kernel has the int8 panel product for prefills (AVX2; see kvos.model.int8_panels)."""
-    k = kernel()
-    return k is not None and bool(k.has_panels())
+def kernel_takes(k: Any, rows: int, int8: bool) -> bool:
+    """Whether a product of ``rows`` activation rows runs in kernel ``k`` (a quantized-weight extension, or
+    None): up to ``SMALL_N`` rows in either mode, any number with int8 activations where ``k`` has the
+    panel product (:mod:`kvos.model.int8_panels`); else the float32 tiles."""
+    return k is not None and (rows <= SMALL_N or (int8 and bool(k.has_panels())))

@@ -347,12 +347,13 @@ static inline void tile_q4_512(const Int8Chunks& xc, int64_t i0, int64_t groups,
   }
 }
 
-// total[i] = x_i . w_r for T rows of x (Int8Rows: q [n, K], d [n, groups]), w_r an 8-bit row: two groups
-// (64 bytes) an iteration, |w| against x with w's sign, the tail masked.
-static inline __m128 two(const float* p, bool pair) {  // p[0], p[1] if pair (else 0), 0, 0
+// p[0] and p[1] if pair (else p[0] and 0), then zeros.
+static inline __m128 two(const float* p, bool pair) {
   return pair ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))) : _mm_load_ss(p);
 }
 
+// total[i] = x_i . w_r for T rows of x (Int8Rows: q [n, K], d [n, groups]), w_r an 8-bit row: two groups
+// (64 bytes) an iteration, |w| against x with w's sign, the tail masked.
 template <int T>
 static inline void tile_q8_512(const Int8Rows& xi, int64_t i0, int64_t groups, const uint8_t* wr,
                                const float* sr, float* total) {
@@ -445,13 +446,9 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64
   });
 }
 
-enum Path { AUTO, TILES, PANELS };
-constexpr int64_t PANEL_MIN_ROWS = 16;  // activation rows from which AUTO decodes panels (measured)
-
 // As mm, with x quantized to int8 blocks first (quantize_blocks) and integer products: what llama.cpp
-// computes for these weights. c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32. TILES: each
-// weight row against four activation rows at a time (a decode step); PANELS: eight weight rows laid out
-// once against every activation row (a prefill).
+// computes for these weights, by the tiles or the panels (Path, kvos/model/int8_panels.py). c [n, N] (or
+// empty) + x [n, K] float32 @ w.T -> [n, N] float32.
 static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins,
                                 bool q4, torch::Tensor c, Path path) {
   const int64_t n = x.size(0), K = x.size(1), N = scale.size(0), groups = K / GROUP;
@@ -467,7 +464,7 @@ static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, torch::Tensor 
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
 #if KVOS_INT8_SIMD
-  if (path == PANELS || (path == AUTO && n >= PANEL_MIN_ROWS)) {
+  if (takes_panels(path, n)) {
     at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {
       if (q4) mm_panels<true>(xi, n, K, wp, scp, mp, op, N, p0, p1, add);
       else mm_panels<false>(xi, n, K, wp, scp, mp, op, N, p0, p1, add);

@@ -55,7 +55,7 @@ def quantized(x: torch.Tensor) -> torch.Tensor:
     kernels' order: d = max|x| / 127 per 32 values, q = round(x * (1 / d)) (ties to even), x_q = d * q."""
     blocks = x.reshape(x.shape[0], -1, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    inv = torch.where((d > 0) & (1.0 / d).isfinite(), 1.0 / d, torch.zeros_like(d))  # subnormal d: q = 0
     return (torch.round(blocks * inv) * d).reshape(x.shape)
 
 
@@ -89,22 +89,31 @@ def int8(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(activations, "MODE", "int8")
 
 
-def test_the_activations_quantize_as_llama_cpps_q8_0() -> None:
-    """The kernels' int8 blocks are bit for bit the torch emulation: scales, values, ties to even, a zero
-    block, a block whose maximum is negative."""
-    k = quant_kernel.kernel()
-    if k is None:
-        pytest.skip("the kernels cannot be built here (no C++ compiler?)")
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
+def test_the_activations_quantize_as_llama_cpps_q8_0(build: tuple[Any, Any]) -> None:
+    """Every build's int8 blocks (the 512-bit, AVX2 and portable ones) are bit for bit the torch emulation:
+    scales, values, ties to even, a zero block, a block whose maximum is negative, subnormal values, a
+    block's maximum in either half; a NaN or an infinity makes its block's scale NaN and its values 0."""
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(0)) * 3
     x[1, :32] = 0.0
     x[2, 32:64] = -x[2, 32:64].abs()
     x[3, 0], x[3, 1] = 127.0, 0.5  # 0.5 * (127 / 127) = 0.5: a tie, to 0
-    x[3, 2] = 1.5
-    q, d = k.quantize_activations(x)
-    assert q.dtype == torch.int8 and d.shape == (5, 3)
-    assert torch.equal(d, x.reshape(5, 3, 32).abs().amax(-1) / 127.0)
-    assert torch.equal((q.float().reshape(5, 3, 32) * d.unsqueeze(-1)).reshape(5, 96), quantized(x))
-    assert q[3, 1] == 0 and q[3, 2] == 2 and q[3, 0] == 127 and bool((q[1, :32] == 0).all())
+    x[3, 2], x[3, 3] = 1.5, -2.5  # ties to even: 2 and -2
+    x[3, 40] = -1e3  # the block's maximum in its second half, negative
+    x[4, 64:96] = torch.linspace(-1e-39, 1e-39, 32)  # subnormal: a scale whose inverse overflows, q = 0
+    x[5, 5], x[5, 70] = float("nan"), float("-inf")
+    x[6, 31] = float("inf")
+    q, d = build[0].quantize_activations(x)
+    assert q.dtype == torch.int8 and d.shape == (7, 3)
+    blocks = x.reshape(7, 3, 32)
+    finite = blocks.isfinite().all(-1)
+    expected_d = torch.where(finite, blocks.abs().amax(-1) / 127.0, torch.full_like(d, float("nan")))
+    assert torch.equal(d.isnan(), ~finite) and torch.equal(d[finite], expected_d[finite])
+    assert bool((q.reshape(7, 3, 32)[~finite] == 0).all())
+    rows = finite.all(-1)
+    got = (q.float().reshape(7, 3, 32) * d.unsqueeze(-1)).reshape(7, 96)
+    assert torch.equal(got[rows], quantized(x[rows]))
+    assert q[3, 1] == 0 and q[3, 2] == 2 and q[3, 3] == -2 and q[3, 0] == 127 and q[3, 40] == -127
+    assert bool((q[1, :32] == 0).all()) and bool((q[4, 64:] == 0).all())
     assert int(q.abs().max()) <= 127
 
 

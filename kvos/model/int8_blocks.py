@@ -12,6 +12,7 @@ so both quantize activations the same way.
 """
 
 SOURCE = r"""
+#include <limits>
 #include <type_traits>
 #if KVOS_INT8_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVOS_VNNI 1  // one instruction for the four-byte dot products
@@ -20,9 +21,79 @@ SOURCE = r"""
 #define KVOS_VNNI512 1  // 64-byte tiles: four 4-bit groups (two 8-bit ones) an instruction
 #endif
 
+// One block's scale from its largest magnitude, and the factor its values are multiplied by: a NaN or an
+// infinity in the block (finite false) makes the scale NaN and the factor 0.
+static inline float block_scale(float amax, bool finite, float& inv) {
+  const float scale = finite ? amax / 127.0f : std::nanf("");
+  inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
+  return scale;
+}
+
+#if KVOS_INT8_SIMD && defined(__AVX512F__) && defined(__AVX512BW__)
+// One block with two 16-float vectors: the scalar loop's values bit for bit (the same product x * inv,
+// rounded to nearest even by the conversion, as nearbyint rounds in the default mode).
+static inline void quantize_block(const float* xb, int8_t* q, float* d, float* hsum) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const bool finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) ==
+                      0xFFFF;  // a NaN compares false too
+  float inv;
+  const float scale = block_scale(finite ? _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) : 0.0f, finite, inv);
+  const __m512 f = _mm512_set1_ps(inv);
+  const __mmask16 keep = finite ? 0xFFFF : 0;  // (inf * 0 is NaN, whose conversion is not 0)
+  const __m512i v0 = _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(x0, f));
+  const __m512i v1 = _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(x1, f));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(v0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(v1));
+  *d = scale;
+  hsum[0] = scale * static_cast<float>(_mm512_reduce_add_epi32(v0));
+  hsum[1] = scale * static_cast<float>(_mm512_reduce_add_epi32(v1));
+}
+#elif KVOS_INT8_SIMD
+// As above with four 8-float vectors (AVX2).
+static inline void quantize_block(const float* xb, int8_t* q, float* d, float* hsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 x[4], top = _mm256_setzero_ps();
+  int finite_lanes = 0xFF;
+  for (int j = 0; j < 4; ++j) {
+    x[j] = _mm256_loadu_ps(xb + 8 * j);
+    const __m256 a = _mm256_andnot_ps(sign, x[j]);
+    finite_lanes &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+    top = _mm256_max_ps(top, a);
+  }
+  const bool finite = finite_lanes == 0xFF;
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  float inv;
+  const float scale = block_scale(finite ? _mm_cvtss_f32(m) : 0.0f, finite, inv);
+  const __m256 f = _mm256_set1_ps(inv);
+  const __m256i keep = _mm256_set1_epi32(finite ? -1 : 0);  // (inf * 0 is NaN, whose conversion is not 0)
+  __m256i v[4];
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_and_si256(keep, _mm256_cvtps_epi32(_mm256_mul_ps(x[j], f)));
+  // packs interleave the 128-bit lanes: [0-3 8-11 | 4-7 12-15] then bytes [0 2 1 3] in 32-bit lanes
+  const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = scale;
+  for (int h = 0; h < 2; ++h) {
+    __m256i s = _mm256_add_epi32(v[2 * h], v[2 * h + 1]);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    hsum[h] = scale * static_cast<float>(_mm_cvtsi128_si32(t));
+  }
+}
+#endif
+
 // x [blocks * 32] to q int8 [blocks * 32], d [blocks] and hsum [blocks * 2] (see kvos/model/int8_blocks.py).
 // A NaN or an infinity makes its block's scale NaN (its products NaN, as in float32) and its q zero.
 static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d, float* hsum) {
+#if KVOS_INT8_SIMD
+  for (int64_t b = 0; b < blocks; ++b) quantize_block(x + b * 32, q + b * 32, d + b, hsum + 2 * b);
+#else
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * 32;
     float amax = 0.0f;
@@ -31,9 +102,8 @@ static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d,
       amax = std::max(amax, std::fabs(xb[j]));
       finite = finite && std::isfinite(xb[j]);
     }
-    const float scale = finite ? amax / 127.0f : std::nanf("");
-    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
+    float inv;
+    const float scale = block_scale(amax, finite, inv);
     int32_t sum[2] = {0, 0};
     for (int j = 0; j < 32; ++j) {
       const int v = finite ? static_cast<int>(std::nearbyint(xb[j] * inv)) : 0;
@@ -44,6 +114,7 @@ static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d,
     hsum[2 * b] = scale * static_cast<float>(sum[0]);
     hsum[2 * b + 1] = scale * static_cast<float>(sum[1]);
   }
+#endif
 }
 
 // Rows x float32 [n, K] as int8 blocks: q [n, K], d [n, K / 32], h [n, K / 32, 2] (quantize_blocks).
@@ -57,12 +128,14 @@ struct Int8Rows {
 
 // The products' loop: for weight rows r0..r1 and the n rows of x four at a time, tile(r, i0, rows, total)
 // with rows a std::integral_constant<int, t> (t = 1..4 rows of x from i0) fills total[0..t) with their dot
-// products with weight row r; out[i0 + i, r] (N columns) is set to it, or has it added (add).
+// products with weight row r; out[i0 + i, r] (N columns) is set to it, or has it added (add). The weight's
+// row r + ahead is asked for as row r begins (prefetch: kvos/model/row_prefetch.py).
 template <typename Tile>
 static inline void each_tile(int64_t n, int64_t r0, int64_t r1, float* out, int64_t N, bool add,
-                             Tile&& tile) {
+                             const RowPrefetch& prefetch, Tile&& tile) {
   float total[4];
-  for (int64_t r = r0; r < r1; ++r)
+  for (int64_t r = r0; r < r1; ++r) {
+    prefetch(r);
     for (int64_t i0 = 0; i0 < n; i0 += 4) {
       const int64_t t = std::min<int64_t>(4, n - i0);
       switch (t) {
@@ -76,6 +149,7 @@ static inline void each_tile(int64_t n, int64_t r0, int64_t r1, float* out, int6
         *dst = add ? *dst + total[i] : total[i];
       }
     }
+  }
 }
 
 #if KVOS_VNNI512

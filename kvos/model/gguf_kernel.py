@@ -28,6 +28,7 @@ from typing import Any
 from kvos.extensions import build
 from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
 from kvos.model.int8_panels import SOURCE as INT8_PANELS
+from kvos.model.row_prefetch import SOURCE as ROW_PREFETCH
 
 TYPE_IDS = {
     "Q4_0": 0,
@@ -456,6 +457,7 @@ static inline void tile(const float* x, const float* xsum, int64_t K, const uint
 }
 
 """
+    + ROW_PREFETCH
     + INT8_BLOCKS
     + INT8_PANELS
     + r"""
@@ -628,7 +630,8 @@ static inline void tile_q6k_512(const Int8Rows& xi, int64_t i0, int64_t K, const
 // out[:, r0:r1] for every row of x, a Q6_K weight, four rows of x at a time.
 static void mm_rows_q6k_512(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w,
                             int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
-  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+  each_tile(n, r0, r1, out, N, add, RowPrefetch(N).stream(w, row_bytes),
+            [&](int64_t r, int64_t i0, auto rows, float* total) {
     tile_q6k_512<decltype(rows)::value>(xi, i0, K, w + r * row_bytes, total);
   });
 }
@@ -637,7 +640,8 @@ static void mm_rows_q6k_512(const Int8Rows& xi, int64_t n, int64_t K, const uint
 template <int Q>
 static void mm_rows_q5_512(const Int8Chunks& xc, int64_t n, int64_t K, const uint8_t* w,
                            int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
-  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+  each_tile(n, r0, r1, out, N, add, RowPrefetch(N).stream(w, row_bytes),
+            [&](int64_t r, int64_t i0, auto rows, float* total) {
     tile_q5_512<decltype(rows)::value, Q>(xc, i0, K / 32, w + r * row_bytes, total);
   });
 }
@@ -698,7 +702,8 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64
                        const uint8_t* w, int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1,
                        bool add) {
   const int64_t groups = K / 32;
-  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+  each_tile(n, r0, r1, out, N, add, RowPrefetch(N).stream(w, row_bytes),
+            [&](int64_t r, int64_t i0, auto rows, float* total) {
     const int64_t o = i0 * groups;
     tile_i8<T, decltype(rows)::value>(xq + o * 32, xd + o, xh + 2 * o, K, w + r * row_bytes, total);
   });
@@ -709,25 +714,10 @@ template <int T>
 static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, const uint8_t* w,
                     int64_t row_bytes, float* out, int64_t N, int64_t r0, int64_t r1, bool add) {
   const int64_t groups = K / 32;
-  float total[4];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      const int64_t t = std::min<int64_t>(4, n - i0);
-      const float* xi = x + i0 * K;
-      const float* si = xsum + i0 * groups * 2;
-      switch (t) {
-        case 1: tile<T, 1>(xi, si, K, wr, total); break;
-        case 2: tile<T, 2>(xi, si, K, wr, total); break;
-        case 3: tile<T, 3>(xi, si, K, wr, total); break;
-        default: tile<T, 4>(xi, si, K, wr, total); break;
-      }
-      for (int64_t i = 0; i < t; ++i) {
-        float* o = out + (i0 + i) * N + r;
-        *o = add ? *o + total[i] : total[i];
-      }
-    }
-  }
+  each_tile(n, r0, r1, out, N, add, RowPrefetch(N).stream(w, row_bytes),
+            [&](int64_t r, int64_t i0, auto rows, float* total) {
+    tile<T, decltype(rows)::value>(x + i0 * K, xsum + i0 * groups * 2, K, w + r * row_bytes, total);
+  });
 }
 
 template <int T>

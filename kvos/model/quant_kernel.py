@@ -28,6 +28,7 @@ from typing import Any
 from kvos.extensions import build
 from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
 from kvos.model.int8_panels import SOURCE as INT8_PANELS
+from kvos.model.row_prefetch import SOURCE as ROW_PREFETCH
 
 _SOURCE = (
     r"""
@@ -51,6 +52,18 @@ _SOURCE = (
 #endif
 
 constexpr int64_t GROUP = 32;
+"""
+    + ROW_PREFETCH
+    + r"""
+// A weight's per-row arrays for RowPrefetch: its bytes, scales and (q4) mins.
+template <bool Q4>
+static inline RowPrefetch rows_of(int64_t N, int64_t K, const uint8_t* w, const float* scale,
+                                  const float* mins) {
+  RowPrefetch prefetch(N);
+  prefetch.stream(w, Q4 ? K / 2 : K).stream(scale, K / GROUP * 4);
+  if (Q4) prefetch.stream(mins, K / GROUP * 4);
+  return prefetch;
+}
 
 // sum_g min[g] * xsum[g]: the mins' share of one output (q4), portable version.
 [[maybe_unused]] static inline float min_term(const float* mins, const float* xsum, int64_t groups) {
@@ -217,10 +230,13 @@ static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, con
                     const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1,
                     bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  for (int64_t r = r0; r < r1; ++r)
+  const RowPrefetch prefetch = rows_of<Q4>(N, K, w, scale, mins);
+  for (int64_t r = r0; r < r1; ++r) {
+    prefetch(r);
     for (int64_t i0 = 0; i0 < n; i0 += 4)
       mm_tile<Q4>(x + i0 * K, xsum + i0 * groups, std::min<int64_t>(4, n - i0), K, w + r * row_bytes,
                   scale + r * groups, Q4 ? mins + r * groups : nullptr, out + i0 * N + r, N, add);
+  }
 }
 
 """
@@ -390,7 +406,8 @@ static void mm_rows_512(const Int8Rows& xi, const Int8Chunks* xc, int64_t n, int
                         const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1,
                         bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+  const RowPrefetch prefetch = rows_of<Q4>(N, K, w, scale, mins);
+  each_tile(n, r0, r1, out, N, add, prefetch, [&](int64_t r, int64_t i0, auto rows, float* total) {
     constexpr int T = decltype(rows)::value;
     if constexpr (Q4)
       tile_q4_512<T>(*xc, i0, groups, w + r * row_bytes, scale + r * groups, mins + r * groups, total);
@@ -439,7 +456,8 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64
                        const uint8_t* w, const float* scale, const float* mins, float* out, int64_t N,
                        int64_t r0, int64_t r1, bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  each_tile(n, r0, r1, out, N, add, [&](int64_t r, int64_t i0, auto rows, float* total) {
+  const RowPrefetch prefetch = rows_of<Q4>(N, K, w, scale, mins);
+  each_tile(n, r0, r1, out, N, add, prefetch, [&](int64_t r, int64_t i0, auto rows, float* total) {
     const int64_t o = i0 * groups;
     tile_i8<Q4, decltype(rows)::value>(xq + o * GROUP, xd + o, xh + 2 * o, K, w + r * row_bytes,
                                        scale + r * groups, Q4 ? mins + r * groups : nullptr, total);

@@ -88,6 +88,12 @@ static inline uint32_t u32(const uint8_t* p) {
   return v;
 }
 
+static inline uint16_t u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
 // Values and bytes of one block, and whether its weights have a minimum term.
 template <int T> struct Layout;
 #define LAYOUT(T, V, B, M)                   \
@@ -518,6 +524,13 @@ static inline void tile_i8(const int8_t* xq, const float* xd, const float* xh, i
 }
 
 #if KVOS_VNNI512
+// Unaligned loads of 16 bytes, and of 4 or 2 as the signed integers _mm_setr_epi32/16 take.
+static inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+static inline int i32(const uint8_t* p) { return static_cast<int>(u32(p)); }
+static inline int16_t i16(const uint8_t* p) { return static_cast<int16_t>(u16(p)); }
+
 // total[i] = x_i . w_r for T rows of x laid out as Int8Chunks, w_r a row of Q5_0 or Q5_1 blocks: four blocks
 // an iteration, their 16 bytes of nibbles side by side in 64 bytes, the fifth bits (qh: bit l of element l)
 // set through byte masks. q = nibble + 16 * bit in 0..31; w = d * q + m with m = -16 d for Q5_0.
@@ -531,32 +544,46 @@ static inline void tile_q5_512(const Int8Chunks& xc, int64_t i0, int64_t groups,
   __m512 acc[T];
   __m128 macc[T];
   for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps(), macc[i] = _mm_setzero_ps();
+  // each qh word's low 16 bits, blocks 0..3 side by side (bytes 0, 1, 4, 5, ...), then its high 16 bits
+  const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   for (int64_t c = 0; c < xc.chunks; ++c) {
     const int64_t g = c * 4, left = std::min<int64_t>(4, groups - g);
-    alignas(16) uint16_t dh[4] = {0, 0, 0, 0}, mh[4] = {0, 0, 0, 0};
-    uint64_t bits_lo = 0, bits_hi = 0;
-    __m512i w = _mm512_setzero_si512();
-    for (int64_t k = 0; k < left; ++k) {
-      const uint8_t* b = wr + (g + k) * BYTES;
-      std::memcpy(&dh[k], b, 2);
-      if (Q == Q5_1) std::memcpy(&mh[k], b + 2, 2);
-      const uint64_t qh = u32(b + QH);
-      bits_lo |= (qh & 0xFFFF) << (16 * k);
-      bits_hi |= (qh >> 16) << (16 * k);
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + QS));
-      switch (k) {
-        case 0: w = _mm512_inserti32x4(w, qs, 0); break;
-        case 1: w = _mm512_inserti32x4(w, qs, 1); break;
-        case 2: w = _mm512_inserti32x4(w, qs, 2); break;
-        default: w = _mm512_inserti32x4(w, qs, 3); break;
+    __m512i w;
+    __m128i qh, dh, mh = _mm_setzero_si128();
+    if (left == 4) {  // four whole blocks: fixed offsets, no branch (every chunk of a row but its last)
+      const uint8_t* b = wr + g * BYTES;
+      const __m256i w01 = _mm256_setr_m128i(load16(b + QS), load16(b + BYTES + QS));
+      w = _mm512_inserti32x4(_mm512_castsi256_si512(w01), load16(b + 2 * BYTES + QS), 2);
+      w = _mm512_inserti32x4(w, load16(b + 3 * BYTES + QS), 3);
+      qh = _mm_setr_epi32(i32(b + QH), i32(b + BYTES + QH), i32(b + 2 * BYTES + QH), i32(b + 3 * BYTES + QH));
+      dh = _mm_setr_epi16(i16(b), i16(b + BYTES), i16(b + 2 * BYTES), i16(b + 3 * BYTES), 0, 0, 0, 0);
+      if (Q == Q5_1)
+        mh = _mm_setr_epi16(i16(b + 2), i16(b + BYTES + 2), i16(b + 2 * BYTES + 2), i16(b + 3 * BYTES + 2),
+                            0, 0, 0, 0);
+    } else {  // the row's last chunk, of 1-3 blocks, the rest zero
+      alignas(64) uint8_t qs[64] = {};
+      alignas(16) uint32_t qw[4] = {0, 0, 0, 0};
+      alignas(16) uint16_t d[8] = {}, m[8] = {};
+      for (int64_t k = 0; k < left; ++k) {
+        const uint8_t* b = wr + (g + k) * BYTES;
+        std::memcpy(qs + 16 * k, b + QS, 16);
+        qw[k] = u32(b + QH);
+        d[k] = u16(b);
+        if (Q == Q5_1) m[k] = u16(b + 2);
       }
+      w = _mm512_load_si512(qs);
+      qh = _mm_load_si128(reinterpret_cast<const __m128i*>(qw));
+      dh = _mm_load_si128(reinterpret_cast<const __m128i*>(d));
+      mh = _mm_load_si128(reinterpret_cast<const __m128i*>(m));
     }
+    const __m128i bits = _mm_shuffle_epi8(qh, halves);  // low 8 bytes: bits_lo; high 8: bits_hi
+    const uint64_t bits_lo = static_cast<uint64_t>(_mm_cvtsi128_si64(bits));
+    const uint64_t bits_hi = static_cast<uint64_t>(_mm_extract_epi64(bits, 1));
     __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
     lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits_lo), lo, fifth);
     hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits_hi), hi, fifth);
-    const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dh)));
-    const __m128 m4 = Q == Q5_0 ? _mm_mul_ps(d4, _mm_set1_ps(-16.0f))
-                                : _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mh)));
+    const __m128 d4 = _mm_cvtph_ps(dh);
+    const __m128 m4 = Q == Q5_0 ? _mm_mul_ps(d4, _mm_set1_ps(-16.0f)) : _mm_cvtph_ps(mh);
     for (int i = 0; i < T; ++i) {
       const int8_t* x = xc.q.data() + ((i0 + i) * xc.chunks + c) * 128;
       const float* xd = xc.d.data() + (i0 + i) * stride + g;

@@ -57,8 +57,8 @@ constexpr int64_t GROUP = 32;
     + r"""
 // A weight's per-row arrays for RowPrefetch: its bytes, scales and (q4) mins.
 template <bool Q4>
-static inline RowPrefetch rows_of(int64_t N, int64_t K, const uint8_t* w, const float* scale,
-                                  const float* mins) {
+static inline RowPrefetch row_streams(int64_t N, int64_t K, const uint8_t* w, const float* scale,
+                                      const float* mins) {
   RowPrefetch prefetch(N);
   prefetch.stream(w, Q4 ? K / 2 : K).stream(scale, K / GROUP * 4);
   if (Q4) prefetch.stream(mins, K / GROUP * 4);
@@ -230,7 +230,7 @@ static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, con
                     const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1,
                     bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  const RowPrefetch prefetch = rows_of<Q4>(N, K, w, scale, mins);
+  const RowPrefetch prefetch = row_streams<Q4>(N, K, w, scale, mins);
   for (int64_t r = r0; r < r1; ++r) {
     prefetch(r);
     for (int64_t i0 = 0; i0 < n; i0 += 4)
@@ -406,7 +406,7 @@ static void mm_rows_512(const Int8Rows& xi, const Int8Chunks* xc, int64_t n, int
                         const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1,
                         bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  const RowPrefetch prefetch = rows_of<Q4>(N, K, w, scale, mins);
+  const RowPrefetch prefetch = row_streams<Q4>(N, K, w, scale, mins);
   each_tile(n, r0, r1, out, N, add, prefetch, [&](int64_t r, int64_t i0, auto rows, float* total) {
     constexpr int T = decltype(rows)::value;
     if constexpr (Q4)
@@ -456,7 +456,7 @@ static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64
                        const uint8_t* w, const float* scale, const float* mins, float* out, int64_t N,
                        int64_t r0, int64_t r1, bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
-  const RowPrefetch prefetch = rows_of<Q4>(N, K, w, scale, mins);
+  const RowPrefetch prefetch = row_streams<Q4>(N, K, w, scale, mins);
   each_tile(n, r0, r1, out, N, add, prefetch, [&](int64_t r, int64_t i0, auto rows, float* total) {
     const int64_t o = i0 * groups;
     tile_i8<Q4, decltype(rows)::value>(xq + o * GROUP, xd + o, xh + 2 * o, K, w + r * row_bytes,

@@ -42,9 +42,9 @@ struct RowPrefetch {
   // rows: the weight's; then each per-row array from the largest, its base and its row stride in bytes
   explicit RowPrefetch(int64_t rows_) : rows(rows_) {}
   RowPrefetch& stream(const void* p, int64_t row_stride) {
+    if (streams == 0) ahead = std::max<int64_t>(1, BYTES / std::max<int64_t>(1, row_stride));
     base[streams] = static_cast<const char*>(p);
     stride[streams++] = row_stride;
-    ahead = std::max<int64_t>(1, BYTES / std::max<int64_t>(1, stride[0]));
     return *this;
   }
   inline void operator()(int64_t r) const {

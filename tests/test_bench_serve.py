@@ -71,6 +71,10 @@ def test_serve_bench_at_ci_scale(tmp_path: Path) -> None:
         assert 0 < row["resident_tokens"] <= row["max_active_tokens"]
         assert row["resident_bytes_per_token"] == 2048 and row["saved_bytes_per_token"] is None
         assert row["wall_s"] > 0 and row["sessions"] == n  # one session per client, deleted after the run
+        # the scheduler's counters over the run: its steps' forward passes and the turns between them
+        assert 0 < row["turns_share"] < 1 and row["forward_ms_step"] > 0 and row["turns_ms_step"] > 0
+        share = row["turns_ms_step"] / (row["turns_ms_step"] + row["forward_ms_step"])
+        assert share == pytest.approx(row["turns_share"], abs=0.01)
 
 
 def test_decode_rate_counts_overlapping_decode_phases_once() -> None:
@@ -79,6 +83,25 @@ def test_decode_rate_counts_overlapping_decode_phases_once() -> None:
     assert decode_rate([(1.0, 3.0, 4), (0.0, 2.0, 4), (5.0, 6.0, 2)]) == 2.5
     assert decode_rate([(0.0, 4.0, 8), (1.0, 2.0, 2)]) == 2.5  # one inside the other
     assert decode_rate([]) == 0.0
+
+
+def test_the_turns_share_is_the_runs_own() -> None:
+    """The counters' differences over a run, not their totals since the server started; no step between
+    the two looks gives no figures (not a division by zero)."""
+    from kvos.bench.soak_server import SchedulerTime
+
+    before, after = SchedulerTime(10, 2.0, 0.5), SchedulerTime(30, 3.5, 1.0)
+    assert after.since(before) == {"turns_share": 0.25, "forward_ms_step": 75.0, "turns_ms_step": 25.0}
+    assert before.since(before) == dict.fromkeys(("turns_share", "forward_ms_step", "turns_ms_step"))
+    text = (
+        "# TYPE kvos_scheduler_steps_total counter\nkvos_scheduler_steps_total 7.0\n"
+        "# TYPE kvos_scheduler_forward_seconds_total counter\nkvos_scheduler_forward_seconds_total 1.5\n"
+        "# TYPE kvos_scheduler_turn_seconds_total counter\nkvos_scheduler_turn_seconds_total 0.25\n"
+    )
+    from kvos.bench.soak_server import parse_metrics
+
+    assert parse_metrics(text)["scheduler"] == SchedulerTime(7, 1.5, 0.25)
+    assert parse_metrics(text.split("# TYPE kvos_scheduler_turn")[0])["scheduler"] is None
 
 
 def test_a_peer_server_gets_the_same_load(tmp_path: Path) -> None:
@@ -101,6 +124,7 @@ def test_a_peer_server_gets_the_same_load(tmp_path: Path) -> None:
     assert row["requests"] == row["completed"] == 4 and not row["failures"]
     assert row["completion_tokens"] == row["received_tokens"] == 4 * 3
     assert row["max_active_tokens"] is None and row["budget"] is None and row["sessions"] == 0
+    assert row["turns_share"] is None and row["forward_ms_step"] is None
     assert (tmp_path / "builtin-peer.log").is_file()
 
 

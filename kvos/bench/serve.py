@@ -20,6 +20,9 @@ Per row (model, label, clients):
   sessions' own maximum (``max_active_tokens_seen`` in ``/v1/sessions``); ``budget``: the server's per-session
   budget as those sessions report it.
 - ``completion_tokens`` (usage) and ``received_tokens`` (token chunks the clients got) should be equal.
+- ``turns_share``: of the scheduler's busy time during the run, the share spent in the sessions' turns between
+  forward passes (sampling, streaming, bookkeeping), from its ``/metrics`` counters before and after;
+  ``forward_ms_step`` and ``turns_ms_step``: each part a step (None for a peer server).
 
 With ``--json PATH`` the result has top-level ``rows``; ``--plot PATH`` draws aggregate tok/s and the
 latencies against the client count.
@@ -48,7 +51,7 @@ from kvos.bench.common import header, print_table, write_json
 from kvos.bench.serve_client import Plan, TimedClient, Timings, decode_rate, percentile_ms
 from kvos.bench.soak import never_end
 from kvos.bench.soak_client import Calls
-from kvos.bench.soak_server import HOST, Monitor, ServerProcess
+from kvos.bench.soak_server import HOST, Monitor, Sample, ServerProcess
 from kvos.errors import ConfigError
 
 SMOLLM2 = (
@@ -306,10 +309,18 @@ def run_clients(
             t.start()
         for t in threads:
             t.join()
-        unseen = ("max_active_tokens", "max_active_tokens_metrics", "budget", "pool_bytes_peak", *_HELD)
+        unseen = (
+            "max_active_tokens",
+            "max_active_tokens_metrics",
+            "budget",
+            "pool_bytes_peak",
+            *_HELD,
+            *_SCHEDULER_TIME,
+        )
         seen = {**dict.fromkeys(unseen), "sessions": 0, "rss_peak_mb": None}
         return timings, time.perf_counter() - began, seen
     monitor = Monitor(server, {})
+    before = monitor.sample()
     began = time.perf_counter()
     with monitor:
         for t in threads:
@@ -317,7 +328,7 @@ def run_clients(
         for t in threads:
             t.join()
     wall_s = time.perf_counter() - began
-    monitor.sample()
+    after = monitor.sample()
     monitor.close()
     sessions = calls.sessions(KEY)
     for s in sessions:
@@ -333,8 +344,21 @@ def run_clients(
         "pool_bytes_peak": monitor.peaks.pool_bytes,
         "rss_peak_mb": round(monitor.peaks.rss / (1 << 20), 1),
         **held(sessions),
+        **scheduler_time(before, after),
     }
     return timings, wall_s, seen
+
+
+_SCHEDULER_TIME = ("turns_share", "forward_ms_step", "turns_ms_step")
+
+
+def scheduler_time(before: Sample | None, after: Sample | None) -> dict[str, float | None]:
+    """The run's steps from the scheduler's counters at its start and end (issue 31's per-step work outside
+    the model): the turns' share of the busy time and each part's milliseconds a step; None where either
+    look failed or the server has no scheduler."""
+    if before is None or after is None or before.scheduler is None or after.scheduler is None:
+        return dict.fromkeys(_SCHEDULER_TIME)
+    return after.scheduler.since(before.scheduler)
 
 
 _HELD = ("resident_tokens", "resident_bytes_per_token", "saved_bytes_per_token")
@@ -391,16 +415,18 @@ def make_row(
         "sessions": seen["sessions"],
         "pool_bytes_peak": seen["pool_bytes_peak"],
         "rss_peak_mb": seen["rss_peak_mb"],
-        **{key: seen[key] for key in _HELD},
+        **{key: seen[key] for key in (*_HELD, *_SCHEDULER_TIME)},
     }
 
 
 def progress_line(row: dict[str, Any]) -> str:
     """One run's figures in a line, printed as soon as the run ends."""
+    share = row.get("turns_share")
     return (
         f"[serve] {row['model']} {row['clients']} clients: {row['aggregate_tok_s']} tok/s, "
         f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
         f"{row['completed']}/{row['requests']} requests in {row['wall_s']} s"
+        + (f", turns {100 * share:.1f}% of the steps' time" if share is not None else "")
     )
 
 

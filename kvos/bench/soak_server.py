@@ -144,6 +144,37 @@ class Sample:
     pool_live_bytes: int
     max_active_tokens: int
     sessions: int
+    scheduler: SchedulerTime | None = None  # None: the server has no scheduler (or no such counters)
+
+
+@dataclass(frozen=True)
+class SchedulerTime:
+    """The scheduler's counters at one look (``kvos_scheduler_*``): steps run, and the seconds of their
+    forward passes and of the sessions' turns between them."""
+
+    steps: float
+    forward_s: float
+    turns_s: float
+
+    def since(self, before: SchedulerTime) -> dict[str, float | None]:
+        """What the steps between ``before`` and this look cost: the turns' share of the busy time
+        (turns / (turns + forward)) and each part's milliseconds a step (None: no step between)."""
+        steps = self.steps - before.steps
+        forward, turns = self.forward_s - before.forward_s, self.turns_s - before.turns_s
+        if steps <= 0 or forward + turns <= 0:
+            return {"turns_share": None, "forward_ms_step": None, "turns_ms_step": None}
+        return {
+            "turns_share": round(turns / (turns + forward), 4),
+            "forward_ms_step": round(1e3 * forward / steps, 2),
+            "turns_ms_step": round(1e3 * turns / steps, 2),
+        }
+
+
+_SCHEDULER = {
+    "kvos_scheduler_steps": "steps",
+    "kvos_scheduler_forward_seconds": "forward_s",
+    "kvos_scheduler_turn_seconds": "turns_s",
+}
 
 
 @dataclass
@@ -166,14 +197,19 @@ class Peaks:
 
 
 def parse_metrics(text: str) -> dict[str, Any]:
-    """The figures the soak follows from Prometheus text: pool bytes, and active tokens per session."""
+    """The figures the soak follows from Prometheus text: pool bytes, active tokens per session, and the
+    scheduler's counters (``scheduler``: a :class:`SchedulerTime`, or None where the server has none)."""
     found: dict[str, Any] = {"pool_bytes": 0, "pool_live_bytes": 0, "active": []}
+    counters: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         values = [s.value for s in family.samples]
-        if family.name == "kvos_session_active_tokens":
+        if family.name in _SCHEDULER and values:
+            counters[_SCHEDULER[family.name]] = float(values[0])
+        elif family.name == "kvos_session_active_tokens":
             found["active"] = [int(v) for v in values]
         elif family.name in ("kvos_pool_bytes", "kvos_pool_live_bytes") and values:
             found[family.name.removeprefix("kvos_")] = int(values[0])
+    found["scheduler"] = SchedulerTime(**counters) if len(counters) == len(_SCHEDULER) else None
     return found
 
 
@@ -206,6 +242,7 @@ class Monitor:
             found["pool_live_bytes"],
             max(found["active"], default=0),
             len(found["active"]),
+            found["scheduler"],
         )
         self.peaks.add(sample)
         return sample

@@ -145,6 +145,109 @@ def test_assembler_holds_back_possible_stop_prefix() -> None:
     assert asm.text == "abENx"
 
 
+class CountingTokenizer:
+    """A tokenizer's decode, with the most ids any one call was given."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.most = inner, 0
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        self.most = max(self.most, len(ids))
+        return str(self.inner.decode(ids, skip_special))
+
+
+def assembled(tokenizer: Any, anchor: list[int], generated: list[int], stop: list[str]) -> tuple[str, bool]:
+    """The deltas of a reply fed to a :class:`TextAssembler` id by id (then flushed unless a stop string
+    was hit), joined; every intermediate emission is a prefix of the final text by construction."""
+    asm, out = TextAssembler(tokenizer, anchor, stop), []
+    for n in range(1, len(generated) + 1):
+        delta, hit = asm.update(generated[:n])
+        out.append(delta)
+        if hit:
+            assert "".join(out) == asm.text
+            return asm.text, True
+    out.append(asm.flush())
+    assert "".join(out) == asm.text
+    return asm.text, False
+
+
+def tokenizers_to_check(model_dir: Path) -> list[tuple[str, Any]]:
+    """The tokenizer kinds kvos reads: a Hugging Face tokenizer.json (byte-level BPE), and where ../shared
+    is present, llama2.c's (a sentencepiece vocabulary: the space after BOS dropped) and a GGUF's."""
+    from tests.conftest import SHARED
+
+    found: list[tuple[str, Any]] = [("hf", load_tokenizer(model_dir))]
+    stories = SHARED / "models" / "stories260K" / "tok512.bin"
+    smol = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    for name, path in (("llama2c", stories), ("gguf", smol)):
+        if path.is_file():
+            found.append((name, load_tokenizer(path)))
+    return found
+
+
+def test_the_assembled_text_is_the_whole_replys_decoding_from_small_windows(model_dir: Path) -> None:
+    """Fed one id at a time, the assembler's text equals the whole reply decoded at once (after the anchor,
+    as the old whole-reply decoding gave it), multi-byte characters split across ids, invalid bytes and
+    random ids included; and no decode call is given more than a few ids (it was the whole reply every
+    token: O(reply) a token)."""
+    import random
+
+    texts = [
+        "The cache keeps 4242 tokens; naïve café ☕ and 東京 in one line.\n" * 6,
+        "def f(x):\n    return x  # 😀😀 emoji, then more text after it\n" * 5,
+    ]
+    for name, tok in tokenizers_to_check(model_dir):
+        rng = random.Random(5)
+        replies = [tok.encode(t) for t in texts]
+        replies.append([rng.randrange(3, tok.vocab_size) for _ in range(300)])  # incomplete bytes too
+        for generated in replies:
+            for anchor in ([], tok.encode("Answer:")[-4:], [tok.bos_id] if tok.bos_id is not None else []):
+                counting = CountingTokenizer(tok)
+                text, hit = assembled(counting, anchor, generated, [])
+                full = tok.decode(anchor + generated)
+                anchor_text = tok.decode(anchor)
+                want = full[len(anchor_text) :] if full.startswith(anchor_text) else tok.decode(generated)
+                assert (text, hit) == (want, False), (name, anchor)
+                if generated is not replies[-1]:  # random ids may stay incomplete for long: not bounded
+                    assert counting.most <= 4 + len(anchor) + 8, (name, counting.most)
+
+
+class ShoutingTokenizer(CharTokenizer):
+    """Characters, but a ``^`` after a character is no text of its own: it makes that character a capital.
+    A window's start then reads differently once the next id is seen."""
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        out: list[str] = []
+        for i in ids:
+            if chr(i) == "^" and out:
+                out[-1] = out[-1].upper()
+            elif chr(i) != "^":
+                out.append(chr(i))
+        return "".join(out)
+
+
+def test_a_token_that_respells_the_one_before_it_gets_the_whole_decoding() -> None:
+    """Where a new id changes the text of ids already settled, the assembler decodes the reply whole (what
+    it emitted stays emitted: a stream cannot take text back), and its text is the whole decoding."""
+    tok = ShoutingTokenizer()
+    asm, ids, sent = TextAssembler(tok, [], []), tok.encode("ab^cd^^e"), []
+    for n in range(1, len(ids) + 1):
+        sent.append(asm.update(ids[:n])[0])
+    sent.append(asm.flush())
+    assert asm.text == "aBcDe" and "".join(sent) == "abcde"
+
+
+def test_a_stop_string_across_windows_cuts_the_text_there(model_dir: Path) -> None:
+    """A stop string spread over several ids (and windows) is found, the text cut before it, nothing after
+    it emitted, as with the whole reply decoded."""
+    tok = load_tokenizer(model_dir)
+    generated = tok.encode("Here is the plan. STOP_HERE and nothing after it, ever.")
+    text, hit = assembled(CountingTokenizer(tok), [], generated, ["STOP_HERE"])
+    assert (text, hit) == ("Here is the plan. ", True)
+    text, hit = assembled(CountingTokenizer(tok), [], generated, ["never appears"])
+    assert (text, hit) == (tok.decode(generated), False)
+
+
 def test_sampling_params_validation() -> None:
     for bad in [
         dict(max_tokens=-1),

@@ -81,32 +81,59 @@ class Completion:
 
 class TextAssembler:
     """Turns a growing list of generated ids into text, holding back what may still change:
-    an incomplete UTF-8 character, or a tail that could be the start of a stop string."""
+    an incomplete UTF-8 character, or a tail that could be the start of a stop string.
+
+    Incremental: each update decodes a window of a few ids, not the whole reply (that was O(reply) a token:
+    86 us at a 1,024-token reply, 350 us at 4,096, more than the rest of a served turn). The window runs
+    from ``_prefix`` (the ids whose text was settled before the last step, kept so that a tokenizer which
+    spells a token by its neighbour, a leading space after BOS say, sees it) to the end; the text of
+    ``[_prefix, _read)`` was already added, so the new text is what ``[_prefix, end)`` decodes to beyond
+    it. While the window's text ends in an incomplete character (U+FFFD) nothing is settled and the window
+    grows. Should a tokenizer ever spell the window's start differently once more ids follow, the whole
+    reply is decoded once and the window starts again after it."""
 
     def __init__(self, tokenizer: Tokenizer, anchor: Seq[int], stop: Seq[str]) -> None:
         self.tokenizer = tokenizer
-        self.anchor = list(anchor)[-ANCHOR_TOKENS:]
-        self.anchor_text = tokenizer.decode(self.anchor) if self.anchor else ""
+        self.ids = list(anchor)[-ANCHOR_TOKENS:]  # the anchor, then every generated id seen
+        self.anchor = len(self.ids)
+        self.anchor_text = tokenizer.decode(self.ids) if self.ids else ""
         self.stop = list(stop)
         self.emitted = 0
-        self.text = ""
+        self.text = ""  # the reply's text so far (cut before a stop string once one is hit)
+        self._prefix, self._read = 0, self.anchor
+        self._stopped = False  # a stop string was hit: the text ends there
 
     def update(self, generated: list[int]) -> tuple[str, bool]:
         """Returns (safe new text, stop string hit). On a hit, ``self.text`` is cut before the stop string."""
-        full = self.tokenizer.decode(self.anchor + generated)
-        text = (
-            full[len(self.anchor_text) :]
-            if full.startswith(self.anchor_text)
-            else self.tokenizer.decode(generated)
-        )
+        self.ids += generated[len(self.ids) - self.anchor :]
+        self._settle(final=False)
+        text = self.text
         hit = self._find_stop(text)
         if hit is not None:
-            self.text = text[:hit]
+            self.text, self._stopped = text[:hit], True
             return self._take(len(self.text)), True
-        self.text = text
         return self._take(len(text) - self._held_back(text)), False
 
+    def _settle(self, final: bool) -> None:
+        """Add the text of the ids past ``_read`` once it is complete (``final``: whatever it is)."""
+        if self._stopped or self._read == len(self.ids):
+            return
+        window = self.tokenizer.decode(self.ids[self._prefix :])
+        if not final and window.endswith("\ufffd"):
+            return  # half a character: wait for the ids that complete it
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        if window.startswith(before):
+            self.text += window[len(before) :]
+        else:  # the window's start reads differently now: decode the reply whole, as before windows
+            full = self.tokenizer.decode(self.ids)
+            generated = self.ids[self.anchor :]
+            whole = full[len(self.anchor_text) :] if full.startswith(self.anchor_text) else None
+            self.text = whole if whole is not None else self.tokenizer.decode(generated)
+        self._prefix, self._read = self._read, len(self.ids)
+
     def flush(self) -> str:
+        """The text not yet emitted, an incomplete character's U+FFFD included (the reply ended)."""
+        self._settle(final=True)
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:

@@ -26,6 +26,34 @@ def test_chunk_masses_hand_computed() -> None:
     torch.testing.assert_close(chunk_masses(probs, list(np.array([0, 1, 4]))), torch.tensor([0.25, 0.75]))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
+def test_a_decode_steps_masses_from_its_captured_layers(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a session observes each decoded token: the captured layers' rows (views of the decode kernel's
+    [B, H, T_max] probabilities, rows apart) stacked, as chunk_masses of their concatenation gives them,
+    from the decode kernel's chunk_masses and from the numpy path alike; bad boundaries are SignalErrors
+    either way (the kernel's refusal falls back to the checks that name the fault)."""
+    from kvos.model import decode_kernel
+    from kvos.policy.attention import chunk_mass_list
+
+    if kernel and decode_kernel.kernel() is None:
+        pytest.skip("the decode kernel is not built here (KVOS_NO_EXTENSIONS or no compiler)")
+    if not kernel:
+        monkeypatch.setattr(decode_kernel, "kernel", lambda: None)
+    g = torch.Generator().manual_seed(3)
+    step = torch.softmax(torch.randn(3, 9, 40, generator=g), dim=-1)  # [B, H, T_max]
+    rows = [step[1, :, :31], step[2, :, :31], step[0, :, :31]]  # three layers' rows of a 31-token sequence
+    for bounds in ([0, 31], [0, 4, 4, 20, 31], list(range(32))):
+        want = chunk_masses(torch.cat(rows), bounds)
+        got = chunk_mass_list(rows, bounds)
+        assert isinstance(got, list) and all(isinstance(m, float) for m in got)
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), want, rtol=1e-6, atol=1e-7)
+    for bad in ([0, 30], [1, 31], [0, 20, 10, 31], []):
+        with pytest.raises(SignalError):
+            chunk_mass_list(rows, bad)
+
+
 def test_chunk_masses_low_precision_input_gives_float32() -> None:
     probs = torch.full((2, 8), 0.125, dtype=torch.bfloat16)
     out = chunk_masses(probs, [0, 2, 8])

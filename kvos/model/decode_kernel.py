@@ -225,6 +225,36 @@ static void attend_all(const float* qp, int64_t q_row, const E* kp, const E* vp,
   });
 }
 
+// The attention signal's per-chunk masses of one decode step (kvos/policy/attention.py, chunk_mass_list):
+// chunk c's mass is the mean over every row of every probs [heads, T] (the captured layers' heads) of the
+// row's sum over keys [bounds[c], bounds[c + 1]), in double, clamped at 0. Rows may lie apart (a row stride),
+// each row's keys contiguous.
+std::vector<double> chunk_masses(std::vector<torch::Tensor> probs, std::vector<int64_t> bounds) {
+  TORCH_CHECK_VALUE(!probs.empty() && bounds.size() >= 1 && bounds.front() == 0,
+                    "chunk_masses: rows and boundaries [0, ..., T] wanted");
+  for (size_t c = 1; c < bounds.size(); ++c)
+    TORCH_CHECK_VALUE(bounds[c] >= bounds[c - 1], "chunk_masses: boundaries must be non-decreasing");
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<double> out(chunks, 0.0);
+  int64_t rows = 0;
+  for (const auto& p : probs) {
+    TORCH_CHECK_VALUE(p.dim() == 2 && p.scalar_type() == torch::kFloat32 && p.device().is_cpu() &&
+                          p.size(1) == bounds.back() && (p.size(1) <= 1 || p.stride(1) == 1),
+                      "chunk_masses: each probs must be float32 [heads, T] on the CPU, T the last boundary");
+    const float* base = p.data_ptr<float>();
+    for (int64_t h = 0; h < p.size(0); ++h, ++rows) {
+      const float* row = base + h * p.stride(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        double sum = 0.0;
+        for (int64_t j = bounds[c]; j < bounds[c + 1]; ++j) sum += row[j];
+        out[c] += sum;
+      }
+    }
+  }
+  for (auto& m : out) m = rows > 0 ? std::max(m / static_cast<double>(rows), 0.0) : 0.0;
+  return out;
+}
+
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                      torch::Tensor lengths, torch::Tensor kpos, torch::Tensor qpos, int64_t window,
                      torch::Tensor probs, torch::Tensor hk, torch::Tensor hv, torch::Tensor codes) {
@@ -291,7 +321,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v8", _SOURCE, ["attend"], ["-O3", "-march=native"], "the gathered attention")
+    return build(
+        "kvos_decode_v8",
+        _SOURCE,
+        ["attend", "chunk_masses"],
+        ["-O3", "-march=native"],
+        "the gathered attention",
+    )
 
 
 def module() -> Any:

@@ -52,6 +52,26 @@ def chunk_masses(probs: torch.Tensor, boundaries: Sequence[int] | torch.Tensor) 
     return torch.from_numpy(masses).to(probs.device)
 
 
+def chunk_mass_list(rows: Sequence[torch.Tensor], boundaries: list[int]) -> list[float]:
+    """:func:`chunk_masses` of the rows of ``rows`` (each ``[heads, T]``: the captured layers of one decode
+    step) stacked together, as Python floats: what a session observes every decoded token.
+
+    The decode kernel's ``chunk_masses`` where it is built and the rows are float32 on the CPU: one call
+    instead of a concatenation and five numpy operations, which cost ~13 us a token from a warm cache and
+    ~150 us from the cold one every decode step leaves behind (the step streams the weights through every
+    cache level; docs/benchmarks.md). Otherwise, and for any input the kernel refuses, :func:`chunk_masses`
+    (whose errors name what was wrong)."""
+    from kvos.model import decode_kernel
+
+    built = decode_kernel.kernel()
+    if built is not None and all(r.dtype == torch.float32 and r.device.type == "cpu" for r in rows):
+        try:
+            return list(built.chunk_masses(list(rows), boundaries))
+        except (ValueError, RuntimeError, TypeError):
+            pass  # the checks below say what was wrong
+    return chunk_masses(torch.cat(list(rows)), boundaries).tolist()
+
+
 @dataclass
 class AttentionTracker:
     """Aggregates per-chunk attention masses over decode steps.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -158,6 +160,32 @@ def test_token_logprob_is_the_log_softmax_with_its_top_alternatives() -> None:
     assert [t.token_id for t in lp.top] == order
     assert [t.logprob for t in lp.top] == pytest.approx(reference[order].tolist(), abs=1e-6)
     assert token_logprob(logits, 7, 0).top == []
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
+def test_the_log_normaliser_is_log_sum_exp(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernel's log sum exp and numpy's, against float64 torch, at both vocabularies served
+    (SmolLM2's 49,152, Qwen's 151,936), a vector shorter than one SIMD lane set, huge and tiny logits; NaN
+    or infinite logits (the kernel answers NaN and numpy's way runs) give NaN, as they always did."""
+    from kvos.engine.sampling import log_normaliser
+    from kvos.model import decode_kernel
+
+    if kernel and decode_kernel.kernel() is None:
+        pytest.skip("the decode kernel is not built here (KVOS_NO_EXTENSIONS or no compiler)")
+    if not kernel:
+        monkeypatch.setattr(decode_kernel, "kernel", lambda: None)
+    g = torch.Generator().manual_seed(11)
+    for vocab, scale, shift in (
+        (49_152, 3.0, 0.0),
+        (151_936, 8.0, 1e4),
+        (5, 1.0, -300.0),
+        (1_003, 40.0, 0.0),
+    ):
+        logits = torch.randn(vocab, generator=g) * scale + shift
+        want = float(torch.logsumexp(logits.double(), 0))
+        assert log_normaliser(logits) == pytest.approx(want, abs=2e-6 * max(1.0, abs(want))), vocab
+    for odd in ([0.0, float("inf"), 1.0], [0.0, float("nan"), 1.0], [float("-inf")] * 9):
+        assert math.isnan(log_normaliser(torch.tensor(odd))), odd  # no distribution: NaN log-probabilities
 
 
 @pytest.mark.parametrize(

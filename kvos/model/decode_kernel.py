@@ -255,6 +255,41 @@ std::vector<double> chunk_masses(std::vector<torch::Tensor> probs, std::vector<i
   return out;
 }
 
+// log sum_i e^(x_i) over a float32 vector: the log-softmax normaliser of one row of logits (a token's
+// log-probability, kvos/engine/sampling.py), the largest value then e^(x - largest) in float32 summed in
+// double. NaN where a value is NaN or the largest is infinite: the caller's numpy path handles those.
+double log_normaliser(torch::Tensor x) {
+  TORCH_CHECK_VALUE(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() &&
+                        x.is_contiguous() && x.numel() > 0,
+                    "log_normaliser: a contiguous float32 vector on the CPU wanted");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  float top = p[0];
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    top = p[i] > top ? p[i] : top;
+    nan |= p[i] != p[i];
+  }
+  if (nan || !std::isfinite(top)) return std::numeric_limits<double>::quiet_NaN();
+  double sum = 0.0;
+  int64_t i = 0;
+#if KVOS_AVX2
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), shift));
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  double lanes[8];
+  _mm256_storeu_pd(lanes, lo);
+  _mm256_storeu_pd(lanes + 4, hi);
+  for (double l : lanes) sum += l;
+#endif
+  for (; i < n; ++i) sum += static_cast<double>(std::exp(p[i] - top));
+  return static_cast<double>(top) + std::log(sum);
+}
+
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                      torch::Tensor lengths, torch::Tensor kpos, torch::Tensor qpos, int64_t window,
                      torch::Tensor probs, torch::Tensor hk, torch::Tensor hv, torch::Tensor codes) {
@@ -324,7 +359,7 @@ def kernel() -> Any | None:
     return build(
         "kvos_decode_v8",
         _SOURCE,
-        ["attend", "chunk_masses"],
+        ["attend", "chunk_masses", "log_normaliser"],
         ["-O3", "-march=native"],
         "the gathered attention",
     )

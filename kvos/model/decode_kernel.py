@@ -266,13 +266,29 @@ double log_normaliser(torch::Tensor x) {
   const int64_t n = x.numel();
   float top = p[0];
   bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if KVOS_AVX2
+  __m256 tops[4], odd = _mm256_setzero_ps();  // four running maxima, and any NaN seen (unordered lanes)
+  for (auto& t : tops) t = _mm256_set1_ps(top);
+  for (; i + 32 <= n; i += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_loadu_ps(p + i + 8 * j);
+      tops[j] = _mm256_max_ps(tops[j], v);
+      odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+  float lanes_top[8];
+  const __m256 both = _mm256_max_ps(_mm256_max_ps(tops[0], tops[1]), _mm256_max_ps(tops[2], tops[3]));
+  _mm256_storeu_ps(lanes_top, both);
+  for (float t : lanes_top) top = std::max(top, t);
+  nan = _mm256_movemask_ps(odd) != 0;
+#endif
+  for (; i < n; ++i) {
     top = p[i] > top ? p[i] : top;
     nan |= p[i] != p[i];
   }
   if (nan || !std::isfinite(top)) return std::numeric_limits<double>::quiet_NaN();
   double sum = 0.0;
-  int64_t i = 0;
+  i = 0;
 #if KVOS_AVX2
   const __m256 shift = _mm256_set1_ps(top);
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -360,10 +361,7 @@ class Sequence:
 
     def boundaries(self) -> list[int]:
         """Cumulative token offsets [0, n0, n0 + n1, ..., num_tokens] of the segments in cache order."""
-        out = [0]
-        for seg in self.segments:
-            out.append(out[-1] + seg.num_tokens)
-        return out
+        return list(accumulate((len(seg.token_ids) for seg in self.segments), initial=0))
 
     def release(self) -> None:
         """Free every segment's blocks; the sequence becomes empty."""

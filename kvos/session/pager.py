@@ -75,8 +75,14 @@ class Pager:
         """What the session's budget counts: the resident chunks' tokens, a chunk whose KV heads keep their
         own counted by the K/V it holds (:meth:`cost_of`); and, where positions bind (compact mode, see
         :attr:`position_slack`), at least the resident tokens less the slack."""
-        charged = sum(self._cost(seg) for seg in self.seq.segments)
-        return max(charged, self.seq.num_tokens - self.position_slack)
+        resident = self.seq.num_tokens
+        charged = (
+            resident  # every token, less what per-head segments do not hold (a plain loop: twice a token)
+        )
+        for seg in self.seq.segments:
+            if seg.heads is not None:
+                charged += self._cost(seg) - seg.num_tokens
+        return max(charged, resident - self.position_slack)
 
     @property
     def resident_tokens(self) -> int:

@@ -174,11 +174,10 @@ def assembled(tokenizer: Any, anchor: list[int], generated: list[int], stop: lis
 def tokenizers_to_check(model_dir: Path) -> list[tuple[str, Any]]:
     """The tokenizer kinds kvos reads: a Hugging Face tokenizer.json (byte-level BPE), and where ../shared
     is present, llama2.c's (a sentencepiece vocabulary: the space after BOS dropped) and a GGUF's."""
-    from tests.conftest import SHARED
-
+    models = Path(__file__).resolve().parents[2] / "shared" / "models"  # conftest's SHARED
     found: list[tuple[str, Any]] = [("hf", load_tokenizer(model_dir))]
-    stories = SHARED / "models" / "stories260K" / "tok512.bin"
-    smol = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    stories = models / "stories260K" / "tok512.bin"
+    smol = models / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     for name, path in (("llama2c", stories), ("gguf", smol)):
         if path.is_file():
             found.append((name, load_tokenizer(path)))

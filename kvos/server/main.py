@@ -38,6 +38,7 @@ from kvos.model.transformer import Transformer
 from kvos.policy.budget import Budget
 from kvos.policy.compression import add_compression_argument, parse_compression
 from kvos.policy.retriever import find_retriever, retriever_path
+from kvos.server import collector_pauses
 from kvos.server.service import ChatService, ServiceConfig
 from kvos.server.state import StateDir
 from kvos.session.compressor import ChunkCompressor
@@ -516,6 +517,9 @@ def serve(args: argparse.Namespace) -> int:
     service = on_passing_thread(lambda: build_service(args))
     single_threaded_default()
     app = make_app(service, args)
+    collector_pauses.watch()
+    frozen = collector_pauses.freeze()  # start-up's objects: out of every full collection's walk
+    print(f"[kvos] {frozen} objects of start-up frozen for the garbage collector", file=sys.stderr)
     print(
         f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1 "
         f"(budget {service.manager.config.budget.max_active_tokens} tokens per session)",

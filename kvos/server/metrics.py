@@ -6,12 +6,14 @@ keys); the pool-wide figures (pool bytes, session count, token totals, latency) 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 from prometheus_client import Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvos.server import collector_pauses
 from kvos.server.service import ChatService
 
 SESSION_GAUGES = {
@@ -79,6 +81,7 @@ class ServiceCollector(Collector):
             )
         yield from _tier_metrics(service)
         yield from _scheduler_metrics(service)
+        yield from _collector_metrics()
 
 
 def _scheduler_metrics(service: ChatService) -> Iterator[Metric]:
@@ -96,6 +99,26 @@ def _scheduler_metrics(service: ChatService) -> Iterator[Metric]:
         "kvos_scheduler_turn_seconds",
         "seconds of the sessions' turns between steps (sampling, streaming, bookkeeping)",
         value=stats.turns_s,
+    )
+
+
+def _collector_metrics() -> Iterator[Metric]:
+    """Python's garbage collector: each generation's collections and their pauses (the interpreter lock
+    held: no stream moves), and the objects start-up froze out of them
+    (:mod:`kvos.server.collector_pauses`)."""
+    pauses = collector_pauses.watch()
+    count = CounterMetricFamily("kvos_gc_collections", "garbage collections", labels=["generation"])
+    seconds = CounterMetricFamily(
+        "kvos_gc_pause_seconds", "seconds of garbage collection (every thread paused)", labels=["generation"]
+    )
+    for generation in range(3):
+        count.add_metric([str(generation)], pauses.collections[generation])
+        seconds.add_metric([str(generation)], pauses.seconds[generation])
+    yield count
+    yield seconds
+    yield GaugeMetricFamily("kvos_gc_pause_longest_seconds", "the longest collection", value=pauses.longest)
+    yield GaugeMetricFamily(
+        "kvos_gc_frozen_objects", "objects frozen out of garbage collection", value=gc.get_freeze_count()
     )
 
 

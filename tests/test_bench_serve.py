@@ -62,7 +62,7 @@ def test_serve_bench_at_ci_scale(tmp_path: Path) -> None:
         assert row["budget"] == 768  # the built-in model's default: 0.75 x 1024 positions
         assert 0 < row["max_active_tokens"] <= row["budget"]
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
-        assert 0 < row["itl_p50_ms"] <= row["itl_p95_ms"]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p95_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
         assert row["decode_tok_s"] > 0
         # the built-in's K/V per token in kvos serve's default float16 pool: 4 layers x 2 heads x 64 x 2 x 2
         assert row["pool_bytes_peak"] >= row["max_active_tokens"] * 2048

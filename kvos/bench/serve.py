@@ -15,7 +15,8 @@ Per row (model, label, clients):
   was decoding (:func:`~kvos.bench.serve_client.decode_rate`): the decode throughput batching is about,
   without the prompts' prefill time, which grows with the clients whatever the scheduler does.
 - ``ttft_p50_ms``/``ttft_p95_ms``: time to first token over all completed requests; ``itl_p50_ms``/
-  ``itl_p95_ms``: gaps between consecutive tokens over all tokens of all replies.
+  ``itl_p95_ms``/``itl_p99_ms``/``itl_max_ms``: gaps between consecutive tokens over all tokens of all
+  replies (the tail shows pauses of the whole server, a garbage collection's say).
 - ``max_active_tokens``: the largest resident token count of any session, from ``/metrics`` samples and the
   sessions' own maximum (``max_active_tokens_seen`` in ``/v1/sessions``); ``budget``: the server's per-session
   budget as those sessions report it.
@@ -76,6 +77,7 @@ COLUMNS = (
     "ttft_p95_ms",
     "itl_p50_ms",
     "itl_p95_ms",
+    "itl_max_ms",
     "max_active_tokens",
     "budget",
 )
@@ -400,6 +402,8 @@ def make_row(
         "ttft_p95_ms": percentile_ms(t.ttft_s, 0.95),
         "itl_p50_ms": percentile_ms(t.itl_s, 0.5),
         "itl_p95_ms": percentile_ms(t.itl_s, 0.95),
+        "itl_p99_ms": percentile_ms(t.itl_s, 0.99),
+        "itl_max_ms": percentile_ms(t.itl_s, 1.0),
         "max_active_tokens": seen["max_active_tokens"],
         "budget": seen["budget"],
         "requests": t.requests,

@@ -1,17 +1,18 @@
-"""Python's garbage collector in a long-running server: start-up's objects frozen, and every collection's
-pause counted.
+"""Python's garbage collector in a long-running server: every collection's pause counted.
 
-A full collection walks every object the collector tracks, with the interpreter lock held: nothing else in
+A full collection walks every object the collector tracks with the interpreter lock held: nothing else in
 the process runs meanwhile, no session's turn and no stream. After ``kvos serve`` has loaded a GGUF model
 there are ~200,000 such objects (the tokenizer's tables, the modules, the model's bookkeeping), and a full
-collection took 96-117 ms on an AMD Zen 5 core: 9 of them in a 20 s run of 8 streaming clients, each one a
-hiccup of every stream (docs/benchmarks.md). None of those objects ever becomes garbage, so :func:`freeze`
-moves them out of the collector's sight once start-up is over (``gc.freeze``): a full collection then walks
-only what the sessions made since, 2-4 ms in the same run.
+collection takes 115-130 ms on an AMD Zen 5 core: about one in a 20 s run of 8 streaming clients, a hiccup
+of every stream. Freezing start-up's objects out of the collector (``gc.freeze``) would make that 2-4 ms, but
+measured it cost more than it saved: with it, the same runs decoded 253-262 tok/s against 273-288 and their
+ITL p95 was 52-54 ms against 31-34, repeatably and in either order (docs/benchmarks.md), so kvos does not
+freeze.
 
 :class:`Pauses` (installed once, :func:`watch`) adds each collection's duration to its generation's total,
-and ``/metrics`` exports them (``kvos_gc_pause_seconds``, ``kvos_gc_collections``, and
-``kvos_gc_frozen_objects``) so that a pause long enough to show in latency can be told from the model's.
+and ``/metrics`` exports them (``kvos_gc_pause_seconds``, ``kvos_gc_collections``,
+``kvos_gc_pause_longest_seconds``), so that a pause long enough to show in latency can be told from the
+model's.
 """
 
 from __future__ import annotations
@@ -60,11 +61,3 @@ def watch() -> Pauses:
             _pauses = Pauses()
             gc.callbacks.append(_pauses)
         return _pauses
-
-
-def freeze() -> int:
-    """Collect once, then freeze every object tracked so far (call it when start-up is over); returns how
-    many objects are frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()

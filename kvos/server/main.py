@@ -517,9 +517,7 @@ def serve(args: argparse.Namespace) -> int:
     service = on_passing_thread(lambda: build_service(args))
     single_threaded_default()
     app = make_app(service, args)
-    collector_pauses.watch()
-    frozen = collector_pauses.freeze()  # start-up's objects: out of every full collection's walk
-    print(f"[kvos] {frozen} objects of start-up frozen for the garbage collector", file=sys.stderr)
+    collector_pauses.watch()  # the collections' pauses, for /metrics
     print(
         f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1 "
         f"(budget {service.manager.config.budget.max_active_tokens} tokens per session)",

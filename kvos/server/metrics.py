@@ -6,7 +6,6 @@ keys); the pool-wide figures (pool bytes, session count, token totals, latency) 
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 
 from prometheus_client import Histogram, generate_latest
@@ -104,8 +103,7 @@ def _scheduler_metrics(service: ChatService) -> Iterator[Metric]:
 
 def _collector_metrics() -> Iterator[Metric]:
     """Python's garbage collector: each generation's collections and their pauses (the interpreter lock
-    held: no stream moves), and the objects start-up froze out of them
-    (:mod:`kvos.server.collector_pauses`)."""
+    held: no stream moves; :mod:`kvos.server.collector_pauses`)."""
     pauses = collector_pauses.watch()
     count = CounterMetricFamily("kvos_gc_collections", "garbage collections", labels=["generation"])
     seconds = CounterMetricFamily(
@@ -117,9 +115,6 @@ def _collector_metrics() -> Iterator[Metric]:
     yield count
     yield seconds
     yield GaugeMetricFamily("kvos_gc_pause_longest_seconds", "the longest collection", value=pauses.longest)
-    yield GaugeMetricFamily(
-        "kvos_gc_frozen_objects", "objects frozen out of garbage collection", value=gc.get_freeze_count()
-    )
 
 
 def _tier_metrics(service: ChatService) -> Iterator[Metric]:

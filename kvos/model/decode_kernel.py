@@ -27,6 +27,13 @@ out of the pool at every layer of every decode step (``index_select``) before tw
 0.5B shape (14 query heads, 2 KV heads of 64) one layer's attention of 8 sequences of 600 keys takes
 0.34 ms against 0.62-0.76 ms gathered; a decode step of 8 sequences 145 ms against 165 at 600 keys and
 218 ms against 333 at 3,000 (docs/benchmarks.md).
+
+The module also holds two small steps a session takes after every decoded token, in C++ because the Python
+that runs after a decode step finds every cache cold (the step streamed the weights through them), where
+each numpy or torch call costs ~10x its warm time: ``chunk_masses(probs, bounds)``, the attention signal's
+mass per resident chunk from the captured layers' probabilities
+(:func:`kvos.policy.attention.chunk_mass_list`), and ``log_normaliser(logits)``, the log sum exp a token's
+log-probability needs (:func:`kvos.engine.sampling.log_normaliser`).
 """
 
 from __future__ import annotations

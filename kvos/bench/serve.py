@@ -52,7 +52,7 @@ from kvos.bench.common import header, print_table, write_json
 from kvos.bench.serve_client import Plan, TimedClient, Timings, decode_rate, percentile_ms
 from kvos.bench.soak import never_end
 from kvos.bench.soak_client import Calls
-from kvos.bench.soak_server import HOST, Monitor, Sample, ServerProcess
+from kvos.bench.soak_server import HOST, SCHEDULER_TIME, Monitor, Sample, ServerProcess
 from kvos.errors import ConfigError
 
 SMOLLM2 = (
@@ -317,7 +317,7 @@ def run_clients(
             "budget",
             "pool_bytes_peak",
             *_HELD,
-            *_SCHEDULER_TIME,
+            *SCHEDULER_TIME,
         )
         seen = {**dict.fromkeys(unseen), "sessions": 0, "rss_peak_mb": None}
         return timings, time.perf_counter() - began, seen
@@ -351,15 +351,12 @@ def run_clients(
     return timings, wall_s, seen
 
 
-_SCHEDULER_TIME = ("turns_share", "forward_ms_step", "turns_ms_step")
-
-
 def scheduler_time(before: Sample | None, after: Sample | None) -> dict[str, float | None]:
     """The run's steps from the scheduler's counters at its start and end (issue 31's per-step work outside
     the model): the turns' share of the busy time and each part's milliseconds a step; None where either
     look failed or the server has no scheduler."""
     if before is None or after is None or before.scheduler is None or after.scheduler is None:
-        return dict.fromkeys(_SCHEDULER_TIME)
+        return dict.fromkeys(SCHEDULER_TIME)
     return after.scheduler.since(before.scheduler)
 
 
@@ -419,7 +416,7 @@ def make_row(
         "sessions": seen["sessions"],
         "pool_bytes_peak": seen["pool_bytes_peak"],
         "rss_peak_mb": seen["rss_peak_mb"],
-        **{key: seen[key] for key in (*_HELD, *_SCHEDULER_TIME)},
+        **{key: seen[key] for key in (*_HELD, *SCHEDULER_TIME)},
     }
 
 

@@ -162,7 +162,7 @@ class SchedulerTime:
         steps = self.steps - before.steps
         forward, turns = self.forward_s - before.forward_s, self.turns_s - before.turns_s
         if steps <= 0 or forward + turns <= 0:
-            return {"turns_share": None, "forward_ms_step": None, "turns_ms_step": None}
+            return dict.fromkeys(SCHEDULER_TIME)
         return {
             "turns_share": round(turns / (turns + forward), 4),
             "forward_ms_step": round(1e3 * forward / steps, 2),
@@ -170,6 +170,7 @@ class SchedulerTime:
         }
 
 
+SCHEDULER_TIME = ("turns_share", "forward_ms_step", "turns_ms_step")  # SchedulerTime.since's figures
 _SCHEDULER = {
     "kvos_scheduler_steps": "steps",
     "kvos_scheduler_forward_seconds": "forward_s",

@@ -126,9 +126,10 @@ class TextAssembler:
             self.text += window[len(before) :]
         else:  # the window's start reads differently now: decode the reply whole, as before windows
             full = self.tokenizer.decode(self.ids)
-            generated = self.ids[self.anchor :]
-            whole = full[len(self.anchor_text) :] if full.startswith(self.anchor_text) else None
-            self.text = whole if whole is not None else self.tokenizer.decode(generated)
+            if full.startswith(self.anchor_text):
+                self.text = full[len(self.anchor_text) :]
+            else:
+                self.text = self.tokenizer.decode(self.ids[self.anchor :])
         self._prefix, self._read = self._read, len(self.ids)
 
     def flush(self) -> str:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvos.errors import ConfigError
+from kvos.model import decode_kernel
 
 if TYPE_CHECKING:
     from kvos.engine.constraint import Grammar
@@ -152,8 +153,6 @@ def log_normaliser(values: torch.Tensor) -> float:
     (an AVX2 maximum, then AVX2 exponentials summed in float64: 49,152 logits in 21 us where numpy took
     30-38, 151,936 in 63 against 91-105, AMD Zen 5) where it is built and the logits are finite; else
     numpy's, in float64 too."""
-    from kvos.model import decode_kernel
-
     built = decode_kernel.kernel()
     if built is not None:
         found = float(built.log_normaliser(values))

@@ -361,7 +361,7 @@ class Sequence:
 
     def boundaries(self) -> list[int]:
         """Cumulative token offsets [0, n0, n0 + n1, ..., num_tokens] of the segments in cache order."""
-        return list(accumulate((len(seg.token_ids) for seg in self.segments), initial=0))
+        return list(accumulate((seg.num_tokens for seg in self.segments), initial=0))
 
     def release(self) -> None:
         """Free every segment's blocks; the sequence becomes empty."""

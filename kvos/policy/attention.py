@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvos.errors import ConfigError, SignalError
+from kvos.model import decode_kernel
 
 TrackerMode = Literal["ewma", "cumulative", "snapshot"]
 TRACKER_MODES: tuple[str, ...] = ("ewma", "cumulative", "snapshot")
@@ -61,8 +62,6 @@ def chunk_mass_list(rows: Sequence[torch.Tensor], boundaries: list[int]) -> list
     ~150 us from the cold one every decode step leaves behind (the step streams the weights through every
     cache level; docs/benchmarks.md). Otherwise, and for any input the kernel refuses, :func:`chunk_masses`
     (whose errors name what was wrong)."""
-    from kvos.model import decode_kernel
-
     built = decode_kernel.kernel()
     if built is not None and all(r.dtype == torch.float32 and r.device.type == "cpu" for r in rows):
         try:

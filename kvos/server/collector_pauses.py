@@ -26,8 +26,8 @@ from typing import Any
 
 @dataclass
 class Pauses:
-    """The collections seen since :meth:`install`, per generation (0, 1, 2): how many, their seconds in
-    all, and the longest."""
+    """The collections seen since :func:`watch` installed it, per generation (0, 1, 2): how many, their
+    seconds in all, and the longest."""
 
     collections: list[int] = field(default_factory=lambda: [0, 0, 0])
     seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])

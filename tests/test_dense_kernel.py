@@ -1,15 +1,36 @@
-"""The float32 projection kernel for a few activation rows (kvos.model.dense_kernel) against float64 torch."""
+"""The float32 projection kernel for a few activation rows (kvos.model.dense_kernel) against float64 torch,
+in each of its builds: this CPU's (AVX-512 where it has it), AVX2 only (an AMD Zen 3's path) and portable."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 
 from kvos.model import dense_kernel
-from kvos.model.linear import addmm, logits, matmul
+from kvos.model.linear import addmm, cache_aligned, logits, matmul
+from kvos.model.loader import load_model
+from kvos.model.quant import QuantizedWeight
+from kvos.model.random_init import build_random_model
 
 KERNEL = dense_kernel.kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the dense kernel could not be built here")
+BUILDS = {
+    "native": dense_kernel.kernel,
+    "avx2": dense_kernel.avx2_kernel,
+    "portable": dense_kernel.portable_kernel,
+}
+
+
+@pytest.fixture(params=sorted(BUILDS))
+def build(request: pytest.FixtureRequest) -> Any:
+    module = BUILDS[request.param]()
+    if module is None:
+        pytest.skip(f"the dense kernel's {request.param} build could not be made here")
+    return module
 
 
 def _exact(c: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -17,27 +38,26 @@ def _exact(c: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor) -> torch.Te
     return out if c is None else out + c.double()
 
 
-@needs_kernel
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 32])
-@pytest.mark.parametrize(("out", "inner"), [(45, 64), (46, 67), (1, 8), (17, 3), (151, 896)])
-def test_kernel_matches_float64_products(n: int, out: int, inner: int) -> None:
-    """Every tile shape and tail: rows not a multiple of 4, outputs not a multiple of 3 or 15, K not a
-    multiple of 8. Float32 sums of K products are within 1e-5 relative of the exact (float64) products."""
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 31, 32])
+@pytest.mark.parametrize(("out", "inner"), [(45, 64), (46, 67), (1, 8), (17, 3), (151, 896), (103, 4864)])
+def test_kernel_matches_float64_products(build: Any, n: int, out: int, inner: int) -> None:
+    """Every tile shape and tail: rows not a multiple of 4 (1-3 passes over a block), outputs not a multiple
+    of 3 or 6 or of a block, K not a multiple of 8 or 16, blocks of one tile (K = 4,864). Float32 sums of K
+    products are within 1e-5 relative of the exact (float64) products."""
     g = torch.Generator().manual_seed(n * 1000 + out + inner)
     x, w = torch.randn(n, inner, generator=g), torch.randn(out, inner, generator=g)
-    got = KERNEL.mm(x, w, torch.empty(0))
+    got = build.mm(x, w, torch.empty(0))
     exact = _exact(None, x, w)
     assert got.dtype == torch.float32 and got.shape == (n, out)
     assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5 * inner**0.5)
 
 
-@needs_kernel
-def test_kernel_adds_a_residual_or_a_bias() -> None:
+def test_kernel_adds_a_residual_or_a_bias(build: Any) -> None:
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(6, 40, generator=g), torch.randn(23, 40, generator=g)
     rows, bias = torch.randn(6, 23, generator=g), torch.randn(23, generator=g)
     for c in (rows, bias):
-        got = KERNEL.mm(x, w, c)
+        got = build.mm(x, w, c)
         assert torch.allclose(got.double(), _exact(c, x, w), rtol=1e-5, atol=1e-4)
 
 
@@ -56,3 +76,95 @@ def test_the_seam_gives_the_same_products_on_every_path() -> None:
     xb, wb = torch.randn(3, 64, generator=g).bfloat16(), w.bfloat16()
     assert matmul(xb, wb).dtype == torch.bfloat16
     assert torch.allclose(matmul(xb, wb).double(), _exact(None, xb, wb), rtol=2e-2, atol=0.5)
+
+
+def test_a_weight_off_its_cache_line_is_copied_onto_one() -> None:
+    """numpy's large arrays start 16 bytes past a page, a memory-mapped file's tensors wherever the file puts
+    them: cache_aligned copies such a weight (same values) and leaves an aligned one, a non-contiguous one
+    and a quantized one as they are."""
+    base = torch.from_numpy(np.arange(64 * 40 + 4, dtype=np.float32))
+    off = base[4:].view(64, 40)
+    assert off.data_ptr() % 64 != 0
+    moved = cache_aligned(off)
+    assert isinstance(moved, torch.Tensor)
+    assert moved.data_ptr() % 64 == 0 and torch.equal(moved, off)
+    aligned = torch.randn(64, 40)
+    assert aligned.data_ptr() % 64 == 0 and cache_aligned(aligned) is aligned
+    packed = QuantizedWeight.from_gguf("Q8_0", np.zeros((2, 68), dtype=np.uint8), (2, 64))
+    assert cache_aligned(packed) is packed
+
+
+def test_a_loaded_model_holds_its_weights_on_cache_lines(tmp_path: Any) -> None:
+    """A checkpoint read from safetensors (its tensors in the file's memory map, at the file's offsets): every
+    dense weight the model keeps starts on a 64-byte line."""
+    model = load_model(build_random_model(tmp_path / "tiny", "tiny"))
+    tensors = [model.embed, model.lm_head, model.final_norm]
+    for layer in model.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    offsets = {tuple(t.shape): t.data_ptr() % 64 for t in tensors}
+    assert len(offsets) > 3 and set(offsets.values()) == {0}, offsets
+
+
+class _Counting:
+    """A kernel module that counts its products (and computes them with the real one)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.rows = real, []
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.real.mm(x, w, c)
+
+
+@needs_kernel
+@pytest.mark.parametrize("prefills", [False, True])
+def test_prefill_rows_go_to_the_kernel_only_where_it_beat_the_blas(
+    monkeypatch: pytest.MonkeyPatch, prefills: bool
+) -> None:
+    """The seam's dispatch: up to SMALL_N rows always on the kernel; more only when this machine's
+    measurement said so (prefills), CHUNK_N rows a product, a residual's rows cut alike; bfloat16 never.
+    Same products either way."""
+    counting = _Counting(KERNEL)
+    monkeypatch.setattr(dense_kernel, "kernel", lambda: counting)
+    monkeypatch.setattr(dense_kernel, "prefills", lambda: prefills)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 96, generator=g)
+    for n in (8, 32, 33, 256, 600):
+        x, c = torch.randn(n, 96, generator=g), torch.randn(n, 70, generator=g)
+        assert torch.allclose(matmul(x, w).double(), _exact(None, x, w), rtol=1e-5, atol=1e-4)
+        assert torch.allclose(addmm(c, x, w).double(), _exact(c, x, w), rtol=1e-5, atol=1e-4)
+    matmul(torch.randn(64, 96, generator=g).bfloat16(), w.bfloat16())
+    taken = [8, 8, 32, 32] + ([33, 33, 256, 256] + [256, 256, 88] * 2 if prefills else [])
+    assert sorted(counting.rows) == sorted(taken)
+
+
+class _Timed:
+    """A kernel module whose product takes ``delay`` seconds more than torch's."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = x @ w.t()
+        while time.perf_counter() - start < self.delay:
+            pass
+        return out
+
+
+def test_the_measurement_picks_the_faster_product() -> None:
+    """kernel_beats_blas: a product that returns at once beats torch's; one that takes 50 ms more does not."""
+
+    class Instant:
+        def mm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert dense_kernel.kernel_beats_blas(Instant())
+    assert not dense_kernel.kernel_beats_blas(_Timed(0.05))
+
+
+@needs_kernel
+def test_the_machine_is_measured_once() -> None:
+    first = dense_kernel.prefills()
+    assert dense_kernel.prefills() is first and dense_kernel.takes(dense_kernel.SMALL_N)
+    assert dense_kernel.takes(dense_kernel.SMALL_N + 1) is first

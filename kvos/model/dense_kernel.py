@@ -2,38 +2,64 @@
 
 ``mm(x, w, c)`` computes ``c + x @ w.T`` for x float32 [n, K] and a dense weight w float32 [N, K] (torch's own
 [out, in] layout, rows contiguous), c float32 [n, N], [N] (a bias) or empty. Each weight row is read from
-memory once for all of x's rows: tiles of 4 activation rows by 3 weight rows keep 12 running sums in AVX2
-registers, and a block of 15 weight rows stays in cache while every group of 4 activation rows passes over it;
-the last pass over a block prefetches the next one, so with more than 4 rows the weights stream in from memory
-while the other passes compute (8 rows: 10-18% less time than without, measured on the 0.5B shape).
-A decode step is bound by reading the weights, so 8 sequences in one step cost about 2x one sequence here,
-where the float32 BLAS on a 2-core CPU (MKL) costs 4-6x for 8 rows (docs/benchmarks.md). Rows beyond
-:data:`SMALL_N` (prefill) go to torch's matmul. Portable loops replace the intrinsics on a CPU without
-AVX2/FMA. Compiled on first use (:func:`kvos.extensions.build`); without it torch computes the same products.
+memory once for all of x's rows: tiles of 4 activation rows by 6 weight rows keep 24 running sums in 512-bit
+registers (AVX-512; 4 by 3 in 256-bit ones on an AVX2 CPU), and a block of about 64 KB of weight rows stays in
+cache while every group of 4 activation rows passes over it. Each pass over a block asks for its share of the
+next block's columns, so with more than 4 rows the weights stream in from memory while the passes compute.
+An 8-row step's products over Qwen2.5-0.5B's shape: 59 ms where 4 x 3 AVX2 tiles prefetching in the last pass
+only took 70 (one row: 49-53), two threads of an AMD EPYC Zen 5 (docs/benchmarks.md). The kernel takes up to
+:data:`SMALL_N` rows, and prefill slices :data:`CHUNK_N` rows at a time where it beat the BLAS on this machine
+(:func:`prefills`); otherwise they go to torch's matmul. Portable loops replace the intrinsics on a CPU
+without AVX2/FMA. Compiled on first use (:func:`kvos.extensions.build`); without it torch computes the same
+products. The weights should start on a cache line (:func:`kvos.model.linear.cache_aligned`): 512-bit loads
+across two lines made 8 rows over a 151,936-row head 1.3x slower.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 from kvos.extensions import build
 
-SMALL_N = 32  # the most activation rows the kernel takes: above it the BLAS is as fast (measured)
+SMALL_N = 32  # the kernel always takes up to this many activation rows: faster than the BLAS on every CPU
+CHUNK_N = 256  # more rows (a prefill, where the kernel beat the BLAS here) are multiplied this many at a time
+PROBE_ROWS, PROBE_IN, PROBE_OUT = 128, 896, 2304  # the measurement: a prefill slice of a 0.5B model's shape
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && !defined(KVOS_PORTABLE)
+#include <immintrin.h>
+#define KVOS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(KVOS_PORTABLE)
 #include <immintrin.h>
 #define KVOS_AVX2 1
 #endif
 
-constexpr int64_t ROWS = 4;    // activation rows per tile
-constexpr int64_t COLS = 3;    // weight rows per tile
-constexpr int64_t BLOCK = 15;  // weight rows kept in cache while every activation row passes (COLS | BLOCK)
+constexpr int64_t ROWS = 4;  // activation rows per tile
+#if KVOS_AVX512
+constexpr int64_t COLS = 6;  // weight rows per tile: 24 running sums of 32 registers
+#else
+constexpr int64_t COLS = 3;  // weight rows per tile: 12 running sums of 16 registers
+#endif
+constexpr int64_t BLOCK_BYTES = 64 * 1024;  // weight rows kept in cache while every activation row passes
+
+// The weight rows of a block: about BLOCK_BYTES of them, a whole number of tiles.
+static inline int64_t block_rows(int64_t K) {
+  return std::max<int64_t>(1, BLOCK_BYTES / (4 * K * COLS)) * COLS;
+}
+
+// Which weights a tile asks for ahead: those `ahead` floats further on, columns [k0, k1) of its rows.
+struct Ahead {
+  int64_t ahead = 0, k0 = 0, k1 = 0;
+};
 
 // One output: x[0:K] . w[0:K], from k on (the tail the vector loop left).
 static inline float dot_from(const float* x, const float* w, int64_t k, int64_t K, float acc) {
@@ -41,31 +67,45 @@ static inline float dot_from(const float* x, const float* w, int64_t k, int64_t 
   return acc;
 }
 
-#if KVOS_AVX2
-static inline float hsum(__m256 v) {
+#if KVOS_AVX512 || KVOS_AVX2
+#if KVOS_AVX512
+using Vec = __m512;
+constexpr int64_t LANES = 16;
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+using Vec = __m256;
+constexpr int64_t LANES = 8;
+static inline Vec vzero() { return _mm256_setzero_ps(); }
+static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float hsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(s);
 }
+#endif
 
-// o[j * N + c] = x_j . w_c for R activation rows (stride K) and C weight rows (stride K).
+// o[j * N + c] = x_j . w_c for R activation rows (stride K) and C weight rows (stride K), asking for the
+// weights `pre` names a cache line at a time.
 template <int R, int C>
-static inline void tile(const float* x, const float* w, int64_t K, float* o, int64_t N,
-                        int64_t ahead = 0) {
-  __m256 acc[R][C];
+static inline void tile(const float* x, const float* w, int64_t K, float* o, int64_t N, Ahead pre) {
+  Vec acc[R][C];
   for (int j = 0; j < R; ++j)
-    for (int c = 0; c < C; ++c) acc[j][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[j][c] = vzero();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    if (ahead && (k & 15) == 0)
+  for (; k + LANES <= K; k += LANES) {
+    if (pre.ahead && (k & 15) == 0 && k >= pre.k0 && k < pre.k1)
       for (int c = 0; c < C; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(w + ahead + c * K + k), _MM_HINT_T0);
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
+        _mm_prefetch(reinterpret_cast<const char*>(w + pre.ahead + c * K + k), _MM_HINT_T0);
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(w + c * K + k);
     for (int j = 0; j < R; ++j) {
-      const __m256 xv = _mm256_loadu_ps(x + j * K + k);
-      for (int c = 0; c < C; ++c) acc[j][c] = _mm256_fmadd_ps(wv[c], xv, acc[j][c]);
+      const Vec xv = vload(x + j * K + k);
+      for (int c = 0; c < C; ++c) acc[j][c] = vfma(wv[c], xv, acc[j][c]);
     }
   }
   for (int j = 0; j < R; ++j)
@@ -73,8 +113,7 @@ static inline void tile(const float* x, const float* w, int64_t K, float* o, int
 }
 #else
 template <int R, int C>
-static inline void tile(const float* x, const float* w, int64_t K, float* o, int64_t N,
-                        int64_t ahead = 0) {
+static inline void tile(const float* x, const float* w, int64_t K, float* o, int64_t N, Ahead) {
   for (int j = 0; j < R; ++j)
     for (int c = 0; c < C; ++c) o[j * N + c] = dot_from(x + j * K, w + c * K, 0, K, 0.0f);
 }
@@ -83,28 +122,33 @@ static inline void tile(const float* x, const float* w, int64_t K, float* o, int
 // Outputs [i0, i1) of R activation rows (stride K) starting at x, into o (row stride N).
 template <int R>
 static void rows_of(const float* x, int64_t K, const float* w, float* o, int64_t N, int64_t i0, int64_t i1,
-                    int64_t ahead) {
+                    Ahead pre) {
   int64_t i = i0;
-  for (; i + COLS <= i1; i += COLS) tile<R, COLS>(x, w + i * K, K, o + i, N, ahead);
-  for (; i < i1; ++i) tile<R, 1>(x, w + i * K, K, o + i, N, ahead);
+  for (; i + COLS <= i1; i += COLS) tile<R, COLS>(x, w + i * K, K, o + i, N, pre);
+  for (; i < i1; ++i) tile<R, 1>(x, w + i * K, K, o + i, N, pre);
 }
 
 // Outputs [i0, i1) of every activation row, a block of weight rows at a time.
 static void rows(const float* x, int64_t n, int64_t K, const float* w, float* o, int64_t N, int64_t i0,
                  int64_t i1) {
+  const int64_t BLOCK = block_rows(K);
   for (int64_t b0 = i0; b0 < i1; b0 += BLOCK) {
     const int64_t b1 = std::min(i1, b0 + BLOCK);
+    const int64_t passes = (n + ROWS - 1) / ROWS;
     for (int64_t j = 0; j < n; j += ROWS) {
       const float* xj = x + j * K;
       float* oj = o + j * N;
-      // the last pass over this block brings the next block's rows in: the memory is read while the
-      // other passes compute, not after them
-      const int64_t ahead = (j + ROWS >= n && b1 + BLOCK <= i1) ? BLOCK * K : 0;
+      // each pass over this block brings in its share of the next block's columns: the memory is read
+      // all the time the passes compute
+      const int64_t p = j / ROWS;
+      Ahead pre;
+      if (b1 + BLOCK <= i1) pre = {BLOCK * K, K * p / passes / 16 * 16, K * (p + 1) / passes / 16 * 16};
+      if (p + 1 == passes) pre.k1 = K;
       switch (std::min(ROWS, n - j)) {
-        case 1: rows_of<1>(xj, K, w, oj, N, b0, b1, ahead); break;
-        case 2: rows_of<2>(xj, K, w, oj, N, b0, b1, ahead); break;
-        case 3: rows_of<3>(xj, K, w, oj, N, b0, b1, ahead); break;
-        default: rows_of<ROWS>(xj, K, w, oj, N, b0, b1, ahead); break;
+        case 1: rows_of<1>(xj, K, w, oj, N, b0, b1, pre); break;
+        case 2: rows_of<2>(xj, K, w, oj, N, b0, b1, pre); break;
+        case 3: rows_of<3>(xj, K, w, oj, N, b0, b1, pre); break;
+        default: rows_of<ROWS>(xj, K, w, oj, N, b0, b1, pre); break;
       }
     }
   }
@@ -120,7 +164,7 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  const int64_t BLOCK = block_rows(K), blocks = (N + BLOCK - 1) / BLOCK;
   at::parallel_for(0, blocks, 1, [&](int64_t p0, int64_t p1) {
     rows(xp, n, K, wp, op, N, p0 * BLOCK, std::min(N, p1 * BLOCK));
   });
@@ -133,4 +177,64 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_dense_v3", _SOURCE, ["mm"], ["-O3", "-march=native"], "torch's matmul")
+    return build("kvos_dense_v4", _SOURCE, ["mm"], ["-O3", "-march=native"], "torch's matmul")
+
+
+def takes(n: int) -> bool:
+    """Whether a product of ``n`` float32 activation rows goes to the kernel (else torch's matmul)."""
+    return n <= SMALL_N or prefills()
+
+
+@functools.cache
+def prefills() -> bool:
+    """Whether products of more than :data:`SMALL_N` rows (prefill slices) go to the kernel here: when it
+    beat torch's matmul on a probe measured once a process (:func:`kernel_beats_blas`). On an AMD EPYC (Zen
+    5, AVX-512) the 512-bit tiles run 1.2-1.7x torch's BLAS (its AVX2 code on an AMD CPU) from 32 to 2,048
+    rows taken :data:`CHUNK_N` at a time; the AVX2 tiles are level with it from 128 rows
+    (docs/benchmarks.md)."""
+    module = kernel()
+    return module is not None and kernel_beats_blas(module)
+
+
+def product(module: Any, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``module.mm(x, w, c)`` over x's rows :data:`CHUNK_N` at a time (c [n, N] cut alike, [N] or empty
+    whole): a chunk's activations stay in cache while a block of weight rows passes them, where 1,024 rows
+    of 4,864 values would not (68 against 127 G multiply-adds a second)."""
+    n = x.shape[0]
+    if n <= CHUNK_N:
+        return module.mm(x, w, c)
+    rows = c.dim() == 2
+    return torch.cat(
+        [module.mm(x[i : i + CHUNK_N], w, c[i : i + CHUNK_N] if rows else c) for i in range(0, n, CHUNK_N)]
+    )
+
+
+def kernel_beats_blas(module: Any) -> bool:
+    """True when ``module.mm`` took at most 0.9x torch's matmul on a [PROBE_ROWS, PROBE_IN] @
+    [PROBE_OUT, PROBE_IN].T product (best of five each, alternated, weights and activations warm)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(PROBE_ROWS, PROBE_IN, generator=g), torch.randn(PROBE_OUT, PROBE_IN, generator=g)
+    empty = torch.empty(0)
+    best = {"kernel": float("inf"), "blas": float("inf")}
+    for _ in range(5):
+        for name in best:
+            start = time.perf_counter()
+            if name == "kernel":
+                module.mm(x, w, empty)
+            else:
+                F.linear(x, w)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best["kernel"] <= 0.9 * best["blas"]
+
+
+@functools.cache
+def avx2_kernel() -> Any | None:
+    """The kernel this CPU builds without AVX-512 (an AVX2 CPU's path, e.g. AMD Zen 3), for tests."""
+    flags = ["-O3", "-march=native", "-mno-avx512f"]
+    return build("kvos_dense_avx2_v4", _SOURCE, ["mm"], flags, "torch's matmul")
+
+
+@functools.cache
+def portable_kernel() -> Any | None:
+    """The kernel built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
+    return build("kvos_dense_portable_v4", _SOURCE, ["mm"], ["-O3", "-DKVOS_PORTABLE"], "torch's matmul")

@@ -3,9 +3,10 @@
 have different types).
 
 Both are kept as torch lays them out, [out, in], rows contiguous. A dense projection of a few activation rows
-(a decode step, batched or not: at most :data:`~kvos.model.dense_kernel.SMALL_N`) in float32 runs on
-:mod:`kvos.model.dense_kernel`, which reads each weight row once for all rows; more rows (prefill), other
-dtypes or no compiled kernel go to torch's matmul (``F.linear`` / ``addmm`` with the weight transposed, a
+(a decode step, batched or not: at most :data:`~kvos.model.dense_kernel.SMALL_N`; a prefill slice too where
+the kernel beat the BLAS on this machine, :func:`~kvos.model.dense_kernel.prefills`) in float32 runs on
+:mod:`kvos.model.dense_kernel`, which reads each weight row once for all rows; more rows, other dtypes or no
+compiled kernel go to torch's matmul (``F.linear`` / ``addmm`` with the weight transposed, a
 flag for the BLAS, no copy). A quantized one computes the same products through
 :meth:`QuantizedWeight.mm` / :meth:`QuantizedWeight.addmm`. The functions here are all the transformer needs
 to stay indifferent to which one it holds.
@@ -116,12 +117,24 @@ def _dense(c: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor) -> torch.Te
     """c (or None) + x [n, in] @ w [out, in].T: the kernel for a few float32 rows on the CPU, else torch."""
     kernel = dense_kernel.kernel()
     n, out = x.shape[0], w.shape[0]
-    small = n <= dense_kernel.SMALL_N and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
-    if kernel is not None and small and w.is_contiguous():
+    floats = x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.is_contiguous()
+    if kernel is not None and floats and dense_kernel.takes(n):
         fits = c is not None and c.dtype == torch.float32 and c.shape in ((n, out), (out,))
-        result = kernel.mm(x.contiguous(), w, c.contiguous() if fits and c is not None else _EMPTY)
+        result = dense_kernel.product(
+            kernel, x.contiguous(), w, c.contiguous() if fits and c is not None else _EMPTY
+        )
         return result if c is None or fits else result + c
     return F.linear(x, w) if c is None else torch.addmm(c, x, w.t())
+
+
+def cache_aligned(w: Weight) -> Weight:
+    """w, or a copy of it that starts on a 64-byte cache line when a dense CPU tensor does not (a file's
+    memory map, numpy's allocations at 16 bytes past a page): a 512-bit load of a row that does not start on a
+    line reads two lines, and a decode step of 8 rows over Qwen2.5-0.5B's shape took 1.3x as long in the
+    products whose weights were 16 bytes off (docs/benchmarks.md). Quantized weights stay as they are."""
+    if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.data_ptr() % 64 != 0:
+        return w.clone(memory_format=torch.contiguous_format) if w.is_contiguous() else w
+    return w
 
 
 def fuse(rows: Sequence[Weight]) -> Weight:

@@ -16,7 +16,7 @@ from kvos.engine.constraint import Constraint, Grammar, check_grammar, closed
 from kvos.errors import ConfigError
 from kvos.model.llama2c_tokenizer import Llama2cTokenizer
 from kvos.model.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from kvos.model.vocab import vocab_of
+from kvos.model.vocab import byte_level_alphabet, byte_level_bytes, vocab_of
 from kvos.server.reply import parse_reply
 
 TEXT = 'Héllo wörld: {"a": [1, 2.5]} — 你好 🙂\n\ttabs'
@@ -79,6 +79,24 @@ def test_token_bytes_spell_the_encoded_text(tok: Tokenizer) -> None:
     spelled = b"".join(vocab.pieces[i] for i in ids)
     assert spelled.removeprefix(b" ") == TEXT.encode()  # SentencePiece and llama2.c prepend one space
     assert set(tok.eos_ids) <= vocab.special and all(vocab.pieces[i] == b"" for i in vocab.special)
+
+
+def test_byte_level_pieces_spell_their_bytes() -> None:
+    """byte_level_bytes (two str.translate calls) against its definition, a character at a time: every piece
+    of the built-in model's vocabulary, each of the 256 stand-ins, and strings with a character outside the
+    alphabet (a space, DEL, a soft hyphen, CJK, U+0100 after stand-ins), which are spelled as UTF-8."""
+    alphabet = byte_level_alphabet()
+
+    def by_definition(piece: str) -> bytes:
+        if all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return piece.encode()
+
+    backend = load_tokenizer(MODEL_DIR).backend  # type: ignore[attr-defined]
+    pieces = [*backend.get_vocab(with_added_tokens=True), *alphabet, "".join(alphabet)]
+    pieces += ["", " ", "a b", "\x00", "\x7f", "\u0120\xad", "日本", "\u0120\u0120\u0100", "caf\u00e9"]
+    assert [byte_level_bytes(p) for p in pieces] == [by_definition(p) for p in pieces]
+    assert byte_level_bytes("\u0120the") == b" the" and byte_level_bytes("\u010a") == b"\n"
 
 
 def walk(tok: Tokenizer, grammar: Grammar, seed: int, vocab: int) -> str:

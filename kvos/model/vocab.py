@@ -50,12 +50,21 @@ def byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-def byte_level_bytes(piece: str) -> bytes:
-    """The bytes of a byte-level BPE vocabulary string (e.g. ``"Ġthe"`` -> ``b" the"``)."""
+@lru_cache(maxsize=1)
+def _byte_level_tables() -> tuple[dict[int, str], dict[int, None]]:
+    """str.translate tables: each stand-in character to the Latin-1 character of its byte, and to nothing."""
     alphabet = byte_level_alphabet()
-    if all(c in alphabet for c in piece):
-        return bytes(alphabet[c] for c in piece)
-    return piece.encode()
+    return {ord(c): chr(b) for c, b in alphabet.items()}, dict.fromkeys(map(ord, alphabet))
+
+
+def byte_level_bytes(piece: str) -> bytes:
+    """The bytes of a byte-level BPE vocabulary string (e.g. ``"Ġthe"`` -> ``b" the"``); a string with a
+    character outside the alphabet, as UTF-8. Two ``str.translate`` calls, a few times faster than a loop
+    over the characters (a 151,936-token vocabulary is spelled when a request first asks for logprobs)."""
+    to_bytes, drop = _byte_level_tables()
+    if piece.translate(drop):
+        return piece.encode()
+    return piece.translate(to_bytes).encode("latin-1")
 
 
 def sentencepiece_bytes(piece: str) -> bytes:
@@ -76,8 +85,9 @@ def _decoder_kinds(config: dict[str, Any] | None) -> set[str]:
 
 
 def hf_vocab(tok: tokenizers.Tokenizer) -> Vocab:
-    """The vocabulary of a Hugging Face tokenizer, read by the kind of its decoder."""
-    decoder = json.loads(tok.to_str()).get("decoder")
+    """The vocabulary of a Hugging Face tokenizer, read by the kind of its decoder (the decoder's own
+    serialisation: the whole tokenizer's, merges and all, took 0.38 s of Qwen2.5's 0.6)."""
+    decoder = None if tok.decoder is None else json.loads(tok.decoder.__getstate__())
     kinds = _decoder_kinds(decoder)
     spell: Callable[[str], bytes]
     if "ByteLevel" in kinds:

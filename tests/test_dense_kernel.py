@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvos.engine.threads import on_passing_thread
 from kvos.model import dense_kernel
 from kvos.model.linear import addmm, cache_aligned, logits, matmul
 from kvos.model.loader import load_model
 from kvos.model.quant import QuantizedWeight
 from kvos.model.random_init import build_random_model
+from kvos.server.main import prepare_kernels
 
 KERNEL = dense_kernel.kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the dense kernel could not be built here")
@@ -168,3 +170,13 @@ def test_the_machine_is_measured_once() -> None:
     first = dense_kernel.prefills()
     assert dense_kernel.prefills() is first and dense_kernel.takes(dense_kernel.SMALL_N)
     assert dense_kernel.takes(dense_kernel.SMALL_N + 1) is first
+
+
+def test_serve_measures_the_prefill_product_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """kvos serve's start-up (on its set-up thread, with the passes' threads) measures which product
+    prefills here and says so, so the first prefill's step does not pay for the measurement."""
+    on_passing_thread(lambda: prepare_kernels(threads=2))
+    err = capsys.readouterr().err
+    assert "[kvos] float32 prefill products: " in err
+    assert dense_kernel.prefills.cache_info().currsize == 1
+    assert ("the dense kernel" in err) == dense_kernel.prefills()

@@ -18,7 +18,7 @@ import torch
 from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.engine.kv_dtype import add_kv_dtype_argument, kv_dtype_name, parse_kv_dtype
-from kvos.engine.threads import on_passing_thread, single_threaded_default
+from kvos.engine.threads import on_passing_thread, set_thread_count, single_threaded_default
 from kvos.engine.window_option import add_window_margin_argument, parse_window_margin
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.heap import limit_heap_arenas
@@ -369,7 +369,8 @@ def build_service(args: argparse.Namespace) -> ChatService:
             file=sys.stderr,
         )
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
-    prepare_kernels(delta_nets=bool(model.config.linear_layers))
+    threads = args.threads or torch.get_num_threads()
+    prepare_kernels(delta_nets=bool(model.config.linear_layers), threads=threads)
     name = args.served_model_name or model_name(path)
     return ChatService(
         manager,
@@ -387,7 +388,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
             max_running=args.max_running,
             step_tokens=args.step_tokens,
             stall=args.stall or None,
-            threads=args.threads or torch.get_num_threads(),
+            threads=threads,
         ),
         state,
     )
@@ -438,11 +439,12 @@ def open_state(
     return state
 
 
-def prepare_kernels(delta_nets: bool = False) -> None:
+def prepare_kernels(delta_nets: bool = False, threads: int | None = None) -> None:
     """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode
     attention, the steps between a layer's products, the dense, quantized and GGUF block products, and for
     a model with ``delta_nets`` (Qwen3.5) their decode steps; say so when it takes a while (the first start
-    compiles them, about 30 s each)."""
+    compiles them, about 30 s each). Then which product is faster for float32 prefills here, measured with
+    the forward passes' ``threads`` (:func:`kvos.model.dense_kernel.prefills`)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
     kernels = [
         ("restore", fused.kernel, "restores use the eager path"),
@@ -458,6 +460,10 @@ def prepare_kernels(delta_nets: bool = False) -> None:
         began = time.perf_counter()
         state = "ready" if build() is not None else f"unavailable: {fallback}"
         print(f"[kvos] {name} kernel {state} ({time.perf_counter() - began:.1f} s)", file=sys.stderr)
+    if threads is not None:
+        set_thread_count(threads)  # this setup thread's own: it ends after the set-up
+    prefill = "the dense kernel" if dense_kernel.prefills() else "torch's matmul"
+    print(f"[kvos] float32 prefill products: {prefill} (the faster here)", file=sys.stderr)
 
 
 def bind(host: str, port: int) -> socket.socket:

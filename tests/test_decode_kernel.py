@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,15 @@ from kvos.model.loader import load_model
 WHOLE = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.int64))  # no tokens kept per KV head
 
 pytestmark = pytest.mark.skipif(decode_kernel.kernel() is None, reason="no C++ compiler for the kernel")
+
+
+@pytest.fixture(params=sorted(decode_kernel.BUILDS))
+def module(request: pytest.FixtureRequest) -> Any:
+    """This CPU's build (AVX2/FMA/F16C where it has them) and the portable one (a CPU without them)."""
+    built = decode_kernel.BUILDS[request.param]()
+    if built is None:
+        pytest.skip(f"the decode kernel's {request.param} build could not be made here")
+    return built
 
 
 def reference(
@@ -47,13 +57,17 @@ def reference(
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 8), (6, 1, 64), (3, 3, 12), (14, 2, 64)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_kernel_equals_float64_attention(heads: int, kv_heads: int, dim: int, window: int) -> None:
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16])
+def test_kernel_equals_float64_attention(
+    module: Any, heads: int, kv_heads: int, dim: int, window: int, pool: torch.dtype
+) -> None:
     """Sequences of 1, 9, 40 and 3 keys padded to 40, scattered over 300 slots, keys at gapped positions
-    (an evicted chunk leaves a gap), one key past the query (a padded or future key is never seen)."""
+    (an evicted chunk leaves a gap), one key past the query (a padded or future key is never seen); a
+    float32 and a float16 pool."""
     g = torch.Generator().manual_seed(heads * 100 + dim + window)
     num_slots, lengths = 300, [1, 9, 40, 3]
-    k = torch.randn(num_slots, kv_heads, dim, generator=g)
-    v = torch.randn(num_slots, kv_heads, dim, generator=g)
+    k = torch.randn(num_slots, kv_heads, dim, generator=g).to(pool)
+    v = torch.randn(num_slots, kv_heads, dim, generator=g).to(pool)
     q = torch.randn(len(lengths), heads, dim, generator=g)
     longest = max(lengths)
     slots = torch.zeros(len(lengths), longest, dtype=torch.int64)
@@ -66,8 +80,6 @@ def test_kernel_equals_float64_attention(heads: int, kv_heads: int, dim: int, wi
         kpos[b, n:] = positions[b] + 1
     kpos[3, 0] = positions[3] + 2  # a key past the query: not seen
     probs = torch.full((len(lengths), heads, longest), -1.0)
-    module = decode_kernel.kernel()
-    assert module is not None
     out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, window, probs, *WHOLE)
     for b, n in enumerate(lengths):
         expected, expected_probs = reference(
@@ -85,9 +97,7 @@ def test_kernel_equals_float64_attention(heads: int, kv_heads: int, dim: int, wi
     assert torch.equal(again, out)
 
 
-def test_kernel_refuses_slots_outside_the_pool() -> None:
-    module = decode_kernel.kernel()
-    assert module is not None
+def test_kernel_refuses_slots_outside_the_pool(module: Any) -> None:
     k = torch.zeros(10, 1, 8)
     slots = torch.tensor([[3, 10]])
     with pytest.raises(RuntimeError, match="slot is out of range"):

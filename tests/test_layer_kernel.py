@@ -6,6 +6,7 @@ kernels the logits and captured attention of the eager path."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,24 +21,33 @@ pytestmark = pytest.mark.skipif(layer_kernel.kernel() is None, reason="no C++ co
 EMPTY = torch.empty(0)
 
 
+@pytest.fixture(params=sorted(layer_kernel.BUILDS))
+def module(request: pytest.FixtureRequest) -> Any:
+    """This CPU's build (AVX2/FMA where it has them) and the portable one (a CPU without them)."""
+    built = layer_kernel.BUILDS[request.param]()
+    if built is None:
+        pytest.skip(f"the layer kernel's {request.param} build could not be made here")
+    return built
+
+
 @pytest.mark.parametrize(("n", "d"), [(1, 576), (3, 37), (40, 896)])
-def test_rms_norm_equals_float64(n: int, d: int) -> None:
+def test_rms_norm_equals_float64(module: Any, n: int, d: int) -> None:
     """Within a few float32 roundings of float64 (rows of 1 and 40: one thread and several)."""
     g = torch.Generator().manual_seed(n * d)
     x, w = 3 * torch.randn(n, d, generator=g), torch.randn(d, generator=g)
-    got = layer_kernel.module().rms_norm(x, w, 1e-6)
+    got = module.rms_norm(x, w, 1e-6)
     x64 = x.double()
     expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     assert ((got.double() - expected).abs() <= 1e-6 * expected.abs() + 1e-12).all()
 
 
 @pytest.mark.parametrize(("n", "inter"), [(1, 1536), (2, 13), (33, 64)])
-def test_silu_mul_equals_float64(n: int, inter: int) -> None:
+def test_silu_mul_equals_float64(module: Any, n: int, inter: int) -> None:
     """silu(gate) * up within a few float32 roundings, gates of -90 and 90 (the exponential clamps) too."""
     g = torch.Generator().manual_seed(n + inter)
     gate_up = 4 * torch.randn(n, 2 * inter, generator=g)
     gate_up[0, 0], gate_up[0, 1] = 90.0, -90.0
-    got = layer_kernel.module().silu_mul(gate_up)
+    got = module.silu_mul(gate_up)
     gate, up = gate_up.double().chunk(2, dim=-1)
     expected = gate * torch.sigmoid(gate) * up
     assert got.shape == (n, inter)
@@ -66,7 +76,7 @@ def _eager(
 
 @pytest.mark.parametrize("kind", ["plain", "bias", "qk_norm"])
 @pytest.mark.parametrize("n", [1, 3, 37])
-def test_qkv_step_equals_the_eager_ops_and_writes_its_slots(kind: str, n: int) -> None:
+def test_qkv_step_equals_the_eager_ops_and_writes_its_slots(module: Any, kind: str, n: int) -> None:
     """q, k, v as the eager ops give them (bit-identical without per-head norms: the same roundings), k and
     v in the pool at the rows' slots, every other slot's bytes unchanged."""
     heads, kv_heads, dim, slots_total = 6, 2, 64, 50
@@ -82,7 +92,7 @@ def test_qkv_step_equals_the_eager_ops_and_writes_its_slots(kind: str, n: int) -
     slots = torch.randperm(slots_total, generator=g)[:n]
     q_ref, k_ref, v_ref = _eager(qkv, bias, norms_used, cos, sin, heads, kv_heads)
     work = qkv.clone()
-    layer_kernel.module().qkv_step(
+    module.qkv_step(
         work,
         EMPTY if bias is None else bias,
         EMPTY if norms_used is None else norms[0],
@@ -109,13 +119,13 @@ def test_qkv_step_equals_the_eager_ops_and_writes_its_slots(kind: str, n: int) -
     assert torch.equal(k_slab[others], before_k[others]) and torch.equal(v_slab[others], before_v[others])
 
 
-def test_a_slot_out_of_range_is_refused_before_any_write() -> None:
+def test_a_slot_out_of_range_is_refused_before_any_write(module: Any) -> None:
     heads, kv_heads, dim = 2, 1, 8
     qkv = torch.randn(3, (heads + 2 * kv_heads) * dim)
     cos, sin = Rope(dim, 10000.0).cos_sin(torch.arange(3), torch.float32, torch.device("cpu"))
     k_slab, v_slab = torch.zeros(10, kv_heads, dim), torch.zeros(10, kv_heads, dim)
     with pytest.raises(RuntimeError, match="slot 10 is out of range"):
-        layer_kernel.module().qkv_step(
+        module.qkv_step(
             qkv,
             EMPTY,
             EMPTY,

@@ -26,10 +26,8 @@ def test_chunk_masses_hand_computed() -> None:
     torch.testing.assert_close(chunk_masses(probs, list(np.array([0, 1, 4]))), torch.tensor([0.25, 0.75]))
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
-def test_a_decode_steps_masses_from_its_captured_layers(
-    kernel: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("kernel", ["native", "portable", "numpy"])
+def test_a_decode_steps_masses_from_its_captured_layers(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a session observes each decoded token: the captured layers' rows (views of the decode kernel's
     [B, H, T_max] probabilities, rows apart) stacked, as chunk_masses of their concatenation gives them,
     from the decode kernel's chunk_masses and from the numpy path alike; bad boundaries are SignalErrors
@@ -37,10 +35,10 @@ def test_a_decode_steps_masses_from_its_captured_layers(
     from kvos.model import decode_kernel
     from kvos.policy.attention import chunk_mass_list
 
-    if kernel and decode_kernel.kernel() is None:
-        pytest.skip("the decode kernel is not built here (KVOS_NO_EXTENSIONS or no compiler)")
-    if not kernel:
-        monkeypatch.setattr(decode_kernel, "kernel", lambda: None)
+    built = None if kernel == "numpy" else decode_kernel.BUILDS[kernel]()
+    if kernel != "numpy" and built is None:
+        pytest.skip(f"the decode kernel's {kernel} build is not made here (no compiler, or disabled)")
+    monkeypatch.setattr(decode_kernel, "kernel", lambda: built)
     g = torch.Generator().manual_seed(3)
     step = torch.softmax(torch.randn(3, 9, 40, generator=g), dim=-1)  # [B, H, T_max]
     rows = [step[1, :, :31], step[2, :, :31], step[0, :, :31]]  # three layers' rows of a 31-token sequence

@@ -191,6 +191,16 @@ def require_kernel() -> None:
         )
 
 
+@pytest.fixture(params=sorted(fused.BUILDS))
+def fused_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore kernel as this CPU builds it (AVX/F16C where it has them) and its portable build (a CPU
+    without them), put in place of :func:`fused.kernel` for the test."""
+    built = fused.BUILDS[request.param]()
+    if built is None:
+        pytest.skip(f"the restore kernel's {request.param} build could not be made here")
+    monkeypatch.setattr(fused, "kernel", lambda: built)
+
+
 def saved_segment(
     model_dir: Path, kv_dtype: torch.dtype | None = None
 ) -> tuple[Engine, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -262,6 +272,7 @@ def test_rotate_into_is_rotate() -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("shift", "fragmented"), [(0, False), (40, False), (40, True)])
+@pytest.mark.usefixtures("fused_build")
 def test_fused_restore_kernel_equals_the_eager_path(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, shift: int, fragmented: bool, kv_dtype: torch.dtype
 ) -> None:
@@ -290,6 +301,7 @@ def test_fused_restore_kernel_equals_the_eager_path(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [16, 24])  # 24: no whole AVX lanes per half, the scalar loop
+@pytest.mark.usefixtures("fused_build")
 def test_fused_kernel_streaming_stores_and_tables(head_dim: int, dtype: torch.dtype) -> None:
     """The kernel leaves the same bits with and without non-temporal stores, for scattered slots; its
     rotation tables equal Rope.half_rotation's bit for bit; its keys equal the eager rotation (float16:

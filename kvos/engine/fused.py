@@ -26,8 +26,9 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX__)
+#if defined(__AVX__) && !defined(KVOS_PORTABLE)
 #include <immintrin.h>
+#define KVOS_AVX 1
 #endif
 
 // One head's key row x [D] rotated into o [D] with the pair tables c, s [half]:
@@ -36,7 +37,7 @@ _SOURCE = r"""
 // 32-byte aligned and half % 8 == 0: AVX loads, non-temporal stores.
 static inline void rotate_head(float* o, const float* x, const float* c, const float* s, int64_t half,
                                bool stream) {
-#if defined(__AVX__)
+#if KVOS_AVX
   if (stream) {
     for (int64_t d = 0; d < half; d += 8) {
       const __m256 x1 = _mm256_loadu_ps(x + d), x2 = _mm256_loadu_ps(x + d + half);
@@ -59,7 +60,7 @@ static inline void rotate_head(float* o, const float* x, const float* c, const f
 // even once (as Tensor.to(torch.float16) rounds). With stream, o is 16-byte aligned and half % 8 == 0.
 static inline void rotate_head(c10::Half* o, const c10::Half* x, const float* c, const float* s, int64_t half,
                                bool stream) {
-#if defined(__AVX__) && defined(__F16C__)
+#if KVOS_AVX && defined(__F16C__)
   if (half % 8 == 0) {
     constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int64_t d = 0; d < half; d += 8) {
@@ -93,7 +94,7 @@ static inline void rotate_head(c10::Half* o, const c10::Half* x, const float* c,
 // bytes.
 template <typename E>
 static inline void copy_row(E* dst, const E* src, int64_t count, bool stream) {
-#if defined(__AVX__)
+#if KVOS_AVX
   if (stream) {
     const int64_t bytes = count * static_cast<int64_t>(sizeof(E));
     char* d = reinterpret_cast<char*>(dst);
@@ -210,7 +211,7 @@ static void rotate_write_as(torch::Tensor k, torch::Tensor v, torch::Tensor slot
     aligned = aligned && reinterpret_cast<std::uintptr_t>(dk[l]) % 32 == 0;
     aligned = aligned && reinterpret_cast<std::uintptr_t>(dv[l]) % 32 == 0;
   }
-#if defined(__AVX__)
+#if KVOS_AVX
   stream = stream && aligned;
 #else
   stream = false;
@@ -236,7 +237,7 @@ static void rotate_write_as(torch::Tensor k, torch::Tensor v, torch::Tensor slot
       }
       copy_row(dv[l] + sp[i] * row, vp + idx * row, row, stream);
     }
-#if defined(__AVX__)
+#if KVOS_AVX
     if (stream) _mm_sfence();  // this thread's non-temporal stores land before the pool is read
 #endif
   });
@@ -259,16 +260,24 @@ _EMPTY = torch.empty(0)
 STREAM_MIN_BYTES = 4 << 20  # restores this large write the pool with non-temporal stores
 
 
+FUNCTIONS = ["rotate_write", "pair_tables"]
+
+
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build(
-        "kvos_fused_restore_v6",
-        _SOURCE,
-        ["rotate_write", "pair_tables"],
-        ["-O3", "-march=native", "-ffp-contract=off"],
-        "the eager path",
-    )
+    flags = ["-O3", "-march=native", "-ffp-contract=off"]
+    return build("kvos_fused_restore_v6", _SOURCE, FUNCTIONS, flags, "the eager path")
+
+
+@functools.cache
+def portable_kernel() -> Any | None:
+    """The same functions built without SIMD intrinsics (a CPU without AVX/F16C), for tests."""
+    flags = ["-O3", "-DKVOS_PORTABLE", "-ffp-contract=off"]
+    return build("kvos_fused_restore_portable_v6", _SOURCE, FUNCTIONS, flags, "the eager path")
+
+
+BUILDS = {"native": kernel, "portable": portable_kernel}  # every build the tests force, by name
 
 
 def half_rotation(rope: Rope, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

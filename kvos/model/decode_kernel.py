@@ -60,7 +60,7 @@ _SOURCE = (
 #include <limits>
 #include <vector>
 #include <c10/util/Half.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVOS_PORTABLE)
 #include <immintrin.h>
 #define KVOS_AVX2 1
 #endif
@@ -376,16 +376,23 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 )
 
 
+FUNCTIONS = ["attend", "chunk_masses", "log_normaliser"]
+
+
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build(
-        "kvos_decode_v8",
-        _SOURCE,
-        ["attend", "chunk_masses", "log_normaliser"],
-        ["-O3", "-march=native"],
-        "the gathered attention",
-    )
+    return build("kvos_decode_v8", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
+
+
+@functools.cache
+def portable_kernel() -> Any | None:
+    """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA/F16C), for tests."""
+    flags = ["-O3", "-DKVOS_PORTABLE"]
+    return build("kvos_decode_portable_v8", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+
+
+BUILDS = {"native": kernel, "portable": portable_kernel}  # every build the tests force, by name
 
 
 def module() -> Any:

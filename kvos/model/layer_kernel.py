@@ -39,7 +39,7 @@ _SOURCE = (
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVOS_PORTABLE)
 #include <immintrin.h>
 #define KVOS_AVX2 1
 #endif
@@ -200,16 +200,24 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 )
 
 
+FUNCTIONS = ["rms_norm", "qkv_step", "silu_mul"]
+
+
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build(
-        "kvos_layer_v2",
-        _SOURCE,
-        ["rms_norm", "qkv_step", "silu_mul"],
-        ["-O3", "-march=native", "-ffp-contract=off"],
-        "eager torch ops between the products",
-    )
+    flags = ["-O3", "-march=native", "-ffp-contract=off"]
+    return build("kvos_layer_v2", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
+
+
+@functools.cache
+def portable_kernel() -> Any | None:
+    """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
+    flags = ["-O3", "-DKVOS_PORTABLE", "-ffp-contract=off"]
+    return build("kvos_layer_portable_v2", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
+
+
+BUILDS = {"native": kernel, "portable": portable_kernel}  # every build the tests force, by name
 
 
 def usable(x: torch.Tensor) -> bool:

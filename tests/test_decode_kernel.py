@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from hf_models import VARIANTS, build
+from kernel_builds import forced
 
 from kvos.engine.engine import Engine
 from kvos.model import decode_kernel
@@ -24,10 +25,7 @@ pytestmark = pytest.mark.skipif(decode_kernel.kernel() is None, reason="no C++ c
 @pytest.fixture(params=sorted(decode_kernel.BUILDS))
 def module(request: pytest.FixtureRequest) -> Any:
     """This CPU's build (AVX2/FMA/F16C where it has them) and the portable one (a CPU without them)."""
-    built = decode_kernel.BUILDS[request.param]()
-    if built is None:
-        pytest.skip(f"the decode kernel's {request.param} build could not be made here")
-    return built
+    return forced(decode_kernel.BUILDS, request.param, "the decode kernel")
 
 
 def reference(

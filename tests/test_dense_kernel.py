@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from kernel_builds import forced
 
 from kvos.engine.threads import on_passing_thread
 from kvos.model import dense_kernel
@@ -20,19 +21,11 @@ from kvos.server.main import prepare_kernels
 
 KERNEL = dense_kernel.kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the dense kernel could not be built here")
-BUILDS = {
-    "native": dense_kernel.kernel,
-    "avx2": dense_kernel.avx2_kernel,
-    "portable": dense_kernel.portable_kernel,
-}
 
 
-@pytest.fixture(params=sorted(BUILDS))
+@pytest.fixture(params=sorted(dense_kernel.BUILDS))
 def build(request: pytest.FixtureRequest) -> Any:
-    module = BUILDS[request.param]()
-    if module is None:
-        pytest.skip(f"the dense kernel's {request.param} build could not be made here")
-    return module
+    return forced(dense_kernel.BUILDS, request.param, "the dense kernel")
 
 
 def _exact(c: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from engine_runs import mixed_run
 from hf_models import VARIANTS, build
+from kernel_builds import forced
 
 from kvos.model import layer_kernel
 from kvos.model.rope import Rope
@@ -24,10 +25,7 @@ EMPTY = torch.empty(0)
 @pytest.fixture(params=sorted(layer_kernel.BUILDS))
 def module(request: pytest.FixtureRequest) -> Any:
     """This CPU's build (AVX2/FMA where it has them) and the portable one (a CPU without them)."""
-    built = layer_kernel.BUILDS[request.param]()
-    if built is None:
-        pytest.skip(f"the layer kernel's {request.param} build could not be made here")
-    return built
+    return forced(layer_kernel.BUILDS, request.param, "the layer kernel")
 
 
 @pytest.mark.parametrize(("n", "d"), [(1, 576), (3, 37), (40, 896)])

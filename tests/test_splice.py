@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import build
+from kernel_builds import forced
 
 import kvos.engine.engine as engine_module
 from kvos.engine import fused
@@ -195,9 +196,7 @@ def require_kernel() -> None:
 def fused_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The restore kernel as this CPU builds it (AVX/F16C where it has them) and its portable build (a CPU
     without them), put in place of :func:`fused.kernel` for the test."""
-    built = fused.BUILDS[request.param]()
-    if built is None:
-        pytest.skip(f"the restore kernel's {request.param} build could not be made here")
+    built = forced(fused.BUILDS, request.param, "the restore kernel")
     monkeypatch.setattr(fused, "kernel", lambda: built)
 
 

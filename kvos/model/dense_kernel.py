@@ -238,3 +238,6 @@ def avx2_kernel() -> Any | None:
 def portable_kernel() -> Any | None:
     """The kernel built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
     return build("kvos_dense_portable_v4", _SOURCE, ["mm"], ["-O3", "-DKVOS_PORTABLE"], "torch's matmul")
+
+
+BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

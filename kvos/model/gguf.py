@@ -37,7 +37,7 @@ from kvos.model.gguf_config import (
 from kvos.model.gguf_kernel import TYPE_IDS
 from kvos.model.gguf_reader import GGUFFile, TensorInfo, read_gguf_file
 from kvos.model.gguf_weight import GGUFWeight
-from kvos.model.linear import Weight
+from kvos.model.linear import Weight, cache_aligned
 from kvos.model.quant import KEPT_TYPES, QuantizedWeight
 from kvos.model.transformer import Transformer
 
@@ -87,7 +87,7 @@ class GGUFTensor:
             values = gguf.quants.dequantize(self.raw, QType.__members__[self.qtype]).astype(
                 np.float32, copy=False
             )
-        return torch.from_numpy(values).reshape(self.shape).to(dtype)
+        return cache_aligned(torch.from_numpy(values).reshape(self.shape).to(dtype))
 
     def rows(self, order: np.ndarray | torch.Tensor) -> GGUFTensor:
         """A copy holding this tensor's rows ``order`` (any of them, in that order; a float vector's

@@ -127,14 +127,15 @@ def _dense(c: torch.Tensor | None, x: torch.Tensor, w: torch.Tensor) -> torch.Te
     return F.linear(x, w) if c is None else torch.addmm(c, x, w.t())
 
 
-def cache_aligned(w: Weight) -> Weight:
-    """w, or a copy of it that starts on a 64-byte cache line when a dense CPU tensor does not (a file's
-    memory map, numpy's allocations at 16 bytes past a page): a 512-bit load of a row that does not start on a
-    line reads two lines, and a decode step of 8 rows over Qwen2.5-0.5B's shape took 1.3x as long in the
-    products whose weights were 16 bytes off (docs/benchmarks.md). Quantized weights stay as they are."""
-    if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.data_ptr() % 64 != 0:
-        return w.clone(memory_format=torch.contiguous_format) if w.is_contiguous() else w
-    return w
+def cache_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it that starts on a 64-byte cache line when a CPU tensor does not (a file's memory map,
+    numpy's allocations at 16 bytes past a page): a 512-bit load of a row that does not start on a line reads
+    two lines, and 8 rows over Qwen2.5-0.5B's 151,936-row head took 1.3x as long 16 bytes off
+    (docs/benchmarks.md). The loaders align each tensor as they make it (not the model afterwards: a GGUF's
+    weights are made one at a time as the model reads them, so that a load never holds two copies)."""
+    if t.device.type == "cpu" and t.data_ptr() % 64 != 0 and t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def fuse(rows: Sequence[Weight]) -> Weight:

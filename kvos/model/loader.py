@@ -17,6 +17,7 @@ from kvos.model import qwen35_layout
 from kvos.model.config import HYBRID, ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf import load_gguf
+from kvos.model.linear import cache_aligned
 from kvos.model.llama2c import load_llama2c
 from kvos.model.transformer import Transformer
 
@@ -46,7 +47,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype, device: torch.device
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                weights[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+                weights[name] = cache_aligned(handle.get_tensor(name).to(device=device, dtype=dtype))
     return weights
 
 

@@ -37,7 +37,7 @@ from kvos.model.config import ModelConfig
 from kvos.model.decode_plan import DecodePlan
 from kvos.model.delta_net import DeltaNet
 from kvos.model.experts import Experts, SharedExpert
-from kvos.model.linear import Weight, addmm, cache_aligned, embedding, fuse, logits, matmul, stored
+from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, stored
 from kvos.model.recurrent import MixerState
 from kvos.model.rope import LayerRopes, Rope
 from kvos.model.short_conv import ShortConv
@@ -140,7 +140,6 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]) -> None:
         self.config = config
-        weights = {name: cache_aligned(w) for name, w in weights.items()}
         self.source: Path | None = None  # the file or directory it was loaded from (load_model)
         self.embed = _need(weights, "model.embed_tokens.weight")
         self.final_norm = _dense(weights, "model.norm.weight")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from gguf_files import write_model
@@ -76,9 +75,9 @@ def test_the_seam_gives_the_same_products_on_every_path() -> None:
 def test_a_weight_off_its_cache_line_is_copied_onto_one() -> None:
     """numpy's large arrays start 16 bytes past a page, a memory-mapped file's tensors wherever the file puts
     them: cache_aligned copies such a tensor (same values) and leaves an aligned or non-contiguous one."""
-    base = torch.from_numpy(np.arange(64 * 40 + 4, dtype=np.float32))
-    off = base[4:].view(64, 40)
-    assert off.data_ptr() % 64 != 0
+    base = torch.arange(64 * 40 + 4, dtype=torch.float32)  # torch's allocation: on a line
+    off = base[4:].view(64, 40)  # 16 bytes past it, as numpy's large arrays are
+    assert base.data_ptr() % 64 == 0 and off.data_ptr() % 64 == 16
     moved = cache_aligned(off)
     assert moved.data_ptr() % 64 == 0 and torch.equal(moved, off)
     aligned = torch.randn(64, 40)

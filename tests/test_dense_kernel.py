@@ -1,4 +1,4 @@
-"""The float32 projection kernel for a few activation rows (kvos.model.dense_kernel) against float64 torch,
+"""The float32 projection kernel (kvos.model.dense_kernel), its tiles for a few rows and panels for many, against float64 torch,
 in each of its builds: this CPU's (AVX-512 where it has it), AVX2 only (an AMD Zen 3's path) and portable."""
 
 from __future__ import annotations
@@ -46,13 +46,37 @@ def test_kernel_matches_float64_products(build: Any, n: int, out: int, inner: in
     assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5 * inner**0.5)
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 64, 100, 257])
+@pytest.mark.parametrize(("out", "inner"), [(45, 64), (46, 67), (1, 8), (17, 3), (151, 896), (103, 4864)])
+def test_panels_match_float64_products(build: Any, n: int, out: int, inner: int) -> None:
+    """The panel product (prefill slices) on every shape: rows filling no panel, one, or one and a token of
+    the next (16 and 32 a panel), outputs not a multiple of a tile (6 or 12) or of a group of four tiles, K
+    odd or short. Within 1e-5 relative of the exact products."""
+    g = torch.Generator().manual_seed(n * 1000 + out + inner + 7)
+    x, w = torch.randn(n, inner, generator=g), torch.randn(out, inner, generator=g)
+    got = build.gemm(x, w, torch.empty(0))
+    assert got.dtype == torch.float32 and got.shape == (n, out)
+    assert torch.allclose(got.double(), _exact(None, x, w), rtol=1e-5, atol=1e-5 * inner**0.5)
+
+
+def test_panels_pack_a_long_prefill_a_part_at_a_time(build: Any) -> None:
+    """900 rows of 4,864 values are packed 416 rows at a time (8 MB): the parts' products land in their own
+    rows, the last part's panels partly empty."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(900, 4864, generator=g), torch.randn(13, 4864, generator=g)
+    got = build.gemm(x, w, torch.empty(0))
+    assert torch.allclose(got.double(), _exact(None, x, w), rtol=1e-5, atol=1e-5 * 4864**0.5)
+
+
 def test_kernel_adds_a_residual_or_a_bias(build: Any) -> None:
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(6, 40, generator=g), torch.randn(23, 40, generator=g)
-    rows, bias = torch.randn(6, 23, generator=g), torch.randn(23, generator=g)
-    for c in (rows, bias):
-        got = build.mm(x, w, c)
-        assert torch.allclose(got.double(), _exact(c, x, w), rtol=1e-5, atol=1e-4)
+    for n in (6, 70):
+        x, w = torch.randn(n, 40, generator=g), torch.randn(23, 40, generator=g)
+        rows, bias = torch.randn(n, 23, generator=g), torch.randn(23, generator=g)
+        for c in (rows, bias):
+            for product in (build.mm, build.gemm):
+                got = product(x, w, c)
+                assert torch.allclose(got.double(), _exact(c, x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_the_seam_gives_the_same_products_on_every_path() -> None:
@@ -106,62 +130,83 @@ def test_a_loaded_model_holds_its_weights_on_cache_lines(tmp_path: Any, source: 
 
 
 class _Counting:
-    """A kernel module that counts its products (and computes them with the real one)."""
+    """A kernel module that counts its products' rows, by method (and computes them with the real one)."""
 
     def __init__(self, real: Any) -> None:
-        self.real, self.rows = real, []
+        self.real = real
+        self.rows: dict[str, list[int]] = {"mm": [], "gemm": []}
 
     def mm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        self.rows.append(x.shape[0])
+        self.rows["mm"].append(x.shape[0])
         return self.real.mm(x, w, c)
+
+    def gemm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        self.rows["gemm"].append(x.shape[0])
+        return self.real.gemm(x, w, c)
 
 
 @needs_kernel
-@pytest.mark.parametrize("prefills", [False, True])
-def test_prefill_rows_go_to_the_kernel_only_where_it_beat_the_blas(
-    monkeypatch: pytest.MonkeyPatch, prefills: bool
+@pytest.mark.parametrize("path", sorted(dense_kernel.PATHS))
+def test_prefill_rows_go_where_this_machine_measured_them_fastest(
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """The seam's dispatch: up to SMALL_N rows always on the kernel; more only when this machine's
-    measurement said so (prefills), CHUNK_N rows a product, a residual's rows cut alike; bfloat16 never.
-    Same products either way."""
+    """The seam's dispatch: up to SMALL_N rows always on the kernel's tiles; more as this machine's
+    measurement said (prefill_path): torch's matmul, the tiles CHUNK_N rows a product (a residual's rows cut
+    alike), or the panels whole from GEMM_N rows (the tiles below); bfloat16 never. Same products on every
+    path."""
     counting = _Counting(KERNEL)
     monkeypatch.setattr(dense_kernel, "kernel", lambda: counting)
-    monkeypatch.setattr(dense_kernel, "prefills", lambda: prefills)
+    monkeypatch.setattr(dense_kernel, "prefill_path", lambda: path)
     g = torch.Generator().manual_seed(11)
     w = torch.randn(70, 96, generator=g)
-    for n in (8, 32, 33, 256, 600):
+    for n in (8, 32, 33, 63, 64, 256, 600):
         x, c = torch.randn(n, 96, generator=g), torch.randn(n, 70, generator=g)
         assert torch.allclose(matmul(x, w).double(), _exact(None, x, w), rtol=1e-5, atol=1e-4)
         assert torch.allclose(addmm(c, x, w).double(), _exact(c, x, w), rtol=1e-5, atol=1e-4)
     matmul(torch.randn(64, 96, generator=g).bfloat16(), w.bfloat16())
-    taken = [8, 8, 32, 32] + ([33, 33, 256, 256] + [256, 256, 88] * 2 if prefills else [])
-    assert sorted(counting.rows) == sorted(taken)
+    small = [8, 8, 32, 32]
+    taken = {
+        "blas": {"mm": small, "gemm": []},
+        "tiles": {"mm": small + [33, 33, 63, 63, 64, 64, 256, 256] + [256, 256, 88] * 2, "gemm": []},
+        "panels": {"mm": small + [33, 33, 63, 63], "gemm": [64, 64, 256, 256, 600, 600]},
+    }[path]
+    assert {k: sorted(v) for k, v in counting.rows.items()} == {k: sorted(v) for k, v in taken.items()}
 
 
 class _Taking:
-    """A kernel module whose product takes ``seconds`` and computes nothing."""
+    """A kernel module whose panels take ``panels`` seconds and tiles ``tiles``, computing nothing."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, panels: float, tiles: float) -> None:
+        self.panels, self.tiles = panels, tiles
 
-    def mm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _spin(seconds: float, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        while time.perf_counter() - start < self.seconds:
+        while time.perf_counter() - start < seconds:
             pass
         return x
 
+    def gemm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self._spin(self.panels, x)
 
-def test_the_measurement_picks_the_faster_product() -> None:
-    """kernel_beats_blas: a product that returns at once beats torch's; one that takes 50 ms does not."""
-    assert dense_kernel.kernel_beats_blas(_Taking(0.0))
-    assert not dense_kernel.kernel_beats_blas(_Taking(0.05))
+    def mm(self, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self._spin(self.tiles, x)
+
+
+def test_the_measurement_picks_the_fastest_product() -> None:
+    """fastest_prefill: of a kernel's two paths the faster when it beats torch's matmul (which takes
+    ~1 ms here), torch's when both take 50 ms."""
+    assert dense_kernel.fastest_prefill(_Taking(0.0, 0.05)) == "panels"
+    assert dense_kernel.fastest_prefill(_Taking(0.05, 0.0)) == "tiles"
+    assert dense_kernel.fastest_prefill(_Taking(0.05, 0.05)) == "blas"
 
 
 @needs_kernel
 def test_the_machine_is_measured_once() -> None:
-    first = dense_kernel.prefills()
-    assert dense_kernel.prefills() is first and dense_kernel.takes(dense_kernel.SMALL_N)
-    assert dense_kernel.takes(dense_kernel.SMALL_N + 1) is first
+    first = dense_kernel.prefill_path()
+    assert first in dense_kernel.PATHS
+    assert dense_kernel.prefill_path() is first and dense_kernel.takes(dense_kernel.SMALL_N)
+    assert dense_kernel.takes(dense_kernel.SMALL_N + 1) is (first != "blas")
 
 
 def test_serve_measures_the_prefill_product_at_start(capsys: pytest.CaptureFixture[str]) -> None:
@@ -170,5 +215,5 @@ def test_serve_measures_the_prefill_product_at_start(capsys: pytest.CaptureFixtu
     on_passing_thread(lambda: prepare_kernels(threads=2))
     err = capsys.readouterr().err
     assert "[kvos] float32 prefill products: " in err
-    assert dense_kernel.prefills.cache_info().currsize == 1
-    assert ("the dense kernel" in err) == dense_kernel.prefills()
+    assert dense_kernel.prefill_path.cache_info().currsize == 1
+    assert f"[kvos] float32 prefill products: {dense_kernel.PATHS[dense_kernel.prefill_path()]} " in err

@@ -1,18 +1,28 @@
-"""A CPU kernel for float32 projections of a few activation rows (decode steps, batched or not).
+"""A CPU kernel for float32 projections: a few activation rows (decode steps, batched or not) and prefill slices.
 
-``mm(x, w, c)`` computes ``c + x @ w.T`` for x float32 [n, K] and a dense weight w float32 [N, K] (torch's own
-[out, in] layout, rows contiguous), c float32 [n, N], [N] (a bias) or empty. Each weight row is read from
-memory once for all of x's rows: tiles of 4 activation rows by 6 weight rows keep 24 running sums in 512-bit
-registers (AVX-512; 4 by 3 in 256-bit ones on an AVX2 CPU), and a block of about 64 KB of weight rows stays in
-cache while every group of 4 activation rows passes over it. Each pass over a block asks for its share of the
-next block's columns, so with more than 4 rows the weights stream in from memory while the passes compute.
-An 8-row step's products over Qwen2.5-0.5B's shape: 59 ms where 4 x 3 AVX2 tiles prefetching in the last pass
-only took 70 (one row: 49-53), two threads of an AMD EPYC Zen 5 (docs/benchmarks.md). The kernel takes up to
-:data:`SMALL_N` rows, and prefill slices :data:`CHUNK_N` rows at a time where it beat the BLAS on this machine
-(:func:`prefills`); otherwise they go to torch's matmul. Portable loops replace the intrinsics on a CPU
-without AVX2/FMA. Compiled on first use (:func:`kvos.extensions.build`); without it torch computes the same
-products. The weights should start on a cache line (:func:`kvos.model.linear.cache_aligned`): 512-bit loads
-across two lines made 8 rows over a 151,936-row head 1.3x slower.
+``mm(x, w, c)`` and ``gemm(x, w, c)`` compute ``c + x @ w.T`` for x float32 [n, K] and a dense weight w float32
+[N, K] (torch's own [out, in] layout, rows contiguous), c float32 [n, N], [N] (a bias) or empty.
+
+``mm``, for a few rows: each weight row is read from memory once for all of x's rows: tiles of 4 activation
+rows by 6 weight rows keep 24 running sums in 512-bit registers (AVX-512; 4 by 3 in 256-bit ones on an AVX2
+CPU), and a block of about 64 KB of weight rows stays in cache while every group of 4 activation rows passes
+over it. Each pass over a block asks for its share of the next block's columns, so with more than 4 rows the
+weights stream in from memory while the passes compute. An 8-row step's products over Qwen2.5-0.5B's shape:
+59 ms where 4 x 3 AVX2 tiles prefetching in the last pass only took 70 (one row: 49-53), two threads of an
+AMD EPYC Zen 5 (docs/benchmarks.md).
+
+``gemm``, for many rows: x is packed in panels of 32 rows (16 on AVX2), transposed, and a tile keeps 12
+weight rows by a panel's 32 tokens of running sums (6 by 16), one token a lane: each column k costs two
+vector loads and 12 broadcasts for 24 multiply-adds, where the dot-product tiles of ``mm`` load 10 vectors,
+so the products run from cache at 210-250 G multiply-adds a second on that machine's two cores (``mm``:
+125-165, torch's BLAS 80-110).
+
+The kernel takes up to :data:`SMALL_N` rows, and prefill slices by the path :func:`prefill_path` measured
+fastest here (the panels from :data:`GEMM_N` rows, the tiles :data:`CHUNK_N` rows at a time, or torch's
+matmul). Portable loops replace the intrinsics on a CPU without AVX2/FMA. Compiled on first use
+(:func:`kvos.extensions.build`); without it torch computes the same products. The weights should start on a
+cache line (:func:`kvos.model.linear.cache_aligned`): 512-bit loads across two lines made 8 rows over a
+151,936-row head 1.3x slower.
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ import torch.nn.functional as F
 from kvos.extensions import build
 
 SMALL_N = 32  # the kernel always takes up to this many activation rows: faster than the BLAS on every CPU
-CHUNK_N = 256  # more rows (a prefill, where the kernel beat the BLAS here) are multiplied this many at a time
+GEMM_N = 64  # from this many rows the kernel's panels take a product, where they are the prefill path here
+CHUNK_N = 256  # the tiles take more rows this many at a time (a prefill, where they are the path here)
 PROBE_ROWS, PROBE_IN, PROBE_OUT = 128, 896, 2304  # the measurement: a prefill slice of a 0.5B model's shape
 
 _SOURCE = r"""
@@ -153,6 +164,107 @@ static void rows(const float* x, int64_t n, int64_t K, const float* w, float* o,
   }
 }
 
+// Many activation rows (a prefill): x's rows packed in panels of TOKENS, transposed, so that a tile keeps
+// WROWS weight rows by TOKENS tokens of running sums, each sum a lane: per column k, TOKENS / LANES loads of
+// the panel and WROWS broadcasts of weights feed WROWS * TOKENS / LANES multiply-adds. A few bytes a
+// multiply-add come from cache where the dot-product tiles above read two vectors for each four.
+#if KVOS_AVX512
+constexpr int64_t TOKENS = 32, WROWS = 12;  // 24 running sums of 32 registers
+static inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#elif KVOS_AVX2
+constexpr int64_t TOKENS = 16, WROWS = 6;  // 12 running sums of 16 registers
+static inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
+#if KVOS_AVX512 || KVOS_AVX2
+constexpr int64_t GROUP = 4;  // tiles whose weight rows stay in cache while every panel passes them
+constexpr int64_t PACKED_BYTES = 8 << 20;  // the packed rows every group of tiles streams, at most
+
+// The rows packed at a time: a whole number of panels, about PACKED_BYTES of them (2,048 rows of 4,864
+// values at once: 163 G multiply-adds a second, 416 at a time: 215).
+static inline int64_t chunk_rows(int64_t K) {
+  return std::max<int64_t>(1, PACKED_BYTES / (4 * K * TOKENS)) * TOKENS;
+}
+
+// xp [panels][K][TOKENS]: x's rows [n, K] transposed TOKENS at a time, zeros past row n.
+static void pack(const float* x, int64_t n, int64_t K, float* xp) {
+  const int64_t panels = (n + TOKENS - 1) / TOKENS;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float* dst = xp + p * K * TOKENS;
+      for (int64_t t = 0; t < TOKENS; ++t) {
+        const int64_t row = p * TOKENS + t;
+        if (row < n) {
+          const float* src = x + row * K;
+          for (int64_t k = 0; k < K; ++k) dst[k * TOKENS + t] = src[k];
+        } else {
+          for (int64_t k = 0; k < K; ++k) dst[k * TOKENS + t] = 0.0f;
+        }
+      }
+    }
+  });
+}
+
+// o[t * N + r] = w_r . x_t for R weight rows (stride K) and a panel's first `tokens` tokens.
+template <int R>
+static inline void panel_tile(const float* w, int64_t K, const float* panel, float* o, int64_t N,
+                              int64_t tokens) {
+  constexpr int64_t V = TOKENS / LANES;
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = vload(panel + k * TOKENS + v * LANES);
+    for (int r = 0; r < R; ++r) {
+      const Vec b = vbroadcast(w + r * K + k);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfma(b, xv[v], acc[r][v]);
+    }
+  }
+  alignas(64) float sums[R][TOKENS];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) vstore(&sums[r][v * LANES], acc[r][v]);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int r = 0; r < R; ++r) o[t * N + r] = sums[r][t];
+}
+
+// c + x [n, K] @ w [N, K]^T -> [n, N] by panels (any n; made for more than about 64 rows).
+torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2 && w.dim() == 2, "contiguous 2-D");
+  const int64_t n = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "x and w disagree on K");
+  auto out = torch::empty({n, N}, x.options());
+  const int64_t chunk = chunk_rows(K), panels_most = (std::min(n, chunk) + TOKENS - 1) / TOKENS;
+  auto packed = torch::empty({panels_most * K * TOKENS}, x.options());
+  float* xp = packed.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const int64_t rows_a_group = GROUP * WROWS, groups = (N + rows_a_group - 1) / rows_a_group;
+  for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+    const int64_t m = std::min(chunk, n - i0), panels = (m + TOKENS - 1) / TOKENS;
+    pack(x.data_ptr<float>() + i0 * K, m, K, xp);
+    float* op = out.data_ptr<float>() + i0 * N;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t r0 = g * rows_a_group, r1 = std::min(N, r0 + rows_a_group);
+        for (int64_t p = 0; p < panels; ++p) {
+          const float* panel = xp + p * K * TOKENS;
+          const int64_t tokens = std::min(TOKENS, m - p * TOKENS);
+          float* o = op + p * TOKENS * N;
+          int64_t r = r0;
+          for (; r + WROWS <= r1; r += WROWS) panel_tile<WROWS>(wp + r * K, K, panel, o + r, N, tokens);
+          for (; r < r1; ++r) panel_tile<1>(wp + r * K, K, panel, o + r, N, tokens);
+        }
+      }
+    });
+  }
+  if (c.numel() > 0) out.add_(c);
+  return out;
+}
+#endif
+
 // c + x [n, K] @ w [N, K]^T -> [n, N]; c: [n, N], [N] or empty (nothing added).
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
@@ -170,36 +282,50 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
   if (c.numel() > 0) out.add_(c);
   return out;
 }
+
+#if !(KVOS_AVX512 || KVOS_AVX2)
+// Without SIMD the panels gain nothing: the same loops as mm.
+torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor c) { return mm(x, w, c); }
+#endif
 """
 
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_dense_v4", _SOURCE, ["mm"], ["-O3", "-march=native"], "torch's matmul")
+    return build("kvos_dense_v5", _SOURCE, ["mm", "gemm"], ["-O3", "-march=native"], "torch's matmul")
+
+
+PATHS = {
+    "panels": "the dense kernel's panels",
+    "tiles": "the dense kernel's tiles",
+    "blas": "torch's matmul",
+}  # how products of more than SMALL_N rows can run, as kvos serve's start-up names them
 
 
 def takes(n: int) -> bool:
     """Whether a product of ``n`` float32 activation rows goes to the kernel (else torch's matmul)."""
-    return n <= SMALL_N or prefills()
+    return n <= SMALL_N or prefill_path() != "blas"
 
 
 @functools.cache
-def prefills() -> bool:
-    """Whether products of more than :data:`SMALL_N` rows (prefill slices) go to the kernel here: when it
-    beat torch's matmul on a probe measured once a process (:func:`kernel_beats_blas`). On an AMD EPYC (Zen
-    5, AVX-512) the 512-bit tiles run 1.2-1.7x torch's BLAS (its AVX2 code on an AMD CPU) from 32 to 2,048
-    rows taken :data:`CHUNK_N` at a time; the AVX2 tiles are level with it from 128 rows
-    (docs/benchmarks.md)."""
+def prefill_path() -> str:
+    """How products of more than :data:`SMALL_N` rows (prefill slices) run here, one of :data:`PATHS`:
+    the fastest on a probe measured once a process (:func:`fastest_prefill`). On an AMD EPYC (Zen 5,
+    AVX-512, two threads) the panels run 2.0-2.5x torch's BLAS (its AVX2 code on an AMD CPU) and 1.4-1.7x
+    the tiles from 64 rows (docs/benchmarks.md)."""
     module = kernel()
-    return module is not None and kernel_beats_blas(module)
+    return "blas" if module is None else fastest_prefill(module)
 
 
 def product(module: Any, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``module.mm(x, w, c)`` over x's rows :data:`CHUNK_N` at a time (c [n, N] cut alike, [N] or empty
-    whole): a chunk's activations stay in cache while a block of weight rows passes them, where 1,024 rows
-    of 4,864 values would not (68 against 127 G multiply-adds a second)."""
+    """c + x @ w.T on the kernel ``module`` (c [n, N], [N] or empty): :data:`GEMM_N` rows or more by its
+    panels where those are this machine's prefill path, else by its tiles, :data:`CHUNK_N` rows at a time
+    (c [n, N] cut alike): a chunk's activations stay in cache while a block of weight rows passes them,
+    where 1,024 rows of 4,864 values would not (68 against 127 G multiply-adds a second)."""
     n = x.shape[0]
+    if n >= GEMM_N and prefill_path() == "panels":
+        return module.gemm(x, w, c)
     if n <= CHUNK_N:
         return module.mm(x, w, c)
     rows = c.dim() == 2
@@ -208,33 +334,39 @@ def product(module: Any, x: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> t
     )
 
 
-def kernel_beats_blas(module: Any) -> bool:
-    """True when ``module.mm`` took at most 0.9x torch's matmul on a [PROBE_ROWS, PROBE_IN] @
-    [PROBE_OUT, PROBE_IN].T product (best of five each, alternated, weights and activations warm)."""
+def fastest_prefill(module: Any) -> str:
+    """Which of :data:`PATHS` multiplied [PROBE_ROWS, PROBE_IN] @ [PROBE_OUT, PROBE_IN].T the fastest (best
+    of five each, alternated, weights and activations warm); a path of the kernel only where it took at
+    most 0.9x torch's time (a tie goes to the library)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(PROBE_ROWS, PROBE_IN, generator=g), torch.randn(PROBE_OUT, PROBE_IN, generator=g)
     empty = torch.empty(0)
-    runs = {"kernel": lambda: module.mm(x, w, empty), "blas": lambda: F.linear(x, w)}
+    runs = {
+        "panels": lambda: module.gemm(x, w, empty),
+        "tiles": lambda: module.mm(x, w, empty),
+        "blas": lambda: F.linear(x, w),
+    }
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(5):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             best[name] = min(best[name], time.perf_counter() - start)
-    return best["kernel"] <= 0.9 * best["blas"]
+    kernel_path = min(("panels", "tiles"), key=best.__getitem__)
+    return kernel_path if best[kernel_path] <= 0.9 * best["blas"] else "blas"
 
 
 @functools.cache
 def avx2_kernel() -> Any | None:
     """The kernel this CPU builds without AVX-512 (an AVX2 CPU's path, e.g. AMD Zen 3), for tests."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_dense_avx2_v4", _SOURCE, ["mm"], flags, "torch's matmul")
+    return build("kvos_dense_avx2_v5", _SOURCE, ["mm", "gemm"], flags, "torch's matmul")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The kernel built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
-    return build("kvos_dense_portable_v4", _SOURCE, ["mm"], ["-O3", "-DKVOS_PORTABLE"], "torch's matmul")
+    return build("kvos_dense_portable_v5", _SOURCE, ["mm", "gemm"], ["-O3", "-DKVOS_PORTABLE"], "torch's matmul")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

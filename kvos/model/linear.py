@@ -4,7 +4,7 @@ have different types).
 
 Both are kept as torch lays them out, [out, in], rows contiguous. A dense projection of a few activation rows
 (a decode step, batched or not: at most :data:`~kvos.model.dense_kernel.SMALL_N`; a prefill slice too where
-the kernel beat the BLAS on this machine, :func:`~kvos.model.dense_kernel.prefills`) in float32 runs on
+the kernel beat the BLAS on this machine, :func:`~kvos.model.dense_kernel.prefill_path`) in float32 runs on
 :mod:`kvos.model.dense_kernel`, which reads each weight row once for all rows; more rows, other dtypes or no
 compiled kernel go to torch's matmul (``F.linear`` / ``addmm`` with the weight transposed, a
 flag for the BLAS, no copy). A quantized one computes the same products through

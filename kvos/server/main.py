@@ -444,7 +444,7 @@ def prepare_kernels(delta_nets: bool = False, threads: int | None = None) -> Non
     attention, the steps between a layer's products, the dense, quantized and GGUF block products, and for
     a model with ``delta_nets`` (Qwen3.5) their decode steps; say so when it takes a while (the first start
     compiles them, about 30 s each). Then which product is faster for float32 prefills here, measured with
-    the forward passes' ``threads`` (:func:`kvos.model.dense_kernel.prefills`)."""
+    the forward passes' ``threads`` (:func:`kvos.model.dense_kernel.prefill_path`)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
     kernels = [
         ("restore", fused.kernel, "restores use the eager path"),
@@ -462,8 +462,8 @@ def prepare_kernels(delta_nets: bool = False, threads: int | None = None) -> Non
         print(f"[kvos] {name} kernel {state} ({time.perf_counter() - began:.1f} s)", file=sys.stderr)
     if threads is not None:
         set_thread_count(threads)  # this setup thread's own: it ends after the set-up
-    prefill = "the dense kernel" if dense_kernel.prefills() else "torch's matmul"
-    print(f"[kvos] float32 prefill products: {prefill} (the faster here)", file=sys.stderr)
+    prefill = dense_kernel.PATHS[dense_kernel.prefill_path()]
+    print(f"[kvos] float32 prefill products: {prefill} (the fastest here)", file=sys.stderr)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -1,5 +1,6 @@
-"""The float32 projection kernel (kvos.model.dense_kernel), its tiles for a few rows and panels for many, against float64 torch,
-in each of its builds: this CPU's (AVX-512 where it has it), AVX2 only (an AMD Zen 3's path) and portable."""
+"""The float32 projection kernel (kvos.model.dense_kernel), its tiles for a few rows and panels for many,
+against float64 torch, in each of its builds: this CPU's (AVX-512 where it has it), AVX2 only (an AMD Zen 3's
+path) and portable."""
 
 from __future__ import annotations
 
@@ -167,8 +168,8 @@ def test_prefill_rows_go_where_this_machine_measured_them_fastest(
     small = [8, 8, 32, 32]
     taken = {
         "blas": {"mm": small, "gemm": []},
-        "tiles": {"mm": small + [33, 33, 63, 63, 64, 64, 256, 256] + [256, 256, 88] * 2, "gemm": []},
-        "panels": {"mm": small + [33, 33, 63, 63], "gemm": [64, 64, 256, 256, 600, 600]},
+        "tiles": {"mm": [*small, 33, 33, 63, 63, 64, 64, 256, 256] + [256, 256, 88] * 2, "gemm": []},
+        "panels": {"mm": [*small, 33, 33, 63, 63], "gemm": [64, 64, 256, 256, 600, 600]},
     }[path]
     assert {k: sorted(v) for k, v in counting.rows.items()} == {k: sorted(v) for k, v in taken.items()}
 

@@ -1,7 +1,7 @@
-"""A CPU kernel for float32 projections: a few activation rows (decode steps, batched or not) and prefill slices.
+"""A CPU kernel for float32 projections: a few activation rows (decode steps, batched or not), prefill slices.
 
-``mm(x, w, c)`` and ``gemm(x, w, c)`` compute ``c + x @ w.T`` for x float32 [n, K] and a dense weight w float32
-[N, K] (torch's own [out, in] layout, rows contiguous), c float32 [n, N], [N] (a bias) or empty.
+``mm(x, w, c)`` and ``gemm(x, w, c)`` compute ``c + x @ w.T`` for x float32 [n, K] and a dense weight w
+float32 [N, K] (torch's own [out, in] layout, rows contiguous), c float32 [n, N], [N] (a bias) or empty.
 
 ``mm``, for a few rows: each weight row is read from memory once for all of x's rows: tiles of 4 activation
 rows by 6 weight rows keep 24 running sums in 512-bit registers (AVX-512; 4 by 3 in 256-bit ones on an AVX2
@@ -366,7 +366,8 @@ def avx2_kernel() -> Any | None:
 @functools.cache
 def portable_kernel() -> Any | None:
     """The kernel built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
-    return build("kvos_dense_portable_v5", _SOURCE, ["mm", "gemm"], ["-O3", "-DKVOS_PORTABLE"], "torch's matmul")
+    flags = ["-O3", "-DKVOS_PORTABLE"]
+    return build("kvos_dense_portable_v5", _SOURCE, ["mm", "gemm"], flags, "torch's matmul")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

@@ -164,6 +164,13 @@ static void rows(const float* x, int64_t n, int64_t K, const float* w, float* o,
   }
 }
 
+// x [n, K] and w [N, K], both float32 and contiguous, or a RuntimeError saying which is not.
+static void check_operands(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2 && w.dim() == 2, "contiguous 2-D");
+  TORCH_CHECK(w.size(1) == x.size(1), "x and w disagree on K");
+}
+
 // Many activation rows (a prefill): x's rows packed in panels of TOKENS, transposed, so that a tile keeps
 // WROWS weight rows by TOKENS tokens of running sums, each sum a lane: per column k, TOKENS / LANES loads of
 // the panel and WROWS broadcasts of weights feed WROWS * TOKENS / LANES multiply-adds. A few bytes a
@@ -243,10 +250,8 @@ static inline void panel_tile(const float* w, int64_t K, const float* panel, flo
 
 // c + x [n, K] @ w [N, K]^T -> [n, N] by panels (any n; made for more than about 64 rows).
 torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2 && w.dim() == 2, "contiguous 2-D");
+  check_operands(x, w);
   const int64_t n = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "x and w disagree on K");
   auto out = torch::empty({n, N}, x.options());
   const int64_t chunk = chunk_rows(K), panels_most = (std::min(n, chunk) + TOKENS - 1) / TOKENS;
   auto packed = torch::empty({panels_most * K * TOKENS}, x.options());
@@ -278,10 +283,8 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
 
 // c + x [n, K] @ w [N, K]^T -> [n, N]; c: [n, N], [N] or empty (nothing added).
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.dim() == 2 && w.dim() == 2, "contiguous 2-D");
+  check_operands(x, w);
   const int64_t n = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "x and w disagree on K");
   auto out = torch::empty({n, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from kvos.model import prefill_kernel
+
 if TYPE_CHECKING:
     from kvos.model.recurrent import RecurrentState
 
@@ -286,9 +288,22 @@ def paged_attention(
     q: [n, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (T == n when ``meta.fresh``).
     Returns [n, num_heads * head_dim] in q's dtype.
     """
-    n, num_heads, head_dim = q.shape
-    if n == 1:
+    if q.shape[0] == 1:
         return _decode_attention(q, k, v, meta, window, layer)
+    if prefill_kernel.takes(q, k):
+        out = prefill_kernel.attend(q, k, v, meta.positions, meta.key_positions, window)
+    else:
+        out = _torch_prefill(q, k, v, meta, window)
+    if layer in meta.capture_layers and meta.capture_window > 0:
+        meta.captured[layer] = _window_probs(q, k, meta, window)
+    return out
+
+
+def _torch_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, window: int | None
+) -> torch.Tensor:
+    """:func:`paged_attention` of more than one query by torch's scaled dot-product attention."""
+    n, num_heads, head_dim = q.shape
     qh = q.transpose(0, 1)[None]  # [1, H, n, D]: 4-D inputs take the fused CPU kernel, 3-D ones do not
     kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, T, D]
     if SDPA_GQA:
@@ -300,8 +315,6 @@ def paged_attention(
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **kwargs)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.mask(window), **kwargs)
-    if layer in meta.capture_layers and meta.capture_window > 0:
-        meta.captured[layer] = _window_probs(q, k, meta, window)
     return out[0].transpose(0, 1).reshape(n, num_heads * head_dim)
 
 

@@ -29,6 +29,7 @@ from kvos.model import (
     dense_kernel,
     gguf_kernel,
     layer_kernel,
+    prefill_kernel,
     quant_kernel,
 )
 from kvos.model.catalogue import add_model_argument, default_model, model_name
@@ -440,15 +441,16 @@ def open_state(
 
 
 def prepare_kernels(delta_nets: bool = False, threads: int | None = None) -> None:
-    """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode
-    attention, the steps between a layer's products, the dense, quantized and GGUF block products, and for
-    a model with ``delta_nets`` (Qwen3.5) their decode steps; say so when it takes a while (the first start
-    compiles them, about 30 s each). Then which product is faster for float32 prefills here, measured with
-    the forward passes' ``threads`` (:func:`kvos.model.dense_kernel.prefill_path`)."""
+    """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode and
+    prefill attention, the steps between a layer's products, the dense, quantized and GGUF block products,
+    and for a model with ``delta_nets`` (Qwen3.5) their decode steps; say so when it takes a while (the first
+    start compiles them, about 30 s each). Then which product is faster for float32 prefills here, measured
+    with the forward passes' ``threads`` (:func:`kvos.model.dense_kernel.prefill_path`)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
     kernels = [
         ("restore", fused.kernel, "restores use the eager path"),
         ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),
+        ("prefill attention", prefill_kernel.kernel, "prefill attention runs torch's"),
         ("layer step", layer_kernel.kernel, "norms, RoPE and SwiGLU run as eager torch ops"),
         ("dense product", dense_kernel.kernel, "products use torch's matmul"),
         ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),

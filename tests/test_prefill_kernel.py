@@ -4,15 +4,15 @@ it in :func:`kvos.model.attention.paged_attention`."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
+from attention_reference import reference
 from kernel_builds import forced
 
 from kvos.model import prefill_kernel
-from kvos.model.attention import AttentionMetadata, paged_attention, visible
+from kvos.model.attention import AttentionMetadata, paged_attention
 
 needs_simd = pytest.mark.skipif(not prefill_kernel.simd(), reason="no AVX2 build of the prefill kernel here")
 
@@ -20,23 +20,6 @@ needs_simd = pytest.mark.skipif(not prefill_kernel.simd(), reason="no AVX2 build
 @pytest.fixture(params=sorted(prefill_kernel.BUILDS))
 def build(request: pytest.FixtureRequest) -> Any:
     return forced(prefill_kernel.BUILDS, request.param, "the prefill kernel")
-
-
-def _exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    window: int | None,
-) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v in float64 over the keys each query sees: [n, H * D]."""
-    n, heads, dim = q.shape
-    group = heads // k.shape[1]
-    kd, vd = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("nhd,thd->hnt", q.double(), kd) / math.sqrt(dim)
-    scores = scores.masked_fill(~visible(q_pos[:, None], k_pos[None, :], window)[None], float("-inf"))
-    return torch.einsum("hnt,thd->nhd", scores.softmax(-1), vd).reshape(n, heads * dim)
 
 
 CASES = [
@@ -80,7 +63,7 @@ def test_attention_matches_float64(
     q, k, v, q_pos, k_pos = _case(n, t, h, hkv, d, kind)
     got = prefill_kernel.attend(q, k, v, q_pos, k_pos, window, build)
     assert got.dtype == torch.float32 and got.shape == (n, h * d)
-    assert (got.double() - _exact(q, k, v, q_pos, k_pos, window)).abs().max().item() < 2e-6
+    assert (got.double() - reference(q, k, v, q_pos, k_pos, window)).abs().max().item() < 2e-6
 
 
 def test_queries_that_see_no_keys_of_a_block_skip_it(build: Any) -> None:
@@ -96,7 +79,7 @@ def test_queries_that_see_no_keys_of_a_block_skip_it(build: Any) -> None:
     q_pos = torch.arange(300, 312)
     for window in (None, 120):
         got = prefill_kernel.attend(q, k, v, q_pos, k_pos, window, build)
-        assert (got.double() - _exact(q, k, v, q_pos, k_pos, window)).abs().max().item() < 2e-6
+        assert (got.double() - reference(q, k, v, q_pos, k_pos, window)).abs().max().item() < 2e-6
 
 
 def test_bad_operands_get_a_clear_error(build: Any) -> None:

@@ -54,7 +54,7 @@ constexpr float NEG = -std::numeric_limits<float>::infinity();
 constexpr int32_t FAR = std::numeric_limits<int32_t>::max();  // a padding key's position: never seen
 
 struct Problem {
-  const float *q, *k, *v;
+  const float *q, *v;
   int64_t n, H, Hkv, G, D, T, Tpad;
   const int32_t* qpos;    // [n]
   const int32_t* kpos;    // [Tpad], FAR past T
@@ -300,7 +300,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   });
   auto out = torch::empty({n, H * D}, q.options());
   const int64_t G = H / Hkv;
-  Problem P{q.data_ptr<float>(), kp32, v.data_ptr<float>(), n, H, Hkv, G, D, T, Tpad, qpos.data(),
+  Problem P{q.data_ptr<float>(), v.data_ptr<float>(), n, H, Hkv, G, D, T, Tpad, qpos.data(),
             kpos.data(), bmin.data(), bmax.data(), ktp, static_cast<int32_t>(window),
             1.0f / std::sqrt(static_cast<float>(D)), out.data_ptr<float>()};
   const int64_t tiles = (n * G + ROWS - 1) / ROWS, items = Hkv * tiles;

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvos.bench.recall import sessions
+from kvos.bench.recall import parse_lead, sessions
 from kvos.builtin.evaluate import answered
 from kvos.builtin.knowledge import KNOWLEDGE_SEED
 from kvos.cli import main
@@ -121,6 +121,21 @@ def _args(**kw: object) -> argparse.Namespace:
     base = dict(corpus=None, quick=False, sessions=100, first=0, fillers=None, seed=None, min_distance=0)
     base["lead"] = 0
     return argparse.Namespace(**{**base, **kw})
+
+
+def test_lead_range_puts_each_sessions_fact_after_its_own_lead() -> None:
+    """--lead A-B: session i's fact after A + i % (B - A + 1) questions (its plant at message 1 + 2 x lead,
+    twelve questions after it either way); --lead N as before; a malformed or reversed range is refused."""
+    assert parse_lead("6") == 6 and parse_lead("0-2") == [0, 1, 2] and parse_lead("3-3") == [3]
+    for bad in ("x", "2-1", "-1", "1-", "0-2-4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_lead(bad)
+    chats, meta = sessions(_args(sessions=7, lead=parse_lead("0-2")), Path("m.gguf"), lambda: 0)
+    assert meta["lead"] == [0, 1, 2]
+    assert [c.probes[0].plant_index for c in chats] == [1, 3, 5, 1, 3, 5, 1]
+    assert all(c.probes[0].distance == 12 for c in chats)
+    fixed, _ = sessions(_args(sessions=7, lead=parse_lead("2")), Path("m.gguf"), lambda: 0)
+    assert [c.probes[0].plant_index for c in fixed] == [5] * 7
 
 
 def test_recall_shapes_for_a_gguf_file() -> None:

@@ -70,9 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "about 3/4 of the model's context; else the held-out sessions, probe 0-14 turns after the fact)",
     )
     p.add_argument(
-        "--lead", type=int, default=0,
+        "--lead", type=parse_lead, default=0,
         help="knowledge corpus: questions before the fact (default 0: the fact at turn 1, next to the system "
-        "prompt)",
+        "prompt); A-B: the sessions in turn after A, A+1, .., B questions (a fact said anywhere in the first "
+        "turns)",
     )  # fmt: skip
     p.add_argument("--budgets", default=",".join(str(f) for f in FRACTIONS), help="fractions of session size")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -181,6 +182,19 @@ def _play_chat(
         out[(name, frac)] = full or _play_one(manager, chat, name, frac, size, args)
         tick()
     return out
+
+
+def parse_lead(text: str) -> int | list[int]:
+    """``--lead``: ``N`` (every session's fact after N questions) or ``A-B`` (session i's after
+    ``A + i % (B - A + 1)``: the leads A..B in turn)."""
+    low, dash, high = text.partition("-")
+    try:
+        first, last = int(low), int(high if dash else low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or A-B (questions before the fact), got {text!r}") from None
+    if first < 0 or last < first:
+        raise argparse.ArgumentTypeError(f"expected 0 <= A <= B, got {text!r}")
+    return first if not dash else list(range(first, last + 1))
 
 
 def sessions(

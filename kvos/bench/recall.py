@@ -191,7 +191,8 @@ def parse_lead(text: str) -> int | list[int]:
     try:
         first, last = int(low), int(high if dash else low)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or A-B (questions before the fact), got {text!r}") from None
+        message = f"expected N or A-B (questions before the fact), got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
     if first < 0 or last < first:
         raise argparse.ArgumentTypeError(f"expected 0 <= A <= B, got {text!r}")
     return first if not dash else list(range(first, last + 1))

@@ -35,13 +35,15 @@ import torch
 import torch.nn.functional as F
 
 from kvos.extensions import build
+from kvos.model.simd_vec import SOURCE as SIMD_VEC
 
 SMALL_N = 32  # the kernel always takes up to this many activation rows: faster than the BLAS on every CPU
 GEMM_N = 64  # from this many rows the kernel's panels take a product, where they are the prefill path here
 CHUNK_N = 256  # the tiles take more rows this many at a time (a prefill, where they are the path here)
 PROBE_ROWS, PROBE_IN, PROBE_OUT = 128, 896, 2304  # the measurement: a prefill slice of a 0.5B model's shape
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -53,7 +55,9 @@ _SOURCE = r"""
 #include <immintrin.h>
 #define KVOS_AVX2 1
 #endif
-
+"""
+    + SIMD_VEC
+    + r"""
 constexpr int64_t ROWS = 4;  // activation rows per tile
 #if KVOS_AVX512
 constexpr int64_t COLS = 6;  // weight rows per tile: 24 running sums of 32 registers
@@ -79,26 +83,6 @@ static inline float dot_from(const float* x, const float* w, int64_t k, int64_t 
 }
 
 #if KVOS_AVX512 || KVOS_AVX2
-#if KVOS_AVX512
-using Vec = __m512;
-constexpr int64_t LANES = 16;
-static inline Vec vzero() { return _mm512_setzero_ps(); }
-static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
-#else
-using Vec = __m256;
-constexpr int64_t LANES = 8;
-static inline Vec vzero() { return _mm256_setzero_ps(); }
-static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float hsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // o[j * N + c] = x_j . w_c for R activation rows (stride K) and C weight rows (stride K), asking for the
 // weights `pre` names a cache line at a time.
@@ -177,14 +161,8 @@ static void check_operands(const torch::Tensor& x, const torch::Tensor& w) {
 // multiply-add come from cache where the dot-product tiles above read two vectors for each four.
 #if KVOS_AVX512
 constexpr int64_t TOKENS = 32, WROWS = 12;  // 24 running sums of 32 registers
-static inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
-static inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 #elif KVOS_AVX2
 constexpr int64_t TOKENS = 16, WROWS = 6;  // 12 running sums of 16 registers
-static inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
-static inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #if KVOS_AVX512 || KVOS_AVX2
@@ -302,12 +280,13 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor c) {
 torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor c) { return mm(x, w, c); }
 #endif
 """
+)
 
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_dense_v5", _SOURCE, ["mm", "gemm"], ["-O3", "-march=native"], "torch's matmul")
+    return build("kvos_dense_v6", _SOURCE, ["mm", "gemm"], ["-O3", "-march=native"], "torch's matmul")
 
 
 PATHS = {
@@ -374,14 +353,14 @@ def fastest_prefill(module: Any) -> str:
 def avx2_kernel() -> Any | None:
     """The kernel this CPU builds without AVX-512 (an AVX2 CPU's path, e.g. AMD Zen 3), for tests."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_dense_avx2_v5", _SOURCE, ["mm", "gemm"], flags, "torch's matmul")
+    return build("kvos_dense_avx2_v6", _SOURCE, ["mm", "gemm"], flags, "torch's matmul")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The kernel built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_dense_portable_v5", _SOURCE, ["mm", "gemm"], flags, "torch's matmul")
+    return build("kvos_dense_portable_v6", _SOURCE, ["mm", "gemm"], flags, "torch's matmul")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

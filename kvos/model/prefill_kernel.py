@@ -27,6 +27,7 @@ import torch
 
 from kvos.extensions import build
 from kvos.model.simd_exp import SOURCE as EXP8
+from kvos.model.simd_vec import SOURCE as SIMD_VEC
 
 _SOURCE = (
     r"""
@@ -46,6 +47,7 @@ _SOURCE = (
 #endif
 """
     + EXP8
+    + SIMD_VEC
     + r"""
 constexpr int64_t ROWS = 6;     // query rows a tile
 constexpr int64_t KEYS = 64;    // keys a block
@@ -93,6 +95,28 @@ static inline void rescale(float* o, int64_t D, float by) {
 #endif
 }
 
+#if KVOS_AVX2
+// o[r][d0, d0 + V * LANES) += p[r][j] v_j over a block's first `keys` keys (from j0, KV head h).
+template <int V>
+static inline void add_values(const Problem& P, int64_t h, int64_t j0, int64_t keys, const float (*p)[KEYS],
+                              float (*o)[MAX_D], int64_t d0) {
+  Vec acc[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vload(&o[r][d0 + v * LANES]);
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* vj = P.v + ((j0 + j) * P.Hkv + h) * P.D + d0;
+    Vec values[V];
+    for (int v = 0; v < V; ++v) values[v] = vload(vj + v * LANES);
+    for (int r = 0; r < ROWS; ++r) {
+      const Vec pr = vbroadcast(&p[r][j]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfma(pr, values[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) vstore(&o[r][d0 + v * LANES], acc[r][v]);
+}
+#endif
+
 // One tile: KV head h, query rows [r0, r0 + R) (row r: query r / G, head h * G + r % G).
 static void tile(const Problem& P, int64_t h, int64_t r0, int64_t R) {
   const int64_t D = P.D;
@@ -122,40 +146,22 @@ static void tile(const Problem& P, int64_t h, int64_t r0, int64_t R) {
     if (P.bmin[b] > qmax) continue;                                     // after every query
     if (P.window > 0 && P.bmax[b] != FAR && P.bmax[b] <= qmin - P.window) continue;  // before every window
     const bool whole = P.bmax[b] <= qmin && (P.window == 0 || P.bmin[b] > qmax - P.window);
-#if KVOS_AVX512
-    for (int64_t c = 0; c < KEYS; c += 32) {
-      __m512 acc[ROWS][2];
-      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#if KVOS_AVX2
+    for (int64_t c = 0; c < KEYS; c += 2 * LANES) {
+      Vec acc[ROWS][2];
+      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
       for (int64_t d = 0; d < D; ++d) {
         const float* kd = kt + d * P.Tpad + j0 + c;
-        const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16);
+        const Vec k0 = vload(kd), k1 = vload(kd + LANES);
         for (int r = 0; r < ROWS; ++r) {
-          const __m512 x = _mm512_set1_ps(qs[r][d]);
-          acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+          const Vec x = vbroadcast(&qs[r][d]);
+          acc[r][0] = vfma(x, k0, acc[r][0]);
+          acc[r][1] = vfma(x, k1, acc[r][1]);
         }
       }
       for (int r = 0; r < ROWS; ++r) {
-        _mm512_storeu_ps(&s[r][c], acc[r][0]);
-        _mm512_storeu_ps(&s[r][c + 16], acc[r][1]);
-      }
-    }
-#elif KVOS_AVX2
-    for (int64_t c = 0; c < KEYS; c += 16) {
-      __m256 acc[ROWS][2];
-      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; ++d) {
-        const float* kd = kt + d * P.Tpad + j0 + c;
-        const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
-        for (int r = 0; r < ROWS; ++r) {
-          const __m256 x = _mm256_broadcast_ss(&qs[r][d]);
-          acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
-        }
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        _mm256_storeu_ps(&s[r][c], acc[r][0]);
-        _mm256_storeu_ps(&s[r][c + 8], acc[r][1]);
+        vstore(&s[r][c], acc[r][0]);
+        vstore(&s[r][c + LANES], acc[r][1]);
       }
     }
 #else
@@ -200,50 +206,10 @@ static void tile(const Problem& P, int64_t h, int64_t r0, int64_t R) {
       m[r] = mnew;
     }
     // o += p v over the block's keys (padding keys have p = 0 and are not read)
-    int64_t d0 = 0;
-#if KVOS_AVX512
-    for (; d0 + 32 <= D; d0 += 32) {
-      __m512 acc[ROWS][2];
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r][0] = _mm512_load_ps(&o[r][d0]);
-        acc[r][1] = _mm512_load_ps(&o[r][d0 + 16]);
-      }
-      for (int64_t j = 0; j < keys; ++j) {
-        const float* vj = P.v + ((j0 + j) * P.Hkv + h) * D + d0;
-        const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
-        for (int r = 0; r < ROWS; ++r) {
-          const __m512 p = _mm512_set1_ps(s[r][j]);
-          acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
-        }
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        _mm512_store_ps(&o[r][d0], acc[r][0]);
-        _mm512_store_ps(&o[r][d0 + 16], acc[r][1]);
-      }
-    }
-#endif
 #if KVOS_AVX2
-    for (; d0 < D; d0 += 16) {
-      __m256 acc[ROWS][2];
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r][0] = _mm256_load_ps(&o[r][d0]);
-        acc[r][1] = _mm256_load_ps(&o[r][d0 + 8]);
-      }
-      for (int64_t j = 0; j < keys; ++j) {
-        const float* vj = P.v + ((j0 + j) * P.Hkv + h) * D + d0;
-        const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
-        for (int r = 0; r < ROWS; ++r) {
-          const __m256 p = _mm256_broadcast_ss(&s[r][j]);
-          acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
-        }
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        _mm256_store_ps(&o[r][d0], acc[r][0]);
-        _mm256_store_ps(&o[r][d0 + 8], acc[r][1]);
-      }
-    }
+    int64_t d0 = 0;
+    for (; d0 + 2 * LANES <= D; d0 += 2 * LANES) add_values<2>(P, h, j0, keys, s, o, d0);
+    for (; d0 < D; d0 += LANES) add_values<1>(P, h, j0, keys, s, o, d0);
 #else
     for (int r = 0; r < ROWS; ++r)
       for (int64_t j = 0; j < keys; ++j) {
@@ -324,21 +290,21 @@ FUNCTIONS = ["attend", "vectorised"]
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_prefill_v3", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "torch's attention")
+    return build("kvos_prefill_v4", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "torch's attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The kernel built without SIMD intrinsics, for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_prefill_portable_v3", _SOURCE, FUNCTIONS, flags, "torch's attention")
+    return build("kvos_prefill_portable_v4", _SOURCE, FUNCTIONS, flags, "torch's attention")
 
 
 @functools.cache
 def avx2_kernel() -> Any | None:
     """The kernel this CPU builds without AVX-512 (an AVX2 CPU's path, e.g. AMD Zen 3), for tests."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_prefill_avx2_v3", _SOURCE, FUNCTIONS, flags, "torch's attention")
+    return build("kvos_prefill_avx2_v4", _SOURCE, FUNCTIONS, flags, "torch's attention")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

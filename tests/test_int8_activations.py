@@ -70,6 +70,7 @@ def _assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, c: torc
 BUILDS = {
     "simd": lambda: (quant_kernel.kernel(), gguf_kernel.kernel()),
     "avx2": lambda: (quant_kernel.avx2_kernel(), gguf_kernel.avx2_kernel()),
+    "no-vbmi": lambda: (quant_kernel.kernel(), gguf_kernel.no_vbmi_kernel()),
     "portable": lambda: (quant_kernel.portable_kernel(), gguf_kernel.portable_kernel()),
 }
 
@@ -77,7 +78,8 @@ BUILDS = {
 @pytest.fixture(params=sorted(BUILDS))
 def build(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
     """(the quantized-weight kernel, the GGUF-block kernel) as this CPU builds them, without their 512-bit
-    tiles (an AVX2 CPU's path, on a CPU with AVX-512), or without SIMD."""
+    tiles (an AVX2 CPU's path, on a CPU with AVX-512), without AVX512-VBMI (an AVX-512 CPU's path without
+    it), or without SIMD."""
     pair = BUILDS[request.param]()
     if None in pair:
         pytest.skip("the kernels cannot be built here (no C++ compiler?)")
@@ -160,6 +162,24 @@ def test_rows_of_any_number_of_groups(qtype: str, groups: int, build: tuple[Any,
         else:
             got = build[1].mm_i8(x, torch.from_numpy(raw), gguf_kernel.TYPE_IDS[qtype], empty)
         _assert_product(got, x, dense, None)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("groups", [4, 7, 28, 30])
+def test_q5_blocks_gathered_by_permutes_give_the_same_products(qtype: str, groups: int) -> None:
+    """Where the CPU has AVX512-VBMI, four whole Q5_0/Q5_1 blocks are gathered by byte permutes, else field by
+    field: the same bits in the same sums, so the products are equal to the last bit (rows of whole chunks of
+    four blocks and rows ending in one of 3 or 2; 1-5 rows of activations)."""
+    builds = (gguf_kernel.kernel(), gguf_kernel.no_vbmi_kernel())
+    if None in builds:
+        pytest.skip("the kernels cannot be built here (no C++ compiler?)")
+    values = np.random.default_rng(groups).standard_normal((37, 32 * groups)).astype(np.float32)
+    raw = torch.from_numpy(encode(values, qtype, np.random.default_rng(groups))[0])
+    empty, type_id = torch.empty(0), gguf_kernel.TYPE_IDS[qtype]
+    for n in range(1, 6):
+        x = torch.randn(n, 32 * groups, generator=torch.Generator().manual_seed(n))
+        permuted, by_field = (k.mm_i8(x, raw, type_id, empty) for k in builds)
+        assert torch.equal(permuted, by_field)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K", "IQ4_XS"])

@@ -532,13 +532,69 @@ static inline __m128i load16(const uint8_t* p) {
 static inline int i32(const uint8_t* p) { return static_cast<int>(u32(p)); }
 static inline int16_t i16(const uint8_t* p) { return static_cast<int16_t>(u16(p)); }
 
+// Where a Q5_0 / Q5_1 block keeps its fields: scale d at 0 (Q5_1's min m at 2), the fifth bits qh (bit l of
+// element l), then the 16 bytes of nibbles (element l's low nibble at byte l, element 16 + l's high one).
+template <int Q>
+struct Q5Fields {
+  static constexpr int BYTES = static_cast<int>(Layout<Q>::BYTES), QS = Q == Q5_0 ? 6 : 8, QH = QS - 4;
+};
+
+// Four blocks of a row, as the tile reads them: the 64 bytes of their nibbles side by side; for each of those
+// bytes the fifth bit of its low and of its high nibble, as masks; the four scales and (Q5_1) mins, float16.
+struct Q5Chunk {
+  __m512i w;
+  __mmask64 lo, hi;
+  __m128i d, m;
+};
+
+// Blocks [g, g + left) of row wr (left 1-4; the missing ones zero), field by field.
+template <int Q>
+static inline Q5Chunk q5_by_field(const uint8_t* wr, int64_t g, int64_t left) {
+  constexpr int64_t BYTES = Q5Fields<Q>::BYTES, QS = Q5Fields<Q>::QS, QH = Q5Fields<Q>::QH;
+  Q5Chunk k;
+  __m128i qh;
+  k.m = _mm_setzero_si128();
+  if (left == 4) {  // four whole blocks: fixed offsets, no branch (every chunk of a row but its last)
+    const uint8_t* b = wr + g * BYTES;
+    const __m256i w01 = _mm256_setr_m128i(load16(b + QS), load16(b + BYTES + QS));
+    k.w = _mm512_inserti32x4(_mm512_castsi256_si512(w01), load16(b + 2 * BYTES + QS), 2);
+    k.w = _mm512_inserti32x4(k.w, load16(b + 3 * BYTES + QS), 3);
+    qh = _mm_setr_epi32(i32(b + QH), i32(b + BYTES + QH), i32(b + 2 * BYTES + QH), i32(b + 3 * BYTES + QH));
+    k.d = _mm_setr_epi16(i16(b), i16(b + BYTES), i16(b + 2 * BYTES), i16(b + 3 * BYTES), 0, 0, 0, 0);
+    if (Q == Q5_1)
+      k.m = _mm_setr_epi16(i16(b + 2), i16(b + BYTES + 2), i16(b + 2 * BYTES + 2), i16(b + 3 * BYTES + 2),
+                           0, 0, 0, 0);
+  } else {  // the row's last chunk, of 1-3 blocks, the rest zero
+    alignas(64) uint8_t qs[64] = {};
+    alignas(16) uint32_t qw[4] = {0, 0, 0, 0};
+    alignas(16) uint16_t d[8] = {}, m[8] = {};
+    for (int64_t j = 0; j < left; ++j) {
+      const uint8_t* b = wr + (g + j) * BYTES;
+      std::memcpy(qs + 16 * j, b + QS, 16);
+      qw[j] = u32(b + QH);
+      d[j] = u16(b);
+      if (Q == Q5_1) m[j] = u16(b + 2);
+    }
+    k.w = _mm512_load_si512(qs);
+    qh = _mm_load_si128(reinterpret_cast<const __m128i*>(qw));
+    k.d = _mm_load_si128(reinterpret_cast<const __m128i*>(d));
+    k.m = _mm_load_si128(reinterpret_cast<const __m128i*>(m));
+  }
+  // each qh word's low 16 bits, blocks 0..3 side by side (bytes 0, 1, 4, 5, ...), then its high 16 bits
+  const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const __m128i bits = _mm_shuffle_epi8(qh, halves);
+  k.lo = _cvtu64_mask64(static_cast<uint64_t>(_mm_cvtsi128_si64(bits)));
+  k.hi = _cvtu64_mask64(static_cast<uint64_t>(_mm_extract_epi64(bits, 1)));
+  return k;
+}
+
 #if defined(__AVX512VBMI__)
-// Byte indices into four whole Q5_0 / Q5_1 blocks (88 / 96 bytes, two vectors) that gather them with byte
-// permutes: `w`, the 64 bytes of nibbles; `lo` / `hi`, for each of those bytes, the qh byte that holds its
-// low / high nibble's fifth bit, and `bit` that bit; `dm`, the four scales (bytes 0-7) and mins (8-15).
+// Byte indices into four whole blocks (88 / 96 bytes, two vectors) that gather them with byte permutes: `w`,
+// the nibbles; `lo` / `hi`, for each nibble byte, the qh byte that holds its low / high nibble's fifth bit,
+// and `bit` that bit; `dm`, the four scales (bytes 0-7) and mins (8-15).
 template <int Q>
 struct Q5Gather {
-  static constexpr int BYTES = static_cast<int>(Layout<Q>::BYTES), QS = Q == Q5_0 ? 6 : 8, QH = QS - 4;
+  static constexpr int BYTES = Q5Fields<Q>::BYTES, QS = Q5Fields<Q>::QS, QH = Q5Fields<Q>::QH;
   alignas(64) uint8_t w[64], lo[64], hi[64], bit[64], dm[64];
   constexpr Q5Gather() : w(), lo(), hi(), bit(), dm() {
     for (int j = 0; j < 64; ++j) {
@@ -557,84 +613,54 @@ struct Q5Gather {
 };
 template <int Q>
 constexpr Q5Gather<Q> Q5_GATHER{};
+
+// Four whole blocks from b: two loads (the second only to the fourth block's end) and byte permutes.
+template <int Q>
+static inline Q5Chunk q5_by_permute(const uint8_t* b) {
+  const Q5Gather<Q>& G = Q5_GATHER<Q>;
+  const __m512i v0 = _mm512_loadu_si512(b);
+  const __m512i v1 = _mm512_maskz_loadu_epi8((__mmask64{1} << (4 * G.BYTES - 64)) - 1, b + 64);
+  const __m512i bit = _mm512_load_si512(G.bit);
+  Q5Chunk k;
+  k.w = _mm512_permutex2var_epi8(v0, _mm512_load_si512(G.w), v1);
+  k.lo = _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v0, _mm512_load_si512(G.lo), v1), bit);
+  k.hi = _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v0, _mm512_load_si512(G.hi), v1), bit);
+  k.d = _mm512_castsi512_si128(_mm512_permutex2var_epi8(v0, _mm512_load_si512(G.dm), v1));
+  k.m = _mm_srli_si128(k.d, 8);
+  return k;
+}
 #endif
 
-// total[i] = x_i . w_r for T rows of x laid out as Int8Chunks, w_r a row of Q5_0 or Q5_1 blocks: four blocks
-// an iteration, their 16 bytes of nibbles side by side in 64 bytes, the fifth bits (qh: bit l of element l)
-// set through byte masks. q = nibble + 16 * bit in 0..31; w = d * q + m with m = -16 d for Q5_0. With
-// AVX512-VBMI four whole blocks are gathered by byte permutes of two loads (Q5Gather: 9,728 x 896 at one row
-// of x in 186-196 us against 223-235 field by field, one Zen 5 thread), else field by field.
+// Blocks [g, g + 4) of row wr (fewer at the row's end): by byte permutes where the CPU has AVX512-VBMI and
+// the four are whole (9,728 x 896 at one row of x in 186-196 us against 223-235 field by field, one Zen 5
+// thread), else field by field.
+template <int Q>
+static inline Q5Chunk q5_chunk(const uint8_t* wr, int64_t g, int64_t left) {
+#if defined(__AVX512VBMI__)
+  if (left == 4) return q5_by_permute<Q>(wr + g * Q5Fields<Q>::BYTES);
+#endif
+  return q5_by_field<Q>(wr, g, left);
+}
+
+// total[i] = x_i . w_r for T rows of x laid out as Int8Chunks, w_r a row of Q5_0 or Q5_1 blocks, four blocks
+// an iteration (q5_chunk): q = nibble + 16 * bit in 0..31; w = d * q + m with m = -16 d for Q5_0.
 template <int T, int Q>
 static inline void tile_q5_512(const Int8Chunks& xc, int64_t i0, int64_t groups, const uint8_t* wr,
                                float* total) {
-  constexpr int64_t BYTES = Layout<Q>::BYTES, QS = Q == Q5_0 ? 6 : 8, QH = Q == Q5_0 ? 2 : 4;
   const int64_t stride = xc.chunks * 4;
   const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[T];
   __m128 macc[T];
   for (int i = 0; i < T; ++i) acc[i] = _mm512_setzero_ps(), macc[i] = _mm_setzero_ps();
-  // each qh word's low 16 bits, blocks 0..3 side by side (bytes 0, 1, 4, 5, ...), then its high 16 bits
-  const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   for (int64_t c = 0; c < xc.chunks; ++c) {
-    const int64_t g = c * 4, left = std::min<int64_t>(4, groups - g);
-    __m512i w;
-    __m128i qh = _mm_setzero_si128(), dh, mh = _mm_setzero_si128();
-    __mmask64 klo = 0, khi = 0;  // the fifth bits of the low and high nibbles
-#if defined(__AVX512VBMI__)
-    const bool vbmi_chunk = left == 4;
-    if (vbmi_chunk) {  // four whole blocks: two loads (the second only to the fourth block's end), permutes
-      const uint8_t* b = wr + g * BYTES;
-      const Q5Gather<Q>& G = Q5_GATHER<Q>;
-      const __m512i v0 = _mm512_loadu_si512(b);
-      const __m512i v1 = _mm512_maskz_loadu_epi8((__mmask64{1} << (4 * BYTES - 64)) - 1, b + 64);
-      w = _mm512_permutex2var_epi8(v0, _mm512_load_si512(G.w), v1);
-      const __m512i bit = _mm512_load_si512(G.bit);
-      klo = _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v0, _mm512_load_si512(G.lo), v1), bit);
-      khi = _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v0, _mm512_load_si512(G.hi), v1), bit);
-      const __m128i dm = _mm512_castsi512_si128(_mm512_permutex2var_epi8(v0, _mm512_load_si512(G.dm), v1));
-      dh = dm;
-      mh = _mm_srli_si128(dm, 8);
-    } else
-#else
-    const bool vbmi_chunk = false;
-#endif
-    if (left == 4) {  // four whole blocks: fixed offsets, no branch (every chunk of a row but its last)
-      const uint8_t* b = wr + g * BYTES;
-      const __m256i w01 = _mm256_setr_m128i(load16(b + QS), load16(b + BYTES + QS));
-      w = _mm512_inserti32x4(_mm512_castsi256_si512(w01), load16(b + 2 * BYTES + QS), 2);
-      w = _mm512_inserti32x4(w, load16(b + 3 * BYTES + QS), 3);
-      qh = _mm_setr_epi32(i32(b + QH), i32(b + BYTES + QH), i32(b + 2 * BYTES + QH), i32(b + 3 * BYTES + QH));
-      dh = _mm_setr_epi16(i16(b), i16(b + BYTES), i16(b + 2 * BYTES), i16(b + 3 * BYTES), 0, 0, 0, 0);
-      if (Q == Q5_1)
-        mh = _mm_setr_epi16(i16(b + 2), i16(b + BYTES + 2), i16(b + 2 * BYTES + 2), i16(b + 3 * BYTES + 2),
-                            0, 0, 0, 0);
-    } else {  // the row's last chunk, of 1-3 blocks, the rest zero
-      alignas(64) uint8_t qs[64] = {};
-      alignas(16) uint32_t qw[4] = {0, 0, 0, 0};
-      alignas(16) uint16_t d[8] = {}, m[8] = {};
-      for (int64_t k = 0; k < left; ++k) {
-        const uint8_t* b = wr + (g + k) * BYTES;
-        std::memcpy(qs + 16 * k, b + QS, 16);
-        qw[k] = u32(b + QH);
-        d[k] = u16(b);
-        if (Q == Q5_1) m[k] = u16(b + 2);
-      }
-      w = _mm512_load_si512(qs);
-      qh = _mm_load_si128(reinterpret_cast<const __m128i*>(qw));
-      dh = _mm_load_si128(reinterpret_cast<const __m128i*>(d));
-      mh = _mm_load_si128(reinterpret_cast<const __m128i*>(m));
-    }
-    if (!vbmi_chunk) {
-      const __m128i bits = _mm_shuffle_epi8(qh, halves);  // low 8 bytes: bits_lo; high 8: bits_hi
-      klo = _cvtu64_mask64(static_cast<uint64_t>(_mm_cvtsi128_si64(bits)));
-      khi = _cvtu64_mask64(static_cast<uint64_t>(_mm_extract_epi64(bits, 1)));
-    }
-    __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-    lo = _mm512_mask_add_epi8(lo, klo, lo, fifth);
-    hi = _mm512_mask_add_epi8(hi, khi, hi, fifth);
-    const __m128 d4 = _mm_cvtph_ps(dh);
-    const __m128 m4 = Q == Q5_0 ? _mm_mul_ps(d4, _mm_set1_ps(-16.0f)) : _mm_cvtph_ps(mh);
+    const int64_t g = c * 4;
+    const Q5Chunk k = q5_chunk<Q>(wr, g, std::min<int64_t>(4, groups - g));
+    __m512i lo = _mm512_and_si512(k.w, low), hi = _mm512_and_si512(_mm512_srli_epi16(k.w, 4), low);
+    lo = _mm512_mask_add_epi8(lo, k.lo, lo, fifth);
+    hi = _mm512_mask_add_epi8(hi, k.hi, hi, fifth);
+    const __m128 d4 = _mm_cvtph_ps(k.d);
+    const __m128 m4 = Q == Q5_0 ? _mm_mul_ps(d4, _mm_set1_ps(-16.0f)) : _mm_cvtph_ps(k.m);
     for (int i = 0; i < T; ++i) {
       const int8_t* x = xc.q.data() + ((i0 + i) * xc.chunks + c) * 128;
       const float* xd = xc.d.data() + (i0 + i) * stride + g;

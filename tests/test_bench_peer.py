@@ -4,7 +4,6 @@ typed error, and the bytes a decode step reads counted weight by weight."""
 
 from __future__ import annotations
 
-import json
 import stat
 import sys
 from pathlib import Path
@@ -20,33 +19,39 @@ from kvos.errors import ConfigError
 from kvos.model.loader import load_model
 
 # llama-bench -o json, as commit 0c1e570 writes it (fields trimmed to those read, plus two others)
-OUTPUT = json.dumps(
-    [
-        {"build_commit": "0c1e570", "n_prompt": 128, "n_gen": 0, "n_threads": 2, "avg_ts": 540.1023},
-        {"build_commit": "0c1e570", "n_prompt": 0, "n_gen": 64, "n_threads": 2, "avg_ts": 54.329568},
-    ]
-)
+PREFILL = {"build_commit": "0c1e570", "n_prompt": 128, "n_gen": 0, "n_depth": 0, "n_threads": 2}
+PREFILL["avg_ts"] = 540.1
+DECODE = {"build_commit": "0c1e570", "n_prompt": 0, "n_gen": 64, "n_depth": 128, "n_threads": 2}
+DECODE["avg_ts"] = 54.3
 
 
 def test_llama_bench_output_is_read() -> None:
-    run = parse_llama_bench(OUTPUT, 128, 64)
-    assert (run.prefill_tok_s, run.decode_tok_s, run.build) == (540.1023, 54.329568, "0c1e570")
+    run = parse_llama_bench([PREFILL, DECODE], 128, 64, 128)
+    assert (run.prefill_tok_s, run.decode_tok_s, run.build, run.decode_depth) == (540.1, 54.3, "0c1e570", 128)
     with pytest.raises(ConfigError, match="no prefill and decode rows"):
-        parse_llama_bench(OUTPUT, 256, 64)  # another prompt length than the one asked for
+        parse_llama_bench([PREFILL, DECODE], 256, 64, 128)  # another prompt length than the one asked for
     with pytest.raises(ConfigError, match="no prefill and decode rows"):
-        parse_llama_bench("main: error: failed to load model", 128, 64)
+        parse_llama_bench([PREFILL, DECODE], 128, 64, 0)  # a decode at another depth
+    old = {k: v for k, v in DECODE.items() if k != "n_depth"}  # a build before -d: no n_depth, depth 0
+    assert parse_llama_bench([PREFILL, old], 128, 64, 0).decode_tok_s == 54.3
 
 
-def _fake_llama_bench(path: Path, prefill: float, decode: float) -> Path:
-    """An executable that answers as llama-bench does for its -p and -n, and logs its argv."""
+def _fake_llama_bench(path: Path, prefill: float, decode: float, depth: bool = True) -> Path:
+    """An executable that answers as llama-bench does for its -p, -n and (where ``depth``) -d, and logs its
+    argv; its --help lists --n-depth where it takes -d."""
     path.write_text(
         f"#!{sys.executable}\n"
         "import json, sys\n"
         "a = sys.argv\n"
+        "if a[1] == '--help':\n"
+        f"    print('usage: llama-bench [options]' + ({depth!r} and '\\n  -d, --n-depth <n>' or ''))\n"
+        "    sys.exit(0)\n"
         f"open({str(path) + '.log'!r}, 'a').write(' '.join(a[1:]) + '\\n')\n"
         "p, n = int(a[a.index('-p') + 1]), int(a[a.index('-n') + 1])\n"
-        f"print(json.dumps([{{'n_prompt': p, 'n_gen': 0, 'avg_ts': {prefill}, 'build_commit': 'fake'}},\n"
-        f"                  {{'n_prompt': 0, 'n_gen': n, 'avg_ts': {decode}, 'build_commit': 'fake'}}]))\n"
+        "d = int(a[a.index('-d') + 1]) if '-d' in a else 0\n"
+        f"rows = [{{'n_prompt': p, 'n_gen': 0, 'n_depth': d, 'avg_ts': {prefill}, 'build_commit': 'fake'}}]\n"
+        f"rows += [{{'n_prompt': 0, 'n_gen': n, 'n_depth': d, 'avg_ts': {decode}, 'build_commit': 'fake'}}]\n"
+        "print(json.dumps([r for r in rows if (r['n_prompt'] > 0) + (r['n_gen'] > 0) == 1]))\n"
     )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
@@ -60,13 +65,29 @@ def test_a_llama_bench_binary_is_the_peer(
     monkeypatch.setattr(decode_llamacpp, "read_bandwidth", lambda threads: 8e9)
     (row,) = decode_llamacpp.bench_llamacpp(model, 16, 8, 2, 1, ("int8",), llama_bench=fake)
     calls = Path(str(fake) + ".log").read_text().splitlines()
-    assert calls == [f"-m {model} -t 1 -p 16 -n 8 -r 1 -o json"] * 3  # a warm-up, then one call a repeat
+    base = f"-m {model} -t 1 -r 1 -o json"
+    # a warm-up, then one repeat each: a prefill of the prompt, a decode after it
+    assert calls == [f"{base} -p 16 -n 0", f"{base} -p 0 -n 8 -d 16"] * 3
     assert (row["llamacpp_tok_s"], row["llamacpp_prefill_tok_s"]) == (250.0, 1000.0)
     assert row["ratio"] == pytest.approx(row["kvos_tok_s"] / 250.0)
     assert row["tokens_match"] is None and row["llamacpp"] == "llama-bench fake" and row["repeats"] == 2
+    assert row["llamacpp_decode_depth"] == 16
     step = step_bytes(load_model(model))
     assert row["step_mb"] == step / 1e6 and row["bound_tok_s"] == pytest.approx(8e9 / step)
     assert row["bound_over_kvos"] == pytest.approx(row["bound_tok_s"] / row["kvos_tok_s"])
+
+
+def test_a_llama_bench_without_depth_decodes_from_an_empty_context_and_says_so(
+    shared_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = shared_dir / "models" / "stories260K" / "stories260K.gguf"
+    fake = _fake_llama_bench(tmp_path / "old-llama-bench", prefill=1000.0, decode=250.0, depth=False)
+    monkeypatch.setattr(decode_llamacpp, "read_bandwidth", lambda threads: 8e9)
+    (row,) = decode_llamacpp.bench_llamacpp(model, 16, 8, 1, 1, ("int8",), llama_bench=fake)
+    calls = Path(str(fake) + ".log").read_text().splitlines()
+    base = f"-m {model} -t 1 -r 1 -o json"
+    assert calls == [f"{base} -p 16 -n 0", f"{base} -p 0 -n 8"] * 2
+    assert row["llamacpp_decode_depth"] == 0 and row["llamacpp_tok_s"] == 250.0
 
 
 def test_a_missing_llama_bench_is_a_typed_error(tmp_path: Path) -> None:

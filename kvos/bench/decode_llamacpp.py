@@ -12,7 +12,8 @@ the run is expected, not a failure. With several activation modes (``--activatio
 repeat runs kvos in every mode and then llama.cpp: a row per mode against the same llama.cpp runs.
 
 Without llama-cpp-python, or with ``--llama-bench PATH``, llama.cpp's ``llama-bench`` binary is the peer
-(:mod:`kvos.bench.llama_bench`: its own prompt, its own process, speeds only). Every row also gives the
+(:mod:`kvos.bench.llama_bench`: its own prompt, its own process, speeds only; its decode after as many
+tokens as the prompt where it can, ``llamacpp_decode_depth``). Every row also gives the
 bandwidth bound (:mod:`kvos.bench.bandwidth`): the bytes kvos reads a decode step, this machine's read
 bandwidth at the same thread count, the tokens per second those allow, and how far kvos's decode is from it.
 """
@@ -52,6 +53,7 @@ COLUMNS = (
     "kvos_prefill_tok_s",
     "llamacpp_prefill_tok_s",
     "prefill_ratio",
+    "llamacpp_decode_depth",
     "kvos_rss_mb",
     "llamacpp_rss_mb",
     "tokens_match",
@@ -129,6 +131,7 @@ def bench_llamacpp(
         median([r.decode_tok_s() for r in peer_runs]),
         median([r.prefill_tok_s(prompt_tokens) for r in peer_runs]),
         rss[1],
+        prompt_tokens,  # its decode follows the prompt, as kvos's does
     )
     return [
         _row(mode, path, prompt_tokens, threads, runs, peer, rss[0], bound, _same_tokens(runs, peer_runs))
@@ -166,6 +169,7 @@ def _bench_with_binary(
         median([r.decode_tok_s for r in peer_runs]),
         median([r.prefill_tok_s for r in peer_runs]),
         None,  # another process
+        min(r.decode_depth for r in peer_runs),
     )
     # llama-bench does not report its tokens: no tokens_match
     return [
@@ -222,7 +226,7 @@ def _prompt(vocab_size: int, prompt_tokens: int) -> list[int]:
 
 
 def _run_llamacpp(llm: Any, prompt: list[int], new_tokens: int, eos: list[int]) -> Any:
-    """Prefill then greedy decode from an empty context, timed as kvos's runs are."""
+    """A reset, the prompt prefilled, then greedy decode after it, timed as kvos's runs are."""
     llm.reset()
     start = time.perf_counter()
     llm.eval(prompt)
@@ -250,12 +254,13 @@ def _greedy(llm: Any, eos: list[int]) -> int:
 @dataclass(frozen=True)
 class Peer:
     """What llama.cpp measured: which build or binding, decode and prefill tok/s (medians), its RSS growth in
-    MiB (None when it ran in another process)."""
+    MiB (None when it ran in another process), and how many tokens its cache held as it decoded."""
 
     name: str
     decode_tok_s: float
     prefill_tok_s: float
     rss_mb: float | None
+    decode_depth: int
 
 
 def _same_tokens(kvos_runs: Sequence[Run], peer_runs: Sequence[Run]) -> bool:
@@ -288,6 +293,7 @@ def _row(
         "kvos_prefill_tok_s": kvos_prefill,
         "llamacpp_prefill_tok_s": peer.prefill_tok_s,
         "prefill_ratio": kvos_prefill / peer.prefill_tok_s,
+        "llamacpp_decode_depth": peer.decode_depth,
         "kvos_rss_mb": kvos_rss,
         "llamacpp_rss_mb": peer.rss_mb,
         "tokens_match": tokens_match,

@@ -53,7 +53,9 @@ def reference(
     return out.reshape(-1), probs.reshape(num_heads, -1)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 8), (6, 1, 64), (3, 3, 12), (14, 2, 64)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 2, 8), (6, 1, 64), (3, 3, 12), (14, 2, 64), (8, 2, 128)]
+)
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16])
 def test_kernel_equals_float64_attention(
@@ -93,6 +95,33 @@ def test_kernel_equals_float64_attention(
         apart, k, v, slots, torch.tensor(lengths), kpos, positions, window, torch.empty(0), *WHOLE
     )
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (14, 2, 64), (12, 2, 128), (5, 1, 48)])
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16])
+def test_long_sequences_equal_float64_attention(
+    module: Any, heads: int, kv_heads: int, dim: int, pool: torch.dtype
+) -> None:
+    """Two sequences of 517 and 203 keys in shuffled slots of a 1,000-slot pool: many tiles of keys (each
+    asked for ahead of its use), lengths not a multiple of a tile or of eight keys; the head dims the 512-bit
+    path takes (64, 128) and one it does not (48)."""
+    g = torch.Generator().manual_seed(heads + dim)
+    lengths = [517, 203]
+    k = torch.randn(1000, kv_heads, dim, generator=g).to(pool)
+    v = torch.randn(1000, kv_heads, dim, generator=g).to(pool)
+    q = torch.randn(2, heads, dim, generator=g) * 2  # peaked softmaxes as well as flat ones
+    slots = torch.stack([torch.randperm(1000, generator=g)[: lengths[0]] for _ in lengths])
+    kpos = torch.arange(lengths[0]).repeat(2, 1)
+    positions = torch.tensor(lengths) - 1
+    probs = torch.zeros(2, heads, lengths[0])
+    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, 0, probs, *WHOLE)
+    for b, n in enumerate(lengths):
+        expected, expected_probs = reference(
+            q[b], k, v, slots[b, :n].tolist(), kpos[b, :n].tolist(), int(positions[b]), 0
+        )
+        assert (out[b].double() - expected).abs().max().item() < 1e-5
+        assert (probs[b, :, :n].double() - expected_probs).abs().max().item() < 1e-6
+        assert float(probs[b, :, n:].abs().max()) == 0.0 if n < lengths[0] else True
 
 
 def test_kernel_refuses_slots_outside_the_pool(module: Any) -> None:

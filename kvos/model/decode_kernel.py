@@ -19,14 +19,18 @@ new token per sequence for B sequences at once, each over its own cached keys, w
 
 Returns float32 [B, H * D]. Query head ``i`` reads KV head ``i // (H / Hkv)`` (grouped-query attention).
 Each (sequence, KV head) pair is one task of ``at::parallel_for``: it lists the rows of the keys its query
-sees (so nothing after is masked), and its G query heads go over them 32 rows at a time, so that a tile is
-read from memory once and from L1 by the other heads: scores eight keys at a time (their sums reduced
-together), a softmax with an AVX2 exponential (Cephes' range reduction and polynomial), then the values
-weighted into 64 output floats held in registers. The gathered path it replaces copied every sequence's K/V
-out of the pool at every layer of every decode step (``index_select``) before two batched products. On the
-0.5B shape (14 query heads, 2 KV heads of 64) one layer's attention of 8 sequences of 600 keys takes
-0.34 ms against 0.62-0.76 ms gathered; a decode step of 8 sequences 145 ms against 165 at 600 keys and
-218 ms against 333 at 3,000 (docs/benchmarks.md).
+sees (so nothing after is masked), and its G query heads go over them 16 rows at a time, so that a tile is
+read from memory once and from L1 by the other heads, the rows four tiles ahead asked for meanwhile (a
+head's rows lie a slot apart, which the hardware's prefetchers did not follow: 7 GB/s): scores eight keys at
+a time (their sums reduced together), a softmax with an AVX2 exponential (Cephes' range reduction and
+polynomial), then the values weighted into output floats held in registers. With AVX-512 and head dims of
+64 or 128, 512-bit vectors, and the values of up to four heads (two at 128) summed in one pass, each row
+widened once. SmolLM2-135M's shape over 4,096 keys, one thread, each layer's pool cold as in a decode step:
+431 us a layer before these, 158 after (docs/benchmarks.md). The gathered path it replaces copied every
+sequence's K/V out of the pool at every layer of every decode step (``index_select``) before two batched
+products. On the 0.5B shape (14 query heads, 2 KV heads of 64) one layer's attention of 8 sequences of 600
+keys took 0.34 ms against 0.62-0.76 ms gathered; a decode step of 8 sequences 145 ms against 165 at 600
+keys and 218 ms against 333 at 3,000 (docs/benchmarks.md).
 
 The module also holds two small steps a session takes after every decoded token, in C++ because the Python
 that runs after a decode step finds every cache cold (the step streamed the weights through them), where
@@ -63,6 +67,9 @@ _SOURCE = (
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVOS_PORTABLE)
 #include <immintrin.h>
 #define KVOS_AVX2 1
+#if defined(__AVX512F__)
+#define KVOS_AVX512 1  // head dims of 64 and 128 in 512-bit vectors
+#endif
 #endif
 """
     + EXP8
@@ -124,8 +131,16 @@ static void scores_of(const float* q, const E* const* rows, int64_t m, int64_t D
 // s[i] <- exp(s[i] - max s) over m floats; returns their sum.
 static float exp_normalised(float* s, int64_t m) {
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < m; ++i) top = std::max(top, s[i]);
   int64_t i = 0;
+#if KVOS_AVX2
+  __m256 tops = _mm256_set1_ps(top);  // the largest score eight lanes at a time (a scalar max is a chain)
+  for (; i + 8 <= m; i += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(s + i));
+  float lane[8];
+  _mm256_storeu_ps(lane, tops);
+  for (float x : lane) top = std::max(top, x);
+#endif
+  for (; i < m; ++i) top = std::max(top, s[i]);
+  i = 0;
   float sum = 0.0f;
 #if KVOS_AVX2
   const __m256 shift = _mm256_set1_ps(top);
@@ -166,6 +181,110 @@ static void weighted_sum(const float* p, const E* const* rows, int64_t m, int64_
     for (int64_t e = d; e < D; ++e) o[e] = std::fma(p[i], to_f(rows[i][e]), o[e]);  // fused, as above
 }
 
+#if KVOS_AVX512
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// s[j] = scale * q . k_j for the 8 keys at rows[0..8) of 16 V values: a 512-bit sum a key, folded to 256
+// bits, the eight reduced together.
+template <int V, typename E>
+static inline void scores8_512(const float* q, const E* const* rows, float scale, float* s) {
+  __m512 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+  for (int v = 0; v < V; ++v) {
+    const __m512 qv = _mm512_loadu_ps(q + 16 * v);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(rows[j] + 16 * v), acc[j]);
+  }
+  __m256 folded[8];
+  for (int j = 0; j < 8; ++j) {
+    const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1));
+    folded[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), top);
+  }
+  _mm256_storeu_ps(s, _mm256_mul_ps(sums8(folded), _mm256_set1_ps(scale)));
+}
+
+// o + g * D (g < NH) += sum_i p[g * stride + i] v_i over the m value rows at rows[i] of D = 16 V values:
+// the NH heads' outputs in 16 registers while every row passes, each row loaded (and widened) once.
+template <int V, int NH, typename E>
+static inline void values_512(const float* p, int64_t stride, const E* const* rows, int64_t m, float* o) {
+  constexpr int64_t D = 16 * V;
+  __m512 acc[NH][V];
+  for (int g = 0; g < NH; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_loadu_ps(o + g * D + 16 * v);
+  for (int64_t i = 0; i < m; ++i) {
+    __m512 row[V];
+    for (int v = 0; v < V; ++v) row[v] = load16(rows[i] + 16 * v);
+    for (int g = 0; g < NH; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * stride + i]);
+      for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(w, row[v], acc[g][v]);
+    }
+  }
+  for (int g = 0; g < NH; ++g)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + g * D + 16 * v, acc[g][v]);
+}
+#endif
+
+// s[i] = scale * q . k_i for the m keys at rows[i] (D values each): 512-bit for head dims of 64 and 128.
+template <typename E>
+static inline void tile_scores(const float* q, const E* const* rows, int64_t m, int64_t D, float scale,
+                               float* s) {
+#if KVOS_AVX512
+  if (D == 64 || D == 128) {
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+      if (D == 64) scores8_512<4>(q, rows + i, scale, s + i);
+      else scores8_512<8>(q, rows + i, scale, s + i);
+    }
+    for (; i < m; ++i) s[i] = dot(q, rows[i], D) * scale;
+    return;
+  }
+#endif
+  scores_of(q, rows, m, D, scale, s);
+}
+
+// o + g * D (g < G) += sum_i p[g * stride + i] v_i over the m value rows at rows[i] (D values each):
+// 512-bit for head dims of 64 (four heads a pass) and 128 (two).
+template <typename E>
+static inline void tile_values(const float* p, int64_t stride, const E* const* rows, int64_t m, int64_t D,
+                               int64_t G, float* o) {
+#if KVOS_AVX512
+  if (D == 64 || D == 128) {
+    const int64_t per = D == 64 ? 4 : 2;
+    for (int64_t g = 0; g < G; g += per) {
+      const float* pg = p + g * stride;
+      float* og = o + g * D;
+      switch ((D == 64 ? 10 : 20) + std::min(per, G - g)) {
+        case 11: values_512<4, 1>(pg, stride, rows, m, og); break;
+        case 12: values_512<4, 2>(pg, stride, rows, m, og); break;
+        case 13: values_512<4, 3>(pg, stride, rows, m, og); break;
+        case 14: values_512<4, 4>(pg, stride, rows, m, og); break;
+        case 21: values_512<8, 1>(pg, stride, rows, m, og); break;
+        default: values_512<8, 2>(pg, stride, rows, m, og); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) weighted_sum(p + g * stride, rows, m, D, o + g * D);
+}
+
+// Ask for the m rows at rows[] (D values each) to be brought into the cache: the next tile's, while this
+// one is computed. A head's rows lie a slot apart in the pool, in the order its page table gives, which the
+// hardware's prefetchers do not follow far enough: without it, attention over 4,096 keys read 7 GB/s.
+template <typename E>
+static inline void ask_for(const E* const* rows, int64_t m, int64_t D) {
+#if KVOS_AVX2
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(E));
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t o = 0; o < bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + o, _MM_HINT_T0);
+#else
+  (void)rows, (void)m, (void)D;
+#endif
+}
+
 // One (sequence b, KV head h) task: the G query heads that read KV head h, over the keys the query sees.
 template <typename E>
 static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, const int64_t* slots,
@@ -174,41 +293,39 @@ static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, co
                        const E* hk, const E* hv, const int64_t* codes) {
   const int64_t G = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<int64_t> seen;  // which of the n keys the query sees, in cache order
-  std::vector<const E*> krows, vrows;
-  seen.reserve(n);
-  krows.reserve(n);
-  vrows.reserve(n);
+  std::vector<int64_t> seen(n);  // which of the n keys the query sees, in cache order: the first m
+  std::vector<const E*> krows(n), vrows(n);
+  int64_t m = 0;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t p = kpos[t];
     const int64_t code = codes ? codes[t] : -1;  // where this head reads the key (see the module's doc)
     if (code == -2 || p > qpos || (window > 0 && p <= qpos - window)) continue;
-    seen.push_back(t);
-    if (code >= 0) {
-      krows.push_back(hk + code * D);
-      vrows.push_back(hv + code * D);
-    } else {
-      krows.push_back(k + (slots[t] * Hkv + h) * D);
-      vrows.push_back(v + (slots[t] * Hkv + h) * D);
-    }
+    seen[m] = t;
+    krows[m] = code >= 0 ? hk + code * D : k + (slots[t] * Hkv + h) * D;
+    vrows[m] = code >= 0 ? hv + code * D : v + (slots[t] * Hkv + h) * D;
+    ++m;
   }
-  const int64_t m = static_cast<int64_t>(seen.size());
   // the G query heads go over the keys (then the values) a tile at a time, which stays in L1 for all of them
-  constexpr int64_t TILE = 32;
+  constexpr int64_t TILE = 16, AHEAD = 4 * TILE;
   std::vector<float> s(G * m), inv(G);
-  for (int64_t i0 = 0; i0 < m; i0 += TILE)
+  ask_for(krows.data(), std::min(AHEAD, m), D);
+  for (int64_t i0 = 0; i0 < m; i0 += TILE) {
+    if (i0 + AHEAD < m) ask_for(krows.data() + i0 + AHEAD, std::min(TILE, m - i0 - AHEAD), D);
     for (int64_t g = 0; g < G; ++g)
-      scores_of(q + b * q_row + (h * G + g) * D, krows.data() + i0, std::min(TILE, m - i0), D, scale,
-                s.data() + g * m + i0);
+      tile_scores(q + b * q_row + (h * G + g) * D, krows.data() + i0, std::min(TILE, m - i0), D, scale,
+                  s.data() + g * m + i0);
+  }
+  ask_for(vrows.data(), std::min(AHEAD, m), D);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t head = b * H + h * G + g;
     std::fill_n(out + head * D, D, 0.0f);
     if (m > 0) inv[g] = 1.0f / exp_normalised(s.data() + g * m, m);
   }
-  for (int64_t i0 = 0; i0 < m; i0 += TILE)
-    for (int64_t g = 0; g < G; ++g)
-      weighted_sum(s.data() + g * m + i0, vrows.data() + i0, std::min(TILE, m - i0), D,
-                   out + (b * H + h * G + g) * D);
+  for (int64_t i0 = 0; i0 < m; i0 += TILE) {
+    if (i0 + AHEAD < m) ask_for(vrows.data() + i0 + AHEAD, std::min(TILE, m - i0 - AHEAD), D);
+    const int64_t rows = std::min(TILE, m - i0);
+    tile_values(s.data() + i0, m, vrows.data() + i0, rows, D, G, out + (b * H + h * G) * D);
+  }
   for (int64_t g = 0; g < G; ++g) {  // a query that sees no key keeps zeros
     const int64_t head = b * H + h * G + g;
     for (int64_t d = 0; d < D && m > 0; ++d) out[head * D + d] *= inv[g];
@@ -382,17 +499,25 @@ FUNCTIONS = ["attend", "chunk_masses", "log_normaliser"]
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v8", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v9", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA/F16C), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_decode_portable_v8", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_portable_v9", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
-BUILDS = {"native": kernel, "portable": portable_kernel}  # every build the tests force, by name
+@functools.cache
+def avx2_kernel() -> Any | None:
+    """The functions this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests
+    on a CPU with AVX-512."""
+    flags = ["-O3", "-march=native", "-mno-avx512f"]
+    return build("kvos_decode_avx2_v9", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+
+
+BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force
 
 
 def module() -> Any:

@@ -80,7 +80,7 @@ def test_kernel_equals_float64_attention(
         kpos[b, n:] = positions[b] + 1
     kpos[3, 0] = positions[3] + 2  # a key past the query: not seen
     probs = torch.full((len(lengths), heads, longest), -1.0)
-    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, window, probs, *WHOLE)
+    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, window, probs, *WHOLE, 0)
     for b, n in enumerate(lengths):
         expected, expected_probs = reference(
             q[b], k, v, slots[b, :n].tolist(), kpos[b, :n].tolist(), int(positions[b]), window
@@ -92,19 +92,22 @@ def test_kernel_equals_float64_attention(
     apart = torch.cat((q, torch.randn(len(lengths), 2 * kv_heads, dim, generator=g)), dim=1)[:, :heads]
     assert not apart.is_contiguous()
     again = module.attend(
-        apart, k, v, slots, torch.tensor(lengths), kpos, positions, window, torch.empty(0), *WHOLE
+        apart, k, v, slots, torch.tensor(lengths), kpos, positions, window, torch.empty(0), *WHOLE, 0
     )
     assert torch.equal(again, out)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (14, 2, 64), (12, 2, 128), (5, 1, 48)])
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("parts", "window"), [(0, 0), (1, 0), (3, 0), (5, 150)])
 def test_long_sequences_equal_float64_attention(
-    module: Any, heads: int, kv_heads: int, dim: int, pool: torch.dtype
+    module: Any, heads: int, kv_heads: int, dim: int, pool: torch.dtype, parts: int, window: int
 ) -> None:
     """Two sequences of 517 and 203 keys in shuffled slots of a 1,000-slot pool: many tiles of keys (each
     asked for ahead of its use), lengths not a multiple of a tile or of eight keys; the head dims the 512-bit
-    path takes (64, 128) and one it does not (48)."""
+    path takes (64, 128) and one it does not (48). Each (sequence, KV head) task's keys whole or split into
+    parts run apart and merged (0: as many as the threads want), with a window that leaves the first
+    parts no key to see."""
     g = torch.Generator().manual_seed(heads + dim)
     lengths = [517, 203]
     k = torch.randn(1000, kv_heads, dim, generator=g).to(pool)
@@ -114,14 +117,38 @@ def test_long_sequences_equal_float64_attention(
     kpos = torch.arange(lengths[0]).repeat(2, 1)
     positions = torch.tensor(lengths) - 1
     probs = torch.zeros(2, heads, lengths[0])
-    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, 0, probs, *WHOLE)
+    out = module.attend(q, k, v, slots, torch.tensor(lengths), kpos, positions, window, probs, *WHOLE, parts)
     for b, n in enumerate(lengths):
         expected, expected_probs = reference(
-            q[b], k, v, slots[b, :n].tolist(), kpos[b, :n].tolist(), int(positions[b]), 0
+            q[b], k, v, slots[b, :n].tolist(), kpos[b, :n].tolist(), int(positions[b]), window
         )
         assert (out[b].double() - expected).abs().max().item() < 1e-5
         assert (probs[b, :, :n].double() - expected_probs).abs().max().item() < 1e-6
         assert float(probs[b, :, n:].abs().max()) == 0.0 if n < lengths[0] else True
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_nan_key_makes_its_heads_nan_however_the_keys_are_split(module: Any, parts: int) -> None:
+    """A NaN in one key (a corrupt pool) reaches the output of the heads that read it, whole or split: never
+    dropped as a part with no weight."""
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(600, 2, 64, generator=g), torch.randn(600, 2, 64, generator=g)
+    k[100, 1, 5] = float("nan")
+    slots, kpos = torch.arange(600).view(1, 600), torch.arange(600).view(1, 600)
+    out = module.attend(
+        torch.randn(1, 4, 64, generator=g),
+        k,
+        v,
+        slots,
+        torch.tensor([600]),
+        kpos,
+        torch.tensor([599]),
+        0,
+        torch.empty(0),
+        *WHOLE,
+        parts,
+    ).view(4, 64)
+    assert not out[:2].isnan().any() and out[2:].isnan().all()  # KV head 1 is read by query heads 2 and 3
 
 
 def test_kernel_refuses_slots_outside_the_pool(module: Any) -> None:
@@ -139,6 +166,7 @@ def test_kernel_refuses_slots_outside_the_pool(module: Any) -> None:
             0,
             torch.empty(0),
             *WHOLE,
+            0,
         )
 
 
@@ -198,7 +226,7 @@ def test_kernel_reads_each_heads_keys_where_its_code_says() -> None:
     codes[:, :, -1] = -1  # every head sees the newest key, in the pool
     probs = torch.zeros(2, heads, n)
     out = decode_kernel.module().attend(
-        q, k, v, slots, torch.tensor([n, n]), kpos, positions, 0, probs, hk, hv, codes
+        q, k, v, slots, torch.tensor([n, n]), kpos, positions, 0, probs, hk, hv, codes, 0
     )
     group = heads // kv_heads
     for b in range(2):

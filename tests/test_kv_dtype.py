@@ -51,8 +51,8 @@ def test_decode_kernel_reads_float16_as_the_widened_float32(
     module = decode_kernel.module()
     p16, p32 = (torch.zeros(len(lengths), heads, 40) for _ in range(2))
     args = (slots, torch.tensor(lengths), kpos, positions, window)
-    out16 = module.attend(q, k, v, *args, p16, *WHOLE)
-    out32 = module.attend(q, k.float(), v.float(), *args, p32, *WHOLE)
+    out16 = module.attend(q, k, v, *args, p16, *WHOLE, 0)
+    out32 = module.attend(q, k.float(), v.float(), *args, p32, *WHOLE, 0)
     assert torch.equal(out16, out32)
     assert torch.equal(p16, p32)
     assert (p16[2, :, :40].sum(-1) - 1).abs().max().item() < 1e-5  # real attention, not zeros
@@ -73,6 +73,7 @@ def test_decode_kernel_refuses_a_pool_of_another_dtype() -> None:
             0,
             torch.empty(0),
             *WHOLE,
+            0,
         )
 
 

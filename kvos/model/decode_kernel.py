@@ -1,7 +1,8 @@
 """A CPU kernel for decode attention read straight from the paged pool.
 
-``attend(q, k, v, slots, lengths, key_positions, positions, window, probs)`` computes the attention of one
-new token per sequence for B sequences at once, each over its own cached keys, without gathering them:
+``attend(q, k, v, slots, lengths, key_positions, positions, window, probs, hk, hv, head_codes, parts)``
+computes the attention of one new token per sequence for B sequences at once, each over its own cached keys,
+without gathering them:
 
 - q float32 [B, H, D] (the new tokens' queries, RoPE applied; its heads contiguous, its rows may lie apart, as
   in the fused projection's output);
@@ -15,7 +16,11 @@ new token per sequence for B sequences at once, each over its own cached keys, w
 - hk, hv [R, D] (the pool's head store, same dtype as k) and head_codes int64 [B, Hkv, T], or all three
   empty: where some of a sequence's tokens are kept per KV head (:class:`~kvos.model.attention.HeadKeys`),
   the code of each (sequence, KV head, key) says where that head reads it: ``>= 0`` a head-store slot, ``-1``
-  the pool at ``slots`` (a whole token), ``-2`` nowhere (the head dropped it: unseen, probability 0).
+  the pool at ``slots`` (a whole token), ``-2`` nowhere (the head dropped it: unseen, probability 0);
+- parts: how many runs each (sequence, KV head) task's keys are split into, merged by their largest scores
+  (flash decoding's split); 0 lets the kernel choose: two runs a thread where there are fewer tasks than
+  that (one sequence of SmolLM2-135M has 3 KV heads; two threads then idle a third of the time), each of
+  256 keys or more. 4,096 keys, two threads: 110 us a layer whole, 92 split.
 
 Returns float32 [B, H * D]. Query head ``i`` reads KV head ``i // (H / Hkv)`` (grouped-query attention).
 Each (sequence, KV head) pair is one task of ``at::parallel_for``: it lists the rows of the keys its query
@@ -128,9 +133,9 @@ static void scores_of(const float* q, const E* const* rows, int64_t m, int64_t D
   for (; i < m; ++i) s[i] = dot(q, rows[i], D) * scale;
 }
 
-// s[i] <- exp(s[i] - max s) over m floats; returns their sum.
-static float exp_normalised(float* s, int64_t m) {
-  float top = -std::numeric_limits<float>::infinity();
+// s[i] <- exp(s[i] - max s) over m floats; returns their sum, the max in top.
+static float exp_normalised(float* s, int64_t m, float& top) {
+  top = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
 #if KVOS_AVX2
   __m256 tops = _mm256_set1_ps(top);  // the largest score eight lanes at a time (a scalar max is a chain)
@@ -285,18 +290,27 @@ static inline void ask_for(const E* const* rows, int64_t m, int64_t D) {
 #endif
 }
 
-// One (sequence b, KV head h) task: the G query heads that read KV head h, over the keys the query sees.
+// What a run over part of a task's keys leaves for each of its G query heads: the largest score, the sum of
+// exp(score - largest) over its keys, and the values weighted by those exps (not yet divided by the sum).
+struct Partial {
+  float* o;    // [G, D]
+  float* top;  // [G]
+  float* sum;  // [G]
+};
+
+// One (sequence b, KV head h) task's keys [t0, t1): the G query heads that read KV head h, over those of
+// the keys the query sees, into part; probs (where given) gets each seen key's exp(score - part's largest).
 template <typename E>
-static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, const int64_t* slots,
-                       const int64_t* kpos, int64_t qpos, int64_t n, int64_t window, int64_t H,
-                       int64_t Hkv, int64_t D, int64_t T, int64_t b, int64_t h, float* out, float* probs,
-                       const E* hk, const E* hv, const int64_t* codes) {
-  const int64_t G = H / Hkv;
+static void attend_part(const float* q, int64_t q_row, const E* k, const E* v, const int64_t* slots,
+                        const int64_t* kpos, int64_t qpos, int64_t t0, int64_t t1, int64_t window, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t T, int64_t b, int64_t h, Partial part, float* probs,
+                        const E* hk, const E* hv, const int64_t* codes) {
+  const int64_t G = H / Hkv, n = t1 - t0;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<int64_t> seen(n);  // which of the n keys the query sees, in cache order: the first m
+  std::vector<int64_t> seen(n);  // which of the keys the query sees, in cache order: the first m
   std::vector<const E*> krows(n), vrows(n);
   int64_t m = 0;
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t p = kpos[t];
     const int64_t code = codes ? codes[t] : -1;  // where this head reads the key (see the module's doc)
     if (code == -2 || p > qpos || (window > 0 && p <= qpos - window)) continue;
@@ -307,7 +321,7 @@ static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, co
   }
   // the G query heads go over the keys (then the values) a tile at a time, which stays in L1 for all of them
   constexpr int64_t TILE = 16, AHEAD = 4 * TILE;
-  std::vector<float> s(G * m), inv(G);
+  std::vector<float> s(G * m);
   ask_for(krows.data(), std::min(AHEAD, m), D);
   for (int64_t i0 = 0; i0 < m; i0 += TILE) {
     if (i0 + AHEAD < m) ask_for(krows.data() + i0 + AHEAD, std::min(TILE, m - i0 - AHEAD), D);
@@ -316,37 +330,86 @@ static void attend_one(const float* q, int64_t q_row, const E* k, const E* v, co
                   s.data() + g * m + i0);
   }
   ask_for(vrows.data(), std::min(AHEAD, m), D);
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t head = b * H + h * G + g;
-    std::fill_n(out + head * D, D, 0.0f);
-    if (m > 0) inv[g] = 1.0f / exp_normalised(s.data() + g * m, m);
-  }
+  std::fill_n(part.o, G * D, 0.0f);
+  for (int64_t g = 0; g < G; ++g) part.sum[g] = exp_normalised(s.data() + g * m, m, part.top[g]);
   for (int64_t i0 = 0; i0 < m; i0 += TILE) {
     if (i0 + AHEAD < m) ask_for(vrows.data() + i0 + AHEAD, std::min(TILE, m - i0 - AHEAD), D);
-    const int64_t rows = std::min(TILE, m - i0);
-    tile_values(s.data() + i0, m, vrows.data() + i0, rows, D, G, out + (b * H + h * G) * D);
+    tile_values(s.data() + i0, m, vrows.data() + i0, std::min(TILE, m - i0), D, G, part.o);
   }
-  for (int64_t g = 0; g < G; ++g) {  // a query that sees no key keeps zeros
-    const int64_t head = b * H + h * G + g;
-    for (int64_t d = 0; d < D && m > 0; ++d) out[head * D + d] *= inv[g];
-    if (!probs) continue;
-    std::fill_n(probs + head * T, T, 0.0f);
-    for (int64_t i = 0; i < m; ++i) probs[head * T + seen[i]] = s[g * m + i] * inv[g];
+  for (int64_t g = 0; probs && g < G; ++g)
+    for (int64_t i = 0; i < m; ++i) probs[(b * H + h * G + g) * T + seen[i]] = s[g * m + i];
+}
+
+// A task's S parts (part p over keys [bounds[p], bounds[p + 1])) merged: each part's exps rescaled to the
+// largest score of all, o = sum_p o_p exp(top_p - top) / sum_p sum_p exp(top_p - top), written to out
+// [G, D] and the probabilities rescaled likewise. A query that sees no key keeps zeros.
+static void merge(const Partial* parts, const int64_t* bounds, int64_t S, int64_t G, int64_t D, int64_t T,
+                  float* out, float* probs) {
+  for (int64_t g = 0; g < G; ++g) {
+    float top = -std::numeric_limits<float>::infinity(), total = 0.0f;
+    for (int64_t p = 0; p < S; ++p) top = std::max(top, parts[p].top[g]);
+    std::vector<float> factor(S, 0.0f);
+    for (int64_t p = 0; p < S; ++p) {
+      factor[p] = parts[p].sum[g] == 0.0f ? 0.0f : std::exp(parts[p].top[g] - top);  // NaN stays NaN
+      total += parts[p].sum[g] * factor[p];
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    float* o = out + g * D;
+    for (int64_t p = 0; p < S; ++p) {
+      const float f = factor[p] * inv;
+      const float* op = parts[p].o + g * D;
+      if (p == 0)
+        for (int64_t d = 0; d < D; ++d) o[d] = op[d] * f;
+      else
+        for (int64_t d = 0; d < D; ++d) o[d] += op[d] * f;
+      for (int64_t t = bounds[p]; probs && t < bounds[p + 1]; ++t) probs[g * T + t] *= f;
+    }
   }
+}
+
+// How many parts each of `tasks` tasks of up to n keys is split into: enough for two per thread where there
+// are fewer tasks than that (one sequence of a model with few KV heads), each at least MIN_PART keys.
+static int64_t parts_of(int64_t tasks, int64_t n, int64_t wanted) {
+  constexpr int64_t MIN_PART = 256;
+  if (wanted > 0) return std::max<int64_t>(1, std::min(wanted, n));
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = (2 * threads + tasks - 1) / tasks;
+  return std::max<int64_t>(1, std::min(parts, n / MIN_PART));
 }
 
 template <typename E>
 static void attend_all(const float* qp, int64_t q_row, const E* kp, const E* vp, const int64_t* sl,
                        const int64_t* len, const int64_t* kpp, const int64_t* qpp, int64_t window, int64_t B,
                        int64_t H, int64_t Hkv, int64_t D, int64_t T, float* op, float* pp, const E* hk,
-                       const E* hv, const int64_t* codes) {
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      attend_one<E>(qp, q_row, kp, vp, sl + b * T, kpp + b * T, qpp[b], len[b], window, H, Hkv, D, T, b, h,
-                    op, pp, hk, hv, codes ? codes + task * T : nullptr);
+                       const E* hv, const int64_t* codes, int64_t wanted) {
+  const int64_t G = H / Hkv, tasks = B * Hkv;
+  const int64_t S = parts_of(tasks, *std::max_element(len, len + B), wanted);
+  // each part's o [G, D], top [G], sum [G]; with one part a task's o is its rows of out
+  std::vector<float> scratch(tasks * S * G * (D + 2));
+  std::vector<Partial> parts(tasks * S);
+  std::vector<int64_t> bounds(tasks * (S + 1));
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / Hkv, h = task % Hkv;
+    for (int64_t p = 0; p <= S; ++p) bounds[task * (S + 1) + p] = len[b] * p / S;
+    for (int64_t p = 0; p < S; ++p) {
+      float* base = scratch.data() + (task * S + p) * G * (D + 2);
+      parts[task * S + p] = {S == 1 ? op + (b * H + h * G) * D : base + 2 * G, base, base + G};
+    }
+  }
+  if (pp) std::fill_n(pp, B * H * T, 0.0f);
+  at::parallel_for(0, tasks * S, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t task = i / S, p = i % S, b = task / Hkv, h = task % Hkv;
+      const int64_t* kb = bounds.data() + task * (S + 1);
+      attend_part<E>(qp, q_row, kp, vp, sl + b * T, kpp + b * T, qpp[b], kb[p], kb[p + 1], window, H, Hkv, D,
+                     T, b, h, parts[i], pp, hk, hv, codes ? codes + task * T : nullptr);
     }
   });
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / Hkv, h = task % Hkv;
+    merge(parts.data() + task * S, bounds.data() + task * (S + 1), S, G, D, T, op + (b * H + h * G) * D,
+          pp ? pp + (b * H + h * G) * T : nullptr);
+  }
 }
 
 // The attention signal's per-chunk masses of one decode step (kvos/policy/attention.py, chunk_mass_list):
@@ -432,7 +495,8 @@ double log_normaliser(torch::Tensor x) {
 
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                      torch::Tensor lengths, torch::Tensor kpos, torch::Tensor qpos, int64_t window,
-                     torch::Tensor probs, torch::Tensor hk, torch::Tensor hv, torch::Tensor codes) {
+                     torch::Tensor probs, torch::Tensor hk, torch::Tensor hv, torch::Tensor codes,
+                     int64_t parts) {
   const bool half = k.dtype() == torch::kFloat16;
   TORCH_CHECK(q.dtype() == torch::kFloat32 && (half || k.dtype() == torch::kFloat32) &&
                   v.dtype() == k.dtype(), "float32 queries, a float32 or float16 pool");
@@ -482,11 +546,11 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     attend_all<c10::Half>(qp, q_row, k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), sl, len, kpp, qpp,
                           window, B, H, Hkv, D, T, op, pp,
                           per_head ? hk.data_ptr<c10::Half>() : nullptr,
-                          per_head ? hv.data_ptr<c10::Half>() : nullptr, cd);
+                          per_head ? hv.data_ptr<c10::Half>() : nullptr, cd, parts);
   else
     attend_all<float>(qp, q_row, k.data_ptr<float>(), v.data_ptr<float>(), sl, len, kpp, qpp, window, B, H,
                       Hkv, D, T, op, pp, per_head ? hk.data_ptr<float>() : nullptr,
-                      per_head ? hv.data_ptr<float>() : nullptr, cd);
+                      per_head ? hv.data_ptr<float>() : nullptr, cd, parts);
   return out;
 }
 """
@@ -499,14 +563,14 @@ FUNCTIONS = ["attend", "chunk_masses", "log_normaliser"]
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v9", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v10", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA/F16C), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_decode_portable_v9", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_portable_v10", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 @functools.cache
@@ -514,7 +578,7 @@ def avx2_kernel() -> Any | None:
     """The functions this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests
     on a CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_decode_avx2_v9", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_avx2_v10", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force
@@ -568,6 +632,7 @@ def decode_attention(
         probs,
         *heads,
         group.head_codes(layer),
+        0,
     )
     for row, (meta, n) in enumerate(zip(group.metas, group.lengths, strict=True)):
         if wanted[row]:

@@ -145,6 +145,7 @@ class DecodePlan:
                 probs,
                 *heads,
                 codes,
+                0,
             )
             for row, m in wanted:
                 m.captured[index] = probs[row, :, : group.lengths[row]]

@@ -3,15 +3,17 @@ the including kernel defines ``KVOS_AVX2`` (and has included ``<immintrin.h>``).
 
 x = n ln2 + r with r in [-ln2 / 2, ln2 / 2] (ln2 split in two parts for an exact reduction), e^r by Cephes'
 degree-6 polynomial, 2^n built in the exponent bits; inputs clamped to [-87.3, 88.3] so that 2^n stays a
-normal float. Relative error within 2 ulp of ``std::exp`` over that range. :mod:`kvos.model.decode_kernel`
-(the softmax) and :mod:`kvos.model.layer_kernel` (SiLU) put it into their sources.
+normal float (a NaN stays NaN). Relative error within 2 ulp of ``std::exp`` over that range.
+:mod:`kvos.model.decode_kernel` (the softmax) and :mod:`kvos.model.layer_kernel` (SiLU) put it into their
+sources.
 """
 
 SOURCE = r"""
 #if KVOS_AVX2
 // e^x for 8 floats: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n into the exponent bits.
 static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  // x second: max and min return their second operand where either is NaN, so a NaN stays NaN
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
   __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

@@ -13,7 +13,7 @@ import torch
 from hf_models import build
 
 from kvos.bench import decode_llamacpp
-from kvos.bench.bandwidth import read_bandwidth, step_bytes, weight_bytes
+from kvos.bench.bandwidth import kv_bytes, read_bandwidth, step_bytes, weight_bytes
 from kvos.bench.llama_bench import find_llama_bench, parse_llama_bench
 from kvos.errors import ConfigError
 from kvos.model.loader import load_model
@@ -72,8 +72,11 @@ def test_a_llama_bench_binary_is_the_peer(
     assert row["ratio"] == pytest.approx(row["kvos_tok_s"] / 250.0)
     assert row["tokens_match"] is None and row["llamacpp"] == "llama-bench fake" and row["repeats"] == 2
     assert row["llamacpp_decode_depth"] == 16
-    step = step_bytes(load_model(model))
-    assert row["step_mb"] == step / 1e6 and row["bound_tok_s"] == pytest.approx(8e9 / step)
+    loaded = load_model(model)
+    kv = kv_bytes(loaded, 16 + 4, 2)  # the mean context of the decode: the prompt and half the new tokens
+    step = step_bytes(loaded) + kv
+    assert row["kv_mb"] == kv / 1e6 and row["step_mb"] == step / 1e6
+    assert row["bound_tok_s"] == pytest.approx(8e9 / step)
     assert row["bound_over_kvos"] == pytest.approx(row["bound_tok_s"] / row["kvos_tok_s"])
 
 
@@ -114,6 +117,20 @@ def test_a_decode_step_reads_every_weight_once(tmp_path: Path) -> None:
             total += weight_bytes(layer.experts.router) + one * 2  # 2 of 4 experts, all the same size
     assert step_bytes(moe) == total
     assert weight_bytes(torch.zeros(3, 5, dtype=torch.float16)) == 30 and weight_bytes(None) == 0
+
+
+def test_a_decode_step_reads_the_keys_and_values_its_queries_see(tmp_path: Path) -> None:
+    """Every layer's K and V at the context, a sliding-window layer's at its window, none for a layer
+    without attention."""
+    dense = load_model(build("llama", tmp_path / "llama"))
+    c = dense.config
+    assert kv_bytes(dense, 100, 2) == c.num_layers * 2 * 100 * c.num_kv_heads * c.head_dim * 2
+    assert kv_bytes(dense, 0, 2) == 0
+    windowed = load_model(build("mistral-window", tmp_path / "mistral"))
+    w = windowed.config
+    window = w.window(0)
+    assert window is not None and window < 100
+    assert kv_bytes(windowed, 100, 4) == w.num_layers * 2 * window * w.num_kv_heads * w.head_dim * 4
 
 
 def test_read_bandwidth_is_bytes_over_seconds() -> None:

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvos.bench.bandwidth import read_bandwidth, step_bytes
+from kvos.bench.bandwidth import kv_bytes, read_bandwidth, step_bytes
 from kvos.bench.common import median
 from kvos.bench.decode_run import Run, run_kvos
 from kvos.bench.llama_bench import find_llama_bench, run_llama_bench
@@ -58,6 +58,7 @@ COLUMNS = (
     "llamacpp_rss_mb",
     "tokens_match",
     "step_mb",
+    "kv_mb",
     "read_gb_s",
     "bound_tok_s",
     "bound_over_kvos",
@@ -125,7 +126,7 @@ def bench_llamacpp(
     kvos_runs, peer_runs = _alternate(
         engine, prompt, new_tokens, eos, modes, repeats, lambda: _run_llamacpp(llm, prompt, new_tokens, eos)
     )
-    bound = _bound(engine, threads)
+    bound = _bound(engine, threads, prompt_tokens + new_tokens // 2)
     peer = Peer(
         "llama-cpp-python",
         median([r.decode_tok_s() for r in peer_runs]),
@@ -163,7 +164,7 @@ def _bench_with_binary(
         repeats,
         lambda: run_llama_bench(binary, path, threads, prompt_tokens, new_tokens),
     )
-    bound = _bound(engine, threads)
+    bound = _bound(engine, threads, prompt_tokens + new_tokens // 2)
     peer = Peer(
         f"llama-bench {peer_runs[-1].build}",
         median([r.decode_tok_s for r in peer_runs]),
@@ -203,11 +204,18 @@ def _alternate(
     return kvos_runs, peer_runs
 
 
-def _bound(engine: Engine, threads: int) -> dict[str, float]:
-    """The bandwidth bound of the model's decode at ``threads`` (:mod:`kvos.bench.bandwidth`)."""
-    step = step_bytes(engine.model)
+def _bound(engine: Engine, threads: int, context: int) -> dict[str, float]:
+    """The bandwidth bound of the model's decode at ``threads`` with ``context`` tokens cached on average
+    (:mod:`kvos.bench.bandwidth`): its weights and the K/V its attention reads, in the pool's dtype."""
+    kv = kv_bytes(engine.model, context, engine.pool.layout.dtype.itemsize)
+    step = step_bytes(engine.model) + kv
     bandwidth = read_bandwidth(threads)
-    return {"step_mb": step / 1e6, "read_gb_s": bandwidth / 1e9, "bound_tok_s": bandwidth / step}
+    return {
+        "step_mb": step / 1e6,
+        "kv_mb": kv / 1e6,
+        "read_gb_s": bandwidth / 1e9,
+        "bound_tok_s": bandwidth / step,
+    }
 
 
 def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine, float]:

@@ -151,6 +151,25 @@ def test_a_nan_key_makes_its_heads_nan_however_the_keys_are_split(module: Any, p
     assert not out[:2].isnan().any() and out[2:].isnan().all()  # KV head 1 is read by query heads 2 and 3
 
 
+def test_an_empty_batch_gives_no_rows(module: Any) -> None:
+    k = torch.randn(10, 2, 64)
+    none = torch.zeros(0, 0, dtype=torch.int64)
+    out = module.attend(
+        torch.zeros(0, 4, 64),
+        k,
+        k,
+        none,
+        torch.zeros(0, dtype=torch.int64),
+        none,
+        torch.zeros(0, dtype=torch.int64),
+        0,
+        torch.empty(0),
+        *WHOLE,
+        0,
+    )
+    assert out.shape == (0, 256)
+
+
 def test_kernel_refuses_slots_outside_the_pool(module: Any) -> None:
     k = torch.zeros(10, 1, 8)
     slots = torch.tensor([[3, 10]])

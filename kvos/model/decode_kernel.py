@@ -372,6 +372,7 @@ static void merge(const Partial* parts, const int64_t* bounds, int64_t S, int64_
 static int64_t parts_of(int64_t tasks, int64_t n, int64_t wanted) {
   constexpr int64_t MIN_PART = 256;
   if (wanted > 0) return std::max<int64_t>(1, std::min(wanted, n));
+  if (tasks == 0) return 1;  // an empty batch
   const int64_t threads = at::get_num_threads();
   const int64_t parts = (2 * threads + tasks - 1) / tasks;
   return std::max<int64_t>(1, std::min(parts, n / MIN_PART));
@@ -383,16 +384,17 @@ static void attend_all(const float* qp, int64_t q_row, const E* kp, const E* vp,
                        int64_t H, int64_t Hkv, int64_t D, int64_t T, float* op, float* pp, const E* hk,
                        const E* hv, const int64_t* codes, int64_t wanted) {
   const int64_t G = H / Hkv, tasks = B * Hkv;
-  const int64_t S = parts_of(tasks, *std::max_element(len, len + B), wanted);
-  // each part's o [G, D], top [G], sum [G]; with one part a task's o is its rows of out
-  std::vector<float> scratch(tasks * S * G * (D + 2));
+  const int64_t S = parts_of(tasks, B > 0 ? *std::max_element(len, len + B) : 0, wanted);
+  // each part's top [G], sum [G] and o [G, D]; with one part a task's o is its rows of out
+  const int64_t floats = G * (2 + (S == 1 ? 0 : D));
+  std::vector<float> scratch(tasks * S * floats);
   std::vector<Partial> parts(tasks * S);
   std::vector<int64_t> bounds(tasks * (S + 1));
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / Hkv, h = task % Hkv;
     for (int64_t p = 0; p <= S; ++p) bounds[task * (S + 1) + p] = len[b] * p / S;
     for (int64_t p = 0; p < S; ++p) {
-      float* base = scratch.data() + (task * S + p) * G * (D + 2);
+      float* base = scratch.data() + (task * S + p) * floats;
       parts[task * S + p] = {S == 1 ? op + (b * H + h * G) * D : base + 2 * G, base, base + G};
     }
   }

@@ -379,3 +379,47 @@ def test_a_stream_that_waits_sends_keep_alive_comments(monkeypatch: pytest.Monke
     assert len(comments) >= 3 and all(p == ": keep-alive\n\n" for p in comments)
     assert parts.index(comments[0]) < parts.index(events[0])  # while waiting, before any event
     assert json.loads(events[0][6:])["choices"][0]["text"] == "hi" and events[-1] == "data: [DONE]\n\n"
+
+
+def test_the_outbox_holds_a_streams_events_until_flushed_then_wakes_the_loop_once() -> None:
+    """Workers' events wait in the outbox while the turns run; one flush (the scheduler's hook after the
+    turns) hands every stream its own, in order, with one wake-up of the event loop for all of them."""
+    import asyncio
+    import threading
+
+    from kvos.server.lifecycle import Outbox
+
+    async def run() -> tuple[list[Any], list[Any], int, int]:
+        loop = asyncio.get_running_loop()
+        wakes = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: Any) -> Any:
+            nonlocal wakes
+            wakes += 1
+            return real(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        box, first, second = Outbox(), asyncio.Queue[Any](), asyncio.Queue[Any]()
+
+        def worker() -> None:  # as two sessions' turns would: interleaved
+            for i in range(3):
+                box.put(loop, first, ("a", i))
+                box.put(loop, second, ("b", i))
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        await asyncio.to_thread(thread.join)
+        await asyncio.sleep(0.05)
+        held = first.qsize() + second.qsize()
+        before = wakes
+        threading.Thread(target=box.flush).start()
+        got_a = [await asyncio.wait_for(first.get(), 10) for _ in range(3)]
+        got_b = [await asyncio.wait_for(second.get(), 10) for _ in range(3)]
+        box.flush()  # nothing held: no wake-up
+        return got_a, got_b, held, wakes - before
+
+    got_a, got_b, held, wakes = asyncio.run(run())
+    assert held == 0
+    assert got_a == [("a", 0), ("a", 1), ("a", 2)] and got_b == [("b", 0), ("b", 1), ("b", 2)]
+    assert wakes == 1

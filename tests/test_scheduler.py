@@ -4,6 +4,7 @@ sessions get the replies they would get one at a time, and a cancelled stream le
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -133,6 +134,58 @@ def test_the_turn_passes_from_worker_to_worker_and_comes_back_once_a_step(
     assert backs <= scheduler.stats.steps + 2 * len(futures) < turns
     for seq in seqs:
         seq.release()
+
+
+def test_after_turns_runs_on_the_loop_once_the_turns_between_two_steps_have_ended(
+    engine: Engine, scheduler: Scheduler
+) -> None:
+    """The hook sees every turn of the phase that just ended (what each worker did before giving the
+    turn up) and runs while no worker holds the turn: once a step, not once a turn."""
+    marks: list[int] = []  # a worker's mark at the end of each of its turns
+    in_turn = threading.Event()
+    seen: list[tuple[int, bool, str]] = []  # (marks so far, a worker in its turn, the hook's thread)
+
+    def greedy_marking(seq: Sequence, prompt: list[int], steps: int) -> None:
+        logits = engine.extend(seq, prompt)[0]
+        for _ in range(steps):
+            in_turn.set()
+            token = int(torch.argmax(logits))
+            marks.append(token)
+            in_turn.clear()
+            logits = engine.decode(seq, token)
+
+    def hook() -> None:
+        seen.append((len(marks), in_turn.is_set(), threading.current_thread().name))
+
+    scheduler.after_turns(hook)
+    seqs = [engine.new_sequence() for _ in range(3)]
+    futures = [scheduler.submit(greedy_marking, s, _tokens(4, i), 10) for i, s in enumerate(seqs)]
+    for f in futures:
+        f.result(timeout=120)
+    deadline = time.monotonic() + 10
+    while not seen or seen[-1][0] < len(marks):  # the last phase's hook runs after the works have ended
+        assert time.monotonic() < deadline, "the hook did not run after the last turns"
+        time.sleep(0.01)
+    assert len(marks) == 30
+    assert all(not busy and thread == "kvos-scheduler" for _, busy, thread in seen)
+    counts = [n for n, _, _ in seen]
+    assert counts == sorted(counts)
+    # once a step: the marks of all three sessions' decodes arrive three at a time
+    assert len(seen) <= scheduler.stats.steps + 2 * len(futures) < len(marks) + scheduler.stats.steps
+    assert sum(1 for a, b in itertools.pairwise(counts) if b - a == 3) >= 8
+    for seq in seqs:
+        seq.release()
+
+
+def test_a_failing_after_turns_hook_does_not_stop_the_scheduler(engine: Engine, scheduler: Scheduler) -> None:
+    def fail() -> None:
+        raise RuntimeError("a broken hook")
+
+    scheduler.after_turns(fail)
+    seq = engine.new_sequence()
+    tokens, _ = scheduler.submit(_greedy, engine, seq, _tokens(5, 1), 4).result(timeout=120)
+    assert len(tokens) == 4
+    seq.release()
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is a Linux call")

@@ -152,6 +152,7 @@ class Scheduler(Executor):
         self._stopping = False  # the loop ends once no work is left
         self._closed = False  # no new work is taken
         self._local = threading.local()
+        self._between: list[Callable[[], None]] = []  # run each time the turns between two steps end
         self._pool = ThreadPoolExecutor(
             max_workers=max_running,
             thread_name_prefix="kvos-worker",
@@ -299,6 +300,19 @@ class Scheduler(Executor):
             self._work.set()
         worker.go.acquire()
 
+    def after_turns(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the scheduler's thread each time the workers' turns between two steps have all
+        ended (before the next step, or before waiting for work): where what the turns produced for other
+        threads is handed over at once (:class:`kvos.server.lifecycle.Outbox`)."""
+        self._between.append(fn)
+
+    def _turns_ended(self) -> None:
+        for fn in self._between:
+            try:
+                fn()
+            except Exception:  # a hook's failure must not stop the loop
+                _log.exception("a hook after the turns failed")
+
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         """Hand the turn to the first ready worker (each passes it on to the next, oldest first, and the
@@ -315,6 +329,7 @@ class Scheduler(Executor):
                 began = time.perf_counter()
                 worker.go.release()
                 self._back.acquire()
+                self._turns_ended()
                 self.stats.turns_s += time.perf_counter() - began
             elif step:
                 self._run(step)

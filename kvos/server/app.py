@@ -36,7 +36,15 @@ from kvos.server.errors import (
     not_found,
 )
 from kvos.server.gate import RequestGate
-from kvos.server.lifecycle import Cancelled, RequestRecord, ResponseForm, drain, sse, watch_disconnect
+from kvos.server.lifecycle import (
+    Cancelled,
+    Outbox,
+    RequestRecord,
+    ResponseForm,
+    drain,
+    sse,
+    watch_disconnect,
+)
 from kvos.server.metrics import Metrics
 from kvos.server.pins import budget_error, check_locked
 from kvos.server.registry import SessionRegistry
@@ -76,6 +84,8 @@ def create_app(
     """The app; with ``api_keys`` (or ``admin_keys``) every /v1 request and /metrics scrape needs a key,
     and sessions belong to their key (:mod:`kvos.server.auth`)."""
     sched = scheduler(service)
+    outbox = Outbox()  # the streams' events, handed to the event loop once a step's turns have ended
+    sched.after_turns(outbox.flush)
     app = FastAPI(title="kvos", version="0.1.0", lifespan=_lifespan(service, sched))
     metrics = Metrics(service)
     latency = metrics.latency
@@ -326,7 +336,8 @@ def create_app(
                     service.registry.release(entry)
                     latency.labels(kind).observe(time.perf_counter() - began)
 
-            body = sse(lambda produce: sched.admit(blocks, produce), steps, cancel, form.stream, record)
+            admit = lambda produce: sched.admit(blocks, produce)  # noqa: E731
+            body = sse(admit, steps, cancel, form.stream, record, outbox)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         future = asyncio.wrap_future(sched.admit(blocks, work))
         watcher = asyncio.create_task(watch_disconnect(request, cancel))

@@ -183,7 +183,53 @@ def test_alloc_grows_once_to_the_policy_target_and_keeps_data() -> None:
     assert pool.num_blocks == 11
 
 
+def test_growth_in_place_copies_nothing_and_keeps_every_block() -> None:
+    """On the CPU a layer tensor is the first blocks of a range reserved for the pool's most: growing it
+    is a longer view of the same memory (same address, the blocks written before unchanged, the new ones
+    zero), the cap's blocks at most."""
+    pool = KVPool(LAYOUT, _small_policy(max_blocks=20))
+    ids = pool.alloc_n(2)
+    k, v = _fill(pool, ids, 3)
+    addresses = [t.data_ptr() for t in pool.k + pool.v]
+    pool.reserve(9)
+    assert pool.num_blocks >= 9 and pool.resizes == 1
+    assert [t.data_ptr() for t in pool.k + pool.v] == addresses
+    k2, v2 = pool.read_blocks(ids)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    new = list(range(2, pool.num_blocks))
+    assert all(t[new].abs().sum() == 0 for t in pool.k + pool.v)
+    assert pool.nbytes == _tensor_bytes(pool) == pool.num_blocks * BPB
+    pool.reserve(20)  # the cap: still in place
+    assert [t.data_ptr() for t in pool.k + pool.v] == addresses and pool.num_blocks == 20
+
+
+def test_a_shrunk_pool_gives_its_range_back_and_grows_in_a_new_one() -> None:
+    pool = KVPool(LAYOUT, _small_policy(max_blocks=20))
+    pool.reserve(12)
+    old = [weakref.ref(t._base) for t in pool.k + pool.v]
+    assert pool.shrink() and pool.num_blocks == 2
+    assert all(ref() is None for ref in old)  # the ranges are unmapped with their last view
+    ids = pool.alloc_n(5)
+    k, v = _fill(pool, ids, 4)
+    k2, v2 = pool.read_blocks(ids)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_where_no_range_can_be_reserved_the_pool_grows_by_copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvos.memory.pool.reserve", lambda *_: None)
+    pool = KVPool(LAYOUT, _small_policy())
+    ids = pool.alloc_n(2)
+    k, v = _fill(pool, ids, 5)
+    addresses = [t.data_ptr() for t in pool.k + pool.v]
+    pool.reserve(7)
+    assert all(t.data_ptr() != a for t, a in zip(pool.k + pool.v, addresses, strict=True))
+    k2, v2 = pool.read_blocks(ids)
+    assert torch.equal(k2, k) and torch.equal(v2, v) and pool.num_blocks >= 7
+
+
 def test_growth_stages_one_new_layer_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing by copying (where no range could be reserved) holds one old and one new layer at a time."""
+    monkeypatch.setattr("kvos.memory.pool.reserve", lambda *_: None)
     pool = KVPool(LAYOUT, _small_policy())
     old = [weakref.ref(t) for t in pool.k + pool.v]
     alive_at_alloc: list[int] = []

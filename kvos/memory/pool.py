@@ -17,6 +17,7 @@ from kvos.errors import ConfigError, InvalidBlockError, PoolOutOfMemoryError
 from kvos.memory.allocator import BlockAllocator
 from kvos.memory.growth import GrowthPolicy
 from kvos.memory.head_store import HeadStore
+from kvos.memory.reserved import grown, physical_bytes, reserve
 from kvos.memory.window_rows import NO_ROW, WindowRows
 
 _CPU = torch.device("cpu")
@@ -107,10 +108,9 @@ class KVPool:
         self.growth = growth if growth is not None else GrowthPolicy()
         num_blocks = self.growth.initial_blocks(layout.block_size, layout.growth_bytes_per_block)
         self.allocator = BlockAllocator(num_blocks)
-        shape = layout.block_shape(num_blocks)
         globals_ = layout.global_layers
-        self._k: list[torch.Tensor] = [self._zeros(shape) for _ in globals_]  # the global layers' slabs
-        self._v: list[torch.Tensor] = [self._zeros(shape) for _ in globals_]
+        self._k: list[torch.Tensor] = [self._new_slab(num_blocks) for _ in globals_]  # the global layers'
+        self._v: list[torch.Tensor] = [self._new_slab(num_blocks) for _ in globals_]
         self._local = [
             (False, globals_.index(i)) if i in globals_ else (True, layout.window_layers.index(i))
             for i in range(layout.num_layers)
@@ -135,6 +135,20 @@ class KVPool:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.layout.dtype, device=self.layout.device)
+
+    def _new_slab(self, num_blocks: int) -> torch.Tensor:
+        """A zero layer tensor of ``num_blocks`` blocks: on the CPU the first blocks of a range reserved for
+        the most this pool can hold (:mod:`kvos.memory.reserved`: growing it copies nothing), else (or
+        where the range cannot be mapped) a tensor of its own."""
+        lay = self.layout
+        if lay.device.type == "cpu":
+            cap = self.growth.max_blocks(lay.growth_bytes_per_block)
+            most = physical_bytes() // lay.growth_bytes_per_block  # every slab's block together
+            capacity = max(num_blocks, most if cap is None else min(cap, most))
+            full = reserve(lay.block_shape(1)[1:], lay.dtype, capacity)
+            if full is not None:
+                return full[:num_blocks]
+        return self._zeros(lay.block_shape(num_blocks))
 
     def _unbounded(self) -> GrowthPolicy:
         """This pool's growth without its cap: for an inner pool, which grows within what the cap leaves."""
@@ -389,25 +403,26 @@ class KVPool:
         initial = self.growth.initial_blocks(self.layout.block_size, self.layout.growth_bytes_per_block)
         if self.allocator.num_used or self.num_blocks <= initial:
             return False
-        shape = self.layout.block_shape(initial)
         for slabs in (self._k, self._v):
             for layer in range(len(slabs)):
-                slabs[layer] = self._zeros(shape)
+                slabs[layer] = self._new_slab(initial)
         self.allocator = BlockAllocator(initial)
         if self.rows is not None:
             self.rows.reset(initial)
         return True
 
     def _resize(self, new_num_blocks: int) -> None:
-        """Grow every layer tensor to ``new_num_blocks``, one layer at a time, then the allocator."""
+        """Grow every layer tensor to ``new_num_blocks``, one layer at a time, then the allocator: in place
+        where its reserved range holds them (:func:`grown`), else by a copy into a new tensor."""
         old = self.num_blocks
-        shape = self.layout.block_shape(new_num_blocks)
         start = time.perf_counter()
         for slabs in (self._k, self._v):
             for layer in range(len(slabs)):
-                grown = self._zeros(shape)
-                grown[:old].copy_(slabs[layer])
-                slabs[layer] = grown  # the old tensor is dropped here: one staged layer at a time
+                longer = grown(slabs[layer], new_num_blocks)
+                if longer is None:
+                    longer = self._new_slab(new_num_blocks)
+                    longer[:old].copy_(slabs[layer])
+                slabs[layer] = longer  # a copied one's old tensor is dropped here: one staged layer at a time
         self._synchronize()
         self.copy_seconds += time.perf_counter() - start
         self.resizes += 1

@@ -62,11 +62,27 @@ def admissible(waiting: Sequence[int], reserved: int, capacity: int | None) -> i
     return count
 
 
+class _Baton:
+    """A semaphore that holds at most one release: a lock taken at creation, released by whoever hands
+    the turn over and taken by whoever waits for it (a lock's ``acquire`` and ``release`` are C, where a
+    ``threading.Semaphore``'s run a condition in Python: 3 us less a hand-over, ~9 hand-overs a step)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def acquire(self) -> bool:
+        return self._lock.acquire()
+
+
 class _Worker:
     """One admitted work's thread: it runs only while the scheduler has handed it the turn."""
 
     def __init__(self) -> None:
-        self.go = threading.Semaphore(0)
+        self.go = _Baton()
         self.pending = 0  # its asks not yet run: it gets the turn back when none is left
 
 
@@ -147,7 +163,7 @@ class Scheduler(Executor):
         self._mu = threading.Lock()
         self._ready: deque[_Worker] = deque()  # admitted workers waiting for the turn
         self._asks: list[_Ask] = []  # forward passes waiting for the next step
-        self._back = threading.Semaphore(0)  # the turn came back to the scheduler
+        self._back = _Baton()  # the turn came back to the scheduler
         self._work = threading.Event()  # something to do (a worker is ready, or stop)
         self._stopping = False  # the loop ends once no work is left
         self._closed = False  # no new work is taken

@@ -113,6 +113,23 @@ class Segment:
         self.token_ids.extend(token_ids)
         return new_slots
 
+    def append_one(self, token_id: int, position: int) -> int:
+        """:meth:`extend` by one token of a segment that has tokens and room in its buffers (a decoded
+        token): Python ints written through numpy views, where a one-element tensor and two tensor writes
+        cost ~10 us a token. Returns its slot; None-free: the caller checked :meth:`can_append_one`."""
+        start = self.num_tokens
+        self.page_table.append(1)
+        slot = self.page_table.slot(start)
+        self._slots.numpy()[start] = slot
+        self._positions.numpy()[start] = position
+        self.token_ids.append(token_id)
+        return slot
+
+    def can_append_one(self) -> bool:
+        """Whether :meth:`append_one` may run: whole, not empty, and room for one more in its buffers."""
+        n = self.num_tokens
+        return self.heads is None and 0 < n < self._slots.shape[0] and n < self._positions.shape[0]
+
     def adopt(self, page_table: PageTable, token_ids: Seq[int], positions: torch.Tensor) -> None:
         """Become a segment holding ``token_ids`` at ``positions`` (int64 [n]) in the slots of
         ``page_table`` (shared blocks of another segment, say): no pool writes."""
@@ -267,6 +284,8 @@ class Sequence:
     def extend(self, token_ids: Seq[int], positions: Seq[int]) -> torch.Tensor:
         """Append tokens to the last segment (opening one if there is none, or if its heads keep their own
         tokens); returns their slots [n]."""
+        if len(token_ids) == 1 and self._can_append_one():
+            return self._append_one(int(token_ids[0]), int(positions[0]))
         if not self.segments or self.segments[-1].heads is not None:
             self.open_segment()
         pos = torch.tensor(list(positions), dtype=torch.int64)
@@ -279,6 +298,27 @@ class Sequence:
             self._num_held += len(token_ids)
         self._num_tokens += len(token_ids)
         return slots
+
+    def _can_append_one(self) -> bool:
+        """A decoded token's case: the last segment takes it (:meth:`Segment.can_append_one`) and the flat
+        views have room; no window layers to track."""
+        n = self._num_tokens
+        return (
+            not self.slides
+            and bool(self.segments)
+            and self.segments[-1].can_append_one()
+            and n < self._flat_slots.shape[0]
+            and n < self._flat_positions.shape[0]
+        )
+
+    def _append_one(self, token_id: int, position: int) -> torch.Tensor:
+        """:meth:`extend` by one token where :meth:`_can_append_one`: its slot, int64 [1] (a view)."""
+        n = self._num_tokens
+        slot = self.segments[-1].append_one(token_id, position)
+        self._flat_slots.numpy()[n] = slot
+        self._flat_positions.numpy()[n] = position
+        self._num_tokens = n + 1
+        return self._flat_slots[n : n + 1]
 
     def insert(self, index: int, seg: Segment) -> None:
         """Place a filled segment at ``index`` in cache order."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,6 +140,48 @@ def test_logit_bias_is_added_before_the_pick() -> None:
     assert biased.tolist() == pytest.approx([3.0, 2.5, 0.5, 2.4])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_greedy_bias_picks_as_the_adjusted_logits_do_and_leaves_them_as_they_were(seed: int) -> None:
+    """The greedy pick under a logit bias alone sets the biased logits in place and puts them back: the
+    same token as adjusting a copy and taking its argmax (ties to the first, NaN as the largest, ids out
+    of the vocabulary ignored), and the logits unchanged afterwards."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 4_000
+    logits = torch.randn(1, vocab, generator=g).round(decimals=1)  # rounded: ties happen
+    top = int(logits.argmax())
+    bias = {top: -100.0, vocab + 3: 50.0, -1: 50.0}  # ban the best; ids outside the vocabulary
+    others = torch.randint(0, vocab, (5,), generator=g).tolist()
+    bias |= dict(zip(others, (3.0, 0.5, -2.0, 1.0, 7.0), strict=True))
+    if seed == 4:
+        logits[0, 17] = float("nan")
+    if seed == 5:  # the best banned, two others tied above the rest: the first of them is picked
+        bias = {top: -100.0}
+        logits[0, [vocab // 3, vocab // 2]] = logits[0, top] - 0.05
+    before = logits.clone()
+    fast = Sampler(SamplingParams(logit_bias=bias))
+    slow = Sampler(SamplingParams(logit_bias=bias))
+    assert fast._biased_argmax_applies(logits.reshape(-1), None)
+    want = int(np.argmax(slow.adjust(logits).numpy()))
+    assert fast(logits) == want
+    assert fast(logits) == want  # the cached ids and biases pick the same again
+    if seed == 5:
+        assert want == vocab // 3
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num())
+    assert torch.equal(logits.isnan(), before.isnan())
+
+
+def test_the_greedy_bias_path_is_taken_only_with_nothing_else_changing_the_logits() -> None:
+    logits = torch.randn(10)
+    assert not Sampler(SamplingParams(logit_bias={1: 2.0}, presence_penalty=0.5))._biased_argmax_applies(
+        logits, None
+    )
+    assert not Sampler(SamplingParams(logit_bias={1: 2.0}))._biased_argmax_applies(logits, logits > 0)
+    assert not Sampler(SamplingParams(logit_bias={1: 2.0}, temperature=0.7))._biased_argmax_applies(
+        logits, None
+    )
+    assert not Sampler(SamplingParams(logit_bias={1: 2.0}))._biased_argmax_applies(logits.double(), None)
+
+
 def test_the_plain_greedy_path_keeps_no_state() -> None:
     sampler = Sampler(SamplingParams())
     assert not sampler.params.adjusts_logits
@@ -162,7 +205,7 @@ def test_token_logprob_is_the_log_softmax_with_its_top_alternatives() -> None:
     assert token_logprob(logits, 7, 0).top == []
 
 
-@pytest.mark.parametrize("kernel", ["native", "portable", "numpy"])
+@pytest.mark.parametrize("kernel", ["native", "avx2", "portable", "numpy"])
 def test_the_log_normaliser_is_log_sum_exp(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode kernel's log sum exp and numpy's, against float64 torch, at both vocabularies served
     (SmolLM2's 49,152, Qwen's 151,936), a vector shorter than one SIMD lane set, huge and tiny logits; NaN
@@ -180,6 +223,7 @@ def test_the_log_normaliser_is_log_sum_exp(kernel: str, monkeypatch: pytest.Monk
         (151_936, 8.0, 1e4),
         (5, 1.0, -300.0),
         (1_003, 40.0, 0.0),
+        (4_096, 0.0, 7.0),  # every logit the largest: each float32 partial sum at its largest
     ):
         logits = torch.randn(vocab, generator=g) * scale + shift
         want = float(torch.logsumexp(logits.double(), 0))

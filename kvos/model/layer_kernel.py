@@ -207,14 +207,14 @@ FUNCTIONS = ["rms_norm", "qkv_step", "silu_mul"]
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
     flags = ["-O3", "-march=native", "-ffp-contract=off"]
-    return build("kvos_layer_v2", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
+    return build("kvos_layer_v3", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE", "-ffp-contract=off"]
-    return build("kvos_layer_portable_v2", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
+    return build("kvos_layer_portable_v3", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
 
 
 BUILDS = {"native": kernel, "portable": portable_kernel}  # every build the tests force, by name

@@ -290,21 +290,21 @@ FUNCTIONS = ["attend", "vectorised"]
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_prefill_v4", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "torch's attention")
+    return build("kvos_prefill_v5", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "torch's attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The kernel built without SIMD intrinsics, for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_prefill_portable_v4", _SOURCE, FUNCTIONS, flags, "torch's attention")
+    return build("kvos_prefill_portable_v5", _SOURCE, FUNCTIONS, flags, "torch's attention")
 
 
 @functools.cache
 def avx2_kernel() -> Any | None:
     """The kernel this CPU builds without AVX-512 (an AVX2 CPU's path, e.g. AMD Zen 3), for tests."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_prefill_avx2_v4", _SOURCE, FUNCTIONS, flags, "torch's attention")
+    return build("kvos_prefill_avx2_v5", _SOURCE, FUNCTIONS, flags, "torch's attention")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 
+from kvos.engine import logit_stats
 from kvos.engine.constraint import Constraint
 from kvos.engine.engine import Engine
 from kvos.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
@@ -54,14 +55,15 @@ class TokenPicker:
     def pick(self, logits: torch.Tensor) -> tuple[int | None, TokenLogprob | None]:
         """logits: float [vocab] (or [1, vocab]) -> (token id or None for EOS, its log-probability)."""
         allowed = self.constraint.allowed(logits.shape[-1]) if self.constraint is not None else None
-        token = self.sampler(logits, allowed)
+        stats = logit_stats.of(logits)  # the pass runner's, on the very tensor it returned
+        token = self.sampler(logits, allowed, stats)
         if token in self.eos:
             return None, None
         if self.constraint is not None:
             self.constraint.advance(token)
         if self.params.logprobs is None:
             return token, None
-        return token, token_logprob(logits, token, self.params.logprobs, self.spell)
+        return token, token_logprob(logits, token, self.params.logprobs, self.spell, stats)
 
     @property
     def complete(self) -> bool:

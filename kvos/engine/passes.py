@@ -13,13 +13,15 @@ from typing import Protocol
 
 import torch
 
+from kvos.engine import logit_stats
 from kvos.memory.pool import KVPool
 from kvos.model.attention import BatchItem
 from kvos.model.transformer import NO_STORE, Transformer
 
 
 class PassRunner(Protocol):
-    """Runs forward passes and returns, per item, what ``Transformer.forward_batch`` would for it alone."""
+    """Runs forward passes and returns, per item, what ``Transformer.forward_batch`` would for it alone,
+    each row of last-token logits with its :mod:`~kvos.engine.logit_stats` attached."""
 
     def forward_many(self, items: list[BatchItem], standalone: bool = False) -> list[torch.Tensor]:
         """The items' outputs; ``standalone``: fresh passes that read and write no pool (embeddings)."""
@@ -38,7 +40,11 @@ class DirectRunner:
         self.model, self.pool = model, pool
 
     def forward_many(self, items: list[BatchItem], standalone: bool = False) -> list[torch.Tensor]:
-        return self.model.forward_batch(items, NO_STORE if standalone else self.pool) if items else []
+        if not items:
+            return []
+        outputs = self.model.forward_batch(items, NO_STORE if standalone else self.pool)
+        logit_stats.attach(items, outputs)
+        return outputs
 
     @property
     def slice_tokens(self) -> int | None:

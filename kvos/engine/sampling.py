@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvos.engine.logit_stats import LogitStats
 from kvos.errors import ConfigError
 from kvos.model import decode_kernel
 
@@ -97,9 +98,18 @@ class Sampler:
             self.generator.seed()
         self.counts: torch.Tensor | None = None  # float [vocab]: times each token was generated
         self._bias: tuple[np.ndarray, np.ndarray, int] | None = None  # the bias's ids and values, and vocab
+        self._bias_set: frozenset[int] = frozenset()  # the same ids, for membership
 
-    def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
-        """logits: float [vocab] (or [1, vocab]); allowed: bool [vocab] or None -> token id."""
+    def __call__(
+        self, logits: torch.Tensor, allowed: torch.Tensor | None = None, stats: LogitStats | None = None
+    ) -> int:
+        """logits: float [vocab] (or [1, vocab]); allowed: bool [vocab] or None; ``stats``: the pass
+        runner's :class:`LogitStats` of these logits, if any (a greedy pick then reads no logit, or only
+        the biased ones) -> token id."""
+        if stats is not None and allowed is None:
+            token = self._greedy_from_stats(logits, stats)
+            if token is not None:
+                return token
         logits = logits.reshape(-1).float()
         if self._biased_argmax_applies(logits, allowed):
             return self._biased_argmax(logits.detach().numpy())
@@ -129,6 +139,39 @@ class Sampler:
             self._count(token, logits.shape[0])
         return token
 
+    def _greedy_from_stats(self, logits: torch.Tensor, stats: LogitStats) -> int | None:
+        """The greedy pick from the row's largest logit and the biased logits alone, exactly as the
+        argmax of the biased row (the first of equal largest values); None where the stats do not settle
+        it (sampling, penalties, or the largest logit's token biased)."""
+        p = self.params
+        if not p.greedy or p.presence_penalty or p.frequency_penalty:
+            return None
+        if not p.logit_bias:
+            return stats.best
+        values = logits.detach().reshape(-1)
+        if values.dtype != torch.float32 or values.device.type != "cpu":
+            return None
+        ids, biases = self._bias_arrays(values.shape[0])
+        if ids.size == 0:
+            return stats.best
+        if stats.best in self._bias_set:
+            return None  # the largest logit is biased: the second largest is not known here
+        biased = values.numpy()[ids] + biases
+        peak = float(biased.max())
+        if not math.isfinite(peak) or peak < stats.top:
+            return stats.best if math.isfinite(peak) else None
+        first = int(ids[biased == np.float32(peak)].min())
+        return min(first, stats.best) if peak == stats.top else first
+
+    def _bias_arrays(self, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """The logit bias's token ids within ``vocab`` (int64) and their biases (float32), cached."""
+        if self._bias is None or self._bias[2] != vocab:
+            pairs = [(t, b) for t, b in self.params.logit_bias.items() if 0 <= t < vocab]
+            ids = np.fromiter((t for t, _ in pairs), dtype=np.int64, count=len(pairs))
+            self._bias = (ids, np.fromiter((b for _, b in pairs), dtype=np.float32, count=len(pairs)), vocab)
+            self._bias_set = frozenset(t for t, _ in pairs)
+        return self._bias[0], self._bias[1]
+
     def _biased_argmax_applies(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> bool:
         """Greedy with a logit bias and nothing else to change the logits (the common "ban EOS" request),
         on float32 logits of the CPU."""
@@ -147,12 +190,7 @@ class Sampler:
         """The argmax of ``values`` (float32 [vocab]) with the logit bias added, as :meth:`adjust` then
         argmax would pick, without copying the vocabulary: the biased entries are set in place for the
         argmax and put back (``values`` is this session's logits; nothing else reads them meanwhile)."""
-        vocab = values.shape[0]
-        if self._bias is None or self._bias[2] != vocab:
-            pairs = [(t, b) for t, b in self.params.logit_bias.items() if 0 <= t < vocab]
-            ids = np.fromiter((t for t, _ in pairs), dtype=np.int64, count=len(pairs))
-            self._bias = (ids, np.fromiter((b for _, b in pairs), dtype=np.float32, count=len(pairs)), vocab)
-        ids, biases, _ = self._bias
+        ids, biases = self._bias_arrays(values.shape[0])
         saved = values[ids]
         try:
             values[ids] = saved + biases
@@ -200,14 +238,19 @@ def log_normaliser(values: torch.Tensor) -> float:
 
 
 def token_logprob(
-    logits: torch.Tensor, token: int, top: int, spell: Callable[[int], bytes] | None = None
+    logits: torch.Tensor,
+    token: int,
+    top: int,
+    spell: Callable[[int], bytes] | None = None,
+    stats: LogitStats | None = None,
 ) -> TokenLogprob:
     """The model's log-softmax at ``token`` and at its ``top`` most likely tokens, spelled by ``spell``
-    (token id -> bytes). logits: float [vocab]. In numpy, as the sampler (it runs for every token of a
-    request that asks for log-probabilities): the log of the normaliser summed in float64."""
+    (token id -> bytes). logits: float [vocab]; ``stats``: the pass runner's :class:`LogitStats` of them,
+    whose normaliser then needs no pass over the logits. In numpy, as the sampler (it runs for every token
+    of a request that asks for log-probabilities): the log of the normaliser summed in float64."""
     flat = logits.detach().reshape(-1).float().cpu().contiguous()
     values = flat.numpy()
-    normaliser = log_normaliser(flat)
+    normaliser = log_normaliser(flat) if stats is None else stats.normaliser
 
     def scored(token_id: int) -> Scored:
         value = float(values[token_id]) - normaliser

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvos.engine import logit_stats
 from kvos.engine.passes import runs_passes
 from kvos.engine.step_costs import StepCosts
 from kvos.engine.threads import pin_to_first_cpu, set_thread_count
@@ -412,5 +413,6 @@ class Scheduler(Executor):
                 except BaseException as one:
                     ask.error = one
             return
+        logit_stats.attach([a.item for a in asks], outputs)  # on the step's threads, the logits in cache
         for ask, out in zip(asks, outputs, strict=True):
             ask.result = out

@@ -444,15 +444,8 @@ std::vector<double> chunk_masses(std::vector<torch::Tensor> probs, std::vector<i
   return out;
 }
 
-// log sum_i e^(x_i) over a float32 vector: the log-softmax normaliser of one row of logits (a token's
-// log-probability, kvos/engine/sampling.py), the largest value then e^(x - largest) in float32 summed in
-// double. NaN where a value is NaN or the largest is infinite: the caller's numpy path handles those.
-double log_normaliser(torch::Tensor x) {
-  TORCH_CHECK_VALUE(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() &&
-                        x.is_contiguous() && x.numel() > 0,
-                    "log_normaliser: a contiguous float32 vector on the CPU wanted");
-  const float* p = x.data_ptr<float>();
-  const int64_t n = x.numel();
+// The largest of p[0, n) (n > 0); NaN when any value is NaN.
+static float row_max(const float* p, int64_t n) {
   float top = p[0];
   bool nan = false;
   int64_t i = 0;
@@ -475,9 +468,14 @@ double log_normaliser(torch::Tensor x) {
     top = p[i] > top ? p[i] : top;
     nan |= p[i] != p[i];
   }
-  if (nan || !std::isfinite(top)) return std::numeric_limits<double>::quiet_NaN();
+  return nan ? std::numeric_limits<float>::quiet_NaN() : top;
+}
+
+// log sum_i e^(p_i) given the largest value ``top`` (finite): e^(p - top) in float32, eight terms a lane
+// summed in float32 then in double.
+static double log_sum_exp(const float* p, int64_t n, float top) {
   double sum = 0.0;
-  i = 0;
+  int64_t i = 0;
 #if KVOS_AVX2
   // four independent float32 sums of 8 lanes, each lane adding at most 8 terms of at most 1 before the
   // four go into double (a float32 error of a few ulp of 8: far below the double sum's other terms)
@@ -515,6 +513,63 @@ double log_normaliser(torch::Tensor x) {
 #endif
   for (; i < n; ++i) sum += static_cast<double>(std::exp(p[i] - top));
   return static_cast<double>(top) + std::log(sum);
+}
+
+// The first index of ``top`` in p[0, n).
+static int64_t first_at(const float* p, int64_t n, float top) {
+  int64_t i = 0;
+#if KVOS_AVX2
+  const __m256 want = _mm256_set1_ps(top);
+  for (; i + 8 <= n; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), want, _CMP_EQ_OQ));
+    if (hits) return i + __builtin_ctz(static_cast<unsigned>(hits));
+  }
+#endif
+  for (; i < n; ++i)
+    if (p[i] == top) return i;
+  return n;
+}
+
+// log sum_i e^(x_i) over a float32 vector: the log-softmax normaliser of one row of logits (a token's
+// log-probability, kvos/engine/sampling.py). NaN where a value is NaN or the largest is infinite: the
+// caller's numpy path handles those.
+double log_normaliser(torch::Tensor x) {
+  TORCH_CHECK_VALUE(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() &&
+                        x.is_contiguous() && x.numel() > 0,
+                    "log_normaliser: a contiguous float32 vector on the CPU wanted");
+  const float* p = x.data_ptr<float>();
+  const float top = row_max(p, x.numel());
+  if (!std::isfinite(top)) return std::numeric_limits<double>::quiet_NaN();
+  return log_sum_exp(p, x.numel(), top);
+}
+
+// Per row of logits, what a token's pick and its log-probability read (kvos/engine/logit_stats.py): the
+// largest logit, the first index holding it and the log-softmax normaliser, as float64 [rows, 3]; a row
+// with a NaN or an infinite largest value gets NaN in all three. Rows run in parallel.
+torch::Tensor row_stats(std::vector<torch::Tensor> rows) {
+  for (const auto& r : rows)
+    TORCH_CHECK_VALUE(r.scalar_type() == torch::kFloat32 && r.device().is_cpu() && r.is_contiguous() &&
+                          r.numel() > 0,
+                      "row_stats: contiguous float32 rows on the CPU wanted");
+  const int64_t count = static_cast<int64_t>(rows.size());
+  auto out = torch::empty({count, 3}, torch::kFloat64);
+  double* o = out.data_ptr<double>();
+  at::parallel_for(0, count, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = rows[r].data_ptr<float>();
+      const int64_t n = rows[r].numel();
+      const float top = row_max(p, n);
+      double* row = o + 3 * r;
+      if (!std::isfinite(top)) {
+        row[0] = row[1] = row[2] = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      row[0] = top;
+      row[1] = static_cast<double>(first_at(p, n, top));
+      row[2] = log_sum_exp(p, n, top);
+    }
+  });
+  return out;
 }
 
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
@@ -581,20 +636,20 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 )
 
 
-FUNCTIONS = ["attend", "chunk_masses", "log_normaliser"]
+FUNCTIONS = ["attend", "chunk_masses", "log_normaliser", "row_stats"]
 
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v12", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v13", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA/F16C), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_decode_portable_v12", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_portable_v13", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 @functools.cache
@@ -602,7 +657,7 @@ def avx2_kernel() -> Any | None:
     """The functions this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests
     on a CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_decode_avx2_v12", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_avx2_v13", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

@@ -33,7 +33,7 @@ def thinking_model(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     script = [*tok.encode(REPLY), tok.eos_ids[0]]
     state = {"at": 0}
 
-    def scripted(self: sampling.Sampler, logits: object, allowed: object = None) -> int:
+    def scripted(self: sampling.Sampler, logits: object, allowed: object = None, stats: object = None) -> int:
         token = script[state["at"] % len(script)]
         state["at"] += 1
         return token

@@ -38,8 +38,8 @@ class Outbox:
     Handed over one by one, each event woke the event loop while the next worker's turn ran, and the two
     threads took the interpreter lock in turns: the loop's writing of one event (its JSON, the response's
     send) held up the next session's sampling. Handed over at once, the loop writes them while the step's
-    forward pass runs, whose kernels release the lock. An event waits at most for the rest of the turns
-    (a few milliseconds at 8 sessions)."""
+    forward pass runs, whose kernels release the lock. An event waits for the rest of the turns: ~2 ms at
+    8 sessions, longer behind a turn that pages chunks in or out."""
 
     def __init__(self) -> None:
         self._mu = threading.Lock()
@@ -159,7 +159,8 @@ async def sse(
     outbox: Outbox | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events: the scheduler's worker pushes events into a queue that this coroutine drains and
-    ``form`` writes.
+    ``form`` writes; with an ``outbox`` they wait there for the end of the step's turns (:class:`Outbox`),
+    else each goes to the event loop at once.
 
     While nothing happens (a long prefill) ``form.keepalive`` goes out every :data:`KEEPALIVE_S` seconds,
     so that clients that time out idle streams keep waiting.

@@ -5,6 +5,7 @@ the pick from the logits themselves."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,42 @@ needs_kernel = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return Engine(load_model(build("llama", tmp_path_factory.mktemp("llama"))), block_size=4)
+
+
+def _item_of(kind: str) -> Any:
+    """A stand-in for a pass's item: :func:`logit_stats.attach` reads only which logits it asked for."""
+
+    class Item:
+        logits = kind
+
+    return Item()
+
+
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+def test_row_stats_are_max_first_argmax_and_log_sum_exp_on_every_build(build: str) -> None:
+    """The decode kernel's ``row_stats`` on each build a machine may pick: the largest value, the first
+    index holding it (ties placed in and past the SIMD lanes), log sum exp against float64 torch; rows
+    shorter than a vector, and NaN for a NaN row or an infinite largest value."""
+    built = decode_kernel.BUILDS[build]()
+    if built is None:
+        pytest.skip(f"the decode kernel's {build} build is not made here (no compiler, or disabled)")
+    g = torch.Generator().manual_seed(2)
+    rows = [(torch.randn(1, n, generator=g) * 3).round(decimals=1) for n in (5, 8, 300, 4_099, 49_152)]
+    rows[2][0, [70, 201]] = 50.0  # a tie: the first wins
+    rows[3][0, [4_097, 4_098]] = 60.0  # in the scalar tail
+    nan, inf = torch.randn(1, 40, generator=g), torch.randn(1, 40, generator=g)
+    nan[0, 33], inf[0, 2] = float("nan"), float("inf")
+    stats = built.row_stats([*rows, nan, inf])
+    assert stats.dtype == torch.float64 and stats.shape == (len(rows) + 2, 3)
+    for row, (top, best, normaliser) in zip(rows, stats.tolist(), strict=False):
+        values = row.reshape(-1)
+        assert top == float(values.max())
+        assert best == int(torch.nonzero(values == values.max())[0])
+        want = float(torch.logsumexp(values.double(), 0))
+        assert normaliser == pytest.approx(want, abs=2e-6 * max(1.0, abs(want)))
+    assert [best for _, best, _ in stats.tolist()[:3]] == [int(rows[0].argmax()), int(rows[1].argmax()), 70]
+    assert int(stats[3, 1]) == 4_097
+    assert torch.isnan(stats[-2:]).all()
 
 
 @needs_kernel
@@ -54,21 +91,13 @@ def test_rows_with_a_nan_or_an_infinite_largest_logit_get_no_stats() -> None:
     rows[1][0, 7] = float("nan")
     rows[2][0, 250] = float("inf")
     rows[3][:] = float("-inf")
-    items = [engine_item("last") for _ in rows]
-    logit_stats.attach(items, rows)
+    logit_stats.attach([_item_of("last") for _ in rows], rows)
     assert [logit_stats.of(r) is not None for r in rows] == [True, False, False, False]
-
-
-def engine_item(kind: str) -> object:
-    class Item:
-        logits = kind
-
-    return Item()
 
 
 def _with_stats(values: torch.Tensor) -> torch.Tensor:
     row = values.reshape(1, -1).contiguous()
-    logit_stats.attach([engine_item("last")], [row])  # type: ignore[list-item]
+    logit_stats.attach([_item_of("last")], [row])
     return row
 
 

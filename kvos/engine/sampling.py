@@ -98,7 +98,8 @@ class Sampler:
             self.generator.seed()
         self.counts: torch.Tensor | None = None  # float [vocab]: times each token was generated
         self._bias: tuple[np.ndarray, np.ndarray, int] | None = None  # the bias's ids and values, and vocab
-        self._bias_set: frozenset[int] = frozenset()  # the same ids, for membership
+        # greedy with nothing but a bias to change the logits: the picks that need not read every logit
+        self._plain_greedy = params.greedy and not (params.presence_penalty or params.frequency_penalty)
 
     def __call__(
         self, logits: torch.Tensor, allowed: torch.Tensor | None = None, stats: LogitStats | None = None
@@ -143,10 +144,9 @@ class Sampler:
         """The greedy pick from the row's largest logit and the biased logits alone, exactly as the
         argmax of the biased row (the first of equal largest values); None where the stats do not settle
         it (sampling, penalties, or the largest logit's token biased)."""
-        p = self.params
-        if not p.greedy or p.presence_penalty or p.frequency_penalty:
+        if not self._plain_greedy:
             return None
-        if not p.logit_bias:
+        if not self.params.logit_bias:
             return stats.best
         values = logits.detach().reshape(-1)
         if values.dtype != torch.float32 or values.device.type != "cpu":
@@ -154,7 +154,7 @@ class Sampler:
         ids, biases = self._bias_arrays(values.shape[0])
         if ids.size == 0:
             return stats.best
-        if stats.best in self._bias_set:
+        if stats.best in self.params.logit_bias:
             return None  # the largest logit is biased: the second largest is not known here
         biased = values.numpy()[ids] + biases
         peak = float(biased.max())
@@ -169,17 +169,14 @@ class Sampler:
             pairs = [(t, b) for t, b in self.params.logit_bias.items() if 0 <= t < vocab]
             ids = np.fromiter((t for t, _ in pairs), dtype=np.int64, count=len(pairs))
             self._bias = (ids, np.fromiter((b for _, b in pairs), dtype=np.float32, count=len(pairs)), vocab)
-            self._bias_set = frozenset(t for t, _ in pairs)
         return self._bias[0], self._bias[1]
 
     def _biased_argmax_applies(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> bool:
         """Greedy with a logit bias and nothing else to change the logits (the common "ban EOS" request),
         on float32 logits of the CPU."""
-        p = self.params
         return (
-            p.greedy
-            and bool(p.logit_bias)
-            and not (p.presence_penalty or p.frequency_penalty)
+            self._plain_greedy
+            and bool(self.params.logit_bias)
             and allowed is None
             and logits.dtype == torch.float32
             and logits.device.type == "cpu"

@@ -116,7 +116,7 @@ class Segment:
     def append_one(self, token_id: int, position: int) -> int:
         """:meth:`extend` by one token of a segment that has tokens and room in its buffers (a decoded
         token): Python ints written through numpy views, where a one-element tensor and two tensor writes
-        cost ~10 us a token. Returns its slot; None-free: the caller checked :meth:`can_append_one`."""
+        cost ~10 us a token. Returns its slot. The caller checks :meth:`can_append_one` first."""
         start = self.num_tokens
         self.page_table.append(1)
         slot = self.page_table.slot(start)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
+import random
+from collections import deque
 
 import numpy as np
 import pytest
@@ -26,7 +29,7 @@ def test_chunk_masses_hand_computed() -> None:
     torch.testing.assert_close(chunk_masses(probs, list(np.array([0, 1, 4]))), torch.tensor([0.25, 0.75]))
 
 
-@pytest.mark.parametrize("kernel", ["native", "portable", "numpy"])
+@pytest.mark.parametrize("kernel", ["native", "avx2", "portable", "numpy"])
 def test_a_decode_steps_masses_from_its_captured_layers(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a session observes each decoded token: the captured layers' rows (views of the decode kernel's
     [B, H, T_max] probabilities, rows apart) stacked, as chunk_masses of their concatenation gives them,
@@ -50,6 +53,17 @@ def test_a_decode_steps_masses_from_its_captured_layers(kernel: str, monkeypatch
     for bad in ([0, 30], [1, 31], [0, 20, 10, 31], []):
         with pytest.raises(SignalError):
             chunk_mass_list(rows, bad)
+    # a long context: chunks of every length around the kernel's 16-wide sums, one of 1,000 keys, against
+    # sums in float64 (the kernels sum in double: 1e-12; the numpy path gives float32 masses)
+    long = torch.softmax(torch.randn(2, 4, 1600, generator=g) * 4, dim=-1)
+    lengths = [*range(34), 1000, 0, 5]
+    bounds = [0, *itertools.accumulate(lengths)]
+    rows = [long[0, :, : bounds[-1]], long[1, :, : bounds[-1]]]
+    stacked = torch.cat(rows).double()
+    want64 = torch.stack([stacked[:, a:b].sum(dim=1).mean() for a, b in itertools.pairwise(bounds)])
+    got64 = torch.tensor(chunk_mass_list(rows, bounds), dtype=torch.float64)
+    tight = kernel != "numpy"
+    torch.testing.assert_close(got64, want64, rtol=1e-12 if tight else 1e-6, atol=1e-15 if tight else 1e-9)
 
 
 def test_chunk_masses_low_precision_input_gives_float32() -> None:
@@ -181,3 +195,117 @@ def test_tracker_validation() -> None:
     for mass in (-0.1, float("nan"), float("inf")):
         with pytest.raises(SignalError):
             tracker.observe({1: mass})
+
+
+class _DequeTracker:
+    """The tracker as it was written first, one deque (or sum) per chunk: the reference for the array one."""
+
+    def __init__(self, mode: str, window: int, decay: float) -> None:
+        self.mode, self.window, self.decay = mode, window, decay
+        self.history: dict[int, deque[float]] = {}
+        self.sums: dict[int, float] = {}
+
+    def observe(self, masses: dict[int, float]) -> None:
+        for chunk_id, m in masses.items():
+            if self.mode == "cumulative":
+                self.sums[chunk_id] = self.sums.get(chunk_id, 0.0) + m
+            else:
+                maxlen = self.window if self.mode == "ewma" else 1
+                self.history.setdefault(chunk_id, deque(maxlen=maxlen)).append(m)
+
+    def forget(self, chunk_id: int) -> None:
+        self.history.pop(chunk_id, None)
+        self.sums.pop(chunk_id, None)
+
+    def raw(self, chunk_id: int) -> float | None:
+        if self.mode == "cumulative":
+            return self.sums.get(chunk_id)
+        if chunk_id not in self.history:
+            return None
+        num = den = 0.0
+        weight = 1.0
+        for m in reversed(self.history[chunk_id]):
+            num += weight * m
+            den += weight
+            weight *= self.decay
+        return num / den
+
+
+@pytest.mark.parametrize("mode", ["ewma", "cumulative", "snapshot"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_array_tracker_equals_one_deque_per_chunk(mode: str, seed: int) -> None:
+    """A session's life in steps: a resident set that grows, loses chunks (forgotten) and gets them back,
+    and chunks forgotten while they stay resident (their positions changed meaning), observed every step in
+    cache order. Every raw aggregate is bit for bit the per-chunk deque's, the rescaled values are those
+    aggregates over the largest, and the tracked chunks are the deque's."""
+    rng = random.Random(seed)
+    window = rng.choice([1, 3, 64])
+    tracker = AttentionTracker(mode=mode, window=window, decay=0.9)  # type: ignore[arg-type]
+    ref = _DequeTracker(mode, window, 0.9)
+    resident: list[int] = []
+    next_id = 0
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.1 or not resident:
+            resident.append(next_id)
+            next_id += 1
+        elif action < 0.15:
+            gone = resident.pop(rng.randrange(len(resident)))
+            tracker.forget(gone)
+            ref.forget(gone)
+        elif action < 0.17:
+            stays = rng.choice(resident)  # its positions changed meaning: forgotten, still resident
+            tracker.forget(stays)
+            ref.forget(stays)
+        elif action < 0.2 and next_id:
+            back = rng.randrange(next_id)  # a chunk coming back (or one still resident: kept once)
+            if back not in resident:
+                resident.insert(rng.randrange(len(resident) + 1), back)
+        masses = [rng.choice([0.0, rng.random(), rng.random() / 1000]) for _ in resident]
+        tracker.observe_ids(list(resident), masses)
+        ref.observe(dict(zip(resident, masses, strict=True)))
+        for chunk_id in range(next_id):
+            assert tracker.raw(chunk_id) == ref.raw(chunk_id)
+    raws = {c: r for c in range(next_id) if (r := ref.raw(c)) is not None}
+    top = max(raws.values())
+    for chunk_id, r in raws.items():
+        assert tracker.value(chunk_id) == (r / top if top > 0 else 0.0)
+    assert sorted(tracker.tracked()) == sorted(raws)
+
+
+def test_a_bad_mass_records_nothing_and_each_chunk_is_observed_once() -> None:
+    tracker = AttentionTracker()
+    tracker.observe_ids([1, 2], [0.5, 0.25])
+    for ids, masses in (([1, 2, 3], [0.1, float("nan"), 0.2]), ([1, 2], [0.1, -1e-9])):
+        with pytest.raises(SignalError, match="attention mass of chunk 2"):
+            tracker.observe_ids(ids, masses)
+    assert (tracker.raw(1), tracker.raw(2), tracker.raw(3)) == (0.5, 0.25, None)
+    with pytest.raises(SignalError, match="once"):
+        tracker.observe_ids([1, 1], [0.1, 0.2])
+    with pytest.raises(SignalError, match="2 chunks"):
+        tracker.observe_ids([1, 2], [0.1])
+    assert tracker.history(1) == [0.5]
+
+
+@pytest.mark.parametrize("mode", ["ewma", "cumulative", "snapshot"])
+def test_a_saved_tracker_keeps_its_json_and_loads_back(mode: str) -> None:
+    """The saved form is the one sessions on disk hold (ids as strings; histories oldest first, at most a
+    window; cumulative: the sums), and a tracker loaded from it aggregates as the saved one did."""
+    from kvos.session.fields import load_tracker, tracker_state
+
+    tracker = AttentionTracker(mode=mode, window=2, decay=0.5)  # type: ignore[arg-type]
+    for masses in ({7: 0.5, 3: 0.25}, {7: 0.125}, {7: 1.0, 3: 0.0}):
+        tracker.observe(masses)
+    state = tracker_state(tracker)
+    want = {
+        "ewma": {"history": {"7": [0.125, 1.0], "3": [0.25, 0.0]}, "cumulative": {}},
+        "snapshot": {"history": {"7": [1.0], "3": [0.0]}, "cumulative": {}},
+        "cumulative": {"history": {}, "cumulative": {"7": 1.625, "3": 0.25}},
+    }[mode]
+    assert state == want
+    loaded = AttentionTracker(mode=mode, window=2, decay=0.5)  # type: ignore[arg-type]
+    load_tracker(loaded, json.loads(json.dumps(state)))
+    for t in (tracker, loaded):
+        t.observe({3: 0.5, 9: 0.75})
+    assert [loaded.raw(c) for c in (7, 3, 9)] == [tracker.raw(c) for c in (7, 3, 9)]
+    assert loaded.tracked() == tracker.tracked() == [7, 3, 9]

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import types
 import typing
-from collections import deque
 from enum import Enum
 from typing import Any
 
@@ -108,21 +107,21 @@ def decode_chunk(raw: dict[str, Any], table: TensorTable) -> Chunk:
 
 
 def tracker_state(tracker: AttentionTracker) -> dict[str, Any]:
-    """An attention tracker's aggregates (its private per-chunk histories and sums) as JSON."""
+    """An attention tracker's aggregates as JSON: each chunk's kept observations (``history``, oldest
+    first) or, for a ``cumulative`` tracker, its running sum (``cumulative``)."""
+    cumulative = tracker.mode == "cumulative"
     return {
-        "history": {str(k): list(v) for k, v in tracker._history.items()},
-        "cumulative": {str(k): v for k, v in tracker._cumulative.items()},
+        "history": {} if cumulative else {str(k): tracker.history(k) for k in tracker.tracked()},
+        "cumulative": {str(k): tracker.history(k)[0] for k in tracker.tracked()} if cumulative else {},
     }
 
 
 def load_tracker(tracker: AttentionTracker, state: dict[str, Any]) -> None:
     """Give ``tracker`` (of the session's mode, window and decay) the aggregates of :func:`tracker_state`."""
-    maxlen = tracker.window if tracker.mode == "ewma" else 1
-    tracker._history = {
-        int(k): deque((float(m) for m in v), maxlen=maxlen) for k, v in state["history"].items()
-    }
-    tracker._cumulative = {int(k): float(v) for k, v in state["cumulative"].items()}
-    tracker._normalised = None
+    if tracker.mode == "cumulative":
+        tracker.load({int(k): [float(v)] for k, v in state["cumulative"].items()})
+    else:
+        tracker.load({int(k): [float(m) for m in v] for k, v in state["history"].items()})
 
 
 def _fields(obj: Any) -> tuple[dataclasses.Field[Any], ...]:

@@ -318,4 +318,4 @@ class SessionMemory:
         if not captured:
             return
         masses = chunk_mass_list(list(captured.values()), self.pager.seq.boundaries())
-        self.tracker.observe(dict(zip(self.pager.order(), masses, strict=True)))
+        self.tracker.observe_ids(self.pager.order(), masses)

@@ -100,11 +100,22 @@ def run_session(s: Session, msgs: list, mode: str, backend: str) -> None:
         assert stats["history_tokens"] == sum(c.num_tokens for c in s.chunks.values())
         if mode == "compact":
             assert torch.equal(s.pager.seq.positions, torch.arange(s.pager.active_tokens))
+        assert s.pager.order() == cache_order(s)  # the pager keeps its order between calls
         for c in s.chunks.values():
             assert c.resident or not c.pinned
             assert c.resident or not c.is_sink(4)
             if backend == "kv_restore":
                 assert c.state is not ChunkState.DISCARDED
+
+
+def cache_order(s: Session) -> list[int]:
+    """The resident chunks sorted by where their segment lies in the cache (found by identity)."""
+    segments = s.pager.seq.segments
+    place = {
+        cid: next(i for i, seg in enumerate(segments) if seg is mine)
+        for cid, mine in s.pager.segments.items()
+    }
+    return sorted(place, key=place.__getitem__)
 
 
 PINNED_CASES = [  # found by hypothesis: recovered (protected) chunks + a pinned message overran a hard budget

@@ -123,6 +123,9 @@ def test_the_pick_from_stats_is_the_pick_from_the_logits(seed: int) -> None:
         {"logit_bias": {low: lift, high: stats.top - float(values[high])}},  # both tie the best
         {"logit_bias": {vocab + 5: 10.0, -3: 1.0}},
         {"logit_bias": {low: -1.0, high: 2.0}},
+        {"logit_bias": {low: -2.0, high: -100.0}},  # lowered only, the best unbiased: no logit read
+        {"logit_bias": {low: 0.0, best: 0.0}},
+        {"logit_bias": {low: -2.0, best: -0.5}},
         {"logit_bias": {best: -100.0}, "presence_penalty": 0.3},
         {"temperature": 0.8, "seed": 5},
     ]

@@ -100,6 +100,8 @@ class Sampler:
         self._bias: tuple[np.ndarray, np.ndarray, int] | None = None  # the bias's ids and values, and vocab
         # greedy with nothing but a bias to change the logits: the picks that need not read every logit
         self._plain_greedy = params.greedy and not (params.presence_penalty or params.frequency_penalty)
+        # a bias that only lowers logits (the harnesses' "ban EOS"): the first largest, unbiased, stays first
+        self._lowers_only = all(b <= 0.0 for b in params.logit_bias.values())
 
     def __call__(
         self, logits: torch.Tensor, allowed: torch.Tensor | None = None, stats: LogitStats | None = None
@@ -141,12 +143,13 @@ class Sampler:
         return token
 
     def _greedy_from_stats(self, logits: torch.Tensor, stats: LogitStats) -> int | None:
-        """The greedy pick from the row's largest logit and the biased logits alone, exactly as the
-        argmax of the biased row (the first of equal largest values); None where the stats do not settle
-        it (sampling, penalties, or the largest logit's token biased)."""
+        """The greedy pick from the row's largest logit and the biased logits alone (no logit at all when
+        the bias only lowers tokens other than the largest's), exactly as the argmax of the biased row (the
+        first of equal largest values); None where the stats do not settle it (sampling, penalties, or the
+        largest logit's token biased)."""
         if not self._plain_greedy:
             return None
-        if not self.params.logit_bias:
+        if not self.params.logit_bias or (self._lowers_only and stats.best not in self.params.logit_bias):
             return stats.best
         values = logits.detach().reshape(-1)
         if values.dtype != torch.float32 or values.device.type != "cpu":

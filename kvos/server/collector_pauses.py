@@ -1,15 +1,13 @@
-"""Python's garbage collector in a long-running server: start-up's objects frozen, every pause counted.
+"""Python's garbage collector in a long-running server: every collection's pause counted.
 
 A full collection walks every object the collector tracks with the interpreter lock held: nothing else in
 the process runs meanwhile, no session's turn and no stream. After ``kvos serve`` has loaded a GGUF model
-there are ~220,000 such objects (the tokenizer's tables, the modules, the model's bookkeeping), and a full
-collection took 115-130 ms on an AMD Zen 5 core: about one in a 20 s run of 8 streaming clients, a hiccup
-of every stream. Those objects live as long as the server, so ``kvos serve`` freezes them out of the
-collector once it has loaded everything (:func:`freeze_startup`, ``gc.freeze``): a full collection then
-walks only what was made since, 2-4 ms. (Session 27 measured the freeze slower served, 253-262 against
-273-288 tok/s; on the code of session 33, eight alternated runs of 8 clients x 6 turns gave 372-378 tok/s
-frozen against 369-388 not, ITL p95 24-26 against 24-26 ms: no cost left to weigh against the pauses,
-docs/benchmarks.md.)
+there are ~200,000 such objects (the tokenizer's tables, the modules, the model's bookkeeping), and a full
+collection takes 115-130 ms on an AMD Zen 5 core: about one in a 20 s run of 8 streaming clients, a hiccup
+of every stream. Freezing start-up's objects out of the collector (``gc.freeze``) would make that 2-4 ms, but
+measured it cost more than it saved: with it, the same runs decoded 253-262 tok/s against 273-288 and their
+ITL p95 was 52-54 ms against 31-34, repeatably and in either order (docs/benchmarks.md), so kvos does not
+freeze.
 
 :class:`Pauses` (installed once, :func:`watch`) adds each collection's duration to its generation's total,
 and ``/metrics`` exports them (``kvos_gc_pause_seconds``, ``kvos_gc_collections``,
@@ -63,12 +61,3 @@ def watch() -> Pauses:
             _pauses = Pauses()
             gc.callbacks.append(_pauses)
         return _pauses
-
-
-def freeze_startup() -> int:
-    """Collect once, then put every object the collector tracks out of its reach for good (``gc.freeze``):
-    what start-up built lives as long as the process, and later full collections walk only what came
-    after. Returns how many objects are frozen (``gc.get_freeze_count``)."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()

@@ -525,8 +525,6 @@ def serve(args: argparse.Namespace) -> int:
     service = on_passing_thread(lambda: build_service(args))
     single_threaded_default()
     app = make_app(service, args)
-    frozen = collector_pauses.freeze_startup()  # full collections no longer walk start-up's objects
-    print(f"[kvos] {frozen:,} start-up objects frozen out of the garbage collector", file=sys.stderr)
     collector_pauses.watch()  # the collections' pauses, for /metrics
     print(
         f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1 "

@@ -6,7 +6,6 @@ keys); the pool-wide figures (pool bytes, session count, token totals, latency) 
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 
 from prometheus_client import Histogram, generate_latest
@@ -116,11 +115,6 @@ def _collector_metrics() -> Iterator[Metric]:
     yield count
     yield seconds
     yield GaugeMetricFamily("kvos_gc_pause_longest_seconds", "the longest collection", value=pauses.longest)
-    yield GaugeMetricFamily(
-        "kvos_gc_frozen_objects",
-        "objects frozen out of the collector at start-up",
-        value=gc.get_freeze_count(),
-    )
 
 
 def _tier_metrics(service: ChatService) -> Iterator[Metric]:

@@ -309,3 +309,57 @@ def test_a_saved_tracker_keeps_its_json_and_loads_back(mode: str) -> None:
         t.observe({3: 0.5, 9: 0.75})
     assert [loaded.raw(c) for c in (7, 3, 9)] == [tracker.raw(c) for c in (7, 3, 9)]
     assert loaded.tracked() == tracker.tracked() == [7, 3, 9]
+
+
+@pytest.mark.parametrize("kernel", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("mode", ["ewma", "cumulative", "snapshot"])
+def test_a_steps_probabilities_observed_in_the_kernel_as_through_the_masses(
+    kernel: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """observe_probs in one call of the decode kernel (each build) records what observe_ids records of
+    chunk_mass_list's masses, bit for bit, while the resident chunks change and the rows grow; a NaN
+    probability or bad boundaries raise SignalError and record nothing, not even the new chunk."""
+    from kvos.model import decode_kernel
+    from kvos.policy import attention
+    from kvos.policy.attention import chunk_mass_list
+
+    built = decode_kernel.BUILDS[kernel]()
+    if built is None:
+        pytest.skip(f"the decode kernel's {kernel} build is not made here (no compiler, or disabled)")
+    g = torch.Generator().manual_seed(5)
+    fast = AttentionTracker(mode=mode, window=3, decay=0.9)  # type: ignore[arg-type]
+    slow = AttentionTracker(mode=mode, window=3, decay=0.9)  # type: ignore[arg-type]
+    resident = [4, 9]
+    for step in range(30):
+        if step % 4 == 3:
+            resident.append(100 + step)  # a new chunk (the rows grow past 8)
+        if step % 7 == 6:
+            gone = resident.pop(1)
+            fast.forget(gone)
+            slow.forget(gone)
+        lengths = [int(n) for n in torch.randint(0, 40, (len(resident),), generator=g)]
+        bounds = [0, *itertools.accumulate(lengths)]
+        probs = [
+            torch.softmax(torch.randn(3, bounds[-1] + 1, generator=g), -1)[:, : bounds[-1]] for _ in range(2)
+        ]
+        monkeypatch.setattr(decode_kernel, "kernel", lambda: built)
+        with monkeypatch.context() as inside:  # the kernel's call alone: no way back to the masses' list
+            inside.setattr(attention, "chunk_mass_list", _fell_back)
+            fast.observe_probs(probs, bounds, list(resident))
+        slow.observe_ids(list(resident), chunk_mass_list(probs, bounds))
+        for chunk_id in {*resident, 4, 9}:
+            assert fast.history(chunk_id) == slow.history(chunk_id)
+            assert fast.raw(chunk_id) == slow.raw(chunk_id)
+    before = {c: fast.history(c) for c in resident}
+    bad = [torch.full((2, 10), 0.1), torch.full((2, 10), 0.1)]
+    bad[1][0, 7] = float("nan")
+    with pytest.raises(SignalError, match="attention mass of chunk 77"):
+        fast.observe_probs(bad, [0, 5, 10], [resident[0], 77])
+    with pytest.raises(SignalError, match="boundaries"):
+        fast.observe_probs(bad, [0, 5, 9], [resident[0], 78])
+    assert {c: fast.history(c) for c in resident} == before
+    assert fast.raw(77) is None and fast.raw(78) is None and 77 not in fast.tracked()
+
+
+def _fell_back(*_: object) -> list[float]:
+    raise AssertionError("observe_probs fell back to chunk_mass_list")

@@ -203,6 +203,13 @@ def test_token_logprob_is_the_log_softmax_with_its_top_alternatives() -> None:
     assert [t.token_id for t in lp.top] == order
     assert [t.logprob for t in lp.top] == pytest.approx(reference[order].tolist(), abs=1e-6)
     assert token_logprob(logits, 7, 0).top == []
+    # logits that are not float32, or not contiguous, or [1, vocab]: read as their contiguous float32 copy
+    halves = logits.to(torch.bfloat16)
+    assert token_logprob(halves, 7, 4) == token_logprob(halves.float(), 7, 4)
+    strided = torch.stack([logits, -logits], dim=1)[:, 0]
+    plain = token_logprob(logits, 7, 4)
+    assert not strided.is_contiguous() and token_logprob(strided, 7, 4) == plain
+    assert token_logprob(logits.reshape(1, -1), 7, 4) == plain
 
 
 @pytest.mark.parametrize("kernel", ["native", "avx2", "portable", "numpy"])

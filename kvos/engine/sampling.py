@@ -248,7 +248,9 @@ def token_logprob(
     (token id -> bytes). logits: float [vocab]; ``stats``: the pass runner's :class:`LogitStats` of them,
     whose normaliser then needs no pass over the logits. In numpy, as the sampler (it runs for every token
     of a request that asks for log-probabilities): the log of the normaliser summed in float64."""
-    flat = logits.detach().reshape(-1).float().cpu().contiguous()
+    flat = logits.detach().reshape(-1)
+    if flat.dtype != torch.float32 or flat.device.type != "cpu" or not flat.is_contiguous():
+        flat = flat.float().cpu().contiguous()  # a pass's logits are all three already: no call per token
     values = flat.numpy()
     normaliser = log_normaliser(flat) if stats is None else stats.normaliser
 

@@ -41,8 +41,10 @@ The module also holds two small steps a session takes after every decoded token,
 that runs after a decode step finds every cache cold (the step streamed the weights through them), where
 each numpy or torch call costs ~10x its warm time: ``chunk_masses(probs, bounds)``, the attention signal's
 mass per resident chunk from the captured layers' probabilities
-(:func:`kvos.policy.attention.chunk_mass_list`), and ``log_normaliser(logits)``, the log sum exp a token's
-log-probability needs (:func:`kvos.engine.sampling.log_normaliser`).
+(:func:`kvos.policy.attention.chunk_mass_list`), and ``observe_masses``, the same masses written straight
+into an attention tracker's rows (:meth:`kvos.policy.attention.AttentionTracker.observe_probs`);
+``log_normaliser(logits)``, the log sum exp a token's log-probability needs
+(:func:`kvos.engine.sampling.log_normaliser`), and ``row_stats`` (:mod:`kvos.engine.logit_stats`).
 """
 
 from __future__ import annotations
@@ -424,7 +426,8 @@ static double sum_in_double(const float* p, int64_t n) {
   if (n >= 16) {
     __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
     for (; j + 16 <= n; j += 16)
-      for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_pd(acc[k], _mm256_cvtps_pd(_mm_loadu_ps(p + j + 4 * k)));
+      for (int k = 0; k < 4; ++k)
+        acc[k] = _mm256_add_pd(acc[k], _mm256_cvtps_pd(_mm_loadu_ps(p + j + 4 * k)));
     double lanes[4];
     _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
     total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
@@ -452,11 +455,46 @@ std::vector<double> chunk_masses(std::vector<torch::Tensor> probs, std::vector<i
     const float* base = p.data_ptr<float>();
     for (int64_t h = 0; h < p.size(0); ++h, ++rows) {
       const float* row = base + h * p.stride(0);
-      for (int64_t c = 0; c < chunks; ++c) out[c] += sum_in_double(row + bounds[c], bounds[c + 1] - bounds[c]);
+      for (int64_t c = 0; c < chunks; ++c)
+        out[c] += sum_in_double(row + bounds[c], bounds[c + 1] - bounds[c]);
     }
   }
   for (auto& m : out) m = rows > 0 ? std::max(m / static_cast<double>(rows), 0.0) : 0.0;
   return out;
+}
+
+// One decode step's attention signal recorded into an attention tracker's rows
+// (kvos.policy.attention.AttentionTracker): chunk i's mass as chunk_masses gives it, then, in row rows[i],
+// values[row, seen[row] % depth] = mass (cumulative: values[row, 0] += mass) and seen[row] += 1. values:
+// float64 [R, depth], seen: int64 [R], rows: int64 [chunks], distinct. When some mass is not finite (a NaN or
+// infinite probability), records nothing and returns that chunk's index; else -1.
+int64_t observe_masses(std::vector<torch::Tensor> probs, std::vector<int64_t> bounds, torch::Tensor values,
+                       torch::Tensor seen, torch::Tensor rows, bool cumulative) {
+  const std::vector<double> masses = chunk_masses(probs, bounds);
+  const int64_t n = static_cast<int64_t>(masses.size());
+  TORCH_CHECK_VALUE(values.dim() == 2 && values.scalar_type() == torch::kFloat64 && values.is_contiguous() &&
+                        seen.dim() == 1 && seen.scalar_type() == torch::kInt64 && seen.is_contiguous() &&
+                        seen.size(0) == values.size(0) && rows.dim() == 1 &&
+                        rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && rows.size(0) == n &&
+                        values.size(1) >= 1,
+                    "observe_masses: values float64 [R, depth], seen int64 [R], rows int64 [chunks] wanted");
+  double* v = values.data_ptr<double>();
+  int64_t* s = seen.data_ptr<int64_t>();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t depth = values.size(1);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_INDEX(r[i] >= 0 && r[i] < values.size(0), "observe_masses: a row outside the tracker's");
+    if (!std::isfinite(masses[i]) || masses[i] < 0.0) return i;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    double* row = v + r[i] * depth;
+    if (cumulative)
+      row[0] += masses[i];
+    else
+      row[s[r[i]] % depth] = masses[i];
+    ++s[r[i]];
+  }
+  return -1;
 }
 
 // The largest of p[0, n) (n > 0); NaN when any value is NaN.
@@ -651,20 +689,20 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 )
 
 
-FUNCTIONS = ["attend", "chunk_masses", "log_normaliser", "row_stats"]
+FUNCTIONS = ["attend", "chunk_masses", "log_normaliser", "observe_masses", "row_stats"]
 
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v14", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v15", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA/F16C), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_decode_portable_v14", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_portable_v15", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 @functools.cache
@@ -672,7 +710,7 @@ def avx2_kernel() -> Any | None:
     """The functions this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests
     on a CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_decode_avx2_v14", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_avx2_v15", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

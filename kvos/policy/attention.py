@@ -87,9 +87,11 @@ class AttentionTracker:
     ``snapshot`` it makes masses comparable with the scorer's other signals. :meth:`raw` gives the aggregate.
 
     Every tracked chunk is a row of one float64 array: its last observations in a ring (``ewma``: ``window``
-    of them, ``snapshot``: one) or its running sum (``cumulative``). A decode step's observation is then a few
-    array operations whatever the number of chunks, where a Python update per chunk cost ~0.3 us each, every
-    decoded token of every session (64 chunks: 20 us a token).
+    of them, ``snapshot``: one) or its running sum (``cumulative``). A decode step's observation
+    (:meth:`observe_probs`) is then one call of the decode kernel, which sums the captured probabilities per
+    chunk and writes the masses into the rows, whatever the number of chunks: a Python update per chunk cost
+    ~0.3 us each (64 chunks: 20 us a token), and a few numpy operations ~10 us each from the cold caches a
+    decode step leaves.
     """
 
     mode: TrackerMode = "ewma"
@@ -100,7 +102,9 @@ class AttentionTracker:
     # float64 [rows, depth]: each row's ring of observations, or its sum (cumulative: depth 1)
     _values: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)), init=False, repr=False)
     _seen: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), init=False, repr=False)
-    _last: tuple[list[int], np.ndarray] | None = field(default=None, init=False, repr=False)
+    # the last step's chunk ids and their rows (numpy, and torch for the kernel)
+    _last: tuple[list[int], np.ndarray, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _tensors: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _normalised: dict[int, float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +124,34 @@ class AttentionTracker:
     def observe(self, masses: Mapping[int, float]) -> None:
         """Record one decode step: ``chunk_id -> mass`` (averaged over captured layers and heads)."""
         self.observe_ids(list(masses), list(masses.values()))
+
+    def observe_probs(self, probs: list[torch.Tensor], boundaries: list[int], chunk_ids: list[int]) -> None:
+        """Record one decode step from its captured attention: ``probs`` each ``[heads, T]`` (the captured
+        layers), ``boundaries`` the resident chunks' ``[0, ..., T]``, ``chunk_ids`` those chunks in cache
+        order; the masses of :func:`chunk_mass_list`. In one call of the decode kernel where it is built and
+        the probabilities are float32 on the CPU; otherwise, and for any input it refuses (whose errors then
+        name the fault), through :meth:`observe_ids`."""
+        built = decode_kernel.kernel()
+        if (
+            built is not None
+            and chunk_ids
+            and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in probs)
+        ):
+            rows = self._rows_of(chunk_ids)
+            values, seen = self._as_tensors()
+            try:
+                bad = built.observe_masses(
+                    probs, boundaries, values, seen, self._last_rows(), self.mode == "cumulative"
+                )
+            except (ValueError, RuntimeError, TypeError, IndexError):
+                bad = 0
+            if bad < 0:
+                self._normalised = None
+                return
+            for chunk_id, row in zip(chunk_ids, rows.tolist(), strict=True):
+                if self._seen[row] == 0:  # given a row for this step alone: untracked again
+                    self.forget(chunk_id)
+        self.observe_ids(chunk_ids, chunk_mass_list(probs, boundaries))
 
     def observe_ids(self, chunk_ids: list[int], masses: Sequence[float] | np.ndarray) -> None:
         """:meth:`observe` of ``masses[i]`` for the distinct ``chunk_ids[i]``: a session's resident chunks
@@ -153,8 +185,19 @@ class AttentionTracker:
         if len(set(chunk_ids)) != len(chunk_ids):
             raise SignalError(f"a step observes each chunk once, got {chunk_ids}")
         rows = np.fromiter((self._row(c) for c in chunk_ids), dtype=np.int64, count=len(chunk_ids))
-        self._last = (list(chunk_ids), rows)
+        self._last = (list(chunk_ids), rows, torch.from_numpy(rows))
         return rows
+
+    def _last_rows(self) -> torch.Tensor:
+        """int64 [n]: :meth:`_rows_of`'s last rows, as a tensor sharing their memory."""
+        assert self._last is not None
+        return self._last[2]
+
+    def _as_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' values and counts as tensors sharing the arrays' memory (made again after a growth)."""
+        if self._tensors is None:
+            self._tensors = (torch.from_numpy(self._values), torch.from_numpy(self._seen))
+        return self._tensors
 
     def _row(self, chunk_id: int) -> int:
         """The chunk's row, a fresh (zeroed) one if it is not tracked."""
@@ -166,6 +209,7 @@ class AttentionTracker:
             self._free = list(range(grown - 1, len(self._seen) - 1, -1))
             self._values = np.concatenate([self._values, np.zeros((grown - len(self._seen), self.depth))])
             self._seen = np.concatenate([self._seen, np.zeros(grown - len(self._seen), np.int64)])
+            self._tensors = None
         row = self._free.pop()
         self._values[row] = 0.0
         self._seen[row] = 0
@@ -201,7 +245,7 @@ class AttentionTracker:
         """Track exactly these chunks with these observations, oldest first (each :meth:`history`; for
         ``cumulative``, [its sum]): a saved session's tracker, restored."""
         self._rows, self._free, self._last, self._normalised = {}, [], None, None
-        self._values, self._seen = np.zeros((0, self.depth)), np.zeros(0, np.int64)
+        self._values, self._seen, self._tensors = np.zeros((0, self.depth)), np.zeros(0, np.int64), None
         for chunk_id, observations in histories.items():
             row = self._row(int(chunk_id))
             kept = [float(m) for m in observations][-self.depth :]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvos.errors import BudgetError
-from kvos.policy.attention import AttentionTracker, chunk_mass_list
+from kvos.policy.attention import AttentionTracker
 from kvos.policy.chunks import Chunk, ChunkState
 from kvos.policy.digest import KeyDigest, attention_shares, head_mask
 from kvos.policy.focus import TaskFocus
@@ -317,5 +317,4 @@ class SessionMemory:
         the layers' means: one pass, where a pass per layer cost 0.1 ms a token each)."""
         if not captured:
             return
-        masses = chunk_mass_list(list(captured.values()), self.pager.seq.boundaries())
-        self.tracker.observe_ids(self.pager.order(), masses)
+        self.tracker.observe_probs(list(captured.values()), self.pager.seq.boundaries(), self.pager.order())

@@ -81,6 +81,8 @@ def test_one_token_appends_equal_the_general_path(seed: int, monkeypatch: pytest
                     seq.remove(seg)
                     seq.insert(len(seq.segments), seg)  # the last segment is now an older one
                 other.extend([1], [other.next_position()])  # interleaved: blocks not consecutive
+                for seg in seq.segments:  # the numpy view's first position is the tensor's
+                    assert not seg.num_tokens or seg.first_position == int(seg.positions[0])
         return returned, _state(seq), taken
 
     fast, general = run(False), run(True)

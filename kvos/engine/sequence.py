@@ -93,6 +93,12 @@ class Segment:
         return self._positions[: self.num_tokens]
 
     @property
+    def first_position(self) -> int:
+        """The rotary position of its first token (it has one): through a numpy view, where a slice, an
+        index and an ``int`` of the tensor are three torch calls (a session asks every decoded token)."""
+        return int(self._positions.numpy()[0])
+
+    @property
     def held_from(self) -> int:
         """The first token whose K/V the window layers still hold (:meth:`PageTable.slide`)."""
         return self.page_table.held_from

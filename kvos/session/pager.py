@@ -114,7 +114,7 @@ class Pager:
         seg = self.segments.get(chunk_id)
         if seg is None:
             return None
-        return int(seg.positions[0]) if seg.num_tokens else self._opened_at[chunk_id]
+        return seg.first_position if seg.num_tokens else self._opened_at[chunk_id]
 
     def place(self, chunk: Chunk) -> None:
         """Make this pager the chunk's placement (its state and position are read from here)."""

@@ -53,6 +53,18 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 SERVE_HEAP_ARENAS = 1  # every thread allocates from the main heap, whose top malloc_trim gives back
+# How long a thread may keep the interpreter lock while another waits for it (Python's default: 5 ms). A
+# session's turn woken while the event loop holds the lock (parsing a request, writing the streams) waited a
+# whole interval: hand-overs of 4.5-5.3 ms in every run. At 0.5 ms, SmolLM2 at 8 clients: the turns 1.56-1.75
+# against 1.61-1.82 ms a step, ITL p99 24-25 against 30-37 ms (docs/benchmarks.md, session 33).
+SERVE_SWITCH_INTERVAL_S = 0.0005
+
+
+def settle_process() -> None:
+    """``kvos serve``'s process-wide settings, before any worker thread starts: one heap arena
+    (:data:`SERVE_HEAP_ARENAS`) and a short interpreter switch interval (:data:`SERVE_SWITCH_INTERVAL_S`)."""
+    limit_heap_arenas(SERVE_HEAP_ARENAS)
+    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
 
 
 def positive_int(text: str) -> int:
@@ -519,7 +531,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    limit_heap_arenas(SERVE_HEAP_ARENAS)  # before any worker thread starts
+    settle_process()  # before any worker thread starts
     # the set-up's parallel operators run on a thread that ends, and only the scheduler's thread keeps a
     # pool of helper threads: a second pool makes every step's parallel loops wake sleeping helpers
     service = on_passing_thread(lambda: build_service(args))

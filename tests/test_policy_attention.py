@@ -309,6 +309,8 @@ def test_a_saved_tracker_keeps_its_json_and_loads_back(mode: str) -> None:
         t.observe({3: 0.5, 9: 0.75})
     assert [loaded.raw(c) for c in (7, 3, 9)] == [tracker.raw(c) for c in (7, 3, 9)]
     assert loaded.tracked() == tracker.tracked() == [7, 3, 9]
+    loaded.load({5: [], 6: [0.5]})  # a chunk with no observation is not tracked
+    assert loaded.tracked() == [6] and loaded.raw(5) is None
 
 
 @pytest.mark.parametrize("kernel", ["native", "avx2", "portable"])

@@ -243,12 +243,14 @@ class AttentionTracker:
 
     def load(self, histories: Mapping[int, Sequence[float]]) -> None:
         """Track exactly these chunks with these observations, oldest first (each :meth:`history`; for
-        ``cumulative``, [its sum]): a saved session's tracker, restored."""
+        ``cumulative``, [its sum]): a saved session's tracker, restored. A chunk with none stays untracked."""
         self._rows, self._free, self._last, self._normalised = {}, [], None, None
         self._values, self._seen, self._tensors = np.zeros((0, self.depth)), np.zeros(0, np.int64), None
         for chunk_id, observations in histories.items():
-            row = self._row(int(chunk_id))
             kept = [float(m) for m in observations][-self.depth :]
+            if not kept:
+                continue
+            row = self._row(int(chunk_id))
             self._seen[row] = len(kept)
             for i, m in enumerate(kept):
                 self._values[row, i] = m

@@ -90,17 +90,28 @@ def test_the_turns_share_is_the_runs_own() -> None:
     the two looks gives no figures (not a division by zero)."""
     from kvos.bench.soak_server import SchedulerTime
 
-    before, after = SchedulerTime(10, 2.0, 0.5), SchedulerTime(30, 3.5, 1.0)
-    assert after.since(before) == {"turns_share": 0.25, "forward_ms_step": 75.0, "turns_ms_step": 25.0}
-    assert before.since(before) == dict.fromkeys(("turns_share", "forward_ms_step", "turns_ms_step"))
+    before, after = SchedulerTime(10, 2.0, 0.5, 0.02, 1), SchedulerTime(30, 3.5, 1.0, 0.1455, 2)
+    assert after.since(before) == {
+        "turns_share": 0.25,
+        "forward_ms_step": 75.0,
+        "turns_ms_step": 25.0,
+        "gc_pause_ms": 125.5,
+        "gc_full": 1,
+    }
+    keys = ("turns_share", "forward_ms_step", "turns_ms_step", "gc_pause_ms", "gc_full")
+    assert before.since(before) == dict.fromkeys(keys)
     text = (
         "# TYPE kvos_scheduler_steps_total counter\nkvos_scheduler_steps_total 7.0\n"
         "# TYPE kvos_scheduler_forward_seconds_total counter\nkvos_scheduler_forward_seconds_total 1.5\n"
         "# TYPE kvos_scheduler_turn_seconds_total counter\nkvos_scheduler_turn_seconds_total 0.25\n"
+        "# TYPE kvos_gc_collections_total counter\n"
+        'kvos_gc_collections_total{generation="0"} 40.0\nkvos_gc_collections_total{generation="2"} 3.0\n'
+        "# TYPE kvos_gc_pause_seconds_total counter\n"
+        'kvos_gc_pause_seconds_total{generation="0"} 0.25\nkvos_gc_pause_seconds_total{generation="2"} 0.5\n'
     )
     from kvos.bench.soak_server import parse_metrics
 
-    assert parse_metrics(text)["scheduler"] == SchedulerTime(7, 1.5, 0.25)
+    assert parse_metrics(text)["scheduler"] == SchedulerTime(7, 1.5, 0.25, 0.75, 3)
     assert parse_metrics(text.split("# TYPE kvos_scheduler_turn")[0])["scheduler"] is None
 
 

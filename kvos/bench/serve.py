@@ -23,7 +23,9 @@ Per row (model, label, clients):
 - ``completion_tokens`` (usage) and ``received_tokens`` (token chunks the clients got) should be equal.
 - ``turns_share``: of the scheduler's busy time during the run, the share spent in the sessions' turns between
   forward passes (sampling, streaming, bookkeeping), from its ``/metrics`` counters before and after;
-  ``forward_ms_step`` and ``turns_ms_step``: each part a step (None for a peer server).
+  ``forward_ms_step`` and ``turns_ms_step``: each part a step; ``gc_pause_ms`` and ``gc_full``: the garbage
+  collector's pauses in the run and its full collections (a full one stops every thread ~120 ms, in a turn
+  or a forward pass). None for a peer server.
 
 With ``--json PATH`` the result has top-level ``rows``; ``--plot PATH`` draws aggregate tok/s and the
 latencies against the client count.
@@ -428,6 +430,7 @@ def progress_line(row: dict[str, Any]) -> str:
         f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms, "
         f"{row['completed']}/{row['requests']} requests in {row['wall_s']} s"
         + (f", turns {100 * share:.1f}% of the steps' time" if share is not None else "")
+        + (f" ({row['gc_full']} full collection(s) in it)" if row.get("gc_full") else "")
     )
 
 

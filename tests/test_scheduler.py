@@ -23,7 +23,6 @@ from kvos.engine.engine import Engine
 from kvos.engine.scheduler import Scheduler, _Ask, _Worker
 from kvos.engine.sequence import Sequence
 from kvos.engine.step_costs import MIN_SLICE, StepCosts
-from kvos.errors import ConfigError
 from kvos.model.loader import load_model
 
 TOL = 1e-4
@@ -186,49 +185,6 @@ def test_a_failing_after_turns_hook_does_not_stop_the_scheduler(engine: Engine, 
     seq = engine.new_sequence()
     tokens, _ = scheduler.submit(_greedy, engine, seq, _tokens(5, 1), 4).result(timeout=120)
     assert len(tokens) == 4
-    seq.release()
-
-
-def test_idle_hooks_run_once_each_idle_spell_after_their_delay(engine: Engine, scheduler: Scheduler) -> None:
-    """Each hook runs on the scheduler's thread once nothing has been submitted for its delay, in the
-    order of the delays, once a spell (not again while the scheduler stays idle), never while work runs;
-    a failing hook is logged and the next still runs; work submitted after the hooks runs as ever."""
-    ran: list[tuple[str, float, str]] = []
-    working = threading.Event()
-
-    def hook(name: str) -> None:
-        ran.append((name, time.monotonic(), threading.current_thread().name))
-        assert not working.is_set()
-
-    def fail() -> None:
-        raise RuntimeError("a broken idle hook")
-
-    def work() -> None:
-        working.set()
-        time.sleep(0.3)  # longer than either delay: an idle hook here would run mid-work
-        working.clear()
-
-    scheduler.when_idle(lambda: hook("late"), 0.2)
-    scheduler.when_idle(fail, 0.05)
-    scheduler.when_idle(lambda: hook("early"), 0.05)
-    with pytest.raises(ConfigError):
-        scheduler.when_idle(lambda: None, -1.0)
-    for spell in range(2):
-        began = time.monotonic()
-        scheduler.submit(work).result(timeout=60)
-        ended = time.monotonic()
-        deadline = ended + 10
-        while len(ran) < 2 * (spell + 1):
-            assert time.monotonic() < deadline, "the idle hooks did not run"
-            time.sleep(0.01)
-        time.sleep(0.4)  # still idle: nothing runs again
-        spell_ran = ran[2 * spell :]
-        assert [name for name, _, _ in spell_ran] == ["early", "late"]
-        assert all(thread == "kvos-scheduler" and at >= ended for _, at, thread in spell_ran)
-        assert spell_ran[1][1] - ended >= 0.2 - 0.02 and began < ended
-    seq = engine.new_sequence()
-    tokens, _ = scheduler.submit(_greedy, engine, seq, _tokens(5, 1), 4).result(timeout=120)
-    assert len(tokens) == 4 and len(ran) in (4, 5, 6)  # the decode's own idle spell may have begun
     seq.release()
 
 

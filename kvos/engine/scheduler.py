@@ -170,7 +170,6 @@ class Scheduler(Executor):
         self._closed = False  # no new work is taken
         self._local = threading.local()
         self._between: list[Callable[[], None]] = []  # run each time the turns between two steps end
-        self._idle: list[tuple[float, Callable[[], object]]] = []  # run once an idle wait lasts so long
         self._pool = ThreadPoolExecutor(
             max_workers=max_running,
             thread_name_prefix="kvos-worker",
@@ -331,30 +330,6 @@ class Scheduler(Executor):
             except Exception:  # a hook's failure must not stop the loop
                 _log.exception("a hook after the turns failed")
 
-    def when_idle(self, fn: Callable[[], object], after_s: float) -> None:
-        """Run ``fn()`` on the scheduler's thread once it has had nothing to do for ``after_s`` seconds:
-        once each idle spell, while no session waits on it (work submitted meanwhile waits for ``fn`` to
-        return). Where what would otherwise stop a step is done instead (a full garbage collection:
-        :func:`kvos.server.collector_pauses.collect_if_due`)."""
-        if after_s < 0:
-            raise ConfigError(f"an idle hook's delay must be at least 0 s, got {after_s}")
-        self._idle.append((after_s, fn))
-        self._idle.sort(key=lambda hook: hook[0])
-        self._work.set()  # a loop already waiting starts its idle spell again, with this hook
-
-    def _wait_for_work(self) -> None:
-        """Wait until there is something to do; meanwhile the idle hooks, each once its delay has passed."""
-        waited = 0.0
-        for after_s, fn in list(self._idle):
-            if self._work.wait(max(0.0, after_s - waited)):
-                return
-            waited = after_s
-            try:
-                fn()
-            except Exception:  # a hook's failure must not stop the loop
-                _log.exception("an idle hook failed")
-        self._work.wait()
-
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         """Hand the turn to the first ready worker (each passes it on to the next, oldest first, and the
@@ -381,7 +356,7 @@ class Scheduler(Executor):
                         if ask.worker.pending == 0:
                             self._ready.append(ask.worker)
             else:
-                self._wait_for_work()
+                self._work.wait()
 
     def _take_step(self) -> list[_Ask]:
         """The asks of the next step (called under ``_mu``): every decode token, then prefill slices in

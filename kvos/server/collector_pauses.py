@@ -7,9 +7,7 @@ collection takes 115-130 ms on an AMD Zen 5 core: about one in a 20 s run of 8 s
 of every stream. Freezing start-up's objects out of the collector (``gc.freeze``) would make that 2-4 ms, but
 measured it cost more than it saved: with it, the same runs decoded 253-262 tok/s against 273-288 and their
 ITL p95 was 52-54 ms against 31-34, repeatably and in either order (docs/benchmarks.md), so kvos does not
-freeze (measured again in session 33: the same). Instead ``kvos serve`` collects when nothing runs: once its
-scheduler has been idle for :data:`IDLE_COLLECT_S`, :func:`collect_if_due` makes the full collection then,
-while no stream waits, and the collector's own next one counts from it.
+freeze.
 
 :class:`Pauses` (installed once, :func:`watch`) adds each collection's duration to its generation's total,
 and ``/metrics`` exports them (``kvos_gc_pause_seconds``, ``kvos_gc_collections``,
@@ -63,18 +61,3 @@ def watch() -> Pauses:
             _pauses = Pauses()
             gc.callbacks.append(_pauses)
         return _pauses
-
-
-def collect_if_due() -> bool:
-    """A full collection now if a younger one has run since the last full one (what it promoted may
-    hold cycles); False when none has. ``kvos serve`` runs it once its scheduler has been idle for
-    :data:`IDLE_COLLECT_S`: the ~120 ms pause falls while no stream waits, and the collector's own next
-    full collection, which would stop every stream mid-reply, is put off (it counts from this one)."""
-    _, younger, older = gc.get_count()
-    if not (younger or older):
-        return False
-    gc.collect()
-    return True
-
-
-IDLE_COLLECT_S = 1.0  # how long the scheduler has been idle before collect_if_due runs

@@ -538,8 +538,6 @@ def serve(args: argparse.Namespace) -> int:
     single_threaded_default()
     app = make_app(service, args)
     collector_pauses.watch()  # the collections' pauses, for /metrics
-    if service.registry.scheduler is not None:  # full collections while nothing runs, not mid-stream
-        service.registry.scheduler.when_idle(collector_pauses.collect_if_due, collector_pauses.IDLE_COLLECT_S)
     print(
         f"[kvos] serving {service.config.model_name!r} on http://{args.host}:{args.port}/v1 "
         f"(budget {service.manager.config.budget.max_active_tokens} tokens per session)",

@@ -56,7 +56,7 @@ SERVE_HEAP_ARENAS = 1  # every thread allocates from the main heap, whose top ma
 # How long a thread may keep the interpreter lock while another waits for it (Python's default: 5 ms). A
 # session's turn woken while the event loop holds the lock (parsing a request, writing the streams) waited a
 # whole interval: hand-overs of 4.5-5.3 ms in every run. At 0.5 ms, SmolLM2 at 8 clients: ITL p99 24-30
-# against 30-37 ms, the turns under 10% of a step in five runs of six (docs/benchmarks.md, session 33).
+# against 30-37 ms, fewer long hand-overs (docs/benchmarks.md, session 33).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 
 

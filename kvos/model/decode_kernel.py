@@ -416,7 +416,6 @@ static void attend_all(const float* qp, int64_t q_row, const E* kp, const E* vp,
   }
 }
 
-// The attention signal's per-chunk masses of one decode step (kvos/policy/attention.py, chunk_mass_list):
 // The sum of p[0, n) in double: sixteen running sums (four vectors of four) where AVX2 is built, so that the
 // adds do not wait on each other; the scalar tail, and the portable build, one sum in order.
 static double sum_in_double(const float* p, int64_t n) {
@@ -437,6 +436,7 @@ static double sum_in_double(const float* p, int64_t n) {
   return total;
 }
 
+// The attention signal's per-chunk masses of one decode step (kvos/policy/attention.py, chunk_mass_list):
 // chunk c's mass is the mean over every row of every probs [heads, T] (the captured layers' heads) of the
 // row's sum over keys [bounds[c], bounds[c + 1]), in double, clamped at 0. Rows may lie apart (a row stride),
 // each row's keys contiguous.

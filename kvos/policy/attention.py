@@ -137,12 +137,10 @@ class AttentionTracker:
             and chunk_ids
             and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in probs)
         ):
-            rows = self._rows_of(chunk_ids)
+            rows, rows_t = self._rows_of(chunk_ids)
             values, seen = self._as_tensors()
             try:
-                bad = built.observe_masses(
-                    probs, boundaries, values, seen, self._last_rows(), self.mode == "cumulative"
-                )
+                bad = built.observe_masses(probs, boundaries, values, seen, rows_t, self.mode == "cumulative")
             except (ValueError, RuntimeError, TypeError, IndexError):
                 bad = 0
             if bad < 0:
@@ -170,7 +168,7 @@ class AttentionTracker:
                 at = int(bad.argmax())
                 chunk_id, got = chunk_ids[at], float(values[at])
                 raise SignalError(f"attention mass of chunk {chunk_id} must be finite and >= 0, got {got}")
-        rows = self._rows_of(chunk_ids)
+        rows, _ = self._rows_of(chunk_ids)
         if self.mode == "cumulative":
             self._values[rows, 0] += values
         else:
@@ -178,20 +176,15 @@ class AttentionTracker:
         self._seen[rows] += 1
         self._normalised = None
 
-    def _rows_of(self, chunk_ids: list[int]) -> np.ndarray:
-        """int64 [n]: the rows of ``chunk_ids``, new chunks given one (the last step's, while unchanged)."""
-        if self._last is not None and self._last[0] == chunk_ids:
-            return self._last[1]
-        if len(set(chunk_ids)) != len(chunk_ids):
-            raise SignalError(f"a step observes each chunk once, got {chunk_ids}")
-        rows = np.fromiter((self._row(c) for c in chunk_ids), dtype=np.int64, count=len(chunk_ids))
-        self._last = (list(chunk_ids), rows, torch.from_numpy(rows))
-        return rows
-
-    def _last_rows(self) -> torch.Tensor:
-        """int64 [n]: :meth:`_rows_of`'s last rows, as a tensor sharing their memory."""
-        assert self._last is not None
-        return self._last[2]
+    def _rows_of(self, chunk_ids: list[int]) -> tuple[np.ndarray, torch.Tensor]:
+        """int64 [n]: the rows of ``chunk_ids``, new chunks given one, and the same as a tensor sharing their
+        memory (for the kernel); the last step's, while its chunks are unchanged."""
+        if self._last is None or self._last[0] != chunk_ids:
+            if len(set(chunk_ids)) != len(chunk_ids):
+                raise SignalError(f"a step observes each chunk once, got {chunk_ids}")
+            rows = np.fromiter((self._row(c) for c in chunk_ids), dtype=np.int64, count=len(chunk_ids))
+            self._last = (list(chunk_ids), rows, torch.from_numpy(rows))
+        return self._last[1], self._last[2]
 
     def _as_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' values and counts as tensors sharing the arrays' memory (made again after a growth)."""

@@ -13,8 +13,8 @@ from kvos.server import main
 
 
 def test_the_settings_are_one_heap_arena_and_a_short_switch_interval() -> None:
-    """In a fresh interpreter (both settings are the process's): Python's 5 ms switch interval becomes
-    0.5 ms, and glibc is asked for one arena."""
+    """In a fresh interpreter (the setting is the process's): Python's 5 ms switch interval becomes 0.5 ms.
+    (What one heap arena does is tests/test_bench_soak.py's.)"""
     code = (
         "import sys; from kvos.server.main import settle_process; before = sys.getswitchinterval(); "
         "settle_process(); print(before, sys.getswitchinterval())"

@@ -164,6 +164,25 @@ def test_rows_of_any_number_of_groups(qtype: str, groups: int, build: tuple[Any,
         _assert_product(got, x, dense, None)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("out", [1, 3, 4, 6, 13, 37])
+def test_one_activation_row_at_any_number_of_outputs(qtype: str, out: int, build: tuple[Any, Any]) -> None:
+    """A decode step's product (one row of activations) takes 4-bit weight rows four at a time: the outputs
+    past the last four come from the single-row tiles, and each output is set, or has the addend added, as
+    its own (rows of 1-18 groups, whole chunks of four and tails)."""
+    empty = torch.empty(0)
+    for groups in (1, 4, 5, 18):
+        values = np.random.default_rng(out * groups).standard_normal((out, 32 * groups)).astype(np.float32)
+        raw = encode(values, qtype, np.random.default_rng(groups))[0]
+        dense = _dense(raw, qtype)
+        w = QuantizedWeight.from_gguf(qtype, raw, (out, 32 * groups))
+        mins = empty if w.min is None else w.min
+        x = torch.randn(1, 32 * groups, generator=torch.Generator().manual_seed(out))
+        c = torch.randn(1, out, generator=torch.Generator().manual_seed(groups))
+        _assert_product(build[0].mm_i8(x, w.q, w.scale, mins, w.min is not None, empty), x, dense, None)
+        _assert_product(build[0].mm_i8(x, w.q, w.scale, mins, w.min is not None, c), x, dense, c)
+
+
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
 @pytest.mark.parametrize("groups", [4, 7, 28, 30])
 def test_q5_blocks_gathered_by_permutes_give_the_same_products(qtype: str, groups: int) -> None:

@@ -400,13 +400,67 @@ static inline void tile_q8_512(const Int8Rows& xi, int64_t i0, int64_t groups, c
   for (int i = 0; i < T; ++i) total[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-// out[:, r0:r1] from x quantized and re-laid for the 512-bit tiles, four rows of x at a time.
+// The four sums in acc[0..4) (16 lanes each) as one vector [sum acc[0], ..., sum acc[3]].
+static inline __m128 reduce4(const __m512* acc) {
+  __m256 h[4];
+  for (int j = 0; j < 4; ++j)
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
+  const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+
+// out[0..4) = x . w_r for the four 4-bit weight rows from wr (row_bytes apart; their scales and mins
+// `groups` apart) and the one activation row of an Int8Chunks (a decode step's product): a chunk of x is
+// loaded once for the four rows, and their sums are reduced together (add: added to out).
+static inline void quad_q4_512(const Int8Chunks& xc, int64_t groups, const uint8_t* wr, int64_t row_bytes,
+                               const float* sr, const float* mr, float* out, bool add,
+                               const RowPrefetch& prefetch, int64_t r) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[4];
+  for (int j = 0; j < 4; ++j) acc[j] = min_terms(mr + j * groups, xc.s.data(), groups);
+  for (int j = 0; j < 4; ++j) {  // row by row: each row's bytes read in order, as the prefetchers expect
+    prefetch(r + j);
+    for (int64_t c = 0; c < xc.chunks; ++c) {
+      const int64_t g = c * 4, left = std::min<int64_t>(4, groups - g);
+      const __m512i x0 = _mm512_loadu_si512(xc.q.data() + c * 128);  // zeros pad x's last chunk
+      const __m512i x1 = _mm512_loadu_si512(xc.q.data() + c * 128 + 64);
+      const __m128 d4 = _mm_loadu_ps(xc.d.data() + g);
+      const uint8_t* wg = wr + j * row_bytes + g * 16;
+      const float* sg = sr + j * groups + g;
+      __m512i wv;
+      __m128 s4;
+      if (left == 4) {  // plain loads where the chunk is whole
+        wv = _mm512_loadu_si512(wg);
+        s4 = _mm_loadu_ps(sg);
+      } else {
+        wv = _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * left)) - 1, wg);
+        s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << left) - 1), sg);
+      }
+      const __m512i lo = _mm512_and_si512(wv, low), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
+      const __m512 lane_scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(s4, d4)));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), lane_scales, acc[j]);
+    }
+  }
+  const __m128 total = reduce4(acc);
+  _mm_storeu_ps(out, add ? _mm_add_ps(_mm_loadu_ps(out), total) : total);
+}
+
+// out[:, r0:r1] from x quantized and re-laid for the 512-bit tiles, four rows of x at a time; with one row
+// of x and 4-bit weights, four weight rows at a time (quad_q4_512), the rest by the tiles.
 template <bool Q4>
 static void mm_rows_512(const Int8Rows& xi, const Int8Chunks* xc, int64_t n, int64_t K, const uint8_t* w,
                         const float* scale, const float* mins, float* out, int64_t N, int64_t r0, int64_t r1,
                         bool add) {
   const int64_t groups = K / GROUP, row_bytes = Q4 ? K / 2 : K;
   const RowPrefetch prefetch = row_streams<Q4>(N, K, w, scale, mins);
+  if (Q4 && n == 1)
+    for (; r0 + 4 <= r1; r0 += 4) {
+      quad_q4_512(*xc, groups, w + r0 * row_bytes, row_bytes, scale + r0 * groups, mins + r0 * groups,
+                  out + r0, add, prefetch, r0);
+    }
   each_tile(n, r0, r1, out, N, add, prefetch, [&](int64_t r, int64_t i0, auto rows, float* total) {
     constexpr int T = decltype(rows)::value;
     if constexpr (Q4)

@@ -8,9 +8,10 @@ multiplied with the activations as they are (exact products of the dequantized w
 of more than ``SMALL_N`` rows (prefill) dequantize tiles and call the float32 matmul. In the int8 mode a
 prefill's products decode eight weight rows at a time into panels multiplied with every activation row in
 integers (:mod:`kvos.model.int8_panels`; 2-3x the float32 matmul), where the CPU has AVX2 (else the float32
-tiles). The output head always takes
-float32 activations (:func:`kvos.model.linear.logits`): the next token is chosen there, and it is where
-int8 activations changed answers (SmolLM2 Q4_1, as in llama.cpp).
+tiles). The output head never takes int8 activations (:func:`kvos.model.linear.logits`): the next token is
+chosen there, and it is where int8 activations changed answers (SmolLM2 Q4_1, as in llama.cpp). In the int8
+mode an 8-bit head takes int16 blocks (:mod:`kvos.model.int16_blocks`: 256 times closer than int8), every
+other head float32 activations.
 
 Chosen once per process from ``KVOS_ACTIVATIONS`` (``int8`` or ``float32``) or a command's ``--activations``
 (:func:`apply`); :func:`using` sets it for a block.

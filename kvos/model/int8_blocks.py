@@ -21,10 +21,11 @@ SOURCE = r"""
 #define KVOS_VNNI512 1  // 64-byte tiles: four 4-bit groups (two 8-bit ones) an instruction
 #endif
 
-// One block's scale from its largest magnitude, and the factor its values are multiplied by: a NaN or an
-// infinity in the block (finite false) makes the scale NaN and the factor 0.
-static inline float block_scale(float amax, bool finite, float& inv) {
-  const float scale = finite ? amax / 127.0f : std::nanf("");
+// One block's scale from its largest magnitude (top: the largest quantized value, 127 for int8), and the
+// factor its values are multiplied by: a NaN or an infinity in the block (finite false) makes the scale NaN
+// and the factor 0.
+static inline float block_scale(float amax, bool finite, float& inv, float top = 127.0f) {
+  const float scale = finite ? amax / top : std::nanf("");
   inv = scale > 0.0f ? 1.0f / scale : 0.0f;
   if (!std::isfinite(inv)) inv = 0.0f;  // a subnormal scale: q = 0
   return scale;

@@ -181,10 +181,13 @@ def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
 
 def logits(hidden: torch.Tensor, head: Weight) -> torch.Tensor:
     """hidden [n, hidden] @ head [vocab, hidden].T -> float32 logits [n, vocab] (the head is kept as torch
-    lays it out, [vocab, hidden]: usually it is the embedding table itself). A quantized head takes its
-    activations in float32 whatever the mode (:mod:`kvos.model.activations`): the next token is chosen
-    there, and int8 activations in the head alone turn SmolLM2 Q4_1's greedy answer to "What is the capital
-    of France?" from Paris into llama.cpp's wrong one."""
+    lays it out, [vocab, hidden]: usually it is the embedding table itself). A quantized head never takes
+    int8 activations (:mod:`kvos.model.activations`): the next token is chosen there, and int8 activations
+    in the head alone turn SmolLM2 Q4_1's greedy answer to "What is the capital of France?" from Paris into
+    llama.cpp's wrong one. An 8-bit head kept quantized takes int16 blocks in the int8 mode
+    (:meth:`QuantizedWeight.logits`); every other one float32 activations."""
     if isinstance(head, torch.Tensor):
         return _dense(None, hidden, head).float()
+    if isinstance(head, QuantizedWeight):
+        return head.logits(hidden)
     return head.mm(hidden, int8=False).float()

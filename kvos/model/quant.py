@@ -149,6 +149,17 @@ class QuantizedWeight:
                 out += c
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head's product: x [n, in] -> float32 [n, out] (:func:`kvos.model.linear.logits`). In
+        the int8 mode an 8-bit head takes up to ``SMALL_N`` rows as int16 blocks (``mm_i16``:
+        :mod:`kvos.model.int16_blocks`); otherwise, and in the float32 mode, float32 activations."""
+        k = kernel()
+        xf = x.float().contiguous()
+        eight_bit = self.min is None and k is not None and self.device.type == "cpu"
+        if eight_bit and xf.shape[0] <= SMALL_N and activations.int8():
+            return k.mm_i16(xf, self.q, self.scale, _EMPTY)
+        return self.mm(xf, int8=False)
+
     def kernel_product(self) -> KernelProduct | None:
         """The kernel's product with this weight's tensors bound: (x float32 [n <= SMALL_N, in] contiguous, c
         float32 [n, out] contiguous or empty, int8) -> c + x @ W.T; None off the CPU or without the kernel."""

@@ -28,6 +28,7 @@ from typing import Any
 from kvos.extensions import build
 from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
 from kvos.model.int8_panels import SOURCE as INT8_PANELS
+from kvos.model.int16_blocks import SOURCE as INT16_BLOCKS
 from kvos.model.row_prefetch import SOURCE as ROW_PREFETCH
 
 _SOURCE = (
@@ -252,6 +253,9 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+"""
+    + INT16_BLOCKS
+    + r"""
 
 // total[i] = x_i . w_r for T rows of quantized x (xq int8 [T, K], xd [T, groups], xh [T, groups, 2]): per
 // group the integer dot product of the weights' q with x's, scaled by both scales, plus min * (xh's halves).
@@ -588,6 +592,45 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   return {q, d};
 }
 
+// c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32, w 8-bit (int8 [N, K], scale [N, K / 32]),
+// x quantized to int16 blocks (kvos/model/int16_blocks.py): the output head's product.
+torch::Tensor mm_i16(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor c) {
+  const int64_t n = x.size(0), K = x.size(1), N = scale.size(0), groups = K / GROUP;
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be contiguous float32");
+  TORCH_CHECK(K % GROUP == 0 && scale.size(1) == groups, "x's columns do not match the weight");
+  TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(0) == N && w.size(1) == K,
+              "w must be the contiguous int8 [N, K] of an 8-bit weight");
+  const bool add = c.numel() > 0;
+  TORCH_CHECK(!add || (c.is_contiguous() && c.scalar_type() == torch::kFloat32 && c.size(0) == n &&
+                       c.size(1) == N), "c must be contiguous float32 [n, N]");
+  auto out = add ? c.clone() : torch::empty({n, N}, x.options());
+  const Int16Rows xi(x.data_ptr<float>(), n, K);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* scp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    const RowPrefetch prefetch = row_streams<false>(N, K, reinterpret_cast<const uint8_t*>(wp), scp, nullptr);
+    each_tile(n, r0, r1, op, N, add, prefetch, [&](int64_t r, int64_t i0, auto rows, float* total) {
+      tile_i16<decltype(rows)::value>(xi.q.data() + i0 * K, xi.d.data() + i0 * groups, K, wp + r * K,
+                                      scp + r * groups, total);
+    });
+  });
+  return out;
+}
+
+// The activations' int16 blocks as mm_i16 makes them: (q int16 [n, K], d float32 [n, K / 32]).
+std::vector<torch::Tensor> quantize_activations16(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % GROUP == 0,
+              "x must be contiguous float32 [n, K], K a multiple of 32");
+  const int64_t n = x.size(0), K = x.size(1);
+  const Int16Rows xi(x.data_ptr<float>(), n, K);
+  auto q = torch::empty({n, K}, torch::dtype(torch::kInt16));
+  auto d = torch::empty({n, K / GROUP}, torch::dtype(torch::kFloat32));
+  std::copy(xi.q.begin(), xi.q.end(), q.data_ptr<int16_t>());
+  std::copy(xi.d.begin(), xi.d.end(), d.data_ptr<float>());
+  return {q, d};
+}
+
 // c [n, N] (or empty) + x [n, K] float32 @ w.T -> [n, N] float32; mins is empty for q8.
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor mins, bool q4,
                  torch::Tensor c) {
@@ -645,7 +688,17 @@ torch::Tensor dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor min
 """
 )
 
-FUNCTIONS = ["mm", "mm_i8", "mm_i8_tiles", "mm_i8_panels", "has_panels", "quantize_activations", "dequantize"]
+FUNCTIONS = [
+    "mm",
+    "mm_i8",
+    "mm_i8_tiles",
+    "mm_i8_panels",
+    "mm_i16",
+    "has_panels",
+    "quantize_activations",
+    "quantize_activations16",
+    "dequantize",
+]
 NAME = "kvos_quant_v5"  # the build's name (and its cache directory's)
 
 

@@ -155,8 +155,8 @@ class QuantizedWeight:
         :mod:`kvos.model.int16_blocks`); otherwise, and in the float32 mode, float32 activations."""
         k = kernel()
         xf = x.float().contiguous()
-        eight_bit = self.min is None and k is not None and self.device.type == "cpu"
-        if eight_bit and xf.shape[0] <= SMALL_N and activations.int8():
+        small = xf.shape[0] <= SMALL_N and self.device.type == "cpu"
+        if k is not None and self.min is None and small and activations.int8():
             return k.mm_i16(xf, self.q, self.scale, _EMPTY)
         return self.mm(xf, int8=False)
 

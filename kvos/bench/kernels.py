@@ -11,7 +11,8 @@ not from a warm cache. Contenders:
 - ``kvos_q4`` / ``kvos_q8``: :class:`QuantizedWeight` (Q4_1 / Q8_0): the packed-bytes kernel with float32
   activations for n <= ``SMALL_N``, float32 tiles + matmul above; ``kvos_q4_i8`` / ``kvos_q8_i8``: the
   activations quantized to int8 blocks and integer products (:mod:`kvos.model.activations`), by the tiles
-  below 16 rows and the panels from 16 (:mod:`kvos.model.int8_panels`);
+  below 16 rows and the panels from 16 (:mod:`kvos.model.int8_panels`); ``kvos_q8_i16``: the output head's
+  product, int16 activation blocks (:mod:`kvos.model.int16_blocks`; float32 above ``SMALL_N`` rows);
 - ``torch_int4pack``: ``_weight_int4pack_mm_for_cpu`` with Q4_1 mapped exactly (scale d, zero m + 8d);
 - ``torch_int8pack``: ``_weight_int8pack_mm``, Q8_0 re-quantized per output channel (lossy).
 
@@ -86,6 +87,7 @@ def _contenders(in_features: int, out_features: int) -> dict[str, tuple[list[Pro
         "kvos_q4_i8": ([_in_mode(_clone(q4).mm, "int8") for _ in range(copies)], w4),
         "kvos_q8": ([_in_mode(_clone(q8).mm, "float32") for _ in range(copies)], w8),
         "kvos_q8_i8": ([_in_mode(_clone(q8).mm, "int8") for _ in range(copies)], w8),
+        "kvos_q8_i16": ([_in_mode(_clone(q8).logits, "int8") for _ in range(copies)], w8),
         "torch_int4pack": ([_int4pack(q4) for _ in range(copies)], w4),
         "torch_int8pack": ([_int8pack(w8) for _ in range(copies)], w8),
     }

@@ -340,6 +340,20 @@ def test_serve_and_generate_take_an_activations_option(command: str, monkeypatch
         parser.parse_args([command, *required, "--activations", "int4"])
 
 
+def _perplexity_and_top(model: Any, ids: list[int], step: int) -> tuple[float, torch.Tensor]:
+    """``ids`` read ``step`` tokens at a time in a fresh engine: the perplexity of each next token, and the
+    top-1 prediction at every position (int64 [len(ids) - 1 rounded up to a step])."""
+    engine = Engine(model)
+    seq, nll, top = engine.new_sequence(), 0.0, []
+    for lo in range(0, len(ids) - 1, step):
+        chunk, targets = ids[lo : lo + step], torch.tensor(ids[lo + 1 : lo + step + 1])
+        logits = engine.extend(seq, chunk, logits="all")
+        logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
+        top.append(logits.argmax(-1))
+    return math.exp(nll / (len(ids) - 1)), torch.cat(top)
+
+
 def _file_and_text(name: str, shared_dir: Path) -> tuple[Path, list[int]]:
     """The model file (SmolLM2-135M-Instruct Q4_1 from ../shared, or a pulled Qwen2.5-Coder Q4_K_M) and the
     first 2,000 tokens of wikitext-2's test split."""
@@ -370,15 +384,7 @@ def test_int8_activations_agree_with_float32_on_real_models(
     results = {}
     for mode in ("float32", "int8"):
         monkeypatch.setattr(activations, "MODE", mode)
-        engine = Engine(model)
-        seq, nll, top = engine.new_sequence(), 0.0, []
-        for lo in range(0, len(ids) - 1, step):
-            chunk, targets = ids[lo : lo + step], torch.tensor(ids[lo + 1 : lo + step + 1])
-            logits = engine.extend(seq, chunk, logits="all")
-            logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-            nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
-            top.append(logits.argmax(-1))
-        results[mode] = (math.exp(nll / (len(ids) - 1)), torch.cat(top))
+        results[mode] = _perplexity_and_top(model, ids, step)
     (ppl_f, top_f), (ppl_i, top_i) = results["float32"], results["int8"]
     agreement = float((top_f == top_i).float().mean())
     print(f"{name}: top-1 agreement {agreement:.4f}; perplexity int8 {ppl_i:.4f} vs float32 {ppl_f:.4f}")
@@ -397,20 +403,9 @@ def test_the_int16_head_agrees_with_the_float32_head_on_real_models(
     model = load_gguf(path)
     monkeypatch.setattr(activations, "MODE", "int8")
     assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.min is None  # an 8-bit head
-    results = {}
-    for head in ("int16", "float32"):
-        if head == "float32":
-            monkeypatch.setattr(QuantizedWeight, "logits", lambda self, x: self.mm(x, int8=False))
-        engine = Engine(model)
-        seq, nll, top = engine.new_sequence(), 0.0, []
-        for lo in range(0, len(ids) - 1, STEP):
-            chunk, targets = ids[lo : lo + STEP], torch.tensor(ids[lo + 1 : lo + STEP + 1])
-            out = engine.extend(seq, chunk, logits="all")
-            logp = torch.log_softmax(out[: len(targets)].float(), dim=-1)
-            nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
-            top.append(out.argmax(-1))
-        results[head] = (math.exp(nll / (len(ids) - 1)), torch.cat(top))
-    (ppl_16, top_16), (ppl_f, top_f) = results["int16"], results["float32"]
+    ppl_16, top_16 = _perplexity_and_top(model, ids, STEP)
+    monkeypatch.setattr(QuantizedWeight, "logits", lambda self, x: self.mm(x, int8=False))
+    ppl_f, top_f = _perplexity_and_top(model, ids, STEP)
     agreement = float((top_16 == top_f).float().mean())
     print(f"{name}: int16 head: top-1 agreement {agreement:.5f}; perplexity {ppl_16:.5f} ({ppl_f:.5f})")
     assert agreement >= 0.999

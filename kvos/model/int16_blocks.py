@@ -11,7 +11,8 @@ with AVX512-VNNI, ``vpmaddwd`` with AVX-512 or AVX2, a portable loop otherwise. 
 scaled once by both scales.
 
 ``SOURCE`` (included in :mod:`kvos.model.quant_kernel` after :mod:`kvos.model.int8_blocks`, whose
-``block_scale``, ``each_tile`` and ``KVOS_VNNI`` it uses) defines ``Int16Rows`` and ``tile_i16``.
+``block_max``, ``block_scale``, ``each_tile`` and ``KVOS_VNNI`` it uses) defines ``Int16Rows`` and
+``tile_i16``.
 """
 
 SOURCE = r"""
@@ -26,12 +27,8 @@ struct Int16Rows {
   Int16Rows(const float* x, int64_t n, int64_t K) : q(n * K), d(n * K / 32) {
     for (int64_t b = 0; b < n * K / 32; ++b) {
       const float* xb = x + b * 32;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int j = 0; j < 32; ++j) {
-        amax = std::max(amax, std::fabs(xb[j]));
-        finite = finite && std::isfinite(xb[j]);
-      }
+      bool finite;
+      const float amax = block_max(xb, finite);
       float inv;
       d[b] = block_scale(amax, finite, inv, 32767.0f);
       for (int j = 0; j < 32; ++j) {

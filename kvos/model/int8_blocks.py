@@ -21,6 +21,17 @@ SOURCE = r"""
 #define KVOS_VNNI512 1  // 64-byte tiles: four 4-bit groups (two 8-bit ones) an instruction
 #endif
 
+// The largest magnitude of the 32 values at xb, and whether all of them are finite (portable loop).
+static inline float block_max(const float* xb, bool& finite) {
+  float amax = 0.0f;
+  finite = true;
+  for (int j = 0; j < 32; ++j) {
+    amax = std::max(amax, std::fabs(xb[j]));
+    finite = finite && std::isfinite(xb[j]);
+  }
+  return amax;
+}
+
 // One block's scale from its largest magnitude (top: the largest quantized value, 127 for int8), and the
 // factor its values are multiplied by: a NaN or an infinity in the block (finite false) makes the scale NaN
 // and the factor 0.
@@ -97,12 +108,8 @@ static void quantize_blocks(const float* x, int64_t blocks, int8_t* q, float* d,
 #else
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * 32;
-    float amax = 0.0f;
-    bool finite = true;
-    for (int j = 0; j < 32; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      finite = finite && std::isfinite(xb[j]);
-    }
+    bool finite;
+    const float amax = block_max(xb, finite);
     float inv;
     const float scale = block_scale(amax, finite, inv);
     int32_t sum[2] = {0, 0};

@@ -39,11 +39,12 @@ struct Int16Rows {
   }
 };
 
-// total[i] = x_i . w_r for T rows of x as int16 blocks (xq [T, K], xd [T, groups]) and an 8-bit weight row
-// w_r (scales sr): per group the integer dot product times both scales, in two running sums (even and odd
-// groups) a row.
-// One group's products for T rows of x: acc[i] += (w . x_i) * sr[g] * xd_i[g] (512-bit, AVX2 or portable).
+// One group's products for T rows of x: acc[i] += (w . x_i) * sr[g] * xd_i[g] (512-bit or AVX2); Acc16 the
+// running sums' type, total16 two of them added and summed across lanes.
 #if KVOS_I16_512
+using Acc16 = __m512;
+static inline float total16(Acc16 a, Acc16 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+
 template <int T>
 static inline void group_i16(const int16_t* xq, const float* xd, int64_t groups, int64_t g, const int8_t* wr,
                              const float* sr, __m512* acc) {
@@ -59,6 +60,9 @@ static inline void group_i16(const int16_t* xq, const float* xd, int64_t groups,
   }
 }
 #elif KVOS_INT8_SIMD
+using Acc16 = __m256;
+static inline float total16(Acc16 a, Acc16 b) { return hsum8(_mm256_add_ps(a, b)); }
+
 template <int T>
 static inline void group_i16(const int16_t* xq, const float* xd, int64_t groups, int64_t g, const int8_t* wr,
                              const float* sr, __m256* acc) {
@@ -82,25 +86,16 @@ template <int T>
 static inline void tile_i16(const int16_t* xq, const float* xd, int64_t K, const int8_t* wr, const float* sr,
                             float* total) {
   const int64_t groups = K / GROUP;
-#if KVOS_I16_512 || KVOS_INT8_SIMD
-#if KVOS_I16_512
-  __m512 even[T], odd[T];
-  for (int i = 0; i < T; ++i) even[i] = odd[i] = _mm512_setzero_ps();
-#else
-  __m256 even[T], odd[T];
-  for (int i = 0; i < T; ++i) even[i] = odd[i] = _mm256_setzero_ps();
-#endif
+#if KVOS_INT8_SIMD  // (KVOS_I16_512 implies it)
+  Acc16 even[T], odd[T];
+  for (int i = 0; i < T; ++i) even[i] = odd[i] = Acc16{};
   int64_t g = 0;
   for (; g + 2 <= groups; g += 2) {
     group_i16<T>(xq, xd, groups, g, wr, sr, even);
     group_i16<T>(xq, xd, groups, g + 1, wr, sr, odd);
   }
   if (g < groups) group_i16<T>(xq, xd, groups, g, wr, sr, even);
-#if KVOS_I16_512
-  for (int i = 0; i < T; ++i) total[i] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
-#else
-  for (int i = 0; i < T; ++i) total[i] = hsum8(_mm256_add_ps(even[i], odd[i]));
-#endif
+  for (int i = 0; i < T; ++i) total[i] = total16(even[i], odd[i]);
 #else
   for (int i = 0; i < T; ++i) {
     float acc = 0.0f;

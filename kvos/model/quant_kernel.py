@@ -415,8 +415,8 @@ static inline __m128 reduce4(const __m512* acc) {
 }
 
 // out[0..4) = x . w_r for the four 4-bit weight rows from wr (row_bytes apart; their scales and mins
-// `groups` apart) and the one activation row of an Int8Chunks (a decode step's product): a chunk of x is
-// loaded once for the four rows, and their sums are reduced together (add: added to out).
+// `groups` apart) and the one activation row of an Int8Chunks (a decode step's product): row by row, each
+// asked for ahead as the tiles ask, the four sums reduced together (add: added to out).
 static inline void quad_q4_512(const Int8Chunks& xc, int64_t groups, const uint8_t* wr, int64_t row_bytes,
                                const float* sr, const float* mr, float* out, bool add,
                                const RowPrefetch& prefetch, int64_t r) {

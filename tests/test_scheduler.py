@@ -262,6 +262,62 @@ def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(
         seq.release()
 
 
+def test_a_session_prefilling_after_its_own_decode_is_not_held_to_the_stall_budget(engine: Engine) -> None:
+    """The stall budget protects *other* sessions' inter-token latency: a work that decodes and then
+    prefills 50 tokens (the server's re-sync of a reply it has just streamed) while no one else decodes
+    goes in one 50-token step, not in the 20-token slices of :func:`test_beside_decodes_...` (the last
+    step's decode was its own); its logits equal an unsliced prefill's."""
+    sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, stall=3.0)
+    sched.costs = _FixedCosts(decode_s=0.1, token_s=0.01)
+    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per step
+    real_run = sched._run
+
+    def spy(step: list[_Ask]) -> None:
+        steps.append((sum(a.tokens == 1 for a in step), sum(a.tokens for a in step if a.tokens > 1)))
+        real_run(step)
+
+    def decode_then_prefill(seq: Sequence) -> torch.Tensor:
+        _greedy(engine, seq, _tokens(5, 3), 3)
+        return engine.extend(seq, _tokens(50, 4))[0]
+
+    sched._run = spy  # type: ignore[method-assign]
+    seq, ref = engine.new_sequence(), engine.new_sequence()
+    try:
+        logits = sched.submit(decode_then_prefill, seq).result(timeout=120)
+    finally:
+        sched.shutdown()
+    assert steps == [(0, 5), (1, 0), (1, 0), (1, 0), (0, 50)]
+    _greedy(engine, ref, _tokens(5, 3), 3)
+    ref_logits = engine.extend(ref, _tokens(50, 4))[0]
+    assert (logits - ref_logits).abs().max().item() <= TOL
+    for s in (seq, ref):
+        s.release()
+
+
+def test_only_the_last_slice_of_a_prefill_runs_the_output_head(engine: Engine) -> None:
+    """A prompt longer than a slice: the earlier slices' passes ask for no logits (their last rows'
+    logits would be thrown away: a whole output head and its statistics each), the last asks for its last
+    token's; the logits equal one unsliced pass's."""
+    sliced = Engine(engine.model, block_size=4, prefill_slice=16)
+    asked: list[str] = []
+    real_forward = sliced.model.forward_batch
+
+    def spy(items: list, kv: object) -> list[torch.Tensor]:  # type: ignore[type-arg]
+        asked.extend(item.logits for item in items)
+        return real_forward(items, kv)  # type: ignore[arg-type]
+
+    seq, ref = sliced.new_sequence(), engine.new_sequence()
+    sliced.model.forward_batch = spy  # type: ignore[method-assign]
+    try:
+        logits = sliced.extend(seq, _tokens(40, 5))
+    finally:
+        del sliced.model.forward_batch
+    assert asked == ["none", "none", "last"] and logits.shape == (1, sliced.model.config.vocab_size)
+    assert (logits - engine.extend(ref, _tokens(40, 5))).abs().max().item() <= TOL
+    seq.release()
+    ref.release()
+
+
 def test_serve_stall_option_reaches_the_scheduler() -> None:
     """``kvos serve`` defaults to a stall budget of 3 decode steps; ``--stall 0`` turns it off; a factor
     of 1 or below (a step shorter than a decode step) is refused."""

@@ -164,8 +164,8 @@ class Engine:
         size = self.slice_tokens()
         for lo in range(0, len(ids), size):
             hi = min(lo + size, len(ids))
-            part = "last" if logits == "last" and hi < len(ids) else logits
             final = hi == len(ids)
+            part = "none" if logits == "last" and not final else logits  # an earlier slice's head is unread
             out = self._forward(
                 seq,
                 ids[lo:hi],

@@ -159,7 +159,7 @@ class Scheduler(Executor):
         self._waiting: deque[tuple[int, Callable[[], None], Future[Any]]] = deque()  # waiting for blocks
         self.stall = stall
         self.costs = StepCosts()
-        self._decoding = False  # the last step ran decode tokens (so the next one likely does too)
+        self._decoders: frozenset[_Worker] = frozenset()  # whose decodes the last step ran (likely the next)
         self.stats = StepStats()
         self._mu = threading.Lock()
         self._ready: deque[_Worker] = deque()  # admitted workers waiting for the turn
@@ -263,10 +263,12 @@ class Scheduler(Executor):
     @property
     def slice_tokens(self) -> int:
         """The most tokens of one prefill slice: what fits in a step beside every running decode token
-        (so no slice starves), and while sessions decode, what keeps a step within ``stall`` decode
-        steps."""
+        (so no slice starves), and while other sessions decode, what keeps a step within ``stall`` decode
+        steps. A worker's own decoding does not count: a session that prefills right after its reply (the
+        canonical re-sync) would otherwise wait for its own stall budget with no one to protect."""
         most = self.step_tokens - self.max_running
-        budget = self.costs.prefill_budget(self.stall) if self.stall and self._decoding else None
+        others = self._decoders - {getattr(self._local, "worker", None)}
+        budget = self.costs.prefill_budget(self.stall) if self.stall and others else None
         return most if budget is None else min(most, budget)
 
     # ------------------------------------------------------------------ workers
@@ -397,7 +399,7 @@ class Scheduler(Executor):
         seconds = time.perf_counter() - began
         self.stats.forward_s += seconds
         self.costs.observe(decodes, sum(a.tokens for a in step if a.tokens > 1), seconds)
-        self._decoding = decodes > 0
+        self._decoders = frozenset(a.worker for a in step if a.tokens == 1)
 
     def _pass(self, asks: list[_Ask], kv: KVStore) -> None:
         try:

@@ -54,7 +54,10 @@ def reference(
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(4, 2, 8), (6, 1, 64), (3, 3, 12), (14, 2, 64), (8, 2, 128)]
+    ("heads", "kv_heads", "dim"),
+    # query heads a KV head: 2 (D 8), 6, 1 (D 12), 7, 4 (D 128), 2 and 5 (D 128): the 512-bit scores take up
+    # to three heads a pass (1-3 heads at D 64 and at D 128 among them)
+    [(4, 2, 8), (6, 1, 64), (3, 3, 12), (14, 2, 64), (8, 2, 128), (4, 2, 64), (10, 2, 128)],
 )
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16])

@@ -29,8 +29,10 @@ read from memory once and from L1 by the other heads, the rows four tiles ahead 
 head's rows lie a slot apart, which the hardware's prefetchers did not follow: 7 GB/s): scores eight keys at
 a time (their sums reduced together), a softmax with an AVX2 exponential (Cephes' range reduction and
 polynomial), then the values weighted into output floats held in registers. With AVX-512 and head dims of
-64 or 128, 512-bit vectors, and the values of up to four heads (two at 128) summed in one pass, each row
-widened once. SmolLM2-135M's shape over 4,096 keys, one thread, each layer's pool cold as in a decode step:
+64 or 128, 512-bit vectors: the scores of up to three heads from one pass over the keys and the values of
+up to four heads (two at 128) summed in one pass, each row widened once a pass (one head's scores a pass
+widened every key three times over for SmolLM2-135M: its 4,096-key layer 216 -> 180 us warm, one thread on
+an AMD Zen 4). SmolLM2-135M's shape over 4,096 keys, one thread, each layer's pool cold as in a decode step:
 431 us a layer before these, 158 after (docs/benchmarks.md). The gathered path it replaces copied every
 sequence's K/V out of the pool at every layer of every decode step (``index_select``) before two batched
 products. On the 0.5B shape (14 query heads, 2 KV heads of 64) one layer's attention of 8 sequences of 600
@@ -194,22 +196,31 @@ static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// s[j] = scale * q . k_j for the 8 keys at rows[0..8) of 16 V values: a 512-bit sum a key, folded to 256
-// bits, the eight reduced together.
-template <int V, typename E>
-static inline void scores8_512(const float* q, const E* const* rows, float scale, float* s) {
-  __m512 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+// s[g * stride + j] = scale * q_g . k_j for NH query heads (q_g at q + g * 16 V) and the 8 keys at
+// rows[0..8) of 16 V values: each key slice loaded (and widened) once for all NH heads, a 512-bit sum a
+// (head, key), folded to 256 bits, a head's eight reduced together.
+template <int V, int NH, typename E>
+static inline void scores8_heads_512(const float* q, const E* const* rows, float scale, float* s,
+                                     int64_t stride) {
+  __m512 acc[NH][8];
+  for (int g = 0; g < NH; ++g)
+    for (int j = 0; j < 8; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int v = 0; v < V; ++v) {
-    const __m512 qv = _mm512_loadu_ps(q + 16 * v);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(rows[j] + 16 * v), acc[j]);
+    __m512 qv[NH];
+    for (int g = 0; g < NH; ++g) qv[g] = _mm512_loadu_ps(q + g * 16 * V + 16 * v);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 key = load16(rows[j] + 16 * v);
+      for (int g = 0; g < NH; ++g) acc[g][j] = _mm512_fmadd_ps(qv[g], key, acc[g][j]);
+    }
   }
-  __m256 folded[8];
-  for (int j = 0; j < 8; ++j) {
-    const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1));
-    folded[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), top);
+  for (int g = 0; g < NH; ++g) {
+    __m256 folded[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[g][j]), 1));
+      folded[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[g][j]), top);
+    }
+    _mm256_storeu_ps(s + g * stride, _mm256_mul_ps(sums8(folded), _mm256_set1_ps(scale)));
   }
-  _mm256_storeu_ps(s, _mm256_mul_ps(sums8(folded), _mm256_set1_ps(scale)));
 }
 
 // o + g * D (g < NH) += sum_i p[g * stride + i] v_i over the m value rows at rows[i] of D = 16 V values:
@@ -233,22 +244,34 @@ static inline void values_512(const float* p, int64_t stride, const E* const* ro
 }
 #endif
 
-// s[i] = scale * q . k_i for the m keys at rows[i] (D values each): 512-bit for head dims of 64 and 128.
+// s[g * stride + i] = scale * q_g . k_i for the G query heads of one KV head (q_g at q + g * D, contiguous)
+// and the m keys at rows[i]: with 512 bits and head dims of 64 or 128, eight keys at a time for up to three
+// heads a pass (their 24 sums in registers), each key widened once a pass instead of once a head.
 template <typename E>
-static inline void tile_scores(const float* q, const E* const* rows, int64_t m, int64_t D, float scale,
-                               float* s) {
+static inline void tile_scores_heads(const float* q, const E* const* rows, int64_t m, int64_t D, int64_t G,
+                                     float scale, float* s, int64_t stride) {
 #if KVOS_AVX512
   if (D == 64 || D == 128) {
     int64_t i = 0;
-    for (; i + 8 <= m; i += 8) {
-      if (D == 64) scores8_512<4>(q, rows + i, scale, s + i);
-      else scores8_512<8>(q, rows + i, scale, s + i);
-    }
-    for (; i < m; ++i) s[i] = dot(q, rows[i], D) * scale;
+    for (; i + 8 <= m; i += 8)
+      for (int64_t g = 0; g < G; g += 3) {
+        const float* qg = q + g * D;
+        float* sg = s + g * stride + i;
+        switch ((D == 64 ? 10 : 20) + std::min<int64_t>(3, G - g)) {
+          case 11: scores8_heads_512<4, 1>(qg, rows + i, scale, sg, stride); break;
+          case 12: scores8_heads_512<4, 2>(qg, rows + i, scale, sg, stride); break;
+          case 13: scores8_heads_512<4, 3>(qg, rows + i, scale, sg, stride); break;
+          case 21: scores8_heads_512<8, 1>(qg, rows + i, scale, sg, stride); break;
+          case 22: scores8_heads_512<8, 2>(qg, rows + i, scale, sg, stride); break;
+          default: scores8_heads_512<8, 3>(qg, rows + i, scale, sg, stride); break;
+        }
+      }
+    for (; i < m; ++i)
+      for (int64_t g = 0; g < G; ++g) s[g * stride + i] = dot(q + g * D, rows[i], D) * scale;
     return;
   }
 #endif
-  scores_of(q, rows, m, D, scale, s);
+  for (int64_t g = 0; g < G; ++g) scores_of(q + g * D, rows, m, D, scale, s + g * stride);
 }
 
 // o + g * D (g < G) += sum_i p[g * stride + i] v_i over the m value rows at rows[i] (D values each):
@@ -327,9 +350,8 @@ static void attend_part(const float* q, int64_t q_row, const E* k, const E* v, c
   ask_for(krows.data(), std::min(AHEAD, m), D);
   for (int64_t i0 = 0; i0 < m; i0 += TILE) {
     if (i0 + AHEAD < m) ask_for(krows.data() + i0 + AHEAD, std::min(TILE, m - i0 - AHEAD), D);
-    for (int64_t g = 0; g < G; ++g)
-      tile_scores(q + b * q_row + (h * G + g) * D, krows.data() + i0, std::min(TILE, m - i0), D, scale,
-                  s.data() + g * m + i0);
+    tile_scores_heads(q + b * q_row + h * G * D, krows.data() + i0, std::min(TILE, m - i0), D, G, scale,
+                      s.data() + i0, m);
   }
   ask_for(vrows.data(), std::min(AHEAD, m), D);
   std::fill_n(part.o, G * D, 0.0f);
@@ -695,14 +717,14 @@ FUNCTIONS = ["attend", "chunk_masses", "log_normaliser", "observe_masses", "row_
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v15", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v16", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA/F16C), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_decode_portable_v15", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_portable_v16", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 @functools.cache
@@ -710,7 +732,7 @@ def avx2_kernel() -> Any | None:
     """The functions this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests
     on a CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_decode_avx2_v15", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_avx2_v16", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

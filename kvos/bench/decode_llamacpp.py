@@ -37,7 +37,7 @@ from kvos.bench.llama_bench import find_llama_bench, run_llama_bench
 from kvos.engine.engine import Engine
 from kvos.errors import ConfigError
 from kvos.memory.heap import release_free_heap
-from kvos.model import activations
+from kvos.model import activations, panel_rows
 from kvos.model.loader import load_model
 
 P = TypeVar("P")  # one run of the peer
@@ -220,9 +220,11 @@ def _bound(engine: Engine, threads: int, context: int) -> dict[str, float]:
 
 def _load_kvos(path: Path, prompt_tokens: int, new_tokens: int) -> tuple[Engine, float]:
     """kvos's engine on the file (default load: quantized kept; a float16 pool, as ``kvos serve`` and
-    llama.cpp keep their caches) after a warm-up run, and the RSS growth."""
+    llama.cpp keep their caches; the int8 products' switch to the panels measured, as ``kvos serve`` does
+    at start-up) after a warm-up run, and the RSS growth."""
     before = rss_mb(settle=True)
     engine = Engine(load_model(path), kv_dtype=torch.float16)
+    panel_rows.tune(engine.model)
     with torch.inference_mode():
         run_kvos(engine, _prompt(engine.model.config.vocab_size, prompt_tokens), new_tokens, [])
     return engine, rss_mb() - before

@@ -911,7 +911,7 @@ static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, int64_t type, 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
 #if KVOS_INT8_SIMD
-  if (takes_panels(path, n)) {
+  if (takes_panels(path, n, type)) {
     at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {
       KVOS_DISPATCH(type, mm_panels<T>(xi, n, K, wp, rb, op, N, p0, p1, add));
     });
@@ -972,8 +972,17 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
 """
 )
 
-FUNCTIONS = ["mm", "mm_i8", "mm_i8_tiles", "mm_i8_panels", "has_panels", "dequantize"]
-NAME = "kvos_gguf_v5"  # the build's name (and its cache directory's)
+FUNCTIONS = [
+    "mm",
+    "mm_i8",
+    "mm_i8_tiles",
+    "mm_i8_panels",
+    "has_panels",
+    "set_panel_rows",
+    "panel_rows_of",
+    "dequantize",
+]
+NAME = "kvos_gguf_v6"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -985,7 +994,7 @@ def kernel() -> Any | None:
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA/F16C), for tests."""
-    return build("kvos_gguf_portable_v5", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
+    return build("kvos_gguf_portable_v6", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
 
 
 @functools.cache
@@ -993,7 +1002,7 @@ def no_vbmi_kernel() -> Any | None:
     """The kernels this CPU builds without AVX512-VBMI (the path of an AVX-512 CPU without it, such as an
     Intel Xeon before Ice Lake: Q5_0/Q5_1 blocks gathered field by field), for tests on a CPU with it."""
     flags = ["-O3", "-march=native", "-mno-avx512vbmi"]
-    return build("kvos_gguf_novbmi_v5", _SOURCE, FUNCTIONS, flags, "gguf.quants")
+    return build("kvos_gguf_novbmi_v6", _SOURCE, FUNCTIONS, flags, "gguf.quants")
 
 
 @functools.cache
@@ -1001,4 +1010,4 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_gguf_avx2_v5", _SOURCE, FUNCTIONS, flags, "gguf.quants")
+    return build("kvos_gguf_avx2_v6", _SOURCE, FUNCTIONS, flags, "gguf.quants")

@@ -18,14 +18,17 @@ The weights' integers enter ``maddubs`` as its unsigned operand. Types whose int
 widened before they can overflow (after 8 runs of 4 values for integers < 16, 4 for < 32, 2 for < 64, 1 for
 signed).
 
-``SOURCE`` defines ``has_panels``, ``Path`` and ``takes_panels`` (which path a product of n rows takes) and,
-where the including kernel defines ``KVOS_INT8_SIMD`` (after :mod:`kvos.model.int8_blocks`), ``Panel``
-(eight decoded rows: ``set`` fills one row's group, ``finish`` lays them out) and ``panels_product`` (panels
-filled by the caller against every activation row); :mod:`kvos.model.quant_kernel` and
-:mod:`kvos.model.gguf_kernel` fill panels from their own layouts.
+``SOURCE`` defines ``has_panels``, ``Path`` and ``takes_panels`` (which path a product of n rows takes:
+from the rows set for the weight's kind, ``set_panel_rows`` and ``panel_rows_of``, which
+:mod:`kvos.model.panel_rows` measures) and, where the including kernel defines ``KVOS_INT8_SIMD`` (after
+:mod:`kvos.model.int8_blocks`), ``Panel`` (eight decoded rows: ``set`` fills one row's group, ``finish`` lays
+them out) and ``panels_product`` (panels filled by the caller against every activation row);
+:mod:`kvos.model.quant_kernel` and :mod:`kvos.model.gguf_kernel` fill panels from their own layouts.
 """
 
 SOURCE = r"""
+#include <atomic>
+
 // Whether this build has the panel product (integer SIMD); without it mm_i8_panels runs the tiles.
 bool has_panels() {
 #if KVOS_INT8_SIMD
@@ -38,10 +41,34 @@ bool has_panels() {
 // How mm_i8 multiplies: AUTO chooses; TILES: each weight row against four activation rows at a time (a
 // decode step); PANELS: eight weight rows decoded once against every activation row (a prefill).
 enum Path { AUTO, TILES, PANELS };
-constexpr int64_t PANEL_MIN_ROWS = 16;  // from 16 rows the panels matched the tiles for every type measured
+constexpr int64_t PANEL_MIN_ROWS = 16;  // AUTO's default: from 16 rows the panels matched the tiles (Zen 5)
+constexpr int64_t PANEL_KINDS = 16;     // the weight kinds a kernel numbers (quant_kernel: 0 8-bit, 1 4-bit;
+                                        // gguf_kernel: its Type)
 
-static inline bool takes_panels(Path path, int64_t n) {
-  return has_panels() && (path == PANELS || (path == AUTO && n >= PANEL_MIN_ROWS));
+// The fewest activation rows from which AUTO takes the panels, per weight kind; 0: PANEL_MIN_ROWS. Set from
+// what this machine measured (kvos/model/panel_rows.py): on an AMD Zen 4 the 4-bit tiles stay faster up to
+// 24-48 rows, Q5_0's panels win from 16.
+static std::atomic<int64_t> panel_rows_by_kind[PANEL_KINDS];
+
+static inline int64_t panel_rows(int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind < PANEL_KINDS, "weight kind ", kind, " is outside 0-", PANEL_KINDS - 1);
+  const int64_t rows = panel_rows_by_kind[kind].load(std::memory_order_relaxed);
+  return rows > 0 ? rows : PANEL_MIN_ROWS;
+}
+
+// From `rows` activation rows on, AUTO multiplies weights of `kind` by the panels (0: back to the default);
+// returns the previous setting (0 where it was the default).
+int64_t set_panel_rows(int64_t kind, int64_t rows) {
+  TORCH_CHECK(kind >= 0 && kind < PANEL_KINDS, "weight kind ", kind, " is outside 0-", PANEL_KINDS - 1);
+  TORCH_CHECK(rows >= 0, "panel rows must be 0 (the default) or more, got ", rows);
+  return panel_rows_by_kind[kind].exchange(rows);
+}
+
+// The rows from which AUTO takes the panels for `kind` now.
+int64_t panel_rows_of(int64_t kind) { return panel_rows(kind); }
+
+static inline bool takes_panels(Path path, int64_t n, int64_t kind) {
+  return has_panels() && (path == PANELS || (path == AUTO && n >= panel_rows(kind)));
 }
 
 #if KVOS_INT8_SIMD

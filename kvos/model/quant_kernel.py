@@ -540,7 +540,7 @@ static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, torch::Tensor 
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
 #if KVOS_INT8_SIMD
-  if (takes_panels(path, n)) {
+  if (takes_panels(path, n, q4 ? 1 : 0)) {
     at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {
       if (q4) mm_panels<true>(xi, n, K, wp, scp, mp, op, N, p0, p1, add);
       else mm_panels<false>(xi, n, K, wp, scp, mp, op, N, p0, p1, add);
@@ -695,11 +695,13 @@ FUNCTIONS = [
     "mm_i8_panels",
     "mm_i16",
     "has_panels",
+    "set_panel_rows",
+    "panel_rows_of",
     "quantize_activations",
     "quantize_activations16",
     "dequantize",
 ]
-NAME = "kvos_quant_v5"  # the build's name (and its cache directory's)
+NAME = "kvos_quant_v6"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -713,10 +715,10 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_quant_avx2_v5", _SOURCE, FUNCTIONS, flags, "torch ops")
+    return build("kvos_quant_avx2_v6", _SOURCE, FUNCTIONS, flags, "torch ops")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
-    return build("kvos_quant_portable_v5", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")
+    return build("kvos_quant_portable_v6", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

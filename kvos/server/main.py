@@ -29,6 +29,7 @@ from kvos.model import (
     dense_kernel,
     gguf_kernel,
     layer_kernel,
+    panel_rows,
     prefill_kernel,
     quant_kernel,
 )
@@ -383,7 +384,7 @@ def build_service(args: argparse.Namespace) -> ChatService:
         )
     manager = MemoryManager(engine, tokenizer, config, store_factory=factory)
     threads = args.threads or torch.get_num_threads()
-    prepare_kernels(delta_nets=bool(model.config.linear_layers), threads=threads)
+    prepare_kernels(delta_nets=bool(model.config.linear_layers), threads=threads, model=model)
     name = args.served_model_name or model_name(path)
     return ChatService(
         manager,
@@ -452,12 +453,16 @@ def open_state(
     return state
 
 
-def prepare_kernels(delta_nets: bool = False, threads: int | None = None) -> None:
+def prepare_kernels(
+    delta_nets: bool = False, threads: int | None = None, model: Transformer | None = None
+) -> None:
     """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode and
     prefill attention, the steps between a layer's products, the dense, quantized and GGUF block products,
     and for a model with ``delta_nets`` (Qwen3.5) their decode steps; say so when it takes a while (the first
-    start compiles them, about 30 s each). Then which product is faster for float32 prefills here, measured
-    with the forward passes' ``threads`` (:func:`kvos.model.dense_kernel.prefill_path`)."""
+    start compiles them, about 30 s each). Then, measured with the forward passes' ``threads``: which product
+    is faster for float32 prefills here (:func:`kvos.model.dense_kernel.prefill_path`) and, for ``model``'s
+    quantized weights, from how many rows their int8 products take the panels
+    (:func:`kvos.model.panel_rows.tune`)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
     kernels = [
         ("restore", fused.kernel, "restores use the eager path"),
@@ -478,6 +483,10 @@ def prepare_kernels(delta_nets: bool = False, threads: int | None = None) -> Non
         set_thread_count(threads)  # this setup thread's own: it ends after the set-up
     prefill = dense_kernel.PATHS[dense_kernel.prefill_path()]
     print(f"[kvos] float32 prefill products: {prefill} (the fastest here)", file=sys.stderr)
+    rows = {} if model is None else panel_rows.tune(model)
+    if rows:
+        each = ", ".join(f"{kind} from {n} rows" for kind, n in rows.items())
+        print(f"[kvos] int8 products take the panels (measured here): {each}", file=sys.stderr)
 
 
 def bind(host: str, port: int) -> socket.socket:

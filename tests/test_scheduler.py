@@ -227,14 +227,13 @@ class _FixedCosts(StepCosts):
         return None
 
 
-def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(engine: Engine) -> None:
-    """With ``stall=3`` and steps measured at 0.1 s per decode step and 0.01 s per prefill token, a step
-    beside decoding work carries at most (3 - 1) * 0.1 / 0.01 = 20 prefill tokens: a 200-token prompt goes
-    in 20-token slices while another work decodes (and in slices of step_tokens - max_running = 61 once it
-    decodes alone), with the logits of an unsliced prefill."""
+def _stalled_scheduler(engine: Engine) -> tuple[Scheduler, list[tuple[int, int]]]:
+    """A scheduler with ``stall=3`` whose steps are costed at 0.1 s per decode step and 0.01 s per prefill
+    token (a step beside decodes carries at most (3 - 1) * 0.1 / 0.01 = 20 prefill tokens), and the list
+    that gets each step's (decode rows, prefill tokens)."""
     sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, stall=3.0)
     sched.costs = _FixedCosts(decode_s=0.1, token_s=0.01)
-    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per step
+    steps: list[tuple[int, int]] = []
     real_run = sched._run
 
     def spy(step: list[_Ask]) -> None:
@@ -242,6 +241,15 @@ def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(
         real_run(step)
 
     sched._run = spy  # type: ignore[method-assign]
+    return sched, steps
+
+
+def test_beside_decodes_a_step_carries_only_the_prefill_its_stall_budget_allows(engine: Engine) -> None:
+    """With ``stall=3`` and steps measured at 0.1 s per decode step and 0.01 s per prefill token, a step
+    beside decoding work carries at most (3 - 1) * 0.1 / 0.01 = 20 prefill tokens: a 200-token prompt goes
+    in 20-token slices while another work decodes (and in slices of step_tokens - max_running = 61 once it
+    decodes alone), with the logits of an unsliced prefill."""
+    sched, steps = _stalled_scheduler(engine)
     try:
         a, b, ref = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()
         fb = sched.submit(_greedy, engine, b, _tokens(3, 1), 30)
@@ -267,20 +275,12 @@ def test_a_session_prefilling_after_its_own_decode_is_not_held_to_the_stall_budg
     prefills 50 tokens (the server's re-sync of a reply it has just streamed) while no one else decodes
     goes in one 50-token step, not in the 20-token slices of :func:`test_beside_decodes_...` (the last
     step's decode was its own); its logits equal an unsliced prefill's."""
-    sched = Scheduler(engine.model, engine.pool, max_running=3, step_tokens=64, stall=3.0)
-    sched.costs = _FixedCosts(decode_s=0.1, token_s=0.01)
-    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per step
-    real_run = sched._run
-
-    def spy(step: list[_Ask]) -> None:
-        steps.append((sum(a.tokens == 1 for a in step), sum(a.tokens for a in step if a.tokens > 1)))
-        real_run(step)
+    sched, steps = _stalled_scheduler(engine)
 
     def decode_then_prefill(seq: Sequence) -> torch.Tensor:
         _greedy(engine, seq, _tokens(5, 3), 3)
         return engine.extend(seq, _tokens(50, 4))[0]
 
-    sched._run = spy  # type: ignore[method-assign]
     seq, ref = engine.new_sequence(), engine.new_sequence()
     try:
         logits = sched.submit(decode_then_prefill, seq).result(timeout=120)

@@ -36,16 +36,23 @@ def _module(pair: tuple[Any, Any], qtype: str) -> Any:
     return pair[0] if qtype in KEPT_TYPES else pair[1]
 
 
-@pytest.fixture(autouse=True)
-def defaults() -> Iterator[None]:
-    """Every kind of every build back at the kernels' default after each test, and nothing remembered."""
-    yield
+def _reset() -> None:
+    """Every kind of every build at the kernels' default, and nothing remembered as measured."""
     for name in PANEL_BUILDS:
         for module in BUILDS[name]():
             if module is not None:
                 for kind in range(16):
                     module.set_panel_rows(kind, 0)
     panel_rows._tuned.clear()
+
+
+@pytest.fixture(autouse=True)
+def defaults() -> Iterator[None]:
+    """Each test starts and leaves the kernels at their defaults (a server started earlier in this process
+    measured and set its model's kinds)."""
+    _reset()
+    yield
+    _reset()
 
 
 @pytest.mark.parametrize("build_name", PANEL_BUILDS)

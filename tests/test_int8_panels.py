@@ -17,7 +17,7 @@ from test_int8_activations import BUILDS, _assert_product, _dense
 
 import kvos.model.gguf_weight as gguf_weight
 import kvos.model.quant as quant
-from kvos.model import activations, gguf_kernel
+from kvos.model import activations, gguf_kernel, panel_rows
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.quant import KEPT_TYPES, QuantizedWeight
 
@@ -131,7 +131,7 @@ def test_a_prefill_takes_the_panels_in_the_int8_mode(qtype: str, monkeypatch: py
     kind = QuantizedWeight if qtype in KEPT_TYPES else GGUFWeight
     w = kind.from_gguf(qtype, raw, (ROWS, IN))
     module = build[0] if qtype in KEPT_TYPES else build[1]
-    number = int(qtype != "Q8_0") if qtype in KEPT_TYPES else gguf_kernel.TYPE_IDS[qtype]
+    number = panel_rows.type_kind(qtype)
     before = module.set_panel_rows(number, 0)
     try:
         x = torch.randn(40, IN, generator=torch.Generator().manual_seed(2))

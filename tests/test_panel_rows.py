@@ -17,19 +17,12 @@ from test_int8_activations import BUILDS
 from test_int8_panels import IN, _products, _random_raw
 
 from kvos.engine.threads import on_passing_thread
-from kvos.model import gguf_kernel, panel_rows
+from kvos.model import panel_rows
 from kvos.model.loader import load_model
 from kvos.model.quant import KEPT_TYPES
 from kvos.server.main import prepare_kernels
 
 PANEL_BUILDS = ("simd", "avx2")  # the builds with the panel product (the portable one has none)
-
-
-def _kind(qtype: str) -> int:
-    """The kind number ``set_panel_rows`` takes for a weight of ``qtype`` in the kernel that keeps it."""
-    if qtype in KEPT_TYPES:
-        return 0 if qtype == "Q8_0" else 1
-    return gguf_kernel.TYPE_IDS[qtype]
 
 
 def _module(pair: tuple[Any, Any], qtype: str) -> Any:
@@ -64,7 +57,7 @@ def test_the_automatic_path_switches_at_the_rows_set_for_the_kind(qtype: str, bu
     pair = BUILDS[build_name]()
     if None in pair:
         pytest.skip("the kernels cannot be built here (no C++ compiler?)")
-    module, kind = _module(pair, qtype), _kind(qtype)
+    module, kind = _module(pair, qtype), panel_rows.type_kind(qtype)
     raw = _random_raw(qtype, seed=7)
     x = torch.randn(40, IN, generator=torch.Generator().manual_seed(7))
     assert module.panel_rows_of(kind) == 16
@@ -127,8 +120,9 @@ def test_tune_sets_each_kind_of_the_model_to_what_was_measured(
     assert panel_rows.tune(model) == {"4-bit": 24, "8-bit": 24, "Q5_0": 24, "Q6_K": 24}
     quant_module, gguf_module = BUILDS["simd"]()
     assert quant_module.panel_rows_of(0) == quant_module.panel_rows_of(1) == 24
-    assert gguf_module.panel_rows_of(_kind("Q5_0")) == gguf_module.panel_rows_of(_kind("Q6_K")) == 24
-    assert gguf_module.panel_rows_of(_kind("Q4_K")) == 16  # not in the model
+    q5_0, q6_k = panel_rows.type_kind("Q5_0"), panel_rows.type_kind("Q6_K")
+    assert gguf_module.panel_rows_of(q5_0) == gguf_module.panel_rows_of(q6_k) == 24
+    assert gguf_module.panel_rows_of(panel_rows.type_kind("IQ4_NL")) == 16  # not in the model
     assert len(timed) == 4
     panel_rows.tune(model)
     assert len(timed) == 4
@@ -146,8 +140,8 @@ def test_serve_measures_the_panel_rows_at_start(mixed: Path, capsys: pytest.Capt
     rows = {
         "4-bit": quant_module.panel_rows_of(1),
         "8-bit": quant_module.panel_rows_of(0),
-        "Q5_0": gguf_module.panel_rows_of(_kind("Q5_0")),
-        "Q6_K": gguf_module.panel_rows_of(_kind("Q6_K")),
+        "Q5_0": gguf_module.panel_rows_of(panel_rows.type_kind("Q5_0")),
+        "Q6_K": gguf_module.panel_rows_of(panel_rows.type_kind("Q6_K")),
     }
     each = ", ".join(f"{kind} from {n} rows" for kind, n in rows.items())
     assert f"[kvos] int8 products take the panels (measured here): {each}\n" in err

@@ -177,7 +177,7 @@ class Engine:
                 query_layers,
                 queries,
             )
-            if logits != "last" or hi == len(ids):
+            if logits != "last" or final:
                 outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 

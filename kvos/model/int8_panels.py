@@ -47,7 +47,7 @@ constexpr int64_t PANEL_KINDS = 16;     // the weight kinds a kernel numbers (qu
 
 // The fewest activation rows from which AUTO takes the panels, per weight kind; 0: PANEL_MIN_ROWS. Set from
 // what this machine measured (kvos/model/panel_rows.py): on an AMD Zen 4 the 4-bit tiles stay faster up to
-// 24-48 rows, Q5_0's panels win from 16.
+// 24-48 rows, Q5_0's panels win from 8.
 static std::atomic<int64_t> panel_rows_by_kind[PANEL_KINDS];
 
 static inline int64_t panel_rows(int64_t kind) {

@@ -29,13 +29,22 @@ import torch
 from kvos.model import gguf_weight, quant
 from kvos.model.gguf_kernel import TYPE_IDS
 from kvos.model.gguf_weight import GGUFWeight
-from kvos.model.quant import QuantizedWeight
+from kvos.model.quant import KEPT_TYPES, QuantizedWeight
 
 CANDIDATES = (8, 12, 16, 24, 32, 48, 64, 96)  # the row counts tried, fewest first
 BEYOND = 128  # where the panels won at none of them: the tiles up to 127 rows (a prefill slice is more)
 Measure = Callable[[int], tuple[float, float]]  # rows -> (seconds of the tiles, seconds of the panels)
 Product = Callable[[torch.Tensor], Any]  # x [rows, in] -> x @ W.T
 _tuned: dict[tuple[str, int, int, tuple[int, ...]], int] = {}  # (kernel, kind, threads, shape) -> rows
+
+
+def type_kind(qtype: str) -> int:
+    """The kind number ``set_panel_rows`` takes for a weight of GGUF type ``qtype``, in the kernel that keeps
+    it: the quantized-weight kernel's 0 (8-bit: Q8_0) or 1 (4-bit with a min: Q4_0, Q4_1, Q4_K), else the GGUF
+    block kernel's type id."""
+    if qtype in KEPT_TYPES:
+        return int(qtype != "Q8_0")
+    return TYPE_IDS[qtype]
 
 
 def crossover(measure: Measure) -> int:
@@ -49,8 +58,8 @@ def crossover(measure: Measure) -> int:
 
 
 def timed(tiles: Product, panels: Product, width: int) -> Measure:
-    """A :data:`Measure` of two products of a weight with ``width`` input features: the best of three runs
-    each, alternated, on random activations (after one run each to warm the weight into the caches)."""
+    """A :data:`Measure` of two products of a weight with ``width`` input features: the best of four runs
+    each, alternated, on random activations (the first run warms the weight into the caches)."""
 
     def measure(rows: int) -> tuple[float, float]:
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))

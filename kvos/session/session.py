@@ -63,16 +63,6 @@ StoreFactory = Callable[[str], ChunkStore]
 write-through store of its own)."""
 
 
-def _last_new_span(spans: list[Span], common: int) -> int:
-    """The index of the last of ``spans`` with tokens past the first ``common`` (-1: none)."""
-    last, offset = -1, 0
-    for index, span in enumerate(spans):
-        offset += len(span.token_ids)
-        if offset > common:
-            last = index
-    return last
-
-
 @dataclass
 class SyncResult:
     """How much of a prompt the history already held (reused) and how much was decoded."""
@@ -239,15 +229,16 @@ class Session:
             costs.add(recovery_s=time.perf_counter() - began - (costs.restore_s - restored))
             if costs.restore_s > restored:  # chunks came in front of the message, computed without them
                 began = time.perf_counter()
-                self._prefill_again(chunks)
+                self._prefill_again(chunks, logits)
                 costs.add(prefill_s=time.perf_counter() - began)
         return chunks
 
-    def _prefill_again(self, message: list[Chunk]) -> None:
+    def _prefill_again(self, message: list[Chunk], logits: bool) -> None:
         """Prefill the new message's chunks once more, where they now stand (after the chunks the
-        "attention" signal spliced in front of them): their keys and the logits the reply starts from then
-        see what came back, as if it had been there when the message arrived. Only when the message is
-        whole and last in the cache (paging may have taken part of it: then nothing is redone)."""
+        "attention" signal spliced in front of them): their keys and (with ``logits``, as
+        :meth:`_append` made them) the logits the reply starts from then see what came back, as if it had
+        been there when the message arrived. Only when the message is whole and last in the cache (paging
+        may have taken part of it: then nothing is redone)."""
         order = self.pager.order()
         ids = [c.chunk_id for c in message]
         if not all(c.resident for c in message) or order[-len(ids) :] != ids:
@@ -264,7 +255,9 @@ class Session:
             self.pager.discard(chunk)
         for chunk, start in zip(message, starts, strict=True):
             self.memory.hold(chunk.num_tokens, set(ids))
-            self.last_logits = self.pager.append(chunk, "last", start=start)
+            last = logits and chunk is message[-1]
+            out = self.pager.append(chunk, "last" if last else "none", start=start)
+            self.last_logits = out if last else None
 
     def _append(
         self,
@@ -413,15 +406,15 @@ class Session:
         if common < len(history):
             common = self.truncate(common)
         self.memory.fill_headroom(prompt[:common])
-        offset, last = 0, _last_new_span(spans, common)  # only the prompt's last token needs logits
-        for index, span in enumerate(spans):
+        offset = 0
+        for span in spans:
             lo, hi = max(common - offset, 0), len(span.token_ids)
             offset += hi
             if lo >= hi:
                 continue
             ids = span.token_ids[lo:]
             keep = "pin" if pinned and span.kind is ChunkKind.USER else span.keep
-            logits = need_logits and index == last
+            logits = need_logits and offset == len(prompt)  # only the prompt's last token needs them
             if span.kind is ChunkKind.USER and lo == 0:
                 locked = len(ids) if keep == "pin" else 0
                 self._user_turn(

@@ -14,8 +14,11 @@ prefill slice, a user message's tail and a reply's re-sync are products of that 
 :func:`tune` measures the crossover once a process for each kind of weight a model has (its largest weight of
 that kind, at the thread count the forward passes will use) and sets it in the kernel (``set_panel_rows``);
 ``kvos serve`` does it at start-up and ``kvos bench decode`` before its runs. Without it the kernels keep
-their default. The products are the same either way (both are exact integer sums of the same quantized
-activations, scaled alike; tests assert it); only their time differs.
+their default. Both paths give the products of the same quantized activations within float32 rounding
+(the integer sums are exact; the scaled sums are added in another order; tests assert both), so moving the
+switch can turn a greedy reply where two tokens are all but tied, as batching a decode step with another
+session's can; on SmolLM2, "count to ten" alone and beside a second session swapped their replies between
+the fixed 16 rows and the measured 64.
 """
 
 from __future__ import annotations

@@ -707,24 +707,27 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
                       per_head ? hv.data_ptr<float>() : nullptr, cd, parts);
   return out;
 }
+
+// The address of attend, for the step kernel (kvos/model/step_kernel.py).
+std::vector<int64_t> entries() { return {reinterpret_cast<int64_t>(&attend)}; }
 """
 )
 
 
-FUNCTIONS = ["attend", "chunk_masses", "log_normaliser", "observe_masses", "row_stats"]
+FUNCTIONS = ["entries", "attend", "chunk_masses", "log_normaliser", "observe_masses", "row_stats"]
 
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_decode_v16", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
+    return build("kvos_decode_v17", _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "the gathered attention")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA/F16C), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE"]
-    return build("kvos_decode_portable_v16", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_portable_v17", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 @functools.cache
@@ -732,7 +735,7 @@ def avx2_kernel() -> Any | None:
     """The functions this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests
     on a CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_decode_avx2_v16", _SOURCE, FUNCTIONS, flags, "the gathered attention")
+    return build("kvos_decode_avx2_v17", _SOURCE, FUNCTIONS, flags, "the gathered attention")
 
 
 BUILDS = {"native": kernel, "avx2": avx2_kernel, "portable": portable_kernel}  # the builds tests force

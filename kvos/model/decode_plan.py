@@ -15,14 +15,15 @@ those of the generic path (the same kernels in the same order).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvos.model import activations, decode_kernel, layer_kernel
-from kvos.model.attention import Batch
+from kvos.model import activations, decode_kernel, layer_kernel, step_kernel
+from kvos.model.attention import Batch, DecodeGroup
 from kvos.model.linear import Weight, addmm, matmul
 from kvos.model.quant import KernelProduct
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from kvos.model.transformer import KVStore, LayerWeights, Transformer
 
 EMPTY = torch.empty(0)
+# a decode group, its kernel inputs (slots, lengths, key positions, positions) and its rows' write slots
+_GroupInputs = tuple[DecodeGroup, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 SMALL_N = 32  # the most rows a step may have here: the product kernels' limit (kvos.model.quant, gguf_weight)
 
 
@@ -74,6 +77,7 @@ class DecodePlan:
         self.eps = c.rms_norm_eps
         self.gate = model.gate
         self.silu = c.hidden_act == "silu"
+        self.native = _bind_native(self, model)  # the layers bound in C++ (step_kernel), where they can be
 
     @classmethod
     def of(cls, model: Transformer) -> DecodePlan | None:
@@ -110,18 +114,20 @@ class DecodePlan:
         probabilities captured where the metadata asks."""
         group = meta.decodes
         assert group is not None
-        kernels = layer_kernel.module()
-        norm, step, silu = kernels.rms_norm, kernels.qkv_step, kernels.silu_mul
-        attend = decode_kernel.module().attend
-        int8, eps, h, hkv, d = activations.int8(), self.eps, self.heads, self.kv_heads, self.head_dim
         full = (group, group.kernel_inputs(), meta.write_slots)
         sliding = full
         if meta.window is not None:  # the window layers read what they still hold, at their window slots
             assert meta.window.decodes is not None
             sliding = (meta.window.decodes, meta.window.decodes.kernel_inputs(), meta.window.write_slots)
-        n = int(x.shape[0])
         heads = kv.head_store().flat() if group.per_head else (EMPTY, EMPTY)  # tokens kept per KV head
         captured = [row for row, m in enumerate(group.metas) if m.capture_layers]
+        if self.native is not None:
+            return self._run_native(x.contiguous(), tables, full, sliding, heads, captured, kv)
+        kernels = layer_kernel.module()
+        norm, step, silu = kernels.rms_norm, kernels.qkv_step, kernels.silu_mul
+        attend = decode_kernel.module().attend
+        int8, eps, h, hkv, d = activations.int8(), self.eps, self.heads, self.kv_heads, self.head_dim
+        n = int(x.shape[0])
         x = x.contiguous()
         for index, layer in enumerate(self.layers):
             group, (slots, lengths, key_positions, positions), write_slots = sliding if layer.window else full
@@ -165,6 +171,75 @@ class DecodePlan:
             else:
                 x = x + norm(layer.down(gated, EMPTY, int8), layer.post_mlp_norm, eps)
         return x
+
+    def _run_native(
+        self,
+        x: torch.Tensor,
+        tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        full: _GroupInputs,
+        sliding: _GroupInputs,
+        heads: tuple[torch.Tensor, torch.Tensor],
+        captured: list[int],
+        kv: KVStore,
+    ) -> torch.Tensor:
+        """:meth:`run`'s loop as one call of :mod:`kvos.model.step_kernel`: each layer's slabs, tables,
+        head codes and capture buffers gathered first, the probabilities handed to the rows after."""
+        assert self.native is not None
+        n, h = int(x.shape[0]), self.heads
+        slabs = [kv.slabs(index) for index in range(len(self.layers))]
+        probs, codes, wanted = [], [], []
+        for index, layer in enumerate(self.layers):
+            group, inputs, _ = sliding if layer.window else full
+            rows = [(row, group) for row in captured if index in group.metas[row].capture_layers]
+            probs.append(torch.zeros(n, h, inputs[0].shape[1]) if rows else EMPTY)
+            codes.append(group.head_codes(index))
+            wanted.append(rows)
+        x = step_kernel.module().run(
+            self.native,
+            x,
+            [cos for cos, _ in tables],
+            [sin for _, sin in tables],
+            [k for k, _ in slabs],
+            [v for _, v in slabs],
+            [*full[1], full[2]],
+            [*sliding[1], sliding[2]],
+            *heads,
+            codes,
+            probs,
+            activations.int8(),
+        )
+        for index, rows in enumerate(wanted):
+            for row, group in rows:
+                group.metas[row].captured[index] = probs[index][row, :, : group.lengths[row]]
+        return x
+
+
+def _bind_native(plan: DecodePlan, model: Transformer) -> int | None:
+    """``plan``'s layers bound in :mod:`kvos.model.step_kernel` (its handle, freed with the plan), or None:
+    the kernels not all built, or a layer the C++ loop does not run (a mixture of experts, Gemma 3's norms
+    after the O and down products, a GELU gate, a product without a kernel: dense weights)."""
+    built, layers, decodes = step_kernel.kernel(), layer_kernel.kernel(), decode_kernel.kernel()
+    if built is None or layers is None or decodes is None or not plan.silu:
+        return None
+    norms: list[torch.Tensor] = []
+    windows, parts, part_tensors = [], [], []
+    for index, (weights, planned) in enumerate(zip(model.layers, plan.layers, strict=True)):
+        if any(part is not None for part in (planned.experts, planned.post_attn_norm, planned.post_mlp_norm)):
+            return None
+        for k, weight in enumerate((weights.qkv, weights.o, weights.gate_up, weights.down)):
+            native = None if weight is None or isinstance(weight, torch.Tensor) else weight.native_parts()
+            if native is None:
+                return None
+            for i8, f32, arg, tensors in native:
+                parts.append([4 * index + k, i8, f32, arg])
+                part_tensors.append(tensors)
+        norms += [planned.attn_norm, planned.bias, planned.q_norm, planned.k_norm, planned.mlp_norm]
+        windows.append(planned.window)
+    entries = [*layers.entries(), *decodes.entries()]
+    dims = [plan.heads, plan.kv_heads, plan.head_dim]
+    handle = int(built.bind(norms, windows, parts, part_tensors, entries, dims, plan.eps))
+    weakref.finalize(plan, built.unbind, handle)
+    return handle
 
 
 def _planned(model: Transformer, index: int, layer: LayerWeights) -> PlannedLayer:

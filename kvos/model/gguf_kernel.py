@@ -969,10 +969,28 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K) {
   });
   return out;
 }
+
+// The products by address, for the step kernel (kvos/model/step_kernel.py): out = c + x @ W.T with the
+// weight's rows t = {raw} and its type id as `arg`, the call kvos.model.quant.NativePart describes.
+static torch::Tensor entry_i8(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t arg,
+                              const torch::Tensor& c) {
+  return mm_i8(x, t[0], arg, c);
+}
+
+static torch::Tensor entry_f32(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t arg,
+                               const torch::Tensor& c) {
+  return mm(x, t[0], arg, c);
+}
+
+// The addresses of entry_i8 and entry_f32 (valid while this module is loaded: for the process).
+std::vector<int64_t> entries() {
+  return {reinterpret_cast<int64_t>(&entry_i8), reinterpret_cast<int64_t>(&entry_f32)};
+}
 """
 )
 
 FUNCTIONS = [
+    "entries",
     "mm",
     "mm_i8",
     "mm_i8_tiles",
@@ -982,7 +1000,7 @@ FUNCTIONS = [
     "panel_rows_of",
     "dequantize",
 ]
-NAME = "kvos_gguf_v6"  # the build's name (and its cache directory's)
+NAME = "kvos_gguf_v7"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -994,7 +1012,7 @@ def kernel() -> Any | None:
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA/F16C), for tests."""
-    return build("kvos_gguf_portable_v6", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
+    return build("kvos_gguf_portable_v7", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
 
 
 @functools.cache
@@ -1002,7 +1020,7 @@ def no_vbmi_kernel() -> Any | None:
     """The kernels this CPU builds without AVX512-VBMI (the path of an AVX-512 CPU without it, such as an
     Intel Xeon before Ice Lake: Q5_0/Q5_1 blocks gathered field by field), for tests on a CPU with it."""
     flags = ["-O3", "-march=native", "-mno-avx512vbmi"]
-    return build("kvos_gguf_novbmi_v6", _SOURCE, FUNCTIONS, flags, "gguf.quants")
+    return build("kvos_gguf_novbmi_v7", _SOURCE, FUNCTIONS, flags, "gguf.quants")
 
 
 @functools.cache
@@ -1010,4 +1028,4 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_gguf_avx2_v6", _SOURCE, FUNCTIONS, flags, "gguf.quants")
+    return build("kvos_gguf_avx2_v7", _SOURCE, FUNCTIONS, flags, "gguf.quants")

@@ -24,7 +24,7 @@ import torch
 from kvos.errors import ModelLoadError
 from kvos.model import activations
 from kvos.model.gguf_kernel import TYPE_IDS, kernel
-from kvos.model.quant import KernelProduct, kernel_takes
+from kvos.model.quant import KernelProduct, NativePart, kernel_takes
 
 TILE_FLOATS = 1 << 20  # weights dequantized at once on the prefill path (4 MiB of float32)
 _EMPTY = torch.empty(0)
@@ -128,6 +128,14 @@ class GGUFWeight:
             return None
         raw, type_id, i8, f32 = self.raw, TYPE_IDS[self.qtype], k.mm_i8, k.mm
         return lambda x, c, int8: (i8 if int8 else f32)(x, raw, type_id, c)
+
+    def native_parts(self) -> list[NativePart] | None:
+        """:meth:`kernel_product` by address (one part); None where that is None."""
+        k = kernel()
+        if k is None or self.device.type != "cpu":
+            return None
+        i8, f32 = k.entries()
+        return [(i8, f32, TYPE_IDS[self.qtype], [self.raw])]
 
     def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [n, in] @ W.T through float32 tiles of at most TILE_FLOATS weights."""

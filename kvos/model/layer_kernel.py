@@ -196,25 +196,31 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   });
   return out;
 }
+
+// The addresses of rms_norm, qkv_step and silu_mul, for the step kernel (kvos/model/step_kernel.py).
+std::vector<int64_t> entries() {
+  return {reinterpret_cast<int64_t>(&rms_norm), reinterpret_cast<int64_t>(&qkv_step),
+          reinterpret_cast<int64_t>(&silu_mul)};
+}
 """
 )
 
 
-FUNCTIONS = ["rms_norm", "qkv_step", "silu_mul"]
+FUNCTIONS = ["entries", "rms_norm", "qkv_step", "silu_mul"]
 
 
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
     flags = ["-O3", "-march=native", "-ffp-contract=off"]
-    return build("kvos_layer_v3", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
+    return build("kvos_layer_v4", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same functions built without SIMD intrinsics (a CPU without AVX2/FMA), for tests."""
     flags = ["-O3", "-DKVOS_PORTABLE", "-ffp-contract=off"]
-    return build("kvos_layer_portable_v3", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
+    return build("kvos_layer_portable_v4", _SOURCE, FUNCTIONS, flags, "eager torch ops between the products")
 
 
 BUILDS = {"native": kernel, "portable": portable_kernel}  # every build the tests force, by name

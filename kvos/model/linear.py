@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvos.model import dense_kernel
 from kvos.model.gguf_kernel import TYPE_IDS
 from kvos.model.gguf_weight import GGUFWeight
-from kvos.model.quant import KernelProduct, QuantizedWeight
+from kvos.model.quant import KernelProduct, NativePart, QuantizedWeight
 
 Packed = QuantizedWeight | GGUFWeight
 
@@ -91,6 +91,14 @@ class RowStack:
             return out if c.numel() == 0 else out.add_(c)
 
         return stacked
+
+    def native_parts(self) -> list[NativePart] | None:
+        """The parts' products by address, in order (their outputs side by side, as :meth:`kernel_product`);
+        None unless every part has them."""
+        parts = [p.native_parts() for p in self.parts]
+        if any(p is None for p in parts):
+            return None
+        return [one for p in parts if p is not None for one in p]
 
 
 Weight = torch.Tensor | QuantizedWeight | GGUFWeight | RowStack

@@ -39,6 +39,10 @@ BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
 SMALL_N = 32
 KernelProduct = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 """A product kernel with its weight bound: (x [n, in], c [n, out] or empty, int8) -> c + x @ W.T."""
+NativePart = tuple[int, int, int, list[torch.Tensor]]
+"""A product kernel by address, for :mod:`kvos.model.step_kernel`: (the int8 entry's address, the float32
+entry's, the integer argument, the weight's tensors), called as ``entry(x, tensors, arg, c)`` -> what the
+:data:`KernelProduct` of the same weight returns."""
 TILE_FLOATS = 1 << 20  # weights dequantized at once on the prefill path (4 MiB of float32)
 
 
@@ -170,6 +174,15 @@ class QuantizedWeight:
         mins = _EMPTY if self.min is None else self.min
         i8, f32 = k.mm_i8, k.mm
         return lambda x, c, int8: (i8 if int8 else f32)(x, q, scale, mins, is4, c)
+
+    def native_parts(self) -> list[NativePart] | None:
+        """:meth:`kernel_product` by address (one part); None where that is None."""
+        k = kernel()
+        if k is None or self.device.type != "cpu":
+            return None
+        i8, f32 = k.entries()
+        mins = _EMPTY if self.min is None else self.min
+        return [(i8, f32, int(self.min is not None), [self.q, self.scale, mins])]
 
     def _tiled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [n, in] @ W.T through float32 tiles of at most TILE_FLOATS weights."""

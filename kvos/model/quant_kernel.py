@@ -685,10 +685,28 @@ torch::Tensor dequantize(torch::Tensor w, torch::Tensor scale, torch::Tensor min
   });
   return out;
 }
+
+// The products by address, for the step kernel (kvos/model/step_kernel.py): out = c + x @ W.T with the
+// weight's tensors t = {w, scale, mins} and q4 as `arg`, the call kvos.model.quant.NativePart describes.
+static torch::Tensor entry_i8(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t arg,
+                              const torch::Tensor& c) {
+  return mm_i8(x, t[0], t[1], t[2], arg != 0, c);
+}
+
+static torch::Tensor entry_f32(const torch::Tensor& x, const std::vector<torch::Tensor>& t, int64_t arg,
+                               const torch::Tensor& c) {
+  return mm(x, t[0], t[1], t[2], arg != 0, c);
+}
+
+// The addresses of entry_i8 and entry_f32 (valid while this module is loaded: for the process).
+std::vector<int64_t> entries() {
+  return {reinterpret_cast<int64_t>(&entry_i8), reinterpret_cast<int64_t>(&entry_f32)};
+}
 """
 )
 
 FUNCTIONS = [
+    "entries",
     "mm",
     "mm_i8",
     "mm_i8_tiles",
@@ -701,7 +719,7 @@ FUNCTIONS = [
     "quantize_activations16",
     "dequantize",
 ]
-NAME = "kvos_quant_v6"  # the build's name (and its cache directory's)
+NAME = "kvos_quant_v7"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -715,10 +733,10 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_quant_avx2_v6", _SOURCE, FUNCTIONS, flags, "torch ops")
+    return build("kvos_quant_avx2_v7", _SOURCE, FUNCTIONS, flags, "torch ops")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
-    return build("kvos_quant_portable_v6", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")
+    return build("kvos_quant_portable_v7", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

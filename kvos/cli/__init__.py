@@ -142,14 +142,25 @@ def _command(argv: Sequence[str]) -> str | None:
     return first if first in COMMANDS else None
 
 
+# How long OpenMP's threads spin for more work after a parallel region before they sleep (libgomp's
+# GOMP_SPINCOUNT; its default when OMP_WAIT_POLICY is unset is 300,000 spins). A decode step's
+# kernels follow each other within microseconds, so 20,000 keeps the threads awake through a step; between
+# steps they then sleep instead of holding the cores while the event loop writes the streams' events. One
+# client on SmolLM2 (2 cores, AMD Zen 4): the hand-over of a step's events 0.32-0.44 -> 0.08-0.10 ms a token;
+# in-process decode the same within the spread (docs/benchmarks.md, session 36).
+SERVE_SPIN_COUNT = 20_000
+
+
 def server_environment(argv: Sequence[str]) -> None:
     """For ``kvos serve``, before torch loads (this module does not import it; setting these later has no
     effect): turn off MKL's fast memory manager, which keeps matrix-multiply buffers per thread and never
-    hands them back. A server's worker threads each grow their own set; measured in-process under the soak's
+    hands them back (a server's worker threads each grow their own set; measured in-process under the soak's
     load, 25 MB held after the warm-up and 1-2 MB more per 200 requests, none of it freed when the sessions
-    go (docs/reliability.md). A value the user set is kept."""
+    go: docs/reliability.md), and shorten OpenMP's spinning after a parallel region
+    (:data:`SERVE_SPIN_COUNT`). A value the user set is kept."""
     if list(argv)[:1] == ["serve"]:
         os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SERVE_SPIN_COUNT))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -169,9 +169,10 @@ def test_rows_of_any_number_of_groups(qtype: str, groups: int, build: tuple[Any,
 def test_one_activation_row_at_any_number_of_outputs(qtype: str, out: int, build: tuple[Any, Any]) -> None:
     """A decode step's product (one row of activations) takes 4-bit weight rows four at a time: the outputs
     past the last four come from the single-row tiles, and each output is set, or has the addend added, as
-    its own (rows of 1-18 groups, whole chunks of four and tails)."""
+    its own (rows of 1-48 groups, whole chunks of four and tails; up to eight chunks the four rows are read
+    chunk by chunk, longer ones row by row)."""
     empty = torch.empty(0)
-    for groups in (1, 4, 5, 18):
+    for groups in (1, 4, 5, 18, 32, 33, 48):
         values = np.random.default_rng(out * groups).standard_normal((out, 32 * groups)).astype(np.float32)
         raw = encode(values, qtype, np.random.default_rng(groups))[0]
         dense = _dense(raw, qtype)

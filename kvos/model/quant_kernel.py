@@ -414,38 +414,63 @@ static inline __m128 reduce4(const __m512* acc) {
   return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
 }
 
+// acc + one 4-bit chunk (four groups from group g of the row at wr, scales sr; `left` of them there) against
+// an activation chunk (x0, x1: its values; d4: its groups' scales), scaled per lane (a short chunk masked).
+static inline __m512 chunk_q4_quad(__m512i x0, __m512i x1, __m128 d4, int64_t g, int64_t left,
+                                   const uint8_t* wr, const float* sr, __m512 acc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512i wv;
+  __m128 s4;
+  if (left == 4) {  // plain loads where the chunk is whole
+    wv = _mm512_loadu_si512(wr + g * 16);
+    s4 = _mm_loadu_ps(sr + g);
+  } else {
+    wv = _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * left)) - 1, wr + g * 16);
+    s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << left) - 1), sr + g);
+  }
+  const __m512i lo = _mm512_and_si512(wv, low), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+  const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
+  const __m512 lane_scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(s4, d4)));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), lane_scales, acc);
+}
+
+// Rows of at most this many 4-bit chunks (128 values each) go through quad_q4_512 chunk by chunk, the four
+// rows' sums side by side; longer rows row by row. One thread on an AMD Zen 4, us with the weights in cache
+// / from memory: 3,072 x 576 (5 chunks a row) 55.5 -> 45.4 / 111 -> 108; 896 x 896 (7 chunks) 21.2 -> 17.3 /
+// about the same; 576 x 1,536 (12 chunks) 21.1 -> 18.3 in cache but 53 -> 70 from memory, where four long
+// rows read side by side defeat the prefetchers (docs/benchmarks.md, session 36).
+constexpr int64_t INTERLEAVE_CHUNKS = 8;
+
 // out[0..4) = x . w_r for the four 4-bit weight rows from wr (row_bytes apart; their scales and mins
-// `groups` apart) and the one activation row of an Int8Chunks (a decode step's product): row by row, each
-// asked for ahead as the tiles ask, the four sums reduced together (add: added to out).
+// `groups` apart) and the one activation row of an Int8Chunks (a decode step's product): each row's sum
+// chunk by chunk in order (the same sums whichever way the rows interleave), each row asked for ahead as the
+// tiles ask, the four sums reduced together (add: added to out).
 static inline void quad_q4_512(const Int8Chunks& xc, int64_t groups, const uint8_t* wr, int64_t row_bytes,
                                const float* sr, const float* mr, float* out, bool add,
                                const RowPrefetch& prefetch, int64_t r) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[4];
   for (int j = 0; j < 4; ++j) acc[j] = min_terms(mr + j * groups, xc.s.data(), groups);
-  for (int j = 0; j < 4; ++j) {  // row by row: each row's bytes read in order, as the prefetchers expect
-    prefetch(r + j);
+  const auto chunk = [&](int64_t c, int j, __m512i x0, __m512i x1, __m128 d4) {
+    const int64_t g = c * 4;
+    acc[j] = chunk_q4_quad(x0, x1, d4, g, std::min<int64_t>(4, groups - g), wr + j * row_bytes,
+                           sr + j * groups, acc[j]);
+  };
+  const int8_t* xq = xc.q.data();  // zeros pad x's last chunk
+  if (xc.chunks <= INTERLEAVE_CHUNKS) {  // short rows: the four chunk by chunk, four sums in flight
+    for (int64_t j = xc.chunks; j < 4; ++j) prefetch(r + j);  // rows of fewer than four chunks
     for (int64_t c = 0; c < xc.chunks; ++c) {
-      const int64_t g = c * 4, left = std::min<int64_t>(4, groups - g);
-      const __m512i x0 = _mm512_loadu_si512(xc.q.data() + c * 128);  // zeros pad x's last chunk
-      const __m512i x1 = _mm512_loadu_si512(xc.q.data() + c * 128 + 64);
-      const __m128 d4 = _mm_loadu_ps(xc.d.data() + g);
-      const uint8_t* wg = wr + j * row_bytes + g * 16;
-      const float* sg = sr + j * groups + g;
-      __m512i wv;
-      __m128 s4;
-      if (left == 4) {  // plain loads where the chunk is whole
-        wv = _mm512_loadu_si512(wg);
-        s4 = _mm_loadu_ps(sg);
-      } else {
-        wv = _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * left)) - 1, wg);
-        s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << left) - 1), sg);
-      }
-      const __m512i lo = _mm512_and_si512(wv, low), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-      const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x0), hi, x1);
-      const __m512 lane_scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(s4, d4)));
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), lane_scales, acc[j]);
+      if (c < 4) prefetch(r + c);  // one row's prefetches a chunk, not all four at once
+      const __m512i x0 = _mm512_loadu_si512(xq + c * 128), x1 = _mm512_loadu_si512(xq + c * 128 + 64);
+      const __m128 d4 = _mm_loadu_ps(xc.d.data() + c * 4);
+      for (int j = 0; j < 4; ++j) chunk(c, j, x0, x1, d4);
+    }
+  } else {
+    for (int j = 0; j < 4; ++j) {  // row by row: each row's bytes read in order, as the prefetchers expect
+      prefetch(r + j);
+      for (int64_t c = 0; c < xc.chunks; ++c)
+        chunk(c, j, _mm512_loadu_si512(xq + c * 128), _mm512_loadu_si512(xq + c * 128 + 64),
+              _mm_loadu_ps(xc.d.data() + c * 4));
     }
   }
   const __m128 total = reduce4(acc);
@@ -719,7 +744,7 @@ FUNCTIONS = [
     "quantize_activations16",
     "dequantize",
 ]
-NAME = "kvos_quant_v7"  # the build's name (and its cache directory's)
+NAME = "kvos_quant_v8"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -733,10 +758,10 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_quant_avx2_v7", _SOURCE, FUNCTIONS, flags, "torch ops")
+    return build("kvos_quant_avx2_v8", _SOURCE, FUNCTIONS, flags, "torch ops")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
-    return build("kvos_quant_portable_v7", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")
+    return build("kvos_quant_portable_v8", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

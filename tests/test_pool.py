@@ -215,6 +215,26 @@ def test_a_shrunk_pool_gives_its_range_back_and_grows_in_a_new_one() -> None:
     assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
+def test_every_layers_slabs_are_kept_until_the_slabs_move() -> None:
+    """slab_lists: each layer's slabs() as two lists, the same lists while nothing moves, new ones after a
+    growth that copies, none held after a shrink (its views would keep the old memory)."""
+    pool = KVPool(LAYOUT, _small_policy(max_blocks=20))
+    k_list, v_list = pool.slab_lists()
+    for layer in range(LAYOUT.num_layers):
+        k, v = pool.slabs(layer)
+        assert (k_list[layer].data_ptr(), k_list[layer].shape) == (k.data_ptr(), k.shape)
+        assert (v_list[layer].data_ptr(), v_list[layer].shape) == (v.data_ptr(), v.shape)
+    assert pool.slab_lists()[0] is k_list
+    pool.reserve(12)
+    grown = pool.slab_lists()[0]
+    assert grown is not k_list and grown[0].shape[0] == pool.num_blocks * LAYOUT.block_size
+    old = [weakref.ref(t._base) for t in pool.k + pool.v]
+    del k_list, v_list, grown, k, v  # only the pool's own lists hold the slabs now
+    assert pool.shrink()
+    assert all(ref() is None for ref in old)
+    assert pool.slab_lists()[0][0].shape[0] == pool.num_blocks * LAYOUT.block_size
+
+
 def test_where_no_range_can_be_reserved_the_pool_grows_by_copying(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvos.memory.pool.reserve", lambda *_: None)
     pool = KVPool(LAYOUT, _small_policy())

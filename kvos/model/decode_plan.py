@@ -186,7 +186,7 @@ class DecodePlan:
         head codes and capture buffers gathered first, the probabilities handed to the rows after."""
         assert self.native is not None
         n, h = int(x.shape[0]), self.heads
-        slabs = [kv.slabs(index) for index in range(len(self.layers))]
+        k_slabs, v_slabs = kv.slab_lists()
         probs, codes, wanted = [], [], []
         for index, layer in enumerate(self.layers):
             group, inputs, _ = sliding if layer.window else full
@@ -199,8 +199,8 @@ class DecodePlan:
             x,
             [cos for cos, _ in tables],
             [sin for _, sin in tables],
-            [k for k, _ in slabs],
-            [v for _, v in slabs],
+            k_slabs,
+            v_slabs,
             [*full[1], full[2]],
             [*sliding[1], sliding[2]],
             *heads,

@@ -54,6 +54,10 @@ class KVStore(Protocol):
 
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def slab_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`slabs` of every layer: (K views, V views)."""
+        ...
+
     def head_store(self) -> HeadKVStore:
         """Where the K/V of tokens kept per KV head are (``kvos.memory.head_store.HeadStore``)."""
         ...
@@ -77,6 +81,9 @@ class _NoStore:
         raise AssertionError("a standalone forward pass never reads cached K/V")
 
     def slabs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a standalone forward pass never reads cached K/V")
+
+    def slab_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         raise AssertionError("a standalone forward pass never reads cached K/V")
 
     def head_store(self) -> HeadKVStore:

@@ -10,7 +10,9 @@ once per model (each checked to take this step's rows), and a layer is nine call
 ``qkv_step``, decode attention, O product with the residual, RMSNorm, gate/up product, SwiGLU, down product
 with the residual (Gemma 3: the O and down products' outputs normed before the residual adds them, a GELU
 gate, each layer's rotary tables; a mixture of experts in place of the three MLP calls). The results are
-those of the generic path (the same kernels in the same order).
+those of the generic path (the same kernels in the same order). Where every layer's products have a kernel
+reachable by address and the layer is the plain one (SwiGLU, no norms after the products, no experts), the
+nine calls of every layer run as one call of :mod:`kvos.model.step_kernel`, without the GIL.
 """
 
 from __future__ import annotations

@@ -12,14 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_runs import three_prefilled
 from gguf_files import encode, write_model
 from hf_models import build
 
-from kvos.engine.engine import Engine
 from kvos.model import decode_kernel, layer_kernel, step_kernel
 from kvos.model.decode_plan import DecodePlan
+from kvos.model.gguf import GGUFTensor, kept_quantized
 from kvos.model.gguf_weight import GGUFWeight
-from kvos.model.linear import RowStack
+from kvos.model.linear import RowStack, Weight
 from kvos.model.loader import load_model
 from kvos.model.quant import QuantizedWeight
 from kvos.model.transformer import Transformer
@@ -35,12 +36,8 @@ def _steps(model: Transformer, kv_dtype: torch.dtype) -> list[list[torch.Tensor]
     """Prefills of 30, 7 and 19 tokens, eight batched decode steps (past a 7-token window), one decode step
     of one sequence with attention captured at every layer: [every step's logits, the captured rows, the
     pool's K and V slabs of every layer after them]."""
-    engine = Engine(model, block_size=4, kv_dtype=kv_dtype, window_margin=0)  # window rows recycle
-    seqs = [engine.new_sequence() for _ in range(3)]
+    engine, seqs, logits = three_prefilled(model, kv_dtype=kv_dtype, window_margin=0)  # window rows recycle
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (30, 7, 19)]
-    logits = list(engine.step(list(zip(seqs, prompts, strict=True))))
     for i in range(8):
         logits += engine.step([(s, [(i * 7 + j) % vocab]) for j, s in enumerate(seqs)])
     captured: dict[int, torch.Tensor] = {}
@@ -54,12 +51,14 @@ def _assert_native_is_the_python_loop(model: Transformer, monkeypatch: pytest.Mo
     plan = model.decode_plan
     assert plan is not None and plan.native is not None
     calls: list[int] = []
-    run = step_kernel.module().run
-    monkeypatch.setattr(step_kernel, "module", lambda: type("M", (), {"run": staticmethod(counted)}))
+    built = step_kernel.module()
+    run = built.run
 
     def counted(*args: object) -> torch.Tensor:
         calls.append(1)
         return run(*args)
+
+    monkeypatch.setattr(built, "run", counted)
 
     for kv_dtype in (torch.float32, torch.float16):
         calls.clear()
@@ -92,10 +91,11 @@ def test_quantized_files_through_the_step_kernel_equal_the_python_loop(
     _assert_native_is_the_python_loop(model, monkeypatch)
 
 
-def _quantized(weight: torch.Tensor, qtype: str, seed: int) -> QuantizedWeight | GGUFWeight:
+def _quantized(weight: torch.Tensor, qtype: str, seed: int) -> Weight:
+    """``weight`` as a GGUF file's ``qtype`` matrix, kept quantized as the loader keeps it."""
     raw, _ = encode(weight.float().numpy(), qtype, np.random.default_rng(seed))
-    kind = QuantizedWeight if qtype in ("Q8_0", "Q4_1") else GGUFWeight
-    return kind.from_gguf(qtype, raw, (int(weight.shape[0]), int(weight.shape[1])))
+    shape = (int(weight.shape[0]), int(weight.shape[1]))
+    return kept_quantized(torch.device("cpu"))(GGUFTensor("w", qtype, shape, raw))
 
 
 def test_a_window_model_with_quantized_projections_equals_the_python_loop(
@@ -108,9 +108,9 @@ def test_a_window_model_with_quantized_projections_equals_the_python_loop(
         assert isinstance(layer.qkv, torch.Tensor) and isinstance(layer.o, torch.Tensor)
         assert isinstance(layer.gate_up, torch.Tensor) and isinstance(layer.down, torch.Tensor)
         q_rows = model.config.num_heads * model.config.head_dim
-        layer.qkv = RowStack(
-            (_quantized(layer.qkv[:q_rows], "Q8_0", i), _quantized(layer.qkv[q_rows:], "Q5_0", i))
-        )
+        q, kv = _quantized(layer.qkv[:q_rows], "Q8_0", i), _quantized(layer.qkv[q_rows:], "Q5_0", i)
+        assert isinstance(q, QuantizedWeight) and isinstance(kv, GGUFWeight)  # both kernels' products
+        layer.qkv = RowStack((q, kv))
         layer.o = _quantized(layer.o, "Q4_1", i)
         layer.gate_up = _quantized(layer.gate_up, "Q8_0", i)
         layer.down = _quantized(layer.down, "Q6_K", i)

@@ -486,8 +486,9 @@ class KVPool:
     def slab_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`slabs` of every layer, as a list of K views and one of V views: the same lists while the
         slabs stay where they are (a decode step asks for all of them: 30 views made each step were 60 us of
-        SmolLM2's 9 ms). Keyed on the slab tensors themselves: a growth or a shrink replaces them, and the
-        cached views keep the tensors they were made from alive, so a key is never reused by another."""
+        SmolLM2's 9 ms). A growth or a shrink drops them (their views would keep the old slabs' memory);
+        they are also keyed on the slab tensors themselves, for the window rows, which grow on their own (the
+        cached views keep those tensors alive, so a key is never reused by another)."""
         held = [*self._k, *self._v]
         if self.rows is not None:
             held += [*self.rows.pool._k, *self.rows.pool._v]

@@ -37,6 +37,9 @@ _SOURCE = r"""
 #include <mutex>
 #include <vector>
 
+// The kernels' types, as their modules define them (layer_kernel.py, decode_kernel.py, the product entries of
+// quant_kernel.py and gguf_kernel.py): a kernel whose signature changes changes here too (the tests run both
+// loops and compare their results).
 using Product = torch::Tensor (*)(const torch::Tensor&, const std::vector<torch::Tensor>&, int64_t,
                                   const torch::Tensor&);
 using RmsNorm = torch::Tensor (*)(torch::Tensor, torch::Tensor, double);

@@ -27,6 +27,7 @@ import functools
 from typing import Any
 
 from kvos.extensions import build
+from kvos.model import row_prefetch
 from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
 from kvos.model.int8_panels import SOURCE as INT8_PANELS
 from kvos.model.row_prefetch import SOURCE as ROW_PREFETCH
@@ -998,21 +999,24 @@ FUNCTIONS = [
     "has_panels",
     "set_panel_rows",
     "panel_rows_of",
+    "set_prefetch_level",
+    "prefetch_level_of",
     "dequantize",
 ]
-NAME = "kvos_gguf_v7"  # the build's name (and its cache directory's)
+NAME = "kvos_gguf_v8"  # the build's name (and its cache directory's)
 
 
 @functools.cache
 def kernel() -> Any | None:
-    """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build(NAME, _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "gguf.quants")
+    """The compiled extension module, or None (disabled, or it could not be built: a warning says why), set
+    to this machine's level for where its decode products' rows asked for ahead go (``row_prefetch``)."""
+    return row_prefetch.apply(build(NAME, _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "gguf.quants"))
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA/F16C), for tests."""
-    return build("kvos_gguf_portable_v7", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
+    return build("kvos_gguf_portable_v8", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "gguf.quants")
 
 
 @functools.cache
@@ -1020,7 +1024,7 @@ def no_vbmi_kernel() -> Any | None:
     """The kernels this CPU builds without AVX512-VBMI (the path of an AVX-512 CPU without it, such as an
     Intel Xeon before Ice Lake: Q5_0/Q5_1 blocks gathered field by field), for tests on a CPU with it."""
     flags = ["-O3", "-march=native", "-mno-avx512vbmi"]
-    return build("kvos_gguf_novbmi_v7", _SOURCE, FUNCTIONS, flags, "gguf.quants")
+    return build("kvos_gguf_novbmi_v8", _SOURCE, FUNCTIONS, flags, "gguf.quants")
 
 
 @functools.cache
@@ -1028,4 +1032,4 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_gguf_avx2_v7", _SOURCE, FUNCTIONS, flags, "gguf.quants")
+    return build("kvos_gguf_avx2_v8", _SOURCE, FUNCTIONS, flags, "gguf.quants")

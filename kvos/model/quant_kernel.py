@@ -26,6 +26,7 @@ import functools
 from typing import Any
 
 from kvos.extensions import build
+from kvos.model import row_prefetch
 from kvos.model.int8_blocks import SOURCE as INT8_BLOCKS
 from kvos.model.int8_panels import SOURCE as INT8_PANELS
 from kvos.model.int16_blocks import SOURCE as INT16_BLOCKS
@@ -740,17 +741,20 @@ FUNCTIONS = [
     "has_panels",
     "set_panel_rows",
     "panel_rows_of",
+    "set_prefetch_level",
+    "prefetch_level_of",
     "quantize_activations",
     "quantize_activations16",
     "dequantize",
 ]
-NAME = "kvos_quant_v8"  # the build's name (and its cache directory's)
+NAME = "kvos_quant_v9"  # the build's name (and its cache directory's)
 
 
 @functools.cache
 def kernel() -> Any | None:
-    """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build(NAME, _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "torch ops")
+    """The compiled extension module, or None (disabled, or it could not be built: a warning says why), set
+    to this machine's level for where its decode products' rows asked for ahead go (``row_prefetch``)."""
+    return row_prefetch.apply(build(NAME, _SOURCE, FUNCTIONS, ["-O3", "-march=native"], "torch ops"))
 
 
 @functools.cache
@@ -758,10 +762,10 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_quant_avx2_v8", _SOURCE, FUNCTIONS, flags, "torch ops")
+    return build("kvos_quant_avx2_v9", _SOURCE, FUNCTIONS, flags, "torch ops")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
-    return build("kvos_quant_portable_v8", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")
+    return build("kvos_quant_portable_v9", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

@@ -22,6 +22,14 @@ QKV, O, gate/up, down; a product of several parts concatenates their outputs), `
 ``run(handle, x [n, hidden], cos [L], sin [L], k [L], v [L], full [5], sliding [5], hk, hv, codes [L],
 probs [L], int8) -> x [n, hidden]``: ``full``/``sliding`` are (slots, lengths, key positions, positions,
 write slots) of the decode group that full-attention and window layers read.
+
+Before a layer's QKV product the loop asks for the pool rows its attention will read (``prefetcht1``, into
+L2; up to :data:`ASK_KV_BYTES` of K and V a layer, the sequences' keys in order): the step's weights have
+streamed every layer's keys out of the caches, and the attention, reading them after the product, waited on
+them a tile at a time. Whole decode steps alternated in one process after a 128-token prompt (AMD Zen 4):
+SmolLM2 1.00-1.06x at one thread and 0.95-1.08x at two (four runs each, means 1.035x and 1.016x), eight
+sequences 1.025x / 1.016x, Qwen2.5 1.016x / 1.015x; after 2,048 tokens 0.99-1.02x (docs/benchmarks.md,
+session 37). Asking changes no result.
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ from typing import Any
 
 from kvos.extensions import build
 
-_SOURCE = r"""
+ASK_KV_BYTES = 256 << 10  # of K and V a layer asked for ahead: a quarter of a Zen 4 core's L2
+
+_SOURCE = (
+    r"""
 #include <torch/extension.h>
 #include <memory>
 #include <mutex>
@@ -78,6 +89,38 @@ static std::vector<std::shared_ptr<const Plan>> plans;  // by handle; a freed ha
 static const torch::Tensor& empty_tensor() {
   static const torch::Tensor e = torch::empty({0});
   return e;
+}
+
+// Asks for the pool rows (K and V) that the decode group's attention reads (slots [B, T], lengths [B]) into
+// L2, the sequences' keys in order, up to ASK_KV_BYTES of them: the attention reads them after the QKV
+// product, which runs meanwhile. Rows a head store holds instead are asked for all the same (harmless).
+static void ask_for_keys(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots,
+                         const torch::Tensor& lengths) {
+  constexpr int64_t BYTES = """
+    + str(ASK_KV_BYTES)
+    + r""";
+  if (slots.dim() != 2 || slots.numel() == 0 || k.numel() == 0) return;
+  const int64_t B = slots.size(0), T = slots.size(1), row = k.stride(0) * k.element_size();
+  const char* kb = static_cast<const char*>(k.data_ptr());
+  const char* vb = static_cast<const char*>(v.data_ptr());
+  const auto slot = slots.accessor<int64_t, 2>();
+  const auto length = lengths.accessor<int64_t, 1>();
+  int64_t rows = BYTES / std::max<int64_t>(1, 2 * row);
+  for (int64_t b = 0; b < B && rows > 0; ++b) {
+    const int64_t n = std::min(std::min(length[b], T), rows);
+    rows -= n;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t at = slot[b][t] * row;
+      for (int64_t o = 0; o < row; o += 64) {
+#if defined(__x86_64__) || defined(__i386__)
+        __asm__ volatile("prefetcht1 %0" : : "m"(kb[at + o]));
+        __asm__ volatile("prefetcht1 %0" : : "m"(vb[at + o]));
+#else
+        __builtin_prefetch(kb + at + o, 0, 2), __builtin_prefetch(vb + at + o, 0, 2);
+#endif
+      }
+    }
+  }
 }
 
 // c + x @ W.T through the product's parts (several: their outputs side by side, then c added).
@@ -154,6 +197,7 @@ torch::Tensor run(int64_t handle, torch::Tensor x, std::vector<torch::Tensor> co
   for (size_t l = 0; l < L; ++l) {
     const Layer& layer = plan->layers[l];
     const std::vector<torch::Tensor>& g = layer.window ? sliding : full;
+    ask_for_keys(k[l], v[l], g[0], g[1]);
     torch::Tensor qkv = product(layer.products[0], plan->norm(x, layer.attn_norm, eps), none, int8);
     plan->step(qkv, layer.bias, layer.q_norm, layer.k_norm, eps, cos[l], sin[l], k[l], v[l], g[4], H, Hkv);
     torch::Tensor q = qkv.view({n, H + 2 * Hkv, D}).slice(1, 0, H);
@@ -166,6 +210,7 @@ torch::Tensor run(int64_t handle, torch::Tensor x, std::vector<torch::Tensor> co
   return x;
 }
 """
+)
 
 FUNCTIONS = ["bind", "unbind", "run"]
 
@@ -173,7 +218,7 @@ FUNCTIONS = ["bind", "unbind", "run"]
 @functools.cache
 def kernel() -> Any | None:
     """The compiled extension module, or None (disabled, or it could not be built: a warning says why)."""
-    return build("kvos_step_v1", _SOURCE, FUNCTIONS, ["-O2"], "the decode plan's Python loop")
+    return build("kvos_step_v2", _SOURCE, FUNCTIONS, ["-O2"], "the decode plan's Python loop")
 
 
 def module() -> Any:

@@ -23,13 +23,13 @@ QKV, O, gate/up, down; a product of several parts concatenates their outputs), `
 probs [L], int8) -> x [n, hidden]``: ``full``/``sliding`` are (slots, lengths, key positions, positions,
 write slots) of the decode group that full-attention and window layers read.
 
-Before a layer's QKV product the loop asks for the pool rows its attention will read (``prefetcht1``, into
-L2; up to :data:`ASK_KV_BYTES` of K and V a layer, the sequences' keys in order): the step's weights have
-streamed every layer's keys out of the caches, and the attention, reading them after the product, waited on
-them a tile at a time. Whole decode steps alternated in one process after a 128-token prompt (AMD Zen 4):
-SmolLM2 1.00-1.06x at one thread and 0.95-1.08x at two (four runs each, means 1.035x and 1.016x), eight
-sequences 1.025x / 1.016x, Qwen2.5 1.016x / 1.015x; after 2,048 tokens 0.99-1.02x (docs/benchmarks.md,
-session 37). Asking changes no result.
+Before a layer's QKV product the loop asks for the first :data:`ASK_KV_ROWS` pool rows (K and V) of each
+sequence its attention will read (``prefetcht1``, into L2; at most :data:`ASK_KV_BYTES` a layer): the step's
+weights have streamed every layer's keys out of the caches, and the attention, which asks for its rows a
+tile at a time from 64 rows ahead, waited on its first ones. Whole decode steps alternated in one process
+against the loop without it (AMD Zen 4): SmolLM2 after a 128-token prompt 1.049x at one thread and 1.062x
+at two, eight sequences 1.026x (two threads), after 2,048 tokens 1.084x / 0.963x; Qwen2.5 1.060x / 1.000x.
+Asking the first 341 rows (256 KB) instead was 2-4% slower than 64. Asking changes no result.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from typing import Any
 
 from kvos.extensions import build
 
-ASK_KV_BYTES = 256 << 10  # of K and V a layer asked for ahead: a quarter of a Zen 4 core's L2
+ASK_KV_ROWS = 64  # a sequence's first keys asked for ahead: the attention asks for its rows 64 ahead itself
+ASK_KV_BYTES = 256 << 10  # of K and V a layer asked for ahead at most: a quarter of a Zen 4 core's L2
 
 _SOURCE = (
     r"""
@@ -91,12 +92,14 @@ static const torch::Tensor& empty_tensor() {
   return e;
 }
 
-// Asks for the pool rows (K and V) that the decode group's attention reads (slots [B, T], lengths [B]) into
-// L2, the sequences' keys in order, up to ASK_KV_BYTES of them: the attention reads them after the QKV
-// product, which runs meanwhile. Rows a head store holds instead are asked for all the same (harmless).
+// Asks for the first ROWS pool rows (K and V) of each sequence that the decode group's attention reads
+// (slots [B, T], lengths [B]) into L2, at most BYTES in all: the attention reads them after the QKV product,
+// which runs meanwhile. Rows a head store holds instead are asked for all the same (harmless).
 static void ask_for_keys(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots,
                          const torch::Tensor& lengths) {
-  constexpr int64_t BYTES = """
+  constexpr int64_t ROWS = """
+    + str(ASK_KV_ROWS)
+    + r""", BYTES = """
     + str(ASK_KV_BYTES)
     + r""";
   if (slots.dim() != 2 || slots.numel() == 0 || k.numel() == 0) return;
@@ -107,7 +110,7 @@ static void ask_for_keys(const torch::Tensor& k, const torch::Tensor& v, const t
   const auto length = lengths.accessor<int64_t, 1>();
   int64_t rows = BYTES / std::max<int64_t>(1, 2 * row);
   for (int64_t b = 0; b < B && rows > 0; ++b) {
-    const int64_t n = std::min(std::min(length[b], T), rows);
+    const int64_t n = std::min(std::min(std::min(length[b], T), ROWS), rows);
     rows -= n;
     for (int64_t t = 0; t < n; ++t) {
       const int64_t at = slot[b][t] * row;

@@ -16,6 +16,11 @@ Without llama-cpp-python, or with ``--llama-bench PATH``, llama.cpp's ``llama-be
 tokens as the prompt where it can, ``llamacpp_decode_depth``). Every row also gives the
 bandwidth bound (:mod:`kvos.bench.bandwidth`): the bytes kvos reads a decode step, this machine's read
 bandwidth at the same thread count, the tokens per second those allow, and how far kvos's decode is from it.
+The bandwidth is measured in every repeat, right after kvos's runs, and each run is set against the bound of
+its own repeat (``bound_over_kvos`` is the median of those ratios; ``read_gb_s`` the median bandwidth; the
+repeats' own figures in ``*_runs``): a shared host's read bandwidth moved by up to 60% within minutes (one
+thread 18.9-26.9 GB/s in two runs 30 minutes apart on an AMD Zen 4), and a bound measured once, before or
+after the runs, set a run against another minute's machine.
 """
 
 from __future__ import annotations
@@ -123,10 +128,17 @@ def bench_llamacpp(
     eos = [int(llm.token_eos())]
     _run_llamacpp(llm, prompt, new_tokens, eos)  # warm-up
     rss = (kvos_rss, rss_mb() - before)
-    kvos_runs, peer_runs = _alternate(
-        engine, prompt, new_tokens, eos, modes, repeats, lambda: _run_llamacpp(llm, prompt, new_tokens, eos)
+    kvos_runs, peer_runs, bandwidths = _alternate(
+        engine,
+        prompt,
+        new_tokens,
+        eos,
+        modes,
+        repeats,
+        lambda: _run_llamacpp(llm, prompt, new_tokens, eos),
+        lambda: read_bandwidth(threads),
     )
-    bound = _bound(engine, threads, prompt_tokens + new_tokens // 2)
+    bound = _bound(engine, bandwidths, prompt_tokens + new_tokens // 2)
     peer = Peer(
         "llama-cpp-python",
         median([r.decode_tok_s() for r in peer_runs]),
@@ -155,7 +167,7 @@ def _bench_with_binary(
         engine, kvos_rss = _load_kvos(path, prompt_tokens, new_tokens)
     prompt = _prompt(engine.model.config.vocab_size, prompt_tokens)
     run_llama_bench(binary, path, threads, prompt_tokens, new_tokens)  # warm-up: the file in the page cache
-    kvos_runs, peer_runs = _alternate(
+    kvos_runs, peer_runs, bandwidths = _alternate(
         engine,
         prompt,
         new_tokens,
@@ -163,8 +175,9 @@ def _bench_with_binary(
         modes,
         repeats,
         lambda: run_llama_bench(binary, path, threads, prompt_tokens, new_tokens),
+        lambda: read_bandwidth(threads),
     )
-    bound = _bound(engine, threads, prompt_tokens + new_tokens // 2)
+    bound = _bound(engine, bandwidths, prompt_tokens + new_tokens // 2)
     peer = Peer(
         f"llama-bench {peer_runs[-1].build}",
         median([r.decode_tok_s for r in peer_runs]),
@@ -187,11 +200,14 @@ def _alternate(
     modes: Sequence[activations.Mode],
     repeats: int,
     peer: Callable[[], P],
-) -> tuple[dict[str, list[Run]], list[P]]:
-    """kvos in every activation mode, then the peer, ``repeats`` times side by side (the modes after the
-    first, which was warmed up at load, warmed up first): each mode's runs and the peer's."""
+    bandwidth: Callable[[], float],
+) -> tuple[dict[str, list[Run]], list[P], list[float]]:
+    """kvos in every activation mode, the read bandwidth (``bandwidth()``, bytes a second), then the peer,
+    ``repeats`` times side by side (the modes after the first, which was warmed up at load, warmed up
+    first): each mode's runs, the peer's and the bandwidths."""
     kvos_runs: dict[str, list[Run]] = {mode: [] for mode in modes}
     peer_runs: list[P] = []
+    bandwidths: list[float] = []
     with torch.inference_mode():
         for mode in modes[1:]:
             with activations.using(mode):
@@ -200,21 +216,24 @@ def _alternate(
             for mode in modes:
                 with activations.using(mode):
                     kvos_runs[mode].append(run_kvos(engine, prompt, new_tokens, eos))
+            bandwidths.append(bandwidth())
             peer_runs.append(peer())
-    return kvos_runs, peer_runs
+    return kvos_runs, peer_runs, bandwidths
 
 
-def _bound(engine: Engine, threads: int, context: int) -> dict[str, float]:
-    """The bandwidth bound of the model's decode at ``threads`` with ``context`` tokens cached on average
-    (:mod:`kvos.bench.bandwidth`): its weights and the K/V its attention reads, in the pool's dtype."""
+def _bound(engine: Engine, bandwidths: Sequence[float], context: int) -> dict[str, Any]:
+    """The bandwidth bound of the model's decode with ``context`` tokens cached on average
+    (:mod:`kvos.bench.bandwidth`): its weights and the K/V its attention reads, in the pool's dtype, at each
+    repeat's read bandwidth (bytes a second) and at their median."""
     kv = kv_bytes(engine.model, context, engine.pool.layout.dtype.itemsize)
     step = step_bytes(engine.model) + kv
-    bandwidth = read_bandwidth(threads)
     return {
         "step_mb": step / 1e6,
         "kv_mb": kv / 1e6,
-        "read_gb_s": bandwidth / 1e9,
-        "bound_tok_s": bandwidth / step,
+        "read_gb_s": median(list(bandwidths)) / 1e9,
+        "bound_tok_s": median(list(bandwidths)) / step,
+        "read_gb_s_runs": [b / 1e9 for b in bandwidths],
+        "bound_tok_s_runs": [b / step for b in bandwidths],
     }
 
 
@@ -285,11 +304,14 @@ def _row(
     kvos_runs: Sequence[Run],
     peer: Peer,
     kvos_rss: float,
-    bound: dict[str, float],
+    bound: dict[str, Any],
     tokens_match: bool | None,
 ) -> dict[str, Any]:
-    """One table row: kvos's runs in ``mode`` beside the peer's medians, and the bandwidth bound."""
-    kvos_tok_s = median([r.decode_tok_s() for r in kvos_runs])
+    """One table row: kvos's runs in ``mode`` beside the peer's medians, and the bandwidth bound (each run
+    against its own repeat's)."""
+    kvos_runs_tok_s = [r.decode_tok_s() for r in kvos_runs]
+    kvos_tok_s = median(kvos_runs_tok_s)
+    over = [b / k for b, k in zip(bound["bound_tok_s_runs"], kvos_runs_tok_s, strict=True)]
     kvos_prefill = median([r.prefill_tok_s(prompt_tokens) for r in kvos_runs])
     return {
         "activations": mode,
@@ -310,5 +332,7 @@ def _row(
         "llamacpp": peer.name,
         "repeats": len(kvos_runs),
         **bound,
-        "bound_over_kvos": bound["bound_tok_s"] / kvos_tok_s,
+        "kvos_tok_s_runs": kvos_runs_tok_s,
+        "bound_over_kvos": median(over),
+        "bound_over_kvos_runs": over,
     }

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kvos.errors import ModelLoadError
-from kvos.model import qwen35_layout
+from kvos.model import qwen35_layout, weight_arena
 from kvos.model.config import HYBRID, ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf import load_gguf
@@ -144,4 +144,5 @@ def load_model(
             f"{root} is neither a Hugging Face model directory, a GGUF file nor a llama2.c .bin checkpoint"
         )
     model.source = root
+    model.arena = weight_arena.pack(model)  # the projections in one block, in decode order, on 2 MB pages
     return model

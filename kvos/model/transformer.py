@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +148,7 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]) -> None:
         self.config = config
         self.source: Path | None = None  # the file or directory it was loaded from (load_model)
+        self.arena: Any = None  # where load_model moved the projections (kvos.model.weight_arena.Arena)
         self.embed = _need(weights, "model.embed_tokens.weight")
         self.final_norm = _dense(weights, "model.norm.weight")
         self.dtype = self.embed.dtype

@@ -67,7 +67,7 @@ def pack(model: Any) -> Arena | None:
             nbytes = t.numel() * t.element_size()
             view = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)
-            t.set_(view)
+            t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
     release_free_heap()  # the loaded copies' pages, freed into the C heap, back to the system
     return Arena(len(tensors), total, huge)
 

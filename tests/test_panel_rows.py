@@ -17,7 +17,7 @@ from test_int8_activations import BUILDS
 from test_int8_panels import IN, _products, _random_raw
 
 from kvos.engine.threads import on_passing_thread
-from kvos.model import panel_rows
+from kvos.model import panel_rows, row_prefetch
 from kvos.model.loader import load_model
 from kvos.model.quant import KEPT_TYPES
 from kvos.server.main import prepare_kernels
@@ -146,3 +146,8 @@ def test_serve_measures_the_panel_rows_at_start(mixed: Path, capsys: pytest.Capt
     each = ", ".join(f"{kind} from {n} rows" for kind, n in rows.items())
     assert f"[kvos] int8 products take the panels (measured here): {each}\n" in err
     assert all(n in (*panel_rows.CANDIDATES, panel_rows.BEYOND) for n in rows.values())
+    # and where the decode products' rows asked for ahead go, and the weights' block
+    level = row_prefetch.LEVELS[row_prefetch.machine_level()]
+    assert f"[kvos] decode products ask for their next rows into {level} (this CPU's level)\n" in err
+    mb, pages = model.arena.nbytes / 1e6, "2 MB pages advised" if model.arena.huge else "4 KB pages"
+    assert f"[kvos] projection weights: {mb:.0f} MB in one block in decode order, {pages}\n" in err

@@ -13,6 +13,7 @@ from engine_runs import three_prefilled
 from gguf_files import write_model
 from hf_models import build
 
+from kvos.memory.heap import advise_huge_pages
 from kvos.model import weight_arena
 from kvos.model.linear import RowStack
 from kvos.model.loader import load_model
@@ -91,3 +92,13 @@ def test_tensors_that_share_memory_stay_and_others_move(
     model.layers = []
     model.lm_head = torch.empty(0, device="meta")
     assert pack(model) is None
+
+
+def test_the_advice_is_taken_for_whole_pages_only() -> None:
+    """``advise_huge_pages`` on a 2 MB-aligned block of a fresh tensor: taken where Linux has transparent
+    huge pages; an address inside a page is refused (EINVAL), as is any call off Linux."""
+    raw = torch.empty(6 << 20, dtype=torch.uint8)
+    start = raw.data_ptr() + (-raw.data_ptr() % weight_arena.HUGE_PAGE)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+    assert advise_huge_pages(start, 2 << 20) is thp
+    assert advise_huge_pages(start + 1, 4096) is False

@@ -1,4 +1,5 @@
-"""The C heap under kvos's host tensors (glibc's malloc): give its free pages back, cap its arenas.
+"""The C heap under kvos's host tensors (glibc's malloc): give its free pages back, cap its arenas; and
+the advice that asks Linux for 2 MB pages under a block of memory.
 
 Saved K/V that outlives requests does not live here (:mod:`kvos.memory.mapped`); what does (a load's
 temporaries, a request's tensors and objects) is freed into the heap, which keeps it resident until asked.
@@ -10,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import sys
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
+MADV_HUGEPAGE = 14  # Linux's madvise advice
 
 
 def _libc() -> ctypes.CDLL:
@@ -34,5 +37,18 @@ def limit_heap_arenas(arenas: int) -> bool:
     tens of MB after its sessions are gone). True when set; False where glibc is absent."""
     try:
         return bool(_libc().mallopt(M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux to back the ``nbytes`` from ``address`` (page-aligned; best 2 MB-aligned, and untouched:
+    the advice applies to the pages faulted in after it) with transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``). Whether the kernel took the advice; False off Linux or without libc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    length = -(-nbytes // 4096) * 4096
+    try:
+        return bool(_libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0)
     except (OSError, AttributeError):
         return False

@@ -20,23 +20,19 @@ Measured on a Zen 4, one thread, one activation row, each matrix's weights from 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvos.memory.heap import release_free_heap
+from kvos.memory.heap import advise_huge_pages, release_free_heap
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import RowStack
 from kvos.model.quant import QuantizedWeight
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # a cache line: every tensor starts on one
-MADV_HUGEPAGE = 14  # Linux's advice number
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ def pack(model: Any) -> Arena | None:
     raw = torch.empty(total + 2 * HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     arena = raw[start : start + total]
-    huge = _advise_huge(arena.data_ptr(), total)  # before the copies touch its pages
+    huge = advise_huge_pages(arena.data_ptr(), total)  # before the copies touch its pages
     with torch.no_grad():
         for t, offset in zip(tensors, offsets, strict=True):
             nbytes = t.numel() * t.element_size()
@@ -115,16 +111,3 @@ def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
         storages[storage] = storages.get(storage, 0) + 1
         out.append(t)
     return [t for t in out if storages[t.untyped_storage().data_ptr()] == 1]
-
-
-def _advise_huge(address: int, nbytes: int) -> bool:
-    """Ask Linux to back [address, address + nbytes) with huge pages; whether it accepted the advice."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:
-        return False
-    length = -(-nbytes // 4096) * 4096
-    result = libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(MADV_HUGEPAGE))
-    return bool(result == 0)

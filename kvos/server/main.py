@@ -32,6 +32,7 @@ from kvos.model import (
     panel_rows,
     prefill_kernel,
     quant_kernel,
+    row_prefetch,
 )
 from kvos.model.catalogue import add_model_argument, default_model, model_name
 from kvos.model.loader import load_model
@@ -487,6 +488,15 @@ def prepare_kernels(
     if rows:
         each = ", ".join(f"{kind} from {n} rows" for kind, n in rows.items())
         print(f"[kvos] int8 products take the panels (measured here): {each}", file=sys.stderr)
+    level = row_prefetch.LEVELS[row_prefetch.machine_level()]
+    print(f"[kvos] decode products ask for their next rows into {level} (this CPU's level)", file=sys.stderr)
+    arena = None if model is None else model.arena
+    if arena is not None:
+        pages = "2 MB pages advised" if arena.huge else "4 KB pages"
+        print(
+            f"[kvos] projection weights: {arena.nbytes / 1e6:.0f} MB in one block in decode order, {pages}",
+            file=sys.stderr,
+        )
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -52,7 +52,7 @@ def step_bytes(model: Transformer) -> int:
     """Bytes of weights one decode step reads (see the module docstring)."""
     total = weight_bytes(model.lm_head)
     for layer in model.layers:
-        total += sum(weight_bytes(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        total += sum(weight_bytes(w) for w in layer.projections())
         experts = layer.experts
         if experts is not None:
             every = sum(

@@ -102,6 +102,22 @@ class RowStack:
 
 
 Weight = torch.Tensor | QuantizedWeight | GGUFWeight | RowStack
+
+
+def weight_tensors(weight: Weight | None) -> list[torch.Tensor]:
+    """The tensors a weight's products read: itself (dense), a quantized weight's values, scales and mins,
+    a GGUF weight's blocks, a stack's parts' in order; none for None."""
+    if weight is None:
+        return []
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    if isinstance(weight, QuantizedWeight):
+        return [t for t in (weight.q, weight.scale, weight.min) if t is not None]
+    if isinstance(weight, GGUFWeight):
+        return [weight.raw]
+    return [t for part in weight.parts for t in weight_tensors(part)]
+
+
 """A projection or an embedding table: dense [out, in] (contiguous) or quantized [out, in]."""
 
 _EMPTY = torch.empty(0)

@@ -129,7 +129,7 @@ def _probes(model: Any) -> dict[str, tuple[Any, int, QuantizedWeight | GGUFWeigh
 def _layer_weights(model: Any) -> Iterator[QuantizedWeight | GGUFWeight]:
     """Every kept-quantized projection of ``model``'s layers, the parts of stacked ones included."""
     for layer in model.layers:
-        for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        for weight in layer.projections():
             for part in getattr(weight, "parts", (weight,)):
                 if isinstance(part, (QuantizedWeight, GGUFWeight)):
                     yield part

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from kvos.model.linear import Weight, addmm, embedding, fuse, logits, matmul, st
 from kvos.model.recurrent import MixerState
 from kvos.model.rope import LayerRopes, Rope
 from kvos.model.short_conv import ShortConv
+
+if TYPE_CHECKING:
+    from kvos.model.weight_arena import Arena
 
 
 class KVStore(Protocol):
@@ -124,6 +127,11 @@ class LayerWeights:
     gate: Weight | None = None
     mixer: DeltaNet | ShortConv | None = None
 
+    def projections(self) -> list[Weight]:
+        """The layer's projections other than a mixture's experts, in the order a decode step reads them:
+        QKV, the output gate, O, gate/up, down (those it has)."""
+        return [w for w in (self.qkv, self.gate, self.o, self.gate_up, self.down) if w is not None]
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 and cast back, as the reference implementations do
@@ -148,7 +156,7 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]) -> None:
         self.config = config
         self.source: Path | None = None  # the file or directory it was loaded from (load_model)
-        self.arena: Any = None  # where load_model moved the projections (kvos.model.weight_arena.Arena)
+        self.arena: Arena | None = None  # where load_model moved the projections (kvos.model.weight_arena)
         self.embed = _need(weights, "model.embed_tokens.weight")
         self.final_norm = _dense(weights, "model.norm.weight")
         self.dtype = self.embed.dtype

@@ -27,9 +27,7 @@ from typing import Any
 import torch
 
 from kvos.memory.heap import advise_huge_pages, release_free_heap
-from kvos.model.gguf_weight import GGUFWeight
-from kvos.model.linear import RowStack
-from kvos.model.quant import QuantizedWeight
+from kvos.model.linear import weight_tensors
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # a cache line: every tensor starts on one
@@ -71,27 +69,15 @@ def pack(model: Any) -> Arena | None:
 def _weight_tensors(model: Any) -> Iterator[torch.Tensor]:
     """The tensors of every layer's projections in the order a decode step reads them, then the head's."""
     for layer in model.layers:
-        for weight in (layer.qkv, layer.gate, layer.o, layer.gate_up, layer.down):
-            yield from _tensors_of(weight)
+        for weight in layer.projections():
+            yield from weight_tensors(weight)
         experts = layer.experts
         if experts is not None:
             yield experts.router
             for gate_up, down in zip(experts.gate_up, experts.down, strict=True):
-                yield from _tensors_of(gate_up)
-                yield from _tensors_of(down)
-    yield from _tensors_of(model.lm_head)
-
-
-def _tensors_of(weight: Any) -> Iterator[torch.Tensor]:
-    if isinstance(weight, torch.Tensor):
-        yield weight
-    elif isinstance(weight, QuantizedWeight):
-        yield from (t for t in (weight.q, weight.scale, weight.min) if t is not None)
-    elif isinstance(weight, GGUFWeight):
-        yield weight.raw
-    elif isinstance(weight, RowStack):
-        for part in weight.parts:
-            yield from _tensors_of(part)
+                yield from weight_tensors(gate_up)
+                yield from weight_tensors(down)
+    yield from weight_tensors(model.lm_head)
 
 
 def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:

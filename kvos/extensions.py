@@ -14,17 +14,29 @@ directory) that the operating system releases when its holder dies. torch's own 
 file it deletes when done) outlives a build that was killed, and every later load then waits on it
 forever; holding the advisory lock, kvos knows such a file is stale (no live kvos process is building)
 and removes it.
+
+The kernels are built for this CPU (``-march=native``). ``KVOS_MARCH`` names another target for gcc's
+``-march`` (``znver3``: an AMD Zen 3's AVX2 without AVX-512 or AVX-VNNI; ``x86-64-v3``; ``icelake-server``):
+a machine with more features then runs the path a CPU of that target would, for figures and checks of that
+path on the whole model. Such builds carry the target in their name, so they are cached beside the native
+ones, not in their place.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from kvos.errors import ConfigError
+
+MARCH_ENV = "KVOS_MARCH"
+_MARCH = re.compile(r"[a-z0-9][a-z0-9.+-]{0,39}")
 
 
 def build(
@@ -34,6 +46,7 @@ def build(
     ``fallback`` names what runs instead, for the warning."""
     if os.environ.get("KVOS_NO_EXTENSIONS") == "1":
         return None
+    name, cflags = targeted(name, cflags)
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -49,6 +62,28 @@ def build(
     except Exception as exc:  # no compiler, no ninja, headers missing: the torch path still works
         warnings.warn(f"kvos: {name} kernel unavailable, using {fallback} ({exc})", stacklevel=3)
         return None
+
+
+def march() -> str | None:
+    """The ``-march`` target that ``KVOS_MARCH`` names, or None (unset or empty: this CPU's own); a name gcc
+    could not take (letters, digits, ``.+-``) is a :class:`~kvos.errors.ConfigError`."""
+    value = os.environ.get(MARCH_ENV, "").strip()
+    if not value:
+        return None
+    if not _MARCH.fullmatch(value):
+        raise ConfigError(f"{MARCH_ENV} must name a gcc -march target such as znver3, got {value!r}")
+    return value
+
+
+def targeted(name: str, cflags: Sequence[str]) -> tuple[str, list[str]]:
+    """``name`` and ``cflags`` for the target :func:`march` names: ``-march=native`` becomes that target
+    and the name gains it (``kvos_quant_v9`` -> ``kvos_quant_v9__znver3``); unchanged where none is set or
+    the flags do not build for this CPU (the portable builds)."""
+    target = march()
+    if target is None or "-march=native" not in cflags:
+        return name, list(cflags)
+    flags = [f"-march={target}" if flag == "-march=native" else flag for flag in cflags]
+    return f"{name}__{re.sub(r'[^a-z0-9]', '_', target)}", flags
 
 
 def bindings(functions: Sequence[str]) -> str:

@@ -11,7 +11,7 @@ from bench_harness import run_bench
 
 from kvos.bench.common import cpu_model, simd_flags
 
-CONTRACT = ("benchmark", "model", "device", "torch", "cpu", "simd")  # the CPU beside every figure
+CONTRACT = ("benchmark", "model", "device", "torch", "cpu", "simd", "march")  # the CPU beside every figure
 DECODE_ROW = (
     "model",
     "prompt_tokens",
@@ -45,6 +45,7 @@ def test_decode(model_dir: Path, tmp_path: Path) -> None:
         assert field in result
     assert result["benchmark"] == "decode"
     assert result["model"] == str(model_dir)
+    assert result["march"] == "native"  # KVOS_MARCH unset: the kernels built for this CPU
     [row] = result["rows"]
     for field in DECODE_ROW:
         assert field in row

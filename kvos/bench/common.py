@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kvos.extensions import march
+
 
 def header(benchmark: str, model: str, device: str = "cpu") -> dict[str, Any]:
     """The top-level fields every benchmark JSON carries (DESIGN.md, benchmark contracts)."""
@@ -24,6 +26,7 @@ def header(benchmark: str, model: str, device: str = "cpu") -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu": cpu_model(),
         "simd": simd_flags(),
+        "march": march() or "native",  # the target kvos's kernels were built for (KVOS_MARCH)
     }
 
 

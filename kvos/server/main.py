@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvos import extensions
 from kvos.engine import fused
 from kvos.engine.engine import Engine
 from kvos.engine.kv_dtype import add_kv_dtype_argument, kv_dtype_name, parse_kv_dtype
@@ -465,6 +466,12 @@ def prepare_kernels(
     quantized weights, from how many rows their int8 products take the panels
     (:func:`kvos.model.panel_rows.tune`)."""
     print("[kvos] preparing the kernels (compiled once on first start, ~30 s each)", file=sys.stderr)
+    target = extensions.march()
+    if target is not None:
+        print(
+            f"[kvos] kernels built for -march={target} ({extensions.MARCH_ENV}), not this CPU",
+            file=sys.stderr,
+        )
     kernels = [
         ("restore", fused.kernel, "restores use the eager path"),
         ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),

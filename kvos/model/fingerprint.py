@@ -4,6 +4,9 @@ Saved K/V are only valid for the model that computed them. A fingerprint hashes 
 dtype, each weight's shape and a sample of its bytes (the first and last 4 KiB of every tensor: a retrained
 or re-quantized model changes them, and no tensor is read whole, so it stays fast for large models), and the
 tokenizer's vocabulary size, chat template and the ids of a probe text.
+
+Sessions saved under one fingerprint are only restored under the same one, so a change to what it hashes
+retires every saved session of the models it affects (they stay on disk under their old key, unused).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 
 import torch
 
+from kvos.model.linear import RowStack
 from kvos.model.tokenizer import Tokenizer
 from kvos.model.transformer import Transformer
 
@@ -22,9 +26,12 @@ _PROBE = "kvos fingerprint: Hello, world! 0123456789 <|im_start|>user\n"
 
 
 def _tensors(weight: object) -> list[torch.Tensor]:
-    """The tensors of a weight: itself, or the tensor fields of a quantized weight."""
+    """The tensors of a weight: itself, the tensor fields of a quantized weight, or those of each part of a
+    stack of differently typed projections (a fused QKV of Q5_0 q/k and a Q8_0 v), in order."""
     if isinstance(weight, torch.Tensor):
         return [weight]
+    if isinstance(weight, RowStack):
+        return [t for part in weight.parts for t in _tensors(part)]
     if dataclasses.is_dataclass(weight):
         values = (getattr(weight, f.name) for f in dataclasses.fields(weight))
         return [t for t in values if isinstance(t, torch.Tensor)]

@@ -24,7 +24,7 @@ import torch
 
 from kvos.errors import ModelLoadError, UnsupportedModelError
 from kvos.memory.heap import release_free_heap
-from kvos.model import qwen35_layout
+from kvos.model import gguf_kernel, qwen35_layout
 from kvos.model.config import ModelConfig
 from kvos.model.dtype import resolve_dtype
 from kvos.model.gguf_config import (
@@ -38,7 +38,7 @@ from kvos.model.gguf_kernel import TYPE_IDS
 from kvos.model.gguf_reader import GGUFFile, TensorInfo, read_gguf_file
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.linear import Weight, cache_aligned
-from kvos.model.quant import KEPT_TYPES, QuantizedWeight
+from kvos.model.quant import KEPT_TYPES, REPACKED_TYPES, QuantizedWeight
 from kvos.model.transformer import Transformer
 
 QType = gguf.GGMLQuantizationType
@@ -48,6 +48,7 @@ SUPPORTED_TYPES = (
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
 )  # fmt: skip
 _FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16}
+EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass
@@ -208,7 +209,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, GGUFTensor], dic
         tensors, divisors = _named_tensors(file, arch)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from exc
-    embed = tensors.get("model.embed_tokens.weight")
+    embed = tensors.get(EMBEDDING)
     if embed is None:
         raise ModelLoadError(f"{path} has no token_embd.weight tensor")
     tied = "lm_head.weight" not in tensors
@@ -233,21 +234,41 @@ def dequantized(dtype: torch.dtype, device: torch.device) -> WeightMaker:
     return lambda tensor: tensor.dequantize(dtype).to(device)
 
 
-def kept_quantized(device: torch.device) -> WeightMaker:
+def kept_quantized(device: torch.device, repack_q5_0: bool | None = None) -> WeightMaker:
     """The weight maker that keeps every quantized matrix quantized: Q8_0/Q4_0/Q4_1/Q4_K repacked into
-    groups of 32 (:class:`QuantizedWeight`, the fastest kernels), every other block type in the file's own
-    blocks (:class:`GGUFWeight`, the file's size); vectors and float matrices are float32."""
+    groups of 32 (:class:`QuantizedWeight`, the fastest kernels), Q5_0 too where ``repack_q5_0`` (None:
+    :func:`repacks_q5_0`, this CPU's rule), every other block type in the file's own blocks
+    (:class:`GGUFWeight`, the file's size); vectors and float matrices are float32. The token embedding
+    keeps its file's blocks: its rows are looked up, and where it is also the output head the head's
+    arithmetic stays that of its type."""
+    repack = repacks_q5_0() if repack_q5_0 is None else repack_q5_0
 
     def make(tensor: GGUFTensor) -> Weight:
         if len(tensor.shape) == 2:
             rows, cols = tensor.shape
-            if tensor.qtype in KEPT_TYPES:
+            repacked = repack and tensor.qtype in REPACKED_TYPES and tensor.name != EMBEDDING
+            if tensor.qtype in KEPT_TYPES or repacked:
                 return QuantizedWeight.from_gguf(tensor.qtype, tensor.raw, (rows, cols)).to(device)
             if tensor.qtype in TYPE_IDS:
                 return GGUFWeight.from_gguf(tensor.qtype, tensor.raw, (rows, cols)).to(device)
         return tensor.dequantize(torch.float32).to(device)
 
     return make
+
+
+def repacks_q5_0() -> bool:
+    """Whether this CPU's kernels take Q5_0 matrices as 8-bit groups (exactly the same values, 9 bits a
+    weight instead of 5.5): where the GGUF kernel has no 512-bit chunk path for Q5_0 (an AVX2 CPU such as
+    an AMD Zen 3), a decode row through a Q5_0 block costs more instructions than through an 8-bit group,
+    and the products are compute-bound. Measured on an AMD Zen 5 with the kernels built for Zen 3
+    (``KVOS_MARCH=znver3``), one row through Qwen2.5-Coder-0.5B's 24 gate/up matrices from memory: 622 ->
+    443 us at one thread, 333 -> 277 at two, the same sums bit for bit; with AVX512-VNNI the 5-bit path was
+    the faster (263 against 336 us), so it stays (docs/benchmarks.md). False without a compiled kernel.
+
+    A model's fingerprint hashes the bytes it holds, so sessions saved where its Q5_0 matrices are repacked
+    are not restored where they are not, nor the reverse (each machine kind keeps its own)."""
+    module = gguf_kernel.kernel()
+    return module is not None and not module.has_q5_chunks()
 
 
 def load_gguf(

@@ -2,7 +2,8 @@
 
 Every kept type is one of two layouts, in groups of 32 consecutive inputs of one output row:
 
-- 8-bit (Q8_0): int8 q [out, in] and a float32 scale per group: w = scale * q;
+- 8-bit (Q8_0): int8 q [out, in] and a float32 scale per group: w = scale * q; also Q5_0 (d * (q - 16), q
+  of 5 bits) on a CPU whose kernels decode its blocks slower than 8-bit groups (:data:`REPACKED_TYPES`);
 - 4-bit (Q4_0, Q4_1, Q4_K): q in 0..15 packed two per byte [out, in / 2] (each group's 16 bytes hold its
   elements 0-15 in the low nibbles and 16-31 in the high ones, GGUF's order) with a float32 scale and min
   per group: w = scale * q + min. Q4_1 is this exactly (scale d, min m); Q4_0 is d * (q - 8), so min = -8 d;
@@ -32,8 +33,11 @@ from kvos.model.quant_kernel import kernel
 
 GROUP = 32
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
-BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+# Types that can be repacked into the 8-bit layout exactly, where a CPU decodes them slower than 8-bit groups
+# (:func:`kvos.model.gguf.repacks_q5_0`): Q5_0's values d * (q - 16) are int8 q - 16 times the scale d.
+REPACKED_TYPES = ("Q5_0",)
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22}
+BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_0": 32}
 # activation rows up to which the packed-bytes kernel beats dequantize + float32 matmul: a decode step of
 # up to 32 batched sequences (SmolLM2's shapes, 2 cores: 1.1-1.4x at 32 rows, 5-8x at 8; docs/benchmarks.md)
 SMALL_N = 32
@@ -83,8 +87,9 @@ class QuantizedWeight:
     def from_gguf(cls, qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
         """From a GGUF tensor's rows: ``raw`` uint8 [out, row_bytes] of ``qtype`` blocks; ``shape`` is
         (out, in)."""
-        if qtype not in KEPT_TYPES:
-            raise ModelLoadError(f"tensor type {qtype} is not kept quantized; use one of {KEPT_TYPES}")
+        if qtype not in KEPT_TYPES + REPACKED_TYPES:
+            kinds = KEPT_TYPES + REPACKED_TYPES
+            raise ModelLoadError(f"tensor type {qtype} is not kept quantized; use one of {kinds}")
         rows, cols = shape
         row_bytes = cols // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype]
         if cols % BLOCK_VALUES[qtype] or raw.shape != (rows, row_bytes):
@@ -95,6 +100,8 @@ class QuantizedWeight:
             return cls(_tensor(blocks[..., 2:].view(np.int8), rows), _tensor(d, rows), None)
         if qtype == "Q4_K":
             return cls(*_from_q4_k(blocks, rows))
+        if qtype == "Q5_0":
+            return cls(_tensor(_q5_0_values(blocks), rows), _tensor(_f16(blocks[..., :2]), rows), None)
         d = _f16(blocks[..., :2])
         m = -8 * d if qtype == "Q4_0" else _f16(blocks[..., 2:4])
         return cls(_tensor(blocks[..., -16:], rows), _tensor(d, rows), _tensor(m, rows))
@@ -224,6 +231,17 @@ def _f16(halves: np.ndarray) -> np.ndarray:
 def _tensor(values: np.ndarray, rows: int) -> torch.Tensor:
     """A contiguous torch copy of ``values`` as [rows, -1]."""
     return torch.from_numpy(np.ascontiguousarray(values).reshape(rows, -1))
+
+
+def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks uint8 [rows, n, 22] (d, 32 fifth bits, 16 bytes of nibbles) -> int8 [rows, n, 32], the
+    blocks' q - 16 (element l: nibble l of the low halves for l < 16, else of the high ones; bit l its
+    fifth bit)."""
+    high = blocks[..., 2:6].copy().view("<u4")  # [rows, n, 1]
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    nibbles = blocks[..., 6:22]
+    low = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)
+    return ((low | (fifth << 4)).astype(np.int16) - 16).astype(np.int8)
 
 
 def _from_q4_k(blocks: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -9,16 +10,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
-
-@pytest.fixture(autouse=True)
-def q5_0_kept_as_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q5_0 matrices load as their blocks in every test, whatever this CPU's rule
-    (:func:`kvos.model.gguf.repacks_q5_0` repacks them on a CPU without the 512-bit Q5_0 path): the tests
-    that check which kernel a weight lands in hold on any machine, and tests/test_q5_repack.py forces each
-    way itself."""
-    from kvos.model import gguf
-
-    monkeypatch.setattr(gguf, "repacks_q5_0", lambda: False)
+# Q5_0 matrices load as their blocks in every test and every server a test starts, whatever this CPU's rule
+# (kvos.model.gguf.repacks_q5_0 repacks them on a CPU without the 512-bit Q5_0 path): the tests that check
+# which kernel a weight lands in hold on any machine, and tests/test_q5_repack.py forces each way itself.
+os.environ["KVOS_Q5_0"] = "blocks"
 
 
 @pytest.fixture(scope="session")

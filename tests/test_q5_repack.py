@@ -17,8 +17,8 @@ from gguf_files import write_model
 from hf_models import build
 
 from kvos import extensions
+from kvos.errors import ConfigError
 from kvos.model import activations, gguf, gguf_kernel
-from kvos.model.gguf import repacks_q5_0 as machine_rule  # the rule itself (conftest pins gguf's to False)
 from kvos.model.gguf_weight import GGUFWeight
 from kvos.model.loader import load_model
 from kvos.model.quant import QuantizedWeight
@@ -58,7 +58,7 @@ def q5_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(path: Path, repack: bool, monkeypatch: pytest.MonkeyPatch) -> Transformer:
     with monkeypatch.context() as patch:
-        patch.setattr(gguf, "repacks_q5_0", lambda: repack)
+        patch.setenv(gguf.Q5_0_ENV, "8bit" if repack else "blocks")
         return load_model(path)
 
 
@@ -94,11 +94,27 @@ def test_a_repacked_model_computes_what_its_blocks_do(
 def test_the_rule_follows_the_kernels_q5_path(
     monkeypatch: pytest.MonkeyPatch, has_chunks: bool, repacks: bool
 ) -> None:
-    """A kernel with the 512-bit Q5_0 path keeps the blocks, one without it repacks; no kernel, no repack."""
+    """A kernel with the 512-bit Q5_0 path keeps the blocks, one without it repacks; no kernel, no repack
+    (``KVOS_Q5_0`` unset: conftest sets it to ``blocks`` for the rest of the suite)."""
+    monkeypatch.delenv(gguf.Q5_0_ENV)
     monkeypatch.setattr(gguf_kernel, "kernel", lambda: SimpleNamespace(has_q5_chunks=lambda: has_chunks))
-    assert machine_rule() is repacks
+    assert gguf.repacks_q5_0() is repacks
     monkeypatch.setattr(gguf_kernel, "kernel", lambda: None)
-    assert machine_rule() is False
+    assert gguf.repacks_q5_0() is False
+
+
+def test_the_variable_decides_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVOS_Q5_0=8bit`` repacks and ``blocks`` keeps, whatever the kernel; another value is a typed error
+    naming the variable."""
+    monkeypatch.setattr(gguf_kernel, "kernel", lambda: SimpleNamespace(has_q5_chunks=lambda: True))
+    monkeypatch.setenv(gguf.Q5_0_ENV, "8bit")
+    assert gguf.repacks_q5_0() is True
+    monkeypatch.setattr(gguf_kernel, "kernel", lambda: SimpleNamespace(has_q5_chunks=lambda: False))
+    monkeypatch.setenv(gguf.Q5_0_ENV, "blocks")
+    assert gguf.repacks_q5_0() is False
+    monkeypatch.setenv(gguf.Q5_0_ENV, "q8")
+    with pytest.raises(ConfigError, match="KVOS_Q5_0"):
+        gguf.repacks_q5_0()
 
 
 def test_each_build_says_whether_it_has_the_q5_chunk_path() -> None:

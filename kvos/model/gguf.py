@@ -12,6 +12,7 @@ dequantized or a kept-quantized path sees the weight.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvos.errors import ModelLoadError, UnsupportedModelError
+from kvos.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from kvos.memory.heap import release_free_heap
 from kvos.model import gguf_kernel, qwen35_layout
 from kvos.model.config import ModelConfig
@@ -49,6 +50,8 @@ SUPPORTED_TYPES = (
 )  # fmt: skip
 _FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16}
 EMBEDDING = "model.embed_tokens.weight"
+Q5_0_ENV = "KVOS_Q5_0"  # how Q5_0 matrices load: "blocks" or "8bit" (unset: this CPU's rule, repacks_q5_0)
+Q5_0_FORMS = ("blocks", "8bit")
 
 
 @dataclass
@@ -257,16 +260,22 @@ def kept_quantized(device: torch.device, repack_q5_0: bool | None = None) -> Wei
 
 
 def repacks_q5_0() -> bool:
-    """Whether this CPU's kernels take Q5_0 matrices as 8-bit groups (exactly the same values, 9 bits a
-    weight instead of 5.5): where the GGUF kernel has no 512-bit chunk path for Q5_0 (an AVX2 CPU such as
-    an AMD Zen 3), a decode row through a Q5_0 block costs more instructions than through an 8-bit group,
-    and the products are compute-bound. Measured on an AMD Zen 5 with the kernels built for Zen 3
-    (``KVOS_MARCH=znver3``), one row through Qwen2.5-Coder-0.5B's 24 gate/up matrices from memory: 622 ->
-    443 us at one thread, 333 -> 277 at two, the same sums bit for bit; with AVX512-VNNI the 5-bit path was
-    the faster (263 against 336 us), so it stays (docs/benchmarks.md). False without a compiled kernel.
+    """Whether Q5_0 matrices load as 8-bit groups (exactly the same values, 9 bits a weight instead of 5.5):
+    ``KVOS_Q5_0`` where set (``blocks``: never; ``8bit``: always), else where the GGUF kernel has no
+    512-bit chunk path for Q5_0 (an AVX2 CPU such as an AMD Zen 3): there a decode row through a Q5_0 block
+    costs more instructions than through an 8-bit group, and the products are compute-bound. Measured on an
+    AMD Zen 5 with the kernels built for Zen 3 (``KVOS_MARCH=znver3``), one row through Qwen2.5-Coder-0.5B's
+    24 gate/up matrices from memory: 622 -> 443 us at one thread, 333 -> 277 at two, the same sums bit for
+    bit; with AVX512-VNNI the 5-bit path was the faster (263 against 336 us), so it stays
+    (docs/benchmarks.md). False without a compiled kernel.
 
     A model's fingerprint hashes the bytes it holds, so sessions saved where its Q5_0 matrices are repacked
     are not restored where they are not, nor the reverse (each machine kind keeps its own)."""
+    chosen = os.environ.get(Q5_0_ENV, "")
+    if chosen:
+        if chosen not in Q5_0_FORMS:
+            raise ConfigError(f"{Q5_0_ENV} must be one of {', '.join(Q5_0_FORMS)}, got {chosen!r}")
+        return chosen == "8bit"
     module = gguf_kernel.kernel()
     return module is not None and not module.has_q5_chunks()
 

@@ -534,6 +534,99 @@ static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w
 }
 #endif
 
+#if KVOS_INT8_SIMD && !KVOS_VNNI512
+// The rows of quantized x re-laid for the 256-bit 4-bit tile, two groups a vector: for groups 2p and 2p + 1
+// of row i, lo[i][p] holds elements 0-15 of the first then of the second (the weight bytes' low nibbles,
+// one load of both groups), hi[i][p] elements 16-31 of each (their high nibbles); d2[i][p] the two groups'
+// scales; sums[i][g] each group's sum (both halves of h), for the mins. An odd last group is not paired.
+struct Int8Pairs {
+  int64_t pairs;
+  std::vector<int8_t> lo, hi;
+  std::vector<float> sums;
+  Int8Pairs(const Int8Rows& xi, int64_t n, int64_t groups)
+      : pairs(groups / 2), lo(n * pairs * 32), hi(n * pairs * 32), sums(n * groups) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int8_t* x = xi.q.data() + i * groups * GROUP;
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int64_t k = 0; k < 2; ++k) {
+          const int8_t* g = x + (2 * p + k) * GROUP;
+          std::memcpy(lo.data() + (i * pairs + p) * 32 + 16 * k, g, 16);
+          std::memcpy(hi.data() + (i * pairs + p) * 32 + 16 * k, g + 16, 16);
+        }
+      for (int64_t g = 0; g < groups; ++g)
+        sums[i * groups + g] = xi.h[2 * (i * groups + g)] + xi.h[2 * (i * groups + g) + 1];
+    }
+  }
+};
+
+// sum_g a[g] * b[g] over `count` floats, eight at a time (the mins' terms).
+static inline float dot_floats(const float* a, const float* b, int64_t count) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= count; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
+  float total = hsum8(acc);
+  for (; g < count; ++g) total += a[g] * b[g];
+  return total;
+}
+
+// Two floats at p as lanes [p[0] x 4, p[1] x 4].
+static inline __m256 two_by_four(const float* p) {
+  const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// total[i] = x_i . w_r for T rows of x (Int8Pairs, rows i0..), w_r a 4-bit row: two groups an iteration
+// (one 32-byte load of their nibbles; the low ones against lo, the high ones against hi, each 128-bit
+// half of a product one group's), then the odd last group alone, then the mins against the groups' sums.
+// On a CPU without AVX512-VNNI: half the vector instructions of tile_i8's group-at-a-time loop.
+template <int T>
+static inline void tile_q4_pairs(const Int8Pairs& xp, const Int8Rows& xi, int64_t i0, int64_t groups,
+                                 const uint8_t* wr, const float* sr, const float* mr, float* total) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[T];
+  for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < xp.pairs; ++p) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + p * 32));
+    const __m256i wl = _mm256_and_si256(w, low), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    const __m256 s2 = two_by_four(sr + 2 * p);
+    for (int i = 0; i < T; ++i) {
+      const int64_t at = ((i0 + i) * xp.pairs + p) * 32;
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp.lo.data() + at));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp.hi.data() + at));
+      const __m256i sum = _mm256_add_epi32(dot4(wl, xl), dot4(wh, xh));
+      const __m256 d2 = two_by_four(xi.d.data() + (i0 + i) * groups + 2 * p);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s2, d2), acc[i]);
+    }
+  }
+  for (int i = 0; i < T; ++i) total[i] = hsum8(acc[i]);
+  if (groups % 2) {  // the last group, as tile_i8 takes it
+    const int64_t g = groups - 1;
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    for (int i = 0; i < T; ++i) {
+      const int64_t row = i0 + i;
+      const int8_t* xg = xi.q.data() + (row * groups + g) * GROUP;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
+      total[i] += hsum8(_mm256_cvtepi32_ps(dot4(u, x))) * (sr[g] * xi.d[row * groups + g]);
+    }
+  }
+  for (int i = 0; i < T; ++i) total[i] += dot_floats(mr, xp.sums.data() + (i0 + i) * groups, groups);
+}
+
+// out[:, r0:r1] from x re-laid in pairs of groups (Int8Pairs), a 4-bit weight, four rows of x at a time.
+static void mm_rows_q4_pairs(const Int8Pairs& xp, const Int8Rows& xi, int64_t n, int64_t K,
+                             const uint8_t* w, const float* scale, const float* mins, float* out, int64_t N,
+                             int64_t r0, int64_t r1, bool add) {
+  const int64_t groups = K / GROUP;
+  const RowPrefetch prefetch = row_streams<true>(N, K, w, scale, mins);
+  each_tile(n, r0, r1, out, N, add, prefetch, [&](int64_t r, int64_t i0, auto rows, float* total) {
+    tile_q4_pairs<decltype(rows)::value>(xp, xi, i0, groups, w + r * K / 2, scale + r * groups,
+                                         mins + r * groups, total);
+  });
+}
+#endif
+
 // out[:, r0:r1] from quantized x, four rows of x at a time.
 template <bool Q4>
 static void mm_rows_i8(const int8_t* xq, const float* xd, const float* xh, int64_t n, int64_t K,
@@ -581,6 +674,15 @@ static torch::Tensor product_i8(torch::Tensor x, torch::Tensor w, torch::Tensor 
     else mm_rows_512<false>(xi, nullptr, n, K, wp, scp, mp, op, N, r0, r1, add);
   });
 #else
+#if KVOS_INT8_SIMD
+  if (q4) {  // x re-laid once for every weight row: two groups a vector
+    const Int8Pairs xp(xi, n, groups);
+    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+      mm_rows_q4_pairs(xp, xi, n, K, wp, scp, mp, op, N, r0, r1, add);
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     if (q4) mm_rows_i8<true>(xi.q.data(), xi.d.data(), xi.h.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
     else mm_rows_i8<false>(xi.q.data(), xi.d.data(), xi.h.data(), n, K, wp, scp, mp, op, N, r0, r1, add);
@@ -747,7 +849,7 @@ FUNCTIONS = [
     "quantize_activations16",
     "dequantize",
 ]
-NAME = "kvos_quant_v9"  # the build's name (and its cache directory's)
+NAME = "kvos_quant_v10"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -762,10 +864,10 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_quant_avx2_v9", _SOURCE, FUNCTIONS, flags, "torch ops")
+    return build("kvos_quant_avx2_v10", _SOURCE, FUNCTIONS, flags, "torch ops")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
-    return build("kvos_quant_portable_v9", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")
+    return build("kvos_quant_portable_v10", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

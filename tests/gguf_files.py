@@ -590,3 +590,14 @@ def logits_error(
     finally:
         activations.MODE = mode
     return max(errors), model
+
+
+def q5_0_with_q8_0_v(root: Path) -> Path:
+    """A small qwen2 GGUF under ``root`` whose matrices are Q5_0 but v, Q8_0, as llama.cpp's Q4_K_M files hold
+    them: its QKV loads as two parts (or as one 8-bit weight where Q5_0 is repacked)."""
+    from hf_models import build
+
+    path = root / "m.gguf"
+    dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+    write_model(build("qwen2", root / "hf", **dims), path, "qwen2", "Q5_0", types={"v_proj": "Q8_0"})
+    return path

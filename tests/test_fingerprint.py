@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import write_model
-from hf_models import build
+from gguf_files import q5_0_with_q8_0_v
 
 from kvos.model.fingerprint import model_fingerprint
 from kvos.model.linear import RowStack, weight_tensors
@@ -19,16 +18,11 @@ BUILTIN = Path(__file__).resolve().parents[1] / "kvos" / "builtin" / "model"
 # The shipped model's digest: saved sessions are restored only under the digest they were saved with, so a
 # change here retires every session saved with the built-in model (change it only on purpose).
 BUILTIN_FINGERPRINT = "f286673a671620c48ab2cd2d34c52856"
-DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
 
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A qwen2 GGUF whose QKV loads as two parts (Q5_0 q/k, Q8_0 v), as llama.cpp's Q4_K_M files hold it."""
-    root = tmp_path_factory.mktemp("mixed")
-    path = root / "m.gguf"
-    write_model(build("qwen2", root / "hf", **DIMS), path, "qwen2", "Q5_0", types={"v_proj": "Q8_0"})
-    return path
+    return q5_0_with_q8_0_v(tmp_path_factory.mktemp("mixed"))
 
 
 def test_the_built_in_models_fingerprint_is_stable() -> None:

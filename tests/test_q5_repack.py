@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 from engine_runs import three_prefilled
-from gguf_files import write_model
-from hf_models import build
+from gguf_files import q5_0_with_q8_0_v
 
 from kvos import extensions
 from kvos.errors import ConfigError
@@ -24,7 +23,6 @@ from kvos.model.loader import load_model
 from kvos.model.quant import QuantizedWeight
 from kvos.model.transformer import Transformer
 
-DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
 Q5_0 = gguf_package.GGMLQuantizationType.Q5_0
 # Of the largest logit. With float32 activations the 8-bit and the 5-bit kernels differ only in the order they
 # add a row's groups; with int8 ones a last-bit difference can round an activation the other way at the next
@@ -49,11 +47,7 @@ def test_q5_0_blocks_repack_into_8_bit_groups_exactly() -> None:
 
 @pytest.fixture(scope="module")
 def q5_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A qwen2 GGUF of Q5_0 matrices with a Q8_0 v, as llama.cpp's Q4_K_M files have them."""
-    root = tmp_path_factory.mktemp("q5")
-    path = root / "m.gguf"
-    write_model(build("qwen2", root / "hf", **DIMS), path, "qwen2", "Q5_0", types={"v_proj": "Q8_0"})
-    return path
+    return q5_0_with_q8_0_v(tmp_path_factory.mktemp("q5_file"))
 
 
 def _load(path: Path, repack: bool, monkeypatch: pytest.MonkeyPatch) -> Transformer:

@@ -237,14 +237,13 @@ def dequantized(dtype: torch.dtype, device: torch.device) -> WeightMaker:
     return lambda tensor: tensor.dequantize(dtype).to(device)
 
 
-def kept_quantized(device: torch.device, repack_q5_0: bool | None = None) -> WeightMaker:
+def kept_quantized(device: torch.device) -> WeightMaker:
     """The weight maker that keeps every quantized matrix quantized: Q8_0/Q4_0/Q4_1/Q4_K repacked into
-    groups of 32 (:class:`QuantizedWeight`, the fastest kernels), Q5_0 too where ``repack_q5_0`` (None:
-    :func:`repacks_q5_0`, this CPU's rule), every other block type in the file's own blocks
-    (:class:`GGUFWeight`, the file's size); vectors and float matrices are float32. The token embedding
-    keeps its file's blocks: its rows are looked up, and where it is also the output head the head's
-    arithmetic stays that of its type."""
-    repack = repacks_q5_0() if repack_q5_0 is None else repack_q5_0
+    groups of 32 (:class:`QuantizedWeight`, the fastest kernels), Q5_0 too where :func:`repacks_q5_0`, every
+    other block type in the file's own blocks (:class:`GGUFWeight`, the file's size); vectors and float
+    matrices are float32. The token embedding keeps its file's blocks: its rows are looked up, and where it
+    is also the output head the head's arithmetic stays that of its type."""
+    repack = repacks_q5_0()
 
     def make(tensor: GGUFTensor) -> Weight:
         if len(tensor.shape) == 2:

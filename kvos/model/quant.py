@@ -87,8 +87,8 @@ class QuantizedWeight:
     def from_gguf(cls, qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
         """From a GGUF tensor's rows: ``raw`` uint8 [out, row_bytes] of ``qtype`` blocks; ``shape`` is
         (out, in)."""
-        if qtype not in KEPT_TYPES + REPACKED_TYPES:
-            kinds = KEPT_TYPES + REPACKED_TYPES
+        kinds = KEPT_TYPES + REPACKED_TYPES
+        if qtype not in kinds:
             raise ModelLoadError(f"tensor type {qtype} is not kept quantized; use one of {kinds}")
         rows, cols = shape
         row_bytes = cols // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype]

@@ -103,7 +103,7 @@ static inline void widen(const uint8_t* w, __m512& lo, __m512& hi) {
 }
 #endif
 
-#if KVOS_AVX2
+#if KVOS_AVX2 || KVOS_INT8_SIMD
 // min[g] * xsum[g] over every group, 8 lanes at a time, and the tail: one total.
 static inline float min_terms8(const float* mins, const float* xsum, int64_t groups) {
   __m256 acc = _mm256_setzero_ps();
@@ -247,6 +247,13 @@ static void mm_rows(const float* x, const float* xsum, int64_t n, int64_t K, con
     + r"""
 
 #if KVOS_INT8_SIMD
+// One 4-bit group's 16 bytes at p as 32 unsigned bytes: elements 0-15 (low nibbles), then 16-31 (high ones).
+static inline __m256i q4_group(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -272,9 +279,7 @@ static inline void tile_i8(const int8_t* xq, const float* xd, const float* xh, i
   for (int64_t g = 0; g < groups; ++g) {
     __m256i u, w = _mm256_setzero_si256();
     if (Q4) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16));
-      const __m128i m = _mm_set1_epi8(0x0F);
-      u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+      u = q4_group(wr + g * 16);
     } else {
       w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + g * 32));
       u = _mm256_sign_epi8(w, w);  // |w| (-128 reads as 128 unsigned); x takes w's sign below
@@ -537,8 +542,8 @@ static void mm_panels(const Int8Rows& xi, int64_t n, int64_t K, const uint8_t* w
 #if KVOS_INT8_SIMD && !KVOS_VNNI512
 // The rows of quantized x re-laid for the 256-bit 4-bit tile, two groups a vector: for groups 2p and 2p + 1
 // of row i, lo[i][p] holds elements 0-15 of the first then of the second (the weight bytes' low nibbles,
-// one load of both groups), hi[i][p] elements 16-31 of each (their high nibbles); d2[i][p] the two groups'
-// scales; sums[i][g] each group's sum (both halves of h), for the mins. An odd last group is not paired.
+// one load of both groups), hi[i][p] elements 16-31 of each (their high nibbles); sums[i][g] each group's
+// sum (both halves of h), for the mins. An odd last group is not paired (tile_q4_pairs reads it from xi).
 struct Int8Pairs {
   int64_t pairs;
   std::vector<int8_t> lo, hi;
@@ -558,16 +563,6 @@ struct Int8Pairs {
     }
   }
 };
-
-// sum_g a[g] * b[g] over `count` floats, eight at a time (the mins' terms).
-static inline float dot_floats(const float* a, const float* b, int64_t count) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= count; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
-  float total = hsum8(acc);
-  for (; g < count; ++g) total += a[g] * b[g];
-  return total;
-}
 
 // Two floats at p as lanes [p[0] x 4, p[1] x 4].
 static inline __m256 two_by_four(const float* p) {
@@ -601,9 +596,7 @@ static inline void tile_q4_pairs(const Int8Pairs& xp, const Int8Rows& xi, int64_
   for (int i = 0; i < T; ++i) total[i] = hsum8(acc[i]);
   if (groups % 2) {  // the last group, as tile_i8 takes it
     const int64_t g = groups - 1;
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16));
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    const __m256i u = q4_group(wr + g * 16);
     for (int i = 0; i < T; ++i) {
       const int64_t row = i0 + i;
       const int8_t* xg = xi.q.data() + (row * groups + g) * GROUP;
@@ -611,7 +604,7 @@ static inline void tile_q4_pairs(const Int8Pairs& xp, const Int8Rows& xi, int64_
       total[i] += hsum8(_mm256_cvtepi32_ps(dot4(u, x))) * (sr[g] * xi.d[row * groups + g]);
     }
   }
-  for (int i = 0; i < T; ++i) total[i] += dot_floats(mr, xp.sums.data() + (i0 + i) * groups, groups);
+  for (int i = 0; i < T; ++i) total[i] += min_terms8(mr, xp.sums.data() + (i0 + i) * groups, groups);
 }
 
 // out[:, r0:r1] from x re-laid in pairs of groups (Int8Pairs), a 4-bit weight, four rows of x at a time.
@@ -849,7 +842,7 @@ FUNCTIONS = [
     "quantize_activations16",
     "dequantize",
 ]
-NAME = "kvos_quant_v10"  # the build's name (and its cache directory's)
+NAME = "kvos_quant_v11"  # the build's name (and its cache directory's)
 
 
 @functools.cache
@@ -864,10 +857,10 @@ def avx2_kernel() -> Any | None:
     """The kernels this CPU builds without AVX-512 (the path of an AVX2 CPU such as AMD Zen 3), for tests on a
     CPU with AVX-512."""
     flags = ["-O3", "-march=native", "-mno-avx512f"]
-    return build("kvos_quant_avx2_v10", _SOURCE, FUNCTIONS, flags, "torch ops")
+    return build("kvos_quant_avx2_v11", _SOURCE, FUNCTIONS, flags, "torch ops")
 
 
 @functools.cache
 def portable_kernel() -> Any | None:
     """The same kernels built without SIMD intrinsics (the path of a CPU without AVX2/FMA), for tests."""
-    return build("kvos_quant_portable_v10", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")
+    return build("kvos_quant_portable_v11", _SOURCE, FUNCTIONS, ["-O3", "-DKVOS_PORTABLE"], "torch ops")

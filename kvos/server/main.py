@@ -10,6 +10,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from kvos.model import (
     prefill_kernel,
     quant_kernel,
     row_prefetch,
+    step_kernel,
 )
 from kvos.model.catalogue import add_model_argument, default_model, model_name
 from kvos.model.loader import load_model
@@ -455,12 +457,28 @@ def open_state(
     return state
 
 
+# Every compiled kernel a served model's passes may call: (what it is, its loader, what runs without it).
+# A kernel left out is compiled inside the first request that needs it (the decode step's: 20 s on Zen 5).
+KERNELS: tuple[tuple[str, Callable[[], object], str], ...] = (
+    ("restore", fused.kernel, "restores use the eager path"),
+    ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),
+    ("prefill attention", prefill_kernel.kernel, "prefill attention runs torch's"),
+    ("layer step", layer_kernel.kernel, "norms, RoPE and SwiGLU run as eager torch ops"),
+    ("dense product", dense_kernel.kernel, "products use torch's matmul"),
+    ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),
+    ("GGUF block product", gguf_kernel.kernel, "GGUF block products dequantize with gguf.quants"),
+    ("decode step", step_kernel.kernel, "a decode step's layers loop in Python"),
+)
+DELTA_KERNEL = ("delta-net step", delta_kernel.kernel, "delta-net decode steps use torch ops")
+
+
 def prepare_kernels(
     delta_nets: bool = False, threads: int | None = None, model: Transformer | None = None
 ) -> None:
     """Build (or load) kvos's compiled kernels now, not inside the first requests: restores, decode and
     prefill attention, the steps between a layer's products, the dense, quantized and GGUF block products,
-    and for a model with ``delta_nets`` (Qwen3.5) their decode steps; say so when it takes a while (the first
+    the decode step's loop over the layers (:data:`KERNELS`), and for a model with ``delta_nets``
+    (Qwen3.5) their decode steps; say so when it takes a while (the first
     start compiles them, about 30 s each). Then, measured with the forward passes' ``threads``: which product
     is faster for float32 prefills here (:func:`kvos.model.dense_kernel.prefill_path`) and, for ``model``'s
     quantized weights, from how many rows their int8 products take the panels
@@ -472,17 +490,9 @@ def prepare_kernels(
             f"[kvos] kernels built for -march={target} ({extensions.MARCH_ENV}), not this CPU",
             file=sys.stderr,
         )
-    kernels = [
-        ("restore", fused.kernel, "restores use the eager path"),
-        ("decode attention", decode_kernel.kernel, "decode attention gathers its keys"),
-        ("prefill attention", prefill_kernel.kernel, "prefill attention runs torch's"),
-        ("layer step", layer_kernel.kernel, "norms, RoPE and SwiGLU run as eager torch ops"),
-        ("dense product", dense_kernel.kernel, "products use torch's matmul"),
-        ("quantized product", quant_kernel.kernel, "quantized products use torch ops"),
-        ("GGUF block product", gguf_kernel.kernel, "GGUF block products dequantize with gguf.quants"),
-    ]
+    kernels = list(KERNELS)
     if delta_nets:
-        kernels.append(("delta-net step", delta_kernel.kernel, "delta-net decode steps use torch ops"))
+        kernels.append(DELTA_KERNEL)
     for name, build, fallback in kernels:
         began = time.perf_counter()
         state = "ready" if build() is not None else f"unavailable: {fallback}"

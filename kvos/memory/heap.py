@@ -11,13 +11,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 MADV_HUGEPAGE = 14  # Linux's madvise advice
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
+    """The C library, found once: ``find_library`` runs ``ldconfig -p`` in a child process (~1 ms from a
+    server holding a model), and every deleted session's clean-up asks."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 

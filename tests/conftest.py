@@ -15,6 +15,10 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 # which kernel a weight lands in hold on any machine, and tests/test_q5_repack.py forces each way itself.
 os.environ["KVOS_Q5_0"] = "blocks"
 
+import sequence_checks  # noqa: E402  (after the path above)
+
+sequence_checks.install()
+
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:

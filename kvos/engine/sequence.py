@@ -204,6 +204,11 @@ class Sequence:
         self._num_held = 0
         self._slide_mark = 0
         self._head_keys: HeadKeys | None = None  # cached: head_keys()
+        # What each decoded token asks of the segments, kept while only the last one grows (every other
+        # change rebuilds, which forgets them): a pass over 250 segments cost ~40 us a token each.
+        self._bounds: list[int] | None = None  # boundaries(), its last entry stale while the last grows
+        self._blocks_before: tuple[int, Segment, int] | None = None  # (segments, last, blocks before it)
+        self._heads_before: tuple[int, Segment, list[Segment]] | None = None  # (segments, last, per-head)
 
     @property
     def num_tokens(self) -> int:
@@ -212,7 +217,23 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Pool blocks held by the segments' page tables (a block shared with another sequence counts)."""
-        return sum(seg.page_table.num_blocks for seg in self.segments)
+        if not self.segments:
+            return 0
+        last, cached = self.segments[-1], self._blocks_before
+        if cached is None or cached[0] != len(self.segments) or cached[1] is not last:
+            cached = (len(self.segments), last, sum(seg.page_table.num_blocks for seg in self.segments[:-1]))
+            self._blocks_before = cached
+        return cached[2] + last.page_table.num_blocks
+
+    def head_segments(self) -> list[Segment]:
+        """The segments whose KV heads keep their own tokens, in cache order (a new list)."""
+        if not self.segments:
+            return []
+        last, cached = self.segments[-1], self._heads_before
+        if cached is None or cached[0] != len(self.segments) or cached[1] is not last:
+            cached = (len(self.segments), last, [seg for seg in self.segments[:-1] if seg.heads is not None])
+            self._heads_before = cached
+        return [*cached[2], last] if last.heads is not None else list(cached[2])
 
     @property
     def num_head_blocks(self) -> int:
@@ -353,6 +374,7 @@ class Sequence:
         self._num_tokens = int(self._flat_slots.shape[0])
         self._slide_mark = 0
         self._head_keys = None
+        self._bounds, self._blocks_before, self._heads_before = None, None, None
         if self.slides:
             self._rebuild_held()
 
@@ -360,7 +382,7 @@ class Sequence:
         """Where each KV head finds every key when some segments keep their tokens per head (None when none
         does): the attention metadata's :class:`~kvos.model.attention.HeadKeys`, on the CPU. Built after a
         structural change, then extended by the whole tokens appended since."""
-        parts = [seg.heads for seg in self.segments if seg.heads is not None]
+        parts = [seg.heads for seg in self.head_segments() if seg.heads is not None]
         if not parts:
             return None
         cached, n = self._head_keys, self._num_tokens
@@ -406,8 +428,14 @@ class Sequence:
         self._num_held = int(self._held.shape[0])
 
     def boundaries(self) -> list[int]:
-        """Cumulative token offsets [0, n0, n0 + n1, ..., num_tokens] of the segments in cache order."""
-        return list(accumulate((seg.num_tokens for seg in self.segments), initial=0))
+        """Cumulative token offsets [0, n0, n0 + n1, ..., num_tokens] of the segments in cache order (a new
+        list: the caller may keep it)."""
+        bounds = self._bounds
+        if bounds is None or len(bounds) != len(self.segments) + 1:
+            bounds = list(accumulate((seg.num_tokens for seg in self.segments), initial=0))
+            self._bounds = bounds
+        bounds[-1] = self._num_tokens  # appends go into the last segment
+        return list(bounds)
 
     def release(self) -> None:
         """Free every segment's blocks; the sequence becomes empty."""

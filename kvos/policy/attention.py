@@ -146,9 +146,10 @@ class AttentionTracker:
             if bad < 0:
                 self._normalised = None
                 return
-            for chunk_id, row in zip(chunk_ids, rows.tolist(), strict=True):
-                if self._seen[row] == 0:  # given a row for this step alone: untracked again
-                    self.forget(chunk_id)
+            # a chunk given a row for this step alone (its mass refused) is untracked again; found in one
+            # pass, not a Python loop over every resident chunk each token
+            for index in np.flatnonzero(self._seen[rows] == 0).tolist():
+                self.forget(chunk_ids[index])
         self.observe_ids(chunk_ids, chunk_mass_list(probs, boundaries))
 
     def observe_ids(self, chunk_ids: list[int], masses: Sequence[float] | np.ndarray) -> None:

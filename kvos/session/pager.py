@@ -77,11 +77,10 @@ class Pager:
         own counted by the K/V it holds (:meth:`cost_of`); and, where positions bind (compact mode, see
         :attr:`position_slack`), at least the resident tokens less the slack."""
         resident = self.seq.num_tokens
-        # every token, less what per-head segments do not hold (a plain loop: this runs twice a token)
+        # every token, less what per-head segments do not hold (this runs twice a token)
         charged = resident
-        for seg in self.seq.segments:
-            if seg.heads is not None:
-                charged += self._cost(seg) - seg.num_tokens
+        for seg in self.seq.head_segments():
+            charged += self._cost(seg) - seg.num_tokens
         return max(charged, resident - self.position_slack)
 
     @property

@@ -188,6 +188,61 @@ def test_a_failing_after_turns_hook_does_not_stop_the_scheduler(engine: Engine, 
     seq.release()
 
 
+def test_when_idle_runs_on_the_loop_once_no_work_is_running(engine: Engine, scheduler: Scheduler) -> None:
+    """The idle hook runs on the scheduler's thread, never while a work is admitted and not ended (a step
+    to run, a turn to hand over), and once the works have ended."""
+    active = [0]  # works inside their function
+    seen: list[tuple[int, bool, str]] = []  # (active works, others_running() there, the hook's thread)
+
+    def greedy_counted(seq: Sequence, prompt: list[int], steps: int) -> list[int]:
+        active[0] += 1
+        try:
+            return _greedy(engine, seq, prompt, steps)[0]
+        finally:
+            active[0] -= 1
+
+    def hook() -> None:
+        seen.append((active[0], scheduler.others_running(), threading.current_thread().name))
+
+    scheduler.when_idle(hook)
+    seqs = [engine.new_sequence() for _ in range(3)]
+    futures = [scheduler.submit(greedy_counted, s, _tokens(4, i), 8) for i, s in enumerate(seqs)]
+    for f in futures:
+        assert len(f.result(timeout=120)) == 8
+    deadline = time.monotonic() + 10
+    while not seen or seen[-1][0]:
+        assert time.monotonic() < deadline, "the idle hook did not run after the works ended"
+        time.sleep(0.01)
+    assert seen and all(n == 0 and not others and t == "kvos-scheduler" for n, others, t in seen)
+    for seq in seqs:
+        seq.release()
+
+
+def test_others_running_sees_the_other_admitted_works(engine: Engine, scheduler: Scheduler) -> None:
+    started, done = threading.Event(), threading.Event()
+
+    def long_decode(seq: Sequence) -> None:
+        started.set()
+        logits = engine.extend(seq, _tokens(4, 7))[0]
+        while not done.is_set():
+            logits = engine.decode(seq, int(torch.argmax(logits)))
+
+    def look() -> bool:
+        return scheduler.others_running()
+
+    seqs = [engine.new_sequence() for _ in range(2)]
+    other = scheduler.submit(long_decode, seqs[0])
+    assert started.wait(60)
+    beside = scheduler.submit(look).result(timeout=60)
+    done.set()
+    other.result(timeout=60)
+    alone = scheduler.submit(look).result(timeout=60)
+    assert (beside, alone) == (True, False)
+    assert not scheduler.others_running()  # off the workers: nothing is running
+    for seq in seqs:
+        seq.release()
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is a Linux call")
 @pytest.mark.parametrize("pin", [True, False])
 def test_the_workers_share_one_cpu(engine: Engine, pin: bool) -> None:

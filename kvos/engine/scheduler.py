@@ -170,6 +170,8 @@ class Scheduler(Executor):
         self._closed = False  # no new work is taken
         self._local = threading.local()
         self._between: list[Callable[[], None]] = []  # run each time the turns between two steps end
+        self._idle: list[Callable[[], None]] = []  # run each time the loop runs out of work
+        self._running = 0  # admitted works that have entered and not yet ended
         self._pool = ThreadPoolExecutor(
             max_workers=max_running,
             thread_name_prefix="kvos-worker",
@@ -209,6 +211,8 @@ class Scheduler(Executor):
                     error = None
                 finally:
                     self._local.worker = None
+                    with self._mu:
+                        self._running -= 1
                     self._pass_turn()  # for good
             finally:
                 if blocks:
@@ -315,6 +319,7 @@ class Scheduler(Executor):
         worker = _Worker()
         self._local.worker = worker
         with self._mu:
+            self._running += 1
             self._ready.append(worker)
             self._work.set()
         worker.go.acquire()
@@ -325,12 +330,28 @@ class Scheduler(Executor):
         threads is handed over at once (:class:`kvos.server.lifecycle.Outbox`)."""
         self._between.append(fn)
 
+    def when_idle(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the scheduler's thread each time it runs out of work (no turn to hand over, no
+        step to run), before it waits: where work goes that would hold up every running stream, such as
+        a full garbage collection (:meth:`kvos.server.registry.SessionRegistry.reclaim_if_due`)."""
+        self._idle.append(fn)
+
+    def others_running(self) -> bool:
+        """Whether admitted work besides the caller's own is running (holding the turn, waiting for it, or
+        waiting for a step): on a worker, whether what it does now would hold up other sessions."""
+        own = 1 if getattr(self._local, "worker", None) is not None else 0
+        with self._mu:
+            return self._running > own
+
     def _turns_ended(self) -> None:
-        for fn in self._between:
+        self._call(self._between, "after the turns")
+
+    def _call(self, hooks: list[Callable[[], None]], when: str) -> None:
+        for fn in hooks:
             try:
                 fn()
             except Exception:  # a hook's failure must not stop the loop
-                _log.exception("a hook after the turns failed")
+                _log.exception("a hook %s failed", when)
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -358,6 +379,7 @@ class Scheduler(Executor):
                         if ask.worker.pending == 0:
                             self._ready.append(ask.worker)
             else:
+                self._call(self._idle, "when idle")
                 self._work.wait()
 
     def _take_step(self) -> list[_Ask]:

@@ -472,7 +472,7 @@ def scheduler(service: ChatService) -> Scheduler:
     sched = Scheduler(
         engine.model, engine.pool, config.max_running, config.step_tokens, cap, config.stall, config.threads
     )
-    service.registry.scheduler = sched
+    service.registry.run_under(sched)
     return sched
 
 

@@ -93,6 +93,11 @@ class Entry:
         return session.session_id.rsplit("#", 1)[1] if "#" in session.session_id else "main"
 
 
+# The longest that closed sessions' memory waits for the server to be idle: past it, it is reclaimed
+# between two steps (one gap in the streams, at most once this often under a load that never pauses).
+RECLAIM_WAIT_S = 60.0
+
+
 def reclaim_memory() -> None:
     """Free what closed sessions left in reference cycles (their chunks' records, the requests that ran on
     them: otherwise kept until the collector's next full pass, which may be hours away) and hand the heap
@@ -114,6 +119,7 @@ class SessionRegistry:
         self.cond = threading.Condition()
         self.watchers: list[Watcher] = []
         self.scheduler: Scheduler | None = None  # the server's: whose reservations bound a swap-in
+        self._reclaim_due: float | None = None  # since when closed sessions' memory waits to be reclaimed
 
     def watch(
         self, owner: str | None, watch: Callable[[dict[str, Any]], None], session_id: str | None = None
@@ -238,7 +244,7 @@ class SessionRegistry:
         while doomed:
             doomed.pop().close()
         self.manager.engine.pool.shrink()
-        reclaim_memory()
+        self._reclaim()
 
     def _close(self, key: tuple[str, str], reason: str = "deleted") -> None:
         """Close a session's branches (its caller reclaims the memory, outside the lock)."""
@@ -333,7 +339,33 @@ class SessionRegistry:
                 self._close((owner, session_id))
             self.cond.notify_all()
         self.manager.engine.pool.shrink()
+        self._reclaim()
+
+    def run_under(self, scheduler: Scheduler) -> None:
+        """Work under the server's scheduler: its reservations bound a swap-in, and the memory of sessions
+        closed while others ran is reclaimed once it runs out of work (:meth:`_reclaim`)."""
+        self.scheduler = scheduler
+        scheduler.when_idle(self.reclaim_if_due)
+        scheduler.after_turns(lambda: self.reclaim_if_due(RECLAIM_WAIT_S))
+
+    def _reclaim(self) -> None:
+        """:func:`reclaim_memory` now, unless other sessions are running under the scheduler: its full
+        collection holds the interpreter lock (~140 ms with SmolLM2 loaded), a gap in every stream, so it
+        then waits for :meth:`reclaim_if_due` (the scheduler's idle hook, or after the turns once it has
+        waited :data:`RECLAIM_WAIT_S`)."""
+        if self.scheduler is not None and self.scheduler.others_running():
+            if self._reclaim_due is None:
+                self._reclaim_due = time.monotonic()
+            return
+        self._reclaim_due = None
         reclaim_memory()
+
+    def reclaim_if_due(self, waited: float = 0.0) -> None:
+        """Reclaim the memory of sessions closed while others ran, if it has waited ``waited`` seconds."""
+        due = self._reclaim_due
+        if due is not None and time.monotonic() - due >= waited:
+            self._reclaim_due = None
+            reclaim_memory()
 
     def delete(self, owner: str, session_id: str) -> None:
         """Delete a session; a request running on it is cancelled first (and waited for). Not for work

@@ -4,42 +4,17 @@ left out is compiled inside the first request that reaches it, which then waits 
 
 from __future__ import annotations
 
-import ast
 import importlib
-import importlib.util
-import pkgutil
 import re
-from pathlib import Path
 
 import pytest
+from kernel_builds import kernel_modules
 
-import kvos
 from kvos.server.main import DELTA_KERNEL, KERNELS, prepare_kernels
 
 
-def _builds_its_kernel(source: str) -> bool:
-    """A module's own kernel: a module-level ``kernel()`` that calls :func:`kvos.extensions.build` (the
-    forced builds the tests use, ``portable_kernel()``, ``avx2_kernel()``, are other functions)."""
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.FunctionDef) and node.name == "kernel":
-            calls = (n for n in ast.walk(node) if isinstance(n, ast.Call))
-            return any(isinstance(c.func, ast.Name) and c.func.id == "build" for c in calls)
-    return False
-
-
-def _modules_with_a_kernel() -> list[str]:
-    found = []
-    for info in pkgutil.walk_packages(kvos.__path__, "kvos."):
-        spec = importlib.util.find_spec(info.name)
-        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-            continue
-        if _builds_its_kernel(Path(spec.origin).read_text()):
-            found.append(info.name)
-    return sorted(found)
-
-
 def test_every_kernel_of_the_package_is_prepared() -> None:
-    modules = _modules_with_a_kernel()
+    modules = sorted(name for name, fns in kernel_modules().items() if "kernel" in fns)
     # the kernels known when this test was written: the walk finds them (so it cannot pass by finding none)
     assert {"kvos.engine.fused", "kvos.model.step_kernel", "kvos.model.quant_kernel"} <= set(modules)
     prepared = {load for _, load, _ in (*KERNELS, DELTA_KERNEL)}

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TypeVar
 
 import torch
 
@@ -184,6 +185,10 @@ class Segment:
         self.token_ids.clear()
 
 
+T = TypeVar("T")
+_Kept = tuple[int, Segment, T]  # (how many segments, the last one, what the ones before it add up to)
+
+
 class Sequence:
     """An ordered list of segments with cached flat views of their slots and positions; for a hybrid
     model also the linear-attention layers' :attr:`recurrent` state, which has absorbed every token the
@@ -207,8 +212,8 @@ class Sequence:
         # What each decoded token asks of the segments, kept while only the last one grows (every other
         # change rebuilds, which forgets them): a pass over 250 segments cost ~40 us a token each.
         self._bounds: list[int] | None = None  # boundaries(), its last entry stale while the last grows
-        self._blocks_before: tuple[int, Segment, int] | None = None  # (segments, last, blocks before it)
-        self._heads_before: tuple[int, Segment, list[Segment]] | None = None  # (segments, last, per-head)
+        self._blocks_before: _Kept[int] | None = None  # the blocks of the segments before the last
+        self._heads_before: _Kept[list[Segment]] | None = None  # the per-head segments before the last
 
     @property
     def num_tokens(self) -> int:
@@ -219,21 +224,29 @@ class Sequence:
         """Pool blocks held by the segments' page tables (a block shared with another sequence counts)."""
         if not self.segments:
             return 0
-        last, cached = self.segments[-1], self._blocks_before
-        if cached is None or cached[0] != len(self.segments) or cached[1] is not last:
-            cached = (len(self.segments), last, sum(seg.page_table.num_blocks for seg in self.segments[:-1]))
-            self._blocks_before = cached
-        return cached[2] + last.page_table.num_blocks
+        self._blocks_before = self._before_last(
+            self._blocks_before, lambda segs: sum(seg.page_table.num_blocks for seg in segs)
+        )
+        return self._blocks_before[2] + self.segments[-1].page_table.num_blocks
 
     def head_segments(self) -> list[Segment]:
         """The segments whose KV heads keep their own tokens, in cache order (a new list)."""
         if not self.segments:
             return []
-        last, cached = self.segments[-1], self._heads_before
-        if cached is None or cached[0] != len(self.segments) or cached[1] is not last:
-            cached = (len(self.segments), last, [seg for seg in self.segments[:-1] if seg.heads is not None])
-            self._heads_before = cached
-        return [*cached[2], last] if last.heads is not None else list(cached[2])
+        self._heads_before = self._before_last(
+            self._heads_before, lambda segs: [seg for seg in segs if seg.heads is not None]
+        )
+        last, before = self.segments[-1], self._heads_before[2]
+        return [*before, last] if last.heads is not None else list(before)
+
+    def _before_last(self, kept: _Kept[T] | None, fold: Callable[[list[Segment]], T]) -> _Kept[T]:
+        """``kept`` (segments, last segment, ``fold`` of the segments before it) while it still describes
+        the sequence, else made again: a segment opened or the last replaced changes what lies before it
+        (every other change rebuilds, which forgets it). Only the last segment grows between rebuilds."""
+        last = self.segments[-1]
+        if kept is None or kept[0] != len(self.segments) or kept[1] is not last:
+            kept = (len(self.segments), last, fold(self.segments[:-1]))
+        return kept
 
     @property
     def num_head_blocks(self) -> int:
